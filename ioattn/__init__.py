@@ -1,0 +1,40 @@
+"""ioattn: IO-aware attention kernels for NVIDIA GPUs in pure Python (torch + Triton).
+
+Public API (FlashAttention-2 compatible): ``flash_attn_func``, ``flash_attn_varlen_func`` and their
+packed variants. Everything else is internal.
+
+The API loads on first use, so ``python -m ioattn`` can choose the Triton interpreter on a CPU-only
+machine before any kernel is defined (Triton fixes that choice when a kernel is decorated).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+]
+
+if TYPE_CHECKING:
+    from ioattn.dense.api import (flash_attn_func, flash_attn_kvpacked_func,  # noqa: F401
+                                  flash_attn_qkvpacked_func, flash_attn_varlen_func,
+                                  flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        value = getattr(importlib.import_module("ioattn.dense.api"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ioattn' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

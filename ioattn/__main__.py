@@ -1,0 +1,126 @@
+"""``python -m ioattn {demo,bench,info}``.
+
+demo  attention fwd+bwd on a realistic shape, checked against the reference, timed next to SDPA
+      (on a CPU-only machine: the Triton interpreter on a small shape, correctness only).
+bench the FlashAttention benchmark grid side by side with SDPA cuDNN / FLASH and FlexAttention;
+      JSON + PNG under benchmarks/results/ (``python -m ioattn bench --help``).
+info  versions, device, and which backends can run here.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    # CPU-only machine: the Triton kernels run in the interpreter (must be set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _info() -> int:
+    import triton
+
+    import ioattn
+    from ioattn.dispatch import triton_unavailable_reason
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"ioattn {ioattn.__version__}  torch {torch.__version__}  triton {triton.__version__}")
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        print(f"device: {props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs)")
+    else:
+        print(f"device: cpu (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')})")
+    reason = triton_unavailable_reason(device)
+    print(f"backend triton: {'available' if reason is None else 'unavailable: ' + reason}")
+    print("backend reference: available (plain PyTorch)")
+    return 0
+
+
+def _demo() -> int:
+    import time
+
+    from ioattn import flash_attn_func
+    from ioattn.reference import attention_ref
+    from ioattn.testing import GRAD_FACTOR, OUT_FACTOR
+
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    # the interpreter's bf16 dot is broken in triton 3.6 (see tests/conftest.py): fp16 on CPU
+    dtype = torch.bfloat16 if on_gpu else torch.float16
+    b, s, h, h_k, d = (4, 4096, 16, 16, 128) if on_gpu else (1, 128, 2, 1, 64)
+    torch.manual_seed(0)
+    print(f"ioattn demo on {device}: b={b} s={s} h={h} h_k={h_k} d={d} {dtype}, causal, fwd+bwd")
+
+    def inputs(batch):
+        return [torch.randn(batch, s, n, d, device=device, dtype=dtype, requires_grad=True)
+                for n in (h, h_k, h_k)]
+
+    # correctness on one sequence of the batch against the fp32 reference (FlashAttention's rule)
+    q, k, v = inputs(1)
+    out = flash_attn_func(q, k, v, causal=True)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ok = True
+    ref, _ = attention_ref(q, k, v, causal=True)
+    pt, _ = attention_ref(q, k, v, causal=True, upcast=False)
+    ref_g = torch.autograd.grad(ref, (q, k, v), g)
+    pt_g = torch.autograd.grad(pt, (q, k, v), g)
+    for name, a, r, p, f in [("out", out, ref, pt, OUT_FACTOR)] + [
+            (n, a, r, p, GRAD_FACTOR) for n, a, r, p in zip(("dq", "dk", "dv"), grads, ref_g, pt_g)]:
+        err = (a.float() - r.float()).abs().max().item()
+        base = (p.float() - r.float()).abs().max().item()
+        good = err <= f * base + 1e-5
+        ok &= good
+        print(f"  {name}: max err {err:.2e} (PyTorch {dtype} err {base:.2e}) {'ok' if good else 'FAIL'}")
+    if not on_gpu:
+        print("correctness only on CPU (Triton interpreter); run on a GPU for speed")
+        return 0 if ok else 1
+
+    from triton.testing import do_bench
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = inputs(b)
+    flops = 4 * b * h * s * s * d / 2
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+
+    def report(name, fwd, leaves):
+        ms_f = do_bench(fwd, return_mode="median")
+        o = fwd()
+        dout = torch.randn_like(o)
+        ms_b = do_bench(lambda: o.backward(dout, retain_graph=True), grad_to_none=leaves,
+                        return_mode="median")
+        print(f"  {name:12s} fwd {ms_f:7.3f} ms {flops / ms_f * 1e-9:6.1f} TFLOP/s   "
+              f"bwd {ms_b:7.3f} ms {2.5 * flops / ms_b * 1e-9:6.1f} TFLOP/s")
+
+    t0 = time.time()
+    report("ioattn", lambda: flash_attn_func(q, k, v, causal=True), [q, k, v])
+    for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                report(name, lambda: torch.nn.functional.scaled_dot_product_attention(
+                    qt, kt, vt, is_causal=True), [qt, kt, vt])
+        except RuntimeError as e:  # a backend refusing the shape is reported, not fatal
+            print(f"  {name:12s} unavailable: {str(e).splitlines()[0]}")
+    print(f"timed in {time.time() - t0:.1f}s")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cmd = argv[0] if argv else "help"
+    if cmd == "demo":
+        return _demo()
+    if cmd == "bench":
+        from ioattn.bench.runner import main as bench_main
+
+        return bench_main(argv[1:])
+    if cmd == "info":
+        return _info()
+    print(__doc__)
+    return 0 if cmd in ("help", "-h", "--help") else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

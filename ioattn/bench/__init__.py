@@ -1,0 +1,1 @@
+"""Benchmark harness: ioattn vs. PyTorch attention anchors (``python -m ioattn bench``)."""

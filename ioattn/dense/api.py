@@ -1,0 +1,265 @@
+"""Public dense attention functions with FlashAttention-2 signatures and semantics.
+
+Switching from flash_attn is a change of import: ``from ioattn import flash_attn_func``.
+Differences from FA2, all additive: a keyword-only ``backend`` ('auto' | 'triton' | 'reference'),
+head dims 1..256 with d_v != d allowed, gradients through the returned LSE, and
+``return_attn_probs=True`` returning ``(out, lse, None)`` (no materialized probability matrix).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ioattn.dense.op import dense_fwd, draw_rng_state
+from ioattn.dispatch import resolve_backend
+from ioattn.reference import attention_ref, attention_varlen_ref
+
+_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+
+def _fail(msg: str, exc=ValueError):
+    raise exc(msg)
+
+
+def _check_tensor(name: str, t, rank: int) -> None:
+    if not isinstance(t, Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+    if t.dim() != rank:
+        _fail(f"{name} must have {rank} dims, got shape {tuple(t.shape)}")
+
+
+def _check_common(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, window_size, softcap: float,
+                  softmax_scale) -> None:
+    if q.dtype not in _DTYPES:
+        _fail(f"q has dtype {q.dtype}; ioattn supports torch.float16 and torch.bfloat16 "
+              f"(cast with q.to(torch.bfloat16))", TypeError)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            _fail(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share a dtype",
+                  TypeError)
+        if t.device != q.device:
+            _fail(f"{name} is on {t.device} but q is on {q.device}; put q, k, v on one device")
+    d, d_v = q.shape[-1], v.shape[-1]
+    if k.shape[-1] != d:
+        _fail(f"k head dim {k.shape[-1]} != q head dim {d}; q and k must share the head dim")
+    for name, dim in (("q/k", d), ("v", d_v)):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            _fail(f"{name} head dim {dim} is not supported: it must be in 1..{MAX_HEAD_DIM}")
+    h, h_k = q.shape[-2], k.shape[-2]
+    if v.shape[-2] != h_k:
+        _fail(f"v has {v.shape[-2]} heads but k has {h_k}; k and v must share the KV head count")
+    if h_k == 0 or h % h_k != 0:
+        _fail(f"q heads ({h}) must be a multiple of k/v heads ({h_k}) for GQA/MQA")
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        _fail(f"dropout_p={dropout_p!r} must be a float in [0, 1)")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and w >= -1 for w in window_size)):
+        _fail(f"window_size={window_size!r} must be (left, right) ints >= -1 (-1: unbounded)")
+    if not isinstance(softcap, (int, float)) or softcap < 0:
+        _fail(f"softcap={softcap!r} must be a float >= 0 (0 disables it)")
+    if softmax_scale is not None and (not isinstance(softmax_scale, (int, float))
+                                      or not math.isfinite(softmax_scale)):
+        _fail(f"softmax_scale={softmax_scale!r} must be a finite float or None")
+
+
+def _check_alibi(alibi_slopes, batch: int, h: int, device: torch.device) -> None:
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, Tensor):
+        _fail("alibi_slopes must be a torch.Tensor of shape (nheads,) or (batch, nheads)", TypeError)
+    if alibi_slopes.dtype != torch.float32:
+        _fail(f"alibi_slopes must be float32, got {alibi_slopes.dtype} (use .float())", TypeError)
+    if tuple(alibi_slopes.shape) not in ((h,), (batch, h)):
+        _fail(f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; expected ({h},) or ({batch}, {h})")
+    if alibi_slopes.device != device:
+        _fail(f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
+
+
+def _check_cu_seqlens(name: str, cu: Tensor, total: int, max_seqlen: int, batch: Optional[int],
+                      device: torch.device) -> None:
+    if not isinstance(cu, Tensor):
+        _fail(f"{name} must be a torch.Tensor (int32, shape (batch + 1,))", TypeError)
+    if cu.dtype != torch.int32:
+        _fail(f"{name} must be int32, got {cu.dtype} (use .to(torch.int32))", TypeError)
+    if cu.dim() != 1 or cu.shape[0] < 1 or (batch is not None and cu.shape[0] != batch + 1):
+        want = "(batch + 1,)" if batch is None else f"({batch + 1},) like cu_seqlens_q"
+        _fail(f"{name} must have shape {want}, got {tuple(cu.shape)}")
+    if cu.device != device:
+        _fail(f"{name} is on {cu.device} but q is on {device}")
+    if not isinstance(max_seqlen, int) or max_seqlen < 0:
+        _fail(f"max_seqlen for {name} must be an int >= 0, got {max_seqlen!r}")
+    if torch.compiler.is_compiling():
+        return  # value checks need a host sync; eager calls check, compiled graphs trust them
+    vals = cu.tolist()
+    lens = [b - a for a, b in zip(vals, vals[1:])]
+    if vals[0] != 0 or any(n < 0 for n in lens):
+        _fail(f"{name} must start at 0 and be non-decreasing, got {vals[:8]}...")
+    if vals[-1] > total:
+        _fail(f"{name}[-1] = {vals[-1]} exceeds the {total} rows of the packed tensor")
+    if lens and max(lens) > max_seqlen:
+        _fail(f"a sequence in {name} has length {max(lens)} > max_seqlen {max_seqlen}; pass the true max")
+
+
+def _window(causal: bool, window_size: Sequence[int]) -> tuple[int, int]:
+    left, right = int(window_size[0]), int(window_size[1])
+    return left, 0 if causal else right
+
+
+def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool):
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
+                    softmax_scale: Optional[float] = None, causal: bool = False,
+                    window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                    return_attn_probs: bool = False, *, backend: str = "auto"):
+    """Attention over batched sequences (FlashAttention-2 semantics).
+
+    Args:
+        q: [batch, seqlen_q, nheads, headdim], fp16 or bf16.
+        k: [batch, seqlen_k, nheads_k, headdim]; nheads % nheads_k == 0 (GQA/MQA).
+        v: [batch, seqlen_k, nheads_k, headdim_v]; headdim, headdim_v in 1..256.
+        dropout_p: dropout probability on the attention matrix (Philox, from torch's generator).
+        softmax_scale: defaults to 1 / sqrt(headdim).
+        causal: causal mask, aligned to the bottom-right corner when seqlen_q != seqlen_k.
+        window_size: (left, right) sliding window, -1 = unbounded side.
+        softcap: if > 0, scores become softcap * tanh(scores / softcap).
+        alibi_slopes: fp32 (nheads,) or (batch, nheads); adds -slope * |i + seqlen_k - seqlen_q - j|.
+        deterministic: backward without atomics (bitwise reproducible).
+        return_attn_probs: also return the LSE: (out, softmax_lse [b, nheads, seqlen_q] fp32,
+            natural log, None).
+        backend: 'auto' (default), 'triton' or 'reference' (plain PyTorch).
+
+    Returns:
+        out [batch, seqlen_q, nheads, headdim_v], or the tuple above.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, 4)
+    _check_common(q, k, v, dropout_p, window_size, softcap, softmax_scale)
+    b, s_q, h, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        _fail(f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
+    if v.shape[1] != k.shape[1]:
+        _fail(f"k has seqlen {k.shape[1]} but v has {v.shape[1]}; they must match")
+    _check_alibi(alibi_slopes, b, h, q.device)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    left, right = _window(causal, window_size)
+    if resolve_backend(backend, q.device) == "reference":
+        mask = None
+        if dropout_p > 0:
+            mask = torch.rand(b, h, s_q, k.shape[1], device=q.device) >= dropout_p
+        out, lse = attention_ref(q, k, v, window_size=(left, right), softcap=softcap,
+                                 alibi_slopes=alibi_slopes, softmax_scale=scale,
+                                 dropout_p=dropout_p, dropout_mask=mask)
+        return _finish(out, lse, return_attn_probs)
+    rng = draw_rng_state(q.device) if dropout_p > 0 else None
+    out, lse = dense_fwd(q, k, v, None, None, s_q, k.shape[1], float(scale), left, right,
+                         float(softcap), alibi_slopes, float(dropout_p), rng, bool(deterministic))
+    return _finish(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                           dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                           causal: bool = False, window_size: Sequence[int] = (-1, -1),
+                           softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+                           deterministic: bool = False, return_attn_probs: bool = False, *,
+                           backend: str = "auto"):
+    """Attention over packed variable-length sequences (FlashAttention-2 semantics).
+
+    q [total_q, nheads, headdim], k [total_k, nheads_k, headdim], v [total_k, nheads_k, headdim_v];
+    cu_seqlens_q / cu_seqlens_k int32 (batch + 1,) prefix sums (zero-length sequences allowed);
+    max_seqlen_* are the longest lengths. LSE (with return_attn_probs) is [nheads, total_q] fp32,
+    natural log. Other arguments as ``flash_attn_func``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, 3)
+    _check_common(q, k, v, dropout_p, window_size, softcap, softmax_scale)
+    if v.shape[0] != k.shape[0]:
+        _fail(f"k has {k.shape[0]} rows but v has {v.shape[0]}; they must match")
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, None, q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, batch, q.device)
+    h, d = q.shape[1], q.shape[2]
+    _check_alibi(alibi_slopes, batch, h, q.device)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    left, right = _window(causal, window_size)
+    if resolve_backend(backend, q.device) == "reference":
+        masks = None
+        if dropout_p > 0:
+            cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+            masks = [torch.rand(h, cq[i + 1] - cq[i], ck[i + 1] - ck[i], device=q.device) >= dropout_p
+                     for i in range(batch)]
+        out, lse = attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, window_size=(left, right),
+                                        softcap=softcap, alibi_slopes=alibi_slopes,
+                                        softmax_scale=scale, dropout_p=dropout_p, dropout_mask=masks)
+        if out.shape[0] < q.shape[0]:  # rows past cu_seqlens_q[-1] are outside every sequence
+            out = torch.cat([out, out.new_zeros((q.shape[0] - out.shape[0],) + out.shape[1:])])
+            lse = torch.cat([lse, lse.new_full((h, q.shape[0] - lse.shape[1]), float("-inf"))], 1)
+        return _finish(out, lse, return_attn_probs)
+    rng = draw_rng_state(q.device) if dropout_p > 0 else None
+    out, lse = dense_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                         float(scale), left, right, float(softcap), alibi_slopes, float(dropout_p),
+                         rng, bool(deterministic))
+    return _finish(out, lse, return_attn_probs)
+
+
+def _unpack(packed: Tensor, name: str, axis: int, n: int) -> tuple[Tensor, ...]:
+    if not isinstance(packed, Tensor):
+        _fail(f"{name} must be a torch.Tensor", TypeError)
+    if packed.dim() <= axis or packed.shape[axis] != n:
+        _fail(f"{name} must have size {n} at dim {axis}, got shape {tuple(packed.shape)}")
+    return packed.unbind(axis)
+
+
+def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0,
+                              softmax_scale: Optional[float] = None, causal: bool = False,
+                              window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                              alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                              return_attn_probs: bool = False, *, backend: str = "auto"):
+    """``flash_attn_func`` on qkv [batch, seqlen, 3, nheads, headdim]."""
+    q, k, v = _unpack(qkv, "qkv", 2, 3)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs, backend=backend)
+
+
+def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = 0.0,
+                             softmax_scale: Optional[float] = None, causal: bool = False,
+                             window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                             alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                             return_attn_probs: bool = False, *, backend: str = "auto"):
+    """``flash_attn_func`` on q and kv [batch, seqlen_k, 2, nheads_k, headdim]."""
+    k, v = _unpack(kv, "kv", 2, 2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs, backend=backend)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                                     dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                                     causal: bool = False, window_size: Sequence[int] = (-1, -1),
+                                     softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+                                     deterministic: bool = False, return_attn_probs: bool = False,
+                                     *, backend: str = "auto"):
+    """``flash_attn_varlen_func`` on qkv [total, 3, nheads, headdim]."""
+    q, k, v = _unpack(qkv, "qkv", 1, 3)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs, backend=backend)
+
+
+def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                                    softmax_scale: Optional[float] = None, causal: bool = False,
+                                    window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                                    alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                                    return_attn_probs: bool = False, *, backend: str = "auto"):
+    """``flash_attn_varlen_func`` on q and kv [total_k, 2, nheads_k, headdim]."""
+    k, v = _unpack(kv, "kv", 1, 2)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs, backend=backend)

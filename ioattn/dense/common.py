@@ -1,0 +1,135 @@
+"""Pieces shared by the dense forward and backward Triton kernels.
+
+Conventions (all kernels of this family):
+- the diagonal offset ``off = seqlen_k - seqlen_q`` aligns causal/window masks bottom-right (FA2);
+- query row ``i`` may see key ``j`` iff ``i + off - left <= j <= i + off + right``; a negative window
+  side is unbounded, encoded by the constexpr flags ``HAS_LEFT`` / ``HAS_RIGHT``;
+- scores live in the log2 domain inside the kernels (``exp2``), the LSE leaves them in natural log.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def floor_div(a, b: tl.constexpr):
+    # Triton's integer // truncates toward zero; block bounds need floor for negative numerators.
+    return tl.where(a >= 0, a // b, -((-a + b - 1) // b))
+
+
+@triton.jit
+def kv_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key blocks a query block [start_m, start_m + BLOCK_M) visits.
+
+    Returns (lo, full_lo, full_hi, hi): [lo, hi) holds every key a live row of the block may see;
+    [full_lo, full_hi) are BLOCK_N-aligned blocks where no element is masked, so the kernel skips
+    the mask there. lo, full_lo, full_hi are multiples of BLOCK_N.
+    """
+    off = seqlen_k - seqlen_q
+    last_m = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+    lo = 0
+    hi = seqlen_k
+    if HAS_LEFT:
+        lo = tl.maximum(floor_div(start_m + off - window_left, BLOCK_N) * BLOCK_N, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(last_m + off + window_right + 1, seqlen_k)
+    hi = tl.maximum(hi, lo)
+    full_lo = lo
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+    if HAS_LEFT:
+        full_lo = (floor_div(last_m + off - window_left + BLOCK_N - 1, BLOCK_N)) * BLOCK_N
+    if HAS_RIGHT:
+        full_hi = tl.minimum(full_hi, floor_div(start_m + off + window_right + 1, BLOCK_N) * BLOCK_N)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def q_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Query blocks that see some key of [start_n, start_n + BLOCK_N) (the backward's view).
+
+    Returns (lo, full_lo, full_hi, hi) over query rows, as kv_block_range does over keys.
+    """
+    off = seqlen_k - seqlen_q
+    last_n = tl.minimum(start_n + BLOCK_N, seqlen_k) - 1
+    lo = 0
+    hi = seqlen_q
+    if HAS_RIGHT:
+        lo = tl.maximum(floor_div(start_n - off - window_right, BLOCK_M) * BLOCK_M, 0)
+    if HAS_LEFT:
+        hi = tl.minimum(last_n - off + window_left + 1, seqlen_q)
+    hi = tl.maximum(hi, lo)
+    full_lo = lo
+    full_hi = (seqlen_q // BLOCK_M) * BLOCK_M
+    if HAS_RIGHT:
+        full_lo = floor_div(start_n + BLOCK_N - 1 - off - window_right + BLOCK_M - 1, BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        full_hi = tl.minimum(full_hi, floor_div(start_n - off + window_left + 1, BLOCK_M) * BLOCK_M)
+    # a key block cut by seqlen_k needs its mask on every query block
+    full_hi = tl.where(start_n + BLOCK_N > seqlen_k, 0, full_hi)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def visible(rows, cols, seqlen_k, off, window_left, window_right,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Mask of (query row, key) pairs that attend.
+
+    rows / cols are index tensors already shaped for broadcasting ([M, 1] and [1, N], or transposed
+    [1, M] and [N, 1] in the backward), so the mask comes out in the caller's orientation.
+    """
+    mask = cols < seqlen_k
+    if HAS_RIGHT:
+        mask = mask & (cols <= rows + off + window_right)
+    if HAS_LEFT:
+        mask = mask & (cols >= rows + off - window_left)
+    return mask
+
+
+@triton.jit
+def tanh_f32(x):
+    # tanh through exp2 keeps the kernels portable (interpreter, any arch); accurate in fp32
+    t = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def scores_log2(qk, rows, cols, off, qk_scale_log2, softcap_scale, softcap_log2, slope_log2,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Raw q·k (fp32) -> scores in the log2 domain, plus tanh (for softcap's gradient).
+
+    No softcap: s = qk * scale * log2e. Softcap: s = cap * tanh(qk * scale / cap) * log2e.
+    ALiBi adds -slope * |i + off - j| (times log2e) after the softcap, as FA2 does.
+    rows / cols broadcast as in ``visible``.
+    """
+    if HAS_SOFTCAP:
+        t = tanh_f32(qk * softcap_scale)
+        s = t * softcap_log2
+    else:
+        t = qk
+        s = qk * qk_scale_log2
+    if HAS_ALIBI:
+        dist = tl.abs(rows + off - cols).to(tl.float32)
+        s = s - slope_log2 * dist
+    return s, t
+
+
+@triton.jit
+def dropout_keep(seed, rng_row0, rows, cols, max_seqlen_k, dropout_p):
+    """Philox keep-mask; the same (row, key) pair gives the same bit in fwd and bwd.
+
+    rng_row0 is the int64 index of this program's row 0 among all (head, query row) pairs;
+    rows / cols broadcast as in ``visible``.
+    """
+    offsets = (rng_row0 + rows.to(tl.int64)) * max_seqlen_k + cols.to(tl.int64)
+    return tl.rand(seed, offsets) >= dropout_p

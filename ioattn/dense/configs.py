@@ -1,0 +1,77 @@
+"""Tile configurations of the portable Triton kernels, chosen per architecture and head dim.
+
+The GPU tables come from sweeps on an H200 (see benchmarks/NOTES.md); under the Triton interpreter
+one small config keeps CPU tests fast and exercises BLOCK_M != BLOCK_N edge logic.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    block_m: int  # query rows per inner step of the dK/dV kernel
+    block_n: int  # keys per program of the dK/dV kernel
+    block_m_dq: int  # query rows per program of the dQ kernel
+    block_n_dq: int  # keys per inner step of the dQ kernel
+    num_warps: int
+    num_stages: int
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def pad_dim(d: int) -> int:
+    """Head dims are padded to a power of two >= 16 inside the kernels (masked loads/stores)."""
+    return max(16, 1 << (d - 1).bit_length())
+
+
+_INTERP_FWD = FwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
+_INTERP_BWD = BwdConfig(block_m=32, block_n=64, block_m_dq=64, block_n_dq=32, num_warps=4, num_stages=1)
+
+
+def _arch(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def fwd_config(device: torch.device, head_dim: int, head_dim_v: int, dtype: torch.dtype,
+               masked: bool) -> FwdConfig:
+    if interpreting() or device.type != "cuda":
+        return _INTERP_FWD
+    d = max(pad_dim(head_dim), pad_dim(head_dim_v))
+    major, _ = _arch(device)
+    if major >= 9:
+        if d <= 64:
+            return FwdConfig(128, 128, 4, 3)
+        if d <= 128:
+            return FwdConfig(128, 128, 8, 3)
+        return FwdConfig(128, 64, 8, 2)
+    if d <= 64:
+        return FwdConfig(128, 64, 4, 3)
+    if d <= 128:
+        return FwdConfig(128, 64, 8, 2)
+    return FwdConfig(64, 64, 4, 2)
+
+
+def bwd_config(device: torch.device, head_dim: int, head_dim_v: int, dtype: torch.dtype,
+               masked: bool) -> BwdConfig:
+    if interpreting() or device.type != "cuda":
+        return _INTERP_BWD
+    d = max(pad_dim(head_dim), pad_dim(head_dim_v))
+    if d <= 64:
+        return BwdConfig(64, 128, 128, 64, 8, 3)
+    if d <= 128:
+        return BwdConfig(64, 128, 128, 64, 8, 3)
+    return BwdConfig(32, 64, 64, 32, 8, 2)

@@ -1,0 +1,121 @@
+"""torch.library ops of the dense family: schema, real impl (Triton launchers), fake impl, autograd.
+
+``ioattn::dense_fwd`` and ``ioattn::dense_bwd`` serve both layouts: batched q [b, s_q, h, d]
+(cu_seqlens None) and varlen q [total_q, h, d] with int32 cu_seqlens. Causal is ``window_right=0``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ioattn.dense.params import make_params
+from ioattn.dense.triton_bwd import attn_bwd
+from ioattn.dense.triton_fwd import attn_fwd
+
+# Tests turn this on: outputs are filled with NaN before launch so unwritten elements show.
+POISON_OUTPUTS = False
+
+
+def _new_output(like: Tensor, shape, dtype=None) -> Tensor:
+    t = like.new_empty(shape, dtype=dtype)
+    if POISON_OUTPUTS:
+        t.fill_(float("nan"))
+    return t
+
+
+def _lse_shape(q: Tensor, varlen: bool) -> tuple[int, ...]:
+    return (q.shape[-2], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _last_dim_contiguous(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def draw_rng_state(device: torch.device) -> Tensor:
+    """Philox (seed, offset) for dropout, drawn from torch's generator of ``device``.
+
+    Drawn as a tensor so torch.compile traces it and the op stays free of host syncs.
+    """
+    return torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=device)
+
+
+@torch.library.custom_op("ioattn::dense_fwd", mutates_args=())
+def dense_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
+              cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+              softmax_scale: float, window_left: int, window_right: int, softcap: float,
+              alibi_slopes: Optional[Tensor], dropout_p: float, rng_state: Optional[Tensor],
+              deterministic: bool) -> tuple[Tensor, Tensor]:
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    p = make_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
+    out = _new_output(q, q.shape[:-1] + (v.shape[-1],))
+    lse = _new_output(q, _lse_shape(q, p.is_varlen), dtype=torch.float32)
+    attn_fwd(p, q, k, v, out, lse)
+    return out, lse
+
+
+@dense_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+      window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic):
+    out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+    lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("ioattn::dense_bwd", mutates_args=())
+def dense_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+              dlse: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+              max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int,
+              window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float,
+              rng_state: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout, q, k, v, out))
+    if dlse is not None:
+        dlse = dlse.contiguous()
+    p = make_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
+    dq = _new_output(q, q.shape)
+    dk = _new_output(k, k.shape)
+    dv = _new_output(v, v.shape)
+    delta = torch.empty_like(lse)
+    dq_accum = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    attn_bwd(p, dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, deterministic, dq_accum)
+    return dq, dk, dv
+
+
+@dense_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
+      deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_FWD_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+             "softmax_scale", "window_left", "window_right", "softcap", "alibi_slopes", "dropout_p",
+             "rng_state", "deterministic")
+
+
+def _setup_context(ctx, inputs, output):
+    args = dict(zip(_FWD_ARGS, inputs))
+    out, lse = output
+    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, args["cu_seqlens_q"],
+                          args["cu_seqlens_k"], args["alibi_slopes"], args["rng_state"])
+    ctx.scalars = tuple(args[n] for n in ("max_seqlen_q", "max_seqlen_k", "softmax_scale",
+                                          "window_left", "window_right", "softcap"))
+    ctx.dropout_p = args["dropout_p"]
+    ctx.deterministic = args["deterministic"]
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, alibi, rng = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    mq, mk, scale, wl, wr, cap = ctx.scalars
+    dq, dk, dv = dense_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, mq, mk, scale, wl, wr, cap,
+                           alibi, ctx.dropout_p, rng, ctx.deterministic)
+    return (dq, dk, dv) + (None,) * (len(_FWD_ARGS) - 3)
+
+
+dense_fwd.register_autograd(_backward, setup_context=_setup_context)

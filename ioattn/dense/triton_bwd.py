@@ -1,0 +1,423 @@
+"""Portable Triton backward (FA2-style recompute) and its launcher.
+
+Three kernels: ``_bwd_preprocess`` (delta = rowsum(dO * O) - dLSE), ``_bwd_dkdv_kernel`` (one program
+per key block and KV head; it loops over the query heads of its GQA group, so dK/dV are reduced
+without materializing repeated K/V) and ``_bwd_dq_kernel`` (one program per query block and head).
+Optionally dQ is instead accumulated by fp32 atomics from the dK/dV kernel (non-deterministic).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ioattn.dense import configs
+from ioattn.dense.common import (LOG2E, dropout_keep, kv_block_range, q_block_range, scores_log2,
+                                 visible)
+from ioattn.dense.params import AttnParams
+
+
+@triton.jit
+def _bwd_preprocess(O, DO, DLSE, DELTA,
+                    stride_ob, stride_om, stride_oh, stride_db, stride_dm, stride_dh,
+                    stride_lb, stride_lh, CU_Q, n_heads, seqlen_q_fixed,
+                    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                    IS_VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // n_heads
+    off_h = pid_bh % n_heads
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + off_b)
+        seqlen_q = tl.load(CU_Q + off_b + 1) - q_start
+    else:
+        q_start = off_b * 0
+        seqlen_q = seqlen_q_fixed
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < seqlen_q
+    mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    rows = (q_start + offs_m).to(tl.int64)
+    o = tl.load(O + off_b.to(tl.int64) * stride_ob + rows[:, None] * stride_om + off_h * stride_oh
+                + offs_dv[None, :], mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + off_b.to(tl.int64) * stride_db + rows[:, None] * stride_dm + off_h * stride_dh
+                 + offs_dv[None, :], mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    l_off = off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + rows
+    if HAS_DLSE:
+        # a gradient flowing into the LSE output: d lse_i / d s_ij = P_ij, folded into delta
+        delta -= tl.load(DLSE + l_off, mask=row_ok, other=0.0)
+    tl.store(DELTA + l_off, delta, mask=row_ok)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+                start, end, offs_m0, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, off,
+                window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2, slope_log2,
+                seed, rng_row0, max_seqlen_k, dropout_p, sm_scale,
+                DQ_ACC, stride_dqm,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
+                MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr,
+                HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                HAS_DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+    for start_m in tl.range(start, end, BLOCK_M):
+        offs_m = start_m + offs_m0
+        q_ptrs = q_base + offs_m[:, None] * stride_qm + offs_d[None, :]
+        do_ptrs = do_base + offs_m[:, None] * stride_dom + offs_dv[None, :]
+        if MASKED:
+            row_ok = offs_m < seqlen_q
+            q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+            do = tl.load(do_ptrs, mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+            lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        else:
+            if EVEN_D:
+                q = tl.load(q_ptrs)
+                do = tl.load(do_ptrs)
+            else:
+                q = tl.load(q_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+                do = tl.load(do_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+            lse = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        # fully masked rows carry LSE = -inf; +inf makes their P exactly 0 instead of NaN
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        # [BLOCK_N, BLOCK_M]: transposed scores, keys on rows
+        qkT = tl.dot(k, tl.trans(q))
+        rows = offs_m[None, :]
+        cols = offs_n[:, None]
+        sT, tT = scores_log2(qkT, rows, cols, off, qk_scale_log2, softcap_scale, softcap_log2,
+                             slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+        if MASKED:
+            sT = tl.where(visible(rows, cols, seqlen_k, off, window_left, window_right,
+                                  HAS_LEFT, HAS_RIGHT), sT, float("-inf"))
+        pT = tl.exp2(sT - lse2[None, :])
+        # [BLOCK_N, BLOCK_M]
+        dpT = tl.dot(v, tl.trans(do)).to(tl.float32)
+        if HAS_DROPOUT:
+            keepT = dropout_keep(seed, rng_row0, rows, cols, max_seqlen_k, dropout_p)
+            inv_keep = 1.0 / (1.0 - dropout_p)
+            pT_drop = tl.where(keepT, pT * inv_keep, 0.0)
+            dpT = tl.where(keepT, dpT * inv_keep, 0.0)
+        else:
+            pT_drop = pT
+        dv = tl.dot(pT_drop.to(do.dtype), do, dv)
+        dsT = pT * (dpT - delta[None, :])
+        if HAS_SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)
+        dk = tl.dot(dsT.to(q.dtype), q, dk)
+        if DQ_ATOMIC:
+            # [BLOCK_M, BLOCK_D]
+            dq = tl.dot(tl.trans(dsT).to(k.dtype), k) * sm_scale
+            dq_ptrs = DQ_ACC + offs_m[:, None] * stride_dqm + offs_d[None, :]
+            tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM),
+                          sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, SLOPES, CU_Q, CU_K, RNG,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_lb, stride_lh, stride_sb,
+    n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed, rng_rows, max_seqlen_k,
+    sm_scale, qk_scale_log2, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+):
+    EVEN_D: tl.constexpr = (BLOCK_D == HEAD_DIM) and (BLOCK_DV == HEAD_DIM_V)
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // n_heads_k
+    off_hk = pid_bh % n_heads_k
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + off_b)
+        seqlen_q = tl.load(CU_Q + off_b + 1) - q_start
+        k_start = tl.load(CU_K + off_b)
+        seqlen_k = tl.load(CU_K + off_b + 1) - k_start
+        rng_q0 = q_start
+    else:
+        q_start = off_b * 0
+        k_start = off_b * 0
+        seqlen_q = seqlen_q_fixed
+        seqlen_k = seqlen_k_fixed
+        rng_q0 = off_b * seqlen_q_fixed
+    start_n = pid_n * BLOCK_N
+    if start_n >= seqlen_k:
+        return
+    off_b64 = off_b.to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = offs_n < seqlen_k
+    k_rows = (k_start + offs_n).to(tl.int64)
+    k = tl.load(K + off_b64 * stride_kb + k_rows[:, None] * stride_kn + off_hk.to(tl.int64) * stride_kh
+                + offs_d[None, :], mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    v = tl.load(V + off_b64 * stride_vb + k_rows[:, None] * stride_vn + off_hk.to(tl.int64) * stride_vh
+                + offs_dv[None, :], mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    off = seqlen_k - seqlen_q
+    lo, full_lo, full_hi, hi = q_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(RNG)
+    for g in range(kv_group):
+        off_h = (off_hk * kv_group + g).to(tl.int64)
+        q_base = Q + off_b64 * stride_qb + q_start.to(tl.int64) * stride_qm + off_h * stride_qh
+        do_base = DO + off_b64 * stride_dob + q_start.to(tl.int64) * stride_dom + off_h * stride_doh
+        dq_base = DQ_ACC + off_b64 * stride_dqb + q_start.to(tl.int64) * stride_dqm + off_h * stride_dqh
+        l_off = off_b64 * stride_lb + off_h * stride_lh + q_start
+        slope_log2 = 0.0
+        if HAS_ALIBI:
+            slope_log2 = tl.load(SLOPES + off_b * stride_sb + off_h).to(tl.float32) * 1.4426950408889634
+        rng_row0 = 0
+        if HAS_DROPOUT:
+            rng_row0 = off_h * rng_rows + rng_q0 + tl.load(RNG + 1)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + l_off, DELTA + l_off, stride_qm,
+                             stride_dom, lo, full_lo, offs_m0, offs_n, offs_d, offs_dv, seqlen_q,
+                             seqlen_k, off, window_left, window_right, qk_scale_log2, softcap_scale,
+                             softcap_log2, slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
+                             sm_scale, dq_base, stride_dqm,
+                             HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DQ_ATOMIC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + l_off, DELTA + l_off, stride_qm,
+                             stride_dom, full_lo, full_hi, offs_m0, offs_n, offs_d, offs_dv, seqlen_q,
+                             seqlen_k, off, window_left, window_right, qk_scale_log2, softcap_scale,
+                             softcap_log2, slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
+                             sm_scale, dq_base, stride_dqm,
+                             HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DQ_ATOMIC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + l_off, DELTA + l_off, stride_qm,
+                             stride_dom, full_hi, hi, offs_m0, offs_n, offs_d, offs_dv, seqlen_q,
+                             seqlen_k, off, window_left, window_right, qk_scale_log2, softcap_scale,
+                             softcap_log2, slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
+                             sm_scale, dq_base, stride_dqm,
+                             HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DQ_ATOMIC)
+    dk = dk * sm_scale
+    mask_k = col_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    mask_v = col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    tl.store(DK + off_b64 * stride_dkb + k_rows[:, None] * stride_dkn + off_hk.to(tl.int64) * stride_dkh
+             + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=mask_k)
+    tl.store(DV + off_b64 * stride_dvb + k_rows[:, None] * stride_dvn + off_hk.to(tl.int64) * stride_dvh
+             + offs_dv[None, :], dv.to(DV.dtype.element_ty), mask=mask_v)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
+              start, end, offs_m, offs_n0, offs_d, offs_dv, seqlen_k, off,
+              window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2, slope_log2,
+              seed, rng_row0, max_seqlen_k, dropout_p,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr,
+              HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr):
+    for start_n in tl.range(start, end, BLOCK_N):
+        offs_n = start_n + offs_n0
+        if MASKED:
+            col_ok = offs_n < seqlen_k
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+                        other=0.0)
+            v = tl.load(v_ptrs + start_n * stride_vn,
+                        mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs + start_n * stride_kn)
+            v = tl.load(v_ptrs + start_n * stride_vn)
+        else:
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+        qk = tl.dot(q, tl.trans(k))
+        s, t = scores_log2(qk, offs_m[:, None], offs_n[None, :], off, qk_scale_log2, softcap_scale, softcap_log2,
+                           slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+        if MASKED:
+            s = tl.where(visible(offs_m[:, None], offs_n[None, :], seqlen_k, off, window_left,
+                                 window_right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+        p = tl.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v)).to(tl.float32)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, rng_row0, offs_m[:, None], offs_n[None, :], max_seqlen_k, dropout_p)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, SLOPES, CU_Q, CU_K, RNG,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_lb, stride_lh, stride_sb,
+    n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, rng_rows, max_seqlen_k,
+    sm_scale, qk_scale_log2, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+):
+    EVEN_D: tl.constexpr = (BLOCK_D == HEAD_DIM) and (BLOCK_DV == HEAD_DIM_V)
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // n_heads
+    off_h = pid_bh % n_heads
+    off_hk = off_h // kv_group
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + off_b)
+        seqlen_q = tl.load(CU_Q + off_b + 1) - q_start
+        k_start = tl.load(CU_K + off_b)
+        seqlen_k = tl.load(CU_K + off_b + 1) - k_start
+        rng_q0 = q_start
+    else:
+        q_start = off_b * 0
+        k_start = off_b * 0
+        seqlen_q = seqlen_q_fixed
+        seqlen_k = seqlen_k_fixed
+        rng_q0 = off_b * seqlen_q_fixed
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+    off_b64 = off_b.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < seqlen_q
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(Q + off_b64 * stride_qb + rows[:, None] * stride_qm + off_h.to(tl.int64) * stride_qh
+                + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    do = tl.load(DO + off_b64 * stride_dob + rows[:, None] * stride_dom + off_h.to(tl.int64) * stride_doh
+                 + offs_dv[None, :], mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    l_off = off_b64 * stride_lb + off_h.to(tl.int64) * stride_lh + rows
+    lse = tl.load(LSE + l_off, mask=row_ok, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
+    k_base = K + off_b64 * stride_kb + k_start.to(tl.int64) * stride_kn + off_hk.to(tl.int64) * stride_kh
+    v_base = V + off_b64 * stride_vb + k_start.to(tl.int64) * stride_vn + off_hk.to(tl.int64) * stride_vh
+    k_ptrs = k_base + offs_n0[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = v_base + offs_n0[:, None] * stride_vn + offs_dv[None, :]
+    slope_log2 = 0.0
+    if HAS_ALIBI:
+        slope_log2 = tl.load(SLOPES + off_b * stride_sb + off_h).to(tl.float32) * 1.4426950408889634
+    seed = 0
+    rng_row0 = 0
+    if HAS_DROPOUT:
+        seed = tl.load(RNG)
+        rng_row0 = off_h.to(tl.int64) * rng_rows + rng_q0 + tl.load(RNG + 1)
+    off = seqlen_k - seqlen_q
+    lo, full_lo, full_hi, hi = kv_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, full_lo, offs_m,
+                   offs_n0, offs_d, offs_dv, seqlen_k, off, window_left, window_right, qk_scale_log2,
+                   softcap_scale, softcap_log2, slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
+                   HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                   HAS_ALIBI, HAS_DROPOUT)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, full_lo, full_hi,
+                   offs_m, offs_n0, offs_d, offs_dv, seqlen_k, off, window_left, window_right,
+                   qk_scale_log2, softcap_scale, softcap_log2, slope_log2, seed, rng_row0,
+                   max_seqlen_k, dropout_p,
+                   HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                   HAS_ALIBI, HAS_DROPOUT)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, full_hi, hi, offs_m,
+                   offs_n0, offs_d, offs_dv, seqlen_k, off, window_left, window_right, qk_scale_log2,
+                   softcap_scale, softcap_log2, slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
+                   HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                   HAS_ALIBI, HAS_DROPOUT)
+    dq = dq * sm_scale
+    tl.store(DQ + off_b64 * stride_dqb + rows[:, None] * stride_dqm + off_h.to(tl.int64) * stride_dqh
+             + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+def attn_bwd(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
+             dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, delta: torch.Tensor,
+             deterministic: bool, dq_accum: Optional[torch.Tensor] = None) -> None:
+    """Launch the backward into preallocated dq/dk/dv (layouts of q/k/v) and ``delta`` (LSE's layout).
+
+    ``dq_accum`` (fp32, q's shape, zeroed) selects the atomic dQ path; it is only used when not
+    ``deterministic``. The caller converts it into ``dq``.
+    """
+    cfg = configs.bwd_config(q.device, p.head_dim, p.head_dim_v, q.dtype, p.causal_like)
+    n_heads, n_heads_k = q.shape[-2], k.shape[-2]
+    sb = p.batch_strides
+    lse_strides = p.lse_strides(lse)
+    block_d, block_dv = configs.pad_dim(p.head_dim), configs.pad_dim(p.head_dim_v)
+    flags = dict(IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
+                 HAS_SOFTCAP=p.softcap > 0, HAS_ALIBI=p.alibi_slopes is not None,
+                 HAS_DROPOUT=p.dropout_p > 0)
+    scalars = (p.softmax_scale, p.softmax_scale * LOG2E,
+               p.softmax_scale / p.softcap if p.softcap > 0 else 0.0, p.softcap * LOG2E,
+               p.window_left, p.window_right, p.dropout_p)
+    pre_block = 64
+    grid_q = (triton.cdiv(p.max_seqlen_q, pre_block), p.batch * n_heads)
+    grid_kv = (triton.cdiv(p.max_seqlen_k, cfg.block_n), p.batch * n_heads_k)
+    grid_dq = (triton.cdiv(p.max_seqlen_q, cfg.block_m_dq), p.batch * n_heads)
+    if grid_kv[0] * grid_kv[1] == 0:  # no keys: every dQ is 0, dK/dV are empty
+        dq.zero_()
+        return
+    if grid_q[0] * grid_q[1] == 0:  # no queries: dK/dV are 0
+        dk.zero_()
+        dv.zero_()
+        return
+    _bwd_preprocess[grid_q](
+        out, dout, dlse if dlse is not None else delta, delta,
+        sb(out), out.stride(-3), out.stride(-2), sb(dout), dout.stride(-3), dout.stride(-2),
+        *lse_strides, p.cu_q_arg(q), n_heads, p.max_seqlen_q,
+        HEAD_DIM_V=p.head_dim_v, BLOCK_DV=block_dv, BLOCK_M=pre_block, IS_VARLEN=p.is_varlen,
+        HAS_DLSE=dlse is not None,
+    )
+    atomic = dq_accum is not None and not deterministic
+    dq_target = dq_accum if atomic else dq
+    _bwd_dkdv_kernel[grid_kv](
+        q, k, v, dout, lse, delta, dk, dv, dq_target, p.alibi_arg(q), p.cu_q_arg(q), p.cu_k_arg(q),
+        p.rng_arg(q),
+        sb(q), q.stride(-3), q.stride(-2),
+        sb(k), k.stride(-3), k.stride(-2),
+        sb(v), v.stride(-3), v.stride(-2),
+        sb(dout), dout.stride(-3), dout.stride(-2),
+        sb(dk), dk.stride(-3), dk.stride(-2),
+        sb(dv), dv.stride(-3), dv.stride(-2),
+        sb(dq_target), dq_target.stride(-3), dq_target.stride(-2),
+        *lse_strides, p.alibi_batch_stride,
+        n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, p.rng_rows, p.max_seqlen_k,
+        *scalars,
+        HEAD_DIM=p.head_dim, HEAD_DIM_V=p.head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DQ_ATOMIC=atomic, **flags,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if atomic:
+        dq.copy_(dq_accum)
+        return
+    _bwd_dq_kernel[grid_dq](
+        q, k, v, dout, lse, delta, dq, p.alibi_arg(q), p.cu_q_arg(q), p.cu_k_arg(q), p.rng_arg(q),
+        sb(q), q.stride(-3), q.stride(-2),
+        sb(k), k.stride(-3), k.stride(-2),
+        sb(v), v.stride(-3), v.stride(-2),
+        sb(dout), dout.stride(-3), dout.stride(-2),
+        sb(dq), dq.stride(-3), dq.stride(-2),
+        *lse_strides, p.alibi_batch_stride,
+        n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, p.rng_rows, p.max_seqlen_k,
+        *scalars,
+        HEAD_DIM=p.head_dim, HEAD_DIM_V=p.head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, **flags,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )

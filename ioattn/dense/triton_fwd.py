@@ -1,0 +1,229 @@
+"""Portable Triton forward kernel (online softmax in exp2, fp32 accumulation) and its launcher.
+
+One kernel serves the batched ([b, s, h, d]) and varlen ([total, h, d] + cu_seqlens) layouts:
+a batched call is the varlen case with equal lengths, handled through batch strides.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ioattn.dense import configs
+from ioattn.dense.common import LOG2E, dropout_keep, kv_block_range, scores_log2, visible
+from ioattn.dense.params import AttnParams
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+               start, end, offs_m, offs_n, offs_d, offs_dv, seqlen_k, off,
+               window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2, slope_log2,
+               seed, rng_row0, max_seqlen_k, dropout_p,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    for start_n in tl.range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        # [BLOCK_N, BLOCK_D]
+        if MASKED:
+            k = tl.load(k_ptrs + start_n * stride_kn,
+                        mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs + start_n * stride_kn)
+        else:
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        # [BLOCK_M, BLOCK_N]
+        qk = tl.dot(q, tl.trans(k))
+        s, _ = scores_log2(qk, offs_m[:, None], cols[None, :], off, qk_scale_log2, softcap_scale, softcap_log2,
+                           slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+        if MASKED:
+            s = tl.where(visible(offs_m[:, None], cols[None, :], seqlen_k, off, window_left, window_right,
+                                 HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row with nothing visible yet keeps m = -inf; shift by 0 so exp2 sees -inf, not NaN
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, rng_row0, offs_m[:, None], cols[None, :], max_seqlen_k, dropout_p)
+            p = tl.where(keep, p, 0.0)
+        if MASKED:
+            v = tl.load(v_ptrs + start_n * stride_vn,
+                        mask=(cols[:, None] < seqlen_k) & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_ptrs + start_n * stride_vn)
+        else:
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE, SLOPES, CU_Q, CU_K, RNG,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh, stride_sb,
+    n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, rng_rows, max_seqlen_k,
+    qk_scale_log2, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+):
+    EVEN_D: tl.constexpr = (BLOCK_D == HEAD_DIM) and (BLOCK_DV == HEAD_DIM_V)
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // n_heads
+    off_h = pid_bh % n_heads
+    off_hk = off_h // kv_group
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + off_b)
+        seqlen_q = tl.load(CU_Q + off_b + 1) - q_start
+        k_start = tl.load(CU_K + off_b)
+        seqlen_k = tl.load(CU_K + off_b + 1) - k_start
+        rng_q0 = q_start
+    else:
+        q_start = off_b * 0  # a tensor, so .to() below works in both layouts
+        k_start = off_b * 0
+        seqlen_q = seqlen_q_fixed
+        seqlen_k = seqlen_k_fixed
+        rng_q0 = off_b * seqlen_q_fixed
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+
+    off_b64 = off_b.to(tl.int64)
+    q_base = Q + off_b64 * stride_qb + q_start.to(tl.int64) * stride_qm + off_h.to(tl.int64) * stride_qh
+    k_base = K + off_b64 * stride_kb + k_start.to(tl.int64) * stride_kn + off_hk.to(tl.int64) * stride_kh
+    v_base = V + off_b64 * stride_vb + k_start.to(tl.int64) * stride_vn + off_hk.to(tl.int64) * stride_vh
+    o_base = O + off_b64 * stride_ob + q_start.to(tl.int64) * stride_om + off_h.to(tl.int64) * stride_oh
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < seqlen_q
+    # [BLOCK_M, BLOCK_D]
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :]
+
+    slope_log2 = 0.0
+    if HAS_ALIBI:
+        slope_log2 = tl.load(SLOPES + off_b * stride_sb + off_h).to(tl.float32) * 1.4426950408889634
+    seed = 0
+    rng_row0 = 0
+    if HAS_DROPOUT:
+        seed = tl.load(RNG)
+        rng_row0 = (off_h.to(tl.int64) * rng_rows + rng_q0) + tl.load(RNG + 1)
+
+    off = seqlen_k - seqlen_q
+    lo, full_lo, full_hi, hi = kv_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # masked edge blocks, then the unmasked interior, then the masked tail (diagonal, seqlen_k cut)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+                               lo, full_lo, offs_m, offs_n, offs_d, offs_dv, seqlen_k, off,
+                               window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2,
+                               slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
+                               HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, EVEN_D,
+                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+                               full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, seqlen_k, off,
+                               window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2,
+                               slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
+                               HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, EVEN_D,
+                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+                               full_hi, hi, offs_m, offs_n, offs_d, offs_dv, seqlen_k, off,
+                               window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2,
+                               slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
+                               HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, EVEN_D,
+                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+
+    # rows that saw no key: l = 0 -> out 0, LSE -inf
+    empty = l_i == 0.0
+    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
+    if HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    acc = acc * inv_l[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_dv[None, :], acc.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    lse_ptrs = LSE + off_b64 * stride_lb + off_h.to(tl.int64) * stride_lh + q_start + offs_m
+    tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Launch the forward into preallocated ``out`` (q's layout, d_v) and ``lse`` (fp32)."""
+    cfg = configs.fwd_config(q.device, p.head_dim, p.head_dim_v, q.dtype, p.causal_like)
+    n_heads = q.shape[-2]
+    grid = (triton.cdiv(p.max_seqlen_q, cfg.block_m), p.batch * n_heads)
+    if grid[0] * grid[1] == 0:
+        return
+    sb = p.batch_strides
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse, p.alibi_arg(q), p.cu_q_arg(q), p.cu_k_arg(q), p.rng_arg(q),
+        sb(q), q.stride(-3), q.stride(-2),
+        sb(k), k.stride(-3), k.stride(-2),
+        sb(v), v.stride(-3), v.stride(-2),
+        sb(out), out.stride(-3), out.stride(-2),
+        *p.lse_strides(lse), p.alibi_batch_stride,
+        n_heads, n_heads // k.shape[-2], p.max_seqlen_q, p.max_seqlen_k, p.rng_rows, p.max_seqlen_k,
+        p.softmax_scale * LOG2E, p.softmax_scale / p.softcap if p.softcap > 0 else 0.0,
+        p.softcap * LOG2E, p.window_left, p.window_right, p.dropout_p,
+        HEAD_DIM=p.head_dim, HEAD_DIM_V=p.head_dim_v,
+        BLOCK_D=configs.pad_dim(p.head_dim), BLOCK_DV=configs.pad_dim(p.head_dim_v),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
+        HAS_SOFTCAP=p.softcap > 0, HAS_ALIBI=p.alibi_slopes is not None, HAS_DROPOUT=p.dropout_p > 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+@triton.jit
+def _dropout_mask_kernel(MASK, CU_Q, RNG, n_heads, rng_rows, max_seqlen_q, max_seqlen_k,
+                         dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         IS_VARLEN: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // n_heads
+    off_h = pid_bh % n_heads
+    if IS_VARLEN:
+        rng_q0 = tl.load(CU_Q + off_b)
+    else:
+        rng_q0 = off_b * max_seqlen_q
+    seed = tl.load(RNG)
+    rng_row0 = off_h.to(tl.int64) * rng_rows + rng_q0 + tl.load(RNG + 1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    base = MASK + pid_bh.to(tl.int64) * max_seqlen_q * max_seqlen_k
+    for start_n in range(0, max_seqlen_k, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        keep = dropout_keep(seed, rng_row0, offs_m[:, None], offs_n[None, :], max_seqlen_k, dropout_p)
+        tl.store(base + offs_m[:, None] * max_seqlen_k + offs_n[None, :], keep.to(tl.int8),
+                 mask=(offs_m[:, None] < max_seqlen_q) & (offs_n[None, :] < max_seqlen_k))
+
+
+def dropout_keep_mask(p: AttnParams, n_heads: int, device: torch.device) -> torch.Tensor:
+    """The forward's dropout keep-mask as bool [batch, heads, max_seqlen_q, max_seqlen_k] (for tests:
+    varlen sequences occupy the top-left [s_q_i, s_k_i] corner of their slice)."""
+    mask = torch.empty(p.batch, n_heads, p.max_seqlen_q, p.max_seqlen_k, dtype=torch.int8, device=device)
+    grid = (triton.cdiv(p.max_seqlen_q, 32), p.batch * n_heads)
+    _dropout_mask_kernel[grid](mask, p.cu_q_arg(mask), p.rng_state, n_heads, p.rng_rows, p.max_seqlen_q,
+                               p.max_seqlen_k, p.dropout_p, BLOCK_M=32, BLOCK_N=32,
+                               IS_VARLEN=p.is_varlen)
+    return mask.bool()

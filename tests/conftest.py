@@ -1,0 +1,55 @@
+"""Test setup: CPU runs the Triton kernels under the interpreter; outputs are poisoned before launch.
+
+TRITON_INTERPRET must be set before triton is imported, so this runs before any ioattn import.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+def _patch_interpreter_bf16_dot() -> None:
+    """Triton 3.6-3.9's interpreter multiplies bf16 dot operands as their raw uint16 storage.
+
+    Tests upcast them to fp32 (exact) first; kernels are left untouched.
+    """
+    from triton.runtime import interpreter
+
+    orig = interpreter.InterpreterBuilder.create_dot
+    if getattr(orig, "_ioattn_patched", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16 or b.dtype.scalar == tl.bfloat16:
+            def up(x):
+                if x.dtype.scalar != tl.bfloat16:
+                    return x.data.astype(np.float32)
+                return (x.data.astype(np.uint32) << 16).view(np.float32)
+            out = np.matmul(up(a), up(b), dtype=np.float32) + d.data
+            return interpreter.TensorHandle(out.astype(d.data.dtype), d.dtype.scalar)
+        return orig(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    create_dot._ioattn_patched = True
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_bf16_dot()
+
+from ioattn.dense import op as _dense_op  # noqa: E402
+
+_dense_op.POISON_OUTPUTS = True
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+
+
+@pytest.fixture
+def device() -> str:
+    return DEVICE
