@@ -42,7 +42,7 @@ def _demo() -> int:
 
     from ioattn import flash_attn_func
     from ioattn.reference import attention_ref
-    from ioattn.testing import GRAD_FACTOR, OUT_FACTOR
+    from ioattn.testing import GRAD_FACTOR, OUT_FACTOR, rule_check
 
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
@@ -68,9 +68,7 @@ def _demo() -> int:
     pt_g = torch.autograd.grad(pt, (q, k, v), g)
     for name, a, r, p, f in [("out", out, ref, pt, OUT_FACTOR)] + [
             (n, a, r, p, GRAD_FACTOR) for n, a, r, p in zip(("dq", "dk", "dv"), grads, ref_g, pt_g)]:
-        err = (a.float() - r.float()).abs().max().item()
-        base = (p.float() - r.float()).abs().max().item()
-        good = err <= f * base + 1e-5
+        good, err, base, _ = rule_check(a, r, p, f)
         ok &= good
         print(f"  {name}: max err {err:.2e} (PyTorch {dtype} err {base:.2e}) {'ok' if good else 'FAIL'}")
     if not on_gpu:

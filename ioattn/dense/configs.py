@@ -17,6 +17,8 @@ class FwdConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False  # K/V through device-side TMA descriptors (when strides/alignment allow)
+    warp_specialize: bool = False  # tl.range(warp_specialize=True) on the unmasked loop (needs tma)
 
 
 @dataclass(frozen=True)

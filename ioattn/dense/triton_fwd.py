@@ -15,24 +15,30 @@ from ioattn.dense.params import AttnParams
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
                start, end, offs_m, offs_n, offs_d, offs_dv, seqlen_k, off,
                window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2, slope_log2,
                seed, rng_row0, max_seqlen_k, dropout_p,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, EVEN_D: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
-    for start_n in tl.range(start, end, BLOCK_N):
+               HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
+               WARP_SPEC: tl.constexpr):
+    # k_src / v_src: TMA descriptors (USE_TMA; out-of-range rows and head-dim padding read as 0)
+    # or [BLOCK_N, BLOCK_D] pointer blocks
+    WS: tl.constexpr = WARP_SPEC and not MASKED
+    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WS):
         cols = start_n + offs_n
         # [BLOCK_N, BLOCK_D]
-        if MASKED:
-            k = tl.load(k_ptrs + start_n * stride_kn,
+        if USE_TMA:
+            k = k_src.load([start_n, 0])
+        elif MASKED:
+            k = tl.load(k_src + start_n * stride_kn,
                         mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
         elif EVEN_D:
-            k = tl.load(k_ptrs + start_n * stride_kn)
+            k = tl.load(k_src + start_n * stride_kn)
         else:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            k = tl.load(k_src + start_n * stride_kn, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
         # [BLOCK_M, BLOCK_N]
         qk = tl.dot(q, tl.trans(k))
         s, _ = scores_log2(qk, offs_m[:, None], cols[None, :], off, qk_scale_log2, softcap_scale, softcap_log2,
@@ -53,13 +59,15 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         if HAS_DROPOUT:
             keep = dropout_keep(seed, rng_row0, offs_m[:, None], cols[None, :], max_seqlen_k, dropout_p)
             p = tl.where(keep, p, 0.0)
-        if MASKED:
-            v = tl.load(v_ptrs + start_n * stride_vn,
+        if USE_TMA:
+            v = v_src.load([start_n, 0])
+        elif MASKED:
+            v = tl.load(v_src + start_n * stride_vn,
                         mask=(cols[:, None] < seqlen_k) & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
         elif EVEN_D:
-            v = tl.load(v_ptrs + start_n * stride_vn)
+            v = tl.load(v_src + start_n * stride_vn)
         else:
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+            v = tl.load(v_src + start_n * stride_vn, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, l_i, m_i
@@ -79,6 +87,7 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = (BLOCK_D == HEAD_DIM) and (BLOCK_DV == HEAD_DIM_V)
     pid_m = tl.program_id(0)
@@ -98,7 +107,8 @@ def _attn_fwd_kernel(
         seqlen_q = seqlen_q_fixed
         seqlen_k = seqlen_k_fixed
         rng_q0 = off_b * seqlen_q_fixed
-    start_m = pid_m * BLOCK_M
+    # heaviest query blocks first (the last ones under a causal mask) shortens the tail
+    start_m = (tl.num_programs(0) - 1 - pid_m) * BLOCK_M
     if start_m >= seqlen_q:
         return
 
@@ -116,8 +126,14 @@ def _attn_fwd_kernel(
     # [BLOCK_M, BLOCK_D]
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :]
+    if USE_TMA:
+        k_src = tl.make_tensor_descriptor(k_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[seqlen_k, HEAD_DIM_V], strides=[stride_vn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        k_src = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
+        v_src = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :]
 
     slope_log2 = 0.0
     if HAS_ALIBI:
@@ -135,24 +151,27 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     # masked edge blocks, then the unmasked interior, then the masked tail (diagonal, seqlen_k cut)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
                                lo, full_lo, offs_m, offs_n, offs_d, offs_dv, seqlen_k, off,
                                window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2,
                                slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, EVEN_D,
-                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                               USE_TMA, WARP_SPEC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
                                full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, seqlen_k, off,
                                window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2,
                                slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, EVEN_D,
-                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                               USE_TMA, WARP_SPEC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
                                full_hi, hi, offs_m, offs_n, offs_d, offs_dv, seqlen_k, off,
                                window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2,
                                slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, EVEN_D,
-                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                               USE_TMA, WARP_SPEC)
 
     # rows that saw no key: l = 0 -> out 0, LSE -inf
     empty = l_i == 0.0
@@ -167,6 +186,27 @@ def _attn_fwd_kernel(
     tl.store(lse_ptrs, lse, mask=row_ok)
 
 
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and 16-byte multiples for every outer stride."""
+    for t in tensors:
+        esize = t.element_size()
+        if t.data_ptr() % 16 or any((st * esize) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+_allocator_set = False
+
+
+def _ensure_allocator() -> None:
+    # device-side TMA descriptors need a small global scratch per program, from torch's allocator
+    global _allocator_set
+    if not _allocator_set:
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                      device="cuda"))
+        _allocator_set = True
+
+
 def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor) -> None:
     """Launch the forward into preallocated ``out`` (q's layout, d_v) and ``lse`` (fp32)."""
@@ -176,6 +216,10 @@ def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if grid[0] * grid[1] == 0:
         return
     sb = p.batch_strides
+    # ptxas (CUDA 13.0) crashes on the TMA variant at head dim 256; warp specialization needs 8 warps
+    use_tma = cfg.tma and max(p.head_dim, p.head_dim_v) <= 128 and _tma_ok(q, k, v)
+    if use_tma:
+        _ensure_allocator()
     _attn_fwd_kernel[grid](
         q, k, v, out, lse, p.alibi_arg(q), p.cu_q_arg(q), p.cu_k_arg(q), p.rng_arg(q),
         sb(q), q.stride(-3), q.stride(-2),
@@ -191,6 +235,7 @@ def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
         HAS_SOFTCAP=p.softcap > 0, HAS_ALIBI=p.alibi_slopes is not None, HAS_DROPOUT=p.dropout_p > 0,
+        USE_TMA=use_tma, WARP_SPEC=use_tma and cfg.warp_specialize and cfg.num_warps == 8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

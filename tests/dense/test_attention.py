@@ -5,6 +5,7 @@ launch (tests/conftest.py), so an unwritten element fails.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -269,3 +270,23 @@ def test_reference_fp32_vs_fp64():
     o64, l64 = attention_ref(q, k, v, compute_dtype=torch.float64, **kw)
     assert (o32.double() - o64).abs().max() < 1e-5
     assert (l32.double() - l64).abs().max() < 1e-5
+
+
+TMA_CASES = [Case(113, 203, d=64, causal=True), Case(128, 217, d=96, window=(20, 3), h=4, h_k=2),
+             Case(97, 97, d=256, softcap=2.0, alibi="h", dtype=FP16)]
+
+
+@pytest.mark.parametrize("c", TMA_CASES, ids=lambda c: "tma-" + c.id)
+def test_fwd_tma_path(c: Case, device, monkeypatch):
+    """The TMA-descriptor forward (the Hopper config) against the reference, in any environment."""
+    from ioattn.dense import configs
+
+    base = configs.fwd_config
+    monkeypatch.setattr(configs, "fwd_config", lambda *a: dataclasses.replace(
+        base(*a), tma=True, warp_specialize=ON_GPU, num_warps=8 if ON_GPU else base(*a).num_warps))
+    q, k, v = _inputs(c, device, scale=1.5 if c.softcap else 1.0)
+    kw = dict(causal=c.causal, window_size=c.window, softcap=c.softcap, alibi_slopes=_slopes(c, device))
+    out = ioattn.flash_attn_func(q, k, v, **kw)
+    ref, _ = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    assert_close_rule("out", out, ref, pt)

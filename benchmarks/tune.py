@@ -1,0 +1,126 @@
+"""Sweep tile configs of the portable Triton kernels on the GPU at hand (H200), FA-grid shapes.
+
+Prints TFLOP/s per config next to SDPA cuDNN/FLASH for the same shape; the winners go into
+ioattn/dense/configs.py by hand, with the run logged in benchmarks/NOTES.md.
+
+    python benchmarks/tune.py --mode fwd --dims 64,128,256 --seqlens 4096,16384
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+import ioattn
+from ioattn.dense import configs
+from ioattn.dense.configs import BwdConfig, FwdConfig
+
+FWD_CANDIDATES = {
+    64: [FwdConfig(128, 64, 4, 3), FwdConfig(128, 64, 4, 2), FwdConfig(64, 64, 4, 3),
+         FwdConfig(128, 32, 4, 3), FwdConfig(64, 128, 4, 3), FwdConfig(128, 64, 4, 3, tma=True),
+         FwdConfig(128, 64, 8, 3, tma=True, warp_specialize=True),
+         FwdConfig(256, 64, 8, 3, tma=True, warp_specialize=True)],
+    128: [FwdConfig(128, 64, 8, 3), FwdConfig(128, 128, 8, 3, tma=True, warp_specialize=True),
+          FwdConfig(128, 64, 8, 3, tma=True, warp_specialize=True),
+          FwdConfig(128, 64, 8, 3, tma=True), FwdConfig(128, 128, 8, 4, tma=True, warp_specialize=True)],
+    256: [FwdConfig(128, 64, 8, 2), FwdConfig(128, 64, 8, 1), FwdConfig(64, 64, 4, 2)],
+}
+
+BWD_CANDIDATES = {
+    64: [BwdConfig(64, 128, 128, 64, 8, 3), BwdConfig(64, 128, 128, 64, 4, 3),
+         BwdConfig(32, 128, 128, 32, 4, 3), BwdConfig(64, 64, 64, 64, 4, 3)],
+    128: [BwdConfig(64, 128, 128, 64, 8, 3), BwdConfig(32, 128, 128, 32, 4, 3),
+          BwdConfig(64, 128, 128, 64, 8, 2), BwdConfig(64, 64, 64, 64, 4, 3)],
+    256: [BwdConfig(32, 64, 64, 32, 8, 2), BwdConfig(64, 64, 64, 64, 8, 2),
+          BwdConfig(32, 64, 64, 32, 4, 2), BwdConfig(16, 64, 64, 16, 4, 2)],
+}
+
+
+def flops(b, h, s, d, causal, mode):
+    f = 4 * b * h * s * s * d / (2 if causal else 1)
+    return f * (2.5 if mode == "bwd" else 1.0)
+
+
+def bench_case(mode, d, s, causal, tokens=16384, hidden=2048):
+    b, h = tokens // s, hidden // d
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    results = []
+    cands = FWD_CANDIDATES[d] if mode == "fwd" else BWD_CANDIDATES[d]
+    orig_f, orig_b = configs.fwd_config, configs.bwd_config
+    variants = [(c, det) for c in cands for det in ((False,) if mode == "fwd" else (False, True))]
+    for cfg, det in variants:
+        if mode == "fwd":
+            configs.fwd_config = lambda *a, _c=cfg: _c
+        else:
+            configs.bwd_config = lambda *a, _c=cfg: _c
+        try:
+            if mode == "fwd":
+                ms = do_bench(lambda: ioattn.flash_attn_func(q, k, v, causal=causal),
+                              return_mode="median")
+            else:
+                out = ioattn.flash_attn_func(q, k, v, causal=causal, deterministic=det)
+                g = torch.randn_like(out)
+                ms = do_bench(lambda: out.backward(g, retain_graph=True), grad_to_none=[q, k, v],
+                              return_mode="median")
+            results.append(dict(cfg=dataclasses.asdict(cfg), det=det, ms=ms,
+                                tflops=flops(b, h, s, d, causal, mode) / ms * 1e-9))
+        except Exception as e:  # a config that does not compile (shared memory) is reported
+            results.append(dict(cfg=dataclasses.asdict(cfg), det=det, error=str(e).splitlines()[0][:120]))
+        finally:
+            configs.fwd_config, configs.bwd_config = orig_f, orig_b
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                fn = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                if mode == "fwd":
+                    ms = do_bench(fn, return_mode="median")
+                else:
+                    o = fn()
+                    g = torch.randn_like(o)
+                    ms = do_bench(lambda: o.backward(g, retain_graph=True), grad_to_none=[qt, kt, vt],
+                                  return_mode="median")
+            results.append(dict(anchor=name, ms=ms, tflops=flops(b, h, s, d, causal, mode) / ms * 1e-9))
+        except RuntimeError as e:
+            results.append(dict(anchor=name, error=str(e).splitlines()[0][:120]))
+    return results
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", default="fwd")
+    ap.add_argument("--dims", default="64,128,256")
+    ap.add_argument("--seqlens", default="4096,16384")
+    ap.add_argument("--causal", default="both")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    causals = {"both": (False, True), "true": (True,), "false": (False,)}[a.causal]
+    allres = []
+    for d in map(int, a.dims.split(",")):
+        for s in map(int, a.seqlens.split(",")):
+            for causal in causals:
+                res = bench_case(a.mode, d, s, causal)
+                allres.append(dict(mode=a.mode, d=d, s=s, causal=causal, results=res))
+                print(f"== {a.mode} d={d} s={s} causal={causal}")
+                for r in res:
+                    name = r.get("anchor") or "{block_m}x{block_n} w{num_warps} s{num_stages}".format(**r["cfg"]) + \
+                        (" tma" if r.get("cfg", {}).get("tma") else "") + \
+                        (" ws" if r.get("cfg", {}).get("warp_specialize") else "") + \
+                        (" det" if r.get("det") else "") + \
+                        (" bm_dq{block_m_dq} bn_dq{block_n_dq}".format(**r["cfg"]) if "block_m_dq" in r.get("cfg", {}) else "")
+                    val = f"{r['tflops']:7.1f} TFLOP/s" if "tflops" in r else "ERR " + r["error"]
+                    print(f"   {name:45s} {val}")
+                sys.stdout.flush()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(allres, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
