@@ -130,7 +130,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
         window_size: (left, right) sliding window, -1 = unbounded side.
         softcap: if > 0, scores become softcap * tanh(scores / softcap).
         alibi_slopes: fp32 (nheads,) or (batch, nheads); adds -slope * |i + seqlen_k - seqlen_q - j|.
-        deterministic: backward without atomics (bitwise reproducible).
+        deterministic: accepted for FA2 compatibility; ioattn's backward uses no atomics and is
+            always deterministic (bitwise reproducible), and it is also the faster design here.
         return_attn_probs: also return the LSE: (out, softmax_lse [b, nheads, seqlen_q] fp32,
             natural log, None).
         backend: 'auto' (default), 'triton' or 'reference' (plain PyTorch).
@@ -159,7 +160,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
         return _finish(out, lse, return_attn_probs)
     rng = draw_rng_state(q.device) if dropout_p > 0 else None
     out, lse = dense_fwd(q, k, v, None, None, s_q, k.shape[1], float(scale), left, right,
-                         float(softcap), alibi_slopes, float(dropout_p), rng, bool(deterministic))
+                         float(softcap), alibi_slopes, float(dropout_p), rng)
     return _finish(out, lse, return_attn_probs)
 
 
@@ -205,7 +206,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     rng = draw_rng_state(q.device) if dropout_p > 0 else None
     out, lse = dense_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                          float(scale), left, right, float(softcap), alibi_slopes, float(dropout_p),
-                         rng, bool(deterministic))
+                         rng)
     return _finish(out, lse, return_attn_probs)
 
 

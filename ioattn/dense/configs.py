@@ -55,10 +55,12 @@ def fwd_config(device: torch.device, head_dim: int, head_dim_v: int, dtype: torc
     d = max(pad_dim(head_dim), pad_dim(head_dim_v))
     major, _ = _arch(device)
     if major >= 9:
+        # H200 sweep, FA grid s=8k bf16 (benchmarks/NOTES.md): d64 64x64 416/393 TFLOP/s (causal);
+        # d128 128x128 TMA+WS 507/460; d256 128x64 450/442
         if d <= 64:
-            return FwdConfig(128, 128, 4, 3)
+            return FwdConfig(64, 64, 4, 3)
         if d <= 128:
-            return FwdConfig(128, 128, 8, 3)
+            return FwdConfig(128, 128, 8, 3, tma=True, warp_specialize=True)
         return FwdConfig(128, 64, 8, 2)
     if d <= 64:
         return FwdConfig(128, 64, 4, 3)
@@ -72,8 +74,9 @@ def bwd_config(device: torch.device, head_dim: int, head_dim_v: int, dtype: torc
     if interpreting() or device.type != "cuda":
         return _INTERP_BWD
     d = max(pad_dim(head_dim), pad_dim(head_dim_v))
+    # H200 sweep, s=8k bf16: d64 64x64 w4 377/344 TFLOP/s (causal); d128 64x128 w8 425/392
     if d <= 64:
-        return BwdConfig(64, 128, 128, 64, 8, 3)
+        return BwdConfig(64, 64, 64, 64, 4, 3)
     if d <= 128:
         return BwdConfig(64, 128, 128, 64, 8, 3)
     return BwdConfig(32, 64, 64, 32, 8, 2)

@@ -45,8 +45,8 @@ def draw_rng_state(device: torch.device) -> Tensor:
 def dense_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
               cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
               softmax_scale: float, window_left: int, window_right: int, softcap: float,
-              alibi_slopes: Optional[Tensor], dropout_p: float, rng_state: Optional[Tensor],
-              deterministic: bool) -> tuple[Tensor, Tensor]:
+              alibi_slopes: Optional[Tensor], dropout_p: float,
+              rng_state: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     p = make_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                     window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
@@ -58,7 +58,7 @@ def dense_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
 
 @dense_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-      window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic):
+      window_right, softcap, alibi_slopes, dropout_p, rng_state):
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
     return out, lse
@@ -69,7 +69,7 @@ def dense_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
               dlse: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
               max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int,
               window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float,
-              rng_state: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+              rng_state: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout, q, k, v, out))
     if dlse is not None:
         dlse = dlse.contiguous()
@@ -79,21 +79,19 @@ def dense_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     dk = _new_output(k, k.shape)
     dv = _new_output(v, v.shape)
     delta = torch.empty_like(lse)
-    dq_accum = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    attn_bwd(p, dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, deterministic, dq_accum)
+    attn_bwd(p, dout, q, k, v, out, lse, dlse, dq, dk, dv, delta)
     return dq, dk, dv
 
 
 @dense_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
-      deterministic):
+      softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 _FWD_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
              "softmax_scale", "window_left", "window_right", "softcap", "alibi_slopes", "dropout_p",
-             "rng_state", "deterministic")
+             "rng_state")
 
 
 def _setup_context(ctx, inputs, output):
@@ -104,7 +102,6 @@ def _setup_context(ctx, inputs, output):
     ctx.scalars = tuple(args[n] for n in ("max_seqlen_q", "max_seqlen_k", "softmax_scale",
                                           "window_left", "window_right", "softcap"))
     ctx.dropout_p = args["dropout_p"]
-    ctx.deterministic = args["deterministic"]
     ctx.set_materialize_grads(False)
 
 
@@ -114,7 +111,7 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     mq, mk, scale, wl, wr, cap = ctx.scalars
     dq, dk, dv = dense_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, mq, mk, scale, wl, wr, cap,
-                           alibi, ctx.dropout_p, rng, ctx.deterministic)
+                           alibi, ctx.dropout_p, rng)
     return (dq, dk, dv) + (None,) * (len(_FWD_ARGS) - 3)
 
 

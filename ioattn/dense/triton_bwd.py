@@ -3,7 +3,9 @@
 Three kernels: ``_bwd_preprocess`` (delta = rowsum(dO * O) - dLSE), ``_bwd_dkdv_kernel`` (one program
 per key block and KV head; it loops over the query heads of its GQA group, so dK/dV are reduced
 without materializing repeated K/V) and ``_bwd_dq_kernel`` (one program per query block and head).
-Optionally dQ is instead accumulated by fp32 atomics from the dK/dV kernel (non-deterministic).
+No atomics anywhere, so every backward is deterministic (bitwise reproducible). On the H200 the
+separate dQ kernel also beat fp32 atomic dQ accumulation from the dK/dV kernel: 425 vs 392
+TFLOP/s at d=128 s=8k (benchmarks/NOTES.md), so there is no faster non-deterministic mode to offer.
 """
 from __future__ import annotations
 
@@ -56,12 +58,11 @@ def _bwd_preprocess(O, DO, DLSE, DELTA,
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
                 start, end, offs_m0, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, off,
                 window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2, slope_log2,
-                seed, rng_row0, max_seqlen_k, dropout_p, sm_scale,
-                DQ_ACC, stride_dqm,
+                seed, rng_row0, max_seqlen_k, dropout_p,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
                 MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                HAS_DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+                HAS_DROPOUT: tl.constexpr):
     for start_m in tl.range(start, end, BLOCK_M):
         offs_m = start_m + offs_m0
         q_ptrs = q_base + offs_m[:, None] * stride_qm + offs_d[None, :]
@@ -107,25 +108,18 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, 
         if HAS_SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)
         dk = tl.dot(dsT.to(q.dtype), q, dk)
-        if DQ_ATOMIC:
-            # [BLOCK_M, BLOCK_D]
-            dq = tl.dot(tl.trans(dsT).to(k.dtype), k) * sm_scale
-            dq_ptrs = DQ_ACC + offs_m[:, None] * stride_dqm + offs_d[None, :]
-            tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM),
-                          sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, SLOPES, CU_Q, CU_K, RNG,
+    Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, CU_Q, CU_K, RNG,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
-    stride_dqb, stride_dqm, stride_dqh,
     stride_lb, stride_lh, stride_sb,
     n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed, rng_rows, max_seqlen_k,
     sm_scale, qk_scale_log2, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
@@ -133,7 +127,6 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = (BLOCK_D == HEAD_DIM) and (BLOCK_DV == HEAD_DIM_V)
     pid_n = tl.program_id(0)
@@ -178,7 +171,6 @@ def _bwd_dkdv_kernel(
         off_h = (off_hk * kv_group + g).to(tl.int64)
         q_base = Q + off_b64 * stride_qb + q_start.to(tl.int64) * stride_qm + off_h * stride_qh
         do_base = DO + off_b64 * stride_dob + q_start.to(tl.int64) * stride_dom + off_h * stride_doh
-        dq_base = DQ_ACC + off_b64 * stride_dqb + q_start.to(tl.int64) * stride_dqm + off_h * stride_dqh
         l_off = off_b64 * stride_lb + off_h * stride_lh + q_start
         slope_log2 = 0.0
         if HAS_ALIBI:
@@ -190,23 +182,20 @@ def _bwd_dkdv_kernel(
                              stride_dom, lo, full_lo, offs_m0, offs_n, offs_d, offs_dv, seqlen_q,
                              seqlen_k, off, window_left, window_right, qk_scale_log2, softcap_scale,
                              softcap_log2, slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
-                             sm_scale, dq_base, stride_dqm,
                              HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DQ_ATOMIC)
+                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + l_off, DELTA + l_off, stride_qm,
                              stride_dom, full_lo, full_hi, offs_m0, offs_n, offs_d, offs_dv, seqlen_q,
                              seqlen_k, off, window_left, window_right, qk_scale_log2, softcap_scale,
                              softcap_log2, slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
-                             sm_scale, dq_base, stride_dqm,
                              HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DQ_ATOMIC)
+                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + l_off, DELTA + l_off, stride_qm,
                              stride_dom, full_hi, hi, offs_m0, offs_n, offs_d, offs_dv, seqlen_q,
                              seqlen_k, off, window_left, window_right, qk_scale_log2, softcap_scale,
                              softcap_log2, slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
-                             sm_scale, dq_base, stride_dqm,
                              HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DQ_ATOMIC)
+                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
     dk = dk * sm_scale
     mask_k = col_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     mask_v = col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
@@ -349,13 +338,8 @@ def _bwd_dq_kernel(
 
 def attn_bwd(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
-             dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, delta: torch.Tensor,
-             deterministic: bool, dq_accum: Optional[torch.Tensor] = None) -> None:
-    """Launch the backward into preallocated dq/dk/dv (layouts of q/k/v) and ``delta`` (LSE's layout).
-
-    ``dq_accum`` (fp32, q's shape, zeroed) selects the atomic dQ path; it is only used when not
-    ``deterministic``. The caller converts it into ``dq``.
-    """
+             dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, delta: torch.Tensor) -> None:
+    """Launch the backward into preallocated dq/dk/dv (layouts of q/k/v) and ``delta`` (LSE's layout)."""
     cfg = configs.bwd_config(q.device, p.head_dim, p.head_dim_v, q.dtype, p.causal_like)
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
     sb = p.batch_strides
@@ -385,10 +369,8 @@ def attn_bwd(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         HEAD_DIM_V=p.head_dim_v, BLOCK_DV=block_dv, BLOCK_M=pre_block, IS_VARLEN=p.is_varlen,
         HAS_DLSE=dlse is not None,
     )
-    atomic = dq_accum is not None and not deterministic
-    dq_target = dq_accum if atomic else dq
     _bwd_dkdv_kernel[grid_kv](
-        q, k, v, dout, lse, delta, dk, dv, dq_target, p.alibi_arg(q), p.cu_q_arg(q), p.cu_k_arg(q),
+        q, k, v, dout, lse, delta, dk, dv, p.alibi_arg(q), p.cu_q_arg(q), p.cu_k_arg(q),
         p.rng_arg(q),
         sb(q), q.stride(-3), q.stride(-2),
         sb(k), k.stride(-3), k.stride(-2),
@@ -396,17 +378,13 @@ def attn_bwd(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         sb(dout), dout.stride(-3), dout.stride(-2),
         sb(dk), dk.stride(-3), dk.stride(-2),
         sb(dv), dv.stride(-3), dv.stride(-2),
-        sb(dq_target), dq_target.stride(-3), dq_target.stride(-2),
         *lse_strides, p.alibi_batch_stride,
         n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, p.rng_rows, p.max_seqlen_k,
         *scalars,
         HEAD_DIM=p.head_dim, HEAD_DIM_V=p.head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DQ_ATOMIC=atomic, **flags,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if atomic:
-        dq.copy_(dq_accum)
-        return
     _bwd_dq_kernel[grid_dq](
         q, k, v, dout, lse, delta, dq, p.alibi_arg(q), p.cu_q_arg(q), p.cu_k_arg(q), p.rng_arg(q),
         sb(q), q.stride(-3), q.stride(-2),

@@ -26,7 +26,7 @@ def _fwd_args(device, varlen=False, dropout=0.0):
         v = torch.randn(2, 23, h_k, d, device=device, dtype=torch.bfloat16, requires_grad=True)
         cus, ms = (None, None), (19, 23)
     rng = draw_rng_state(device) if dropout else None
-    return (q, k, v, *cus, *ms, 0.2, -1, 0, 0.0, None, dropout, rng, True)
+    return (q, k, v, *cus, *ms, 0.2, -1, 0, 0.0, None, dropout, rng)
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
