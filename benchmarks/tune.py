@@ -21,23 +21,20 @@ from ioattn.dense import configs
 from ioattn.dense.configs import BwdConfig, FwdConfig
 
 FWD_CANDIDATES = {
-    64: [FwdConfig(128, 64, 4, 3), FwdConfig(128, 64, 4, 2), FwdConfig(64, 64, 4, 3),
-         FwdConfig(128, 32, 4, 3), FwdConfig(64, 128, 4, 3), FwdConfig(128, 64, 4, 3, tma=True),
-         FwdConfig(128, 64, 8, 3, tma=True, warp_specialize=True),
-         FwdConfig(256, 64, 8, 3, tma=True, warp_specialize=True)],
-    128: [FwdConfig(128, 64, 8, 3), FwdConfig(128, 128, 8, 3, tma=True, warp_specialize=True),
-          FwdConfig(128, 64, 8, 3, tma=True, warp_specialize=True),
-          FwdConfig(128, 64, 8, 3, tma=True), FwdConfig(128, 128, 8, 4, tma=True, warp_specialize=True)],
-    256: [FwdConfig(128, 64, 8, 2), FwdConfig(128, 64, 8, 1), FwdConfig(64, 64, 4, 2)],
+    64: [FwdConfig(64, 64, 4, 3), FwdConfig(128, 64, 4, 3), FwdConfig(64, 64, 4, 4),
+         FwdConfig(64, 128, 4, 3), FwdConfig(128, 64, 8, 3, tma=True, warp_specialize=True),
+         FwdConfig(128, 128, 8, 3, tma=True, warp_specialize=True)],
+    128: [FwdConfig(128, 128, 8, 3, tma=True, warp_specialize=True), FwdConfig(128, 64, 8, 3),
+          FwdConfig(128, 128, 8, 3), FwdConfig(128, 64, 8, 3, tma=True, warp_specialize=True)],
+    256: [FwdConfig(128, 64, 8, 2), FwdConfig(64, 64, 4, 2)],
 }
 
 BWD_CANDIDATES = {
-    64: [BwdConfig(64, 128, 128, 64, 8, 3), BwdConfig(64, 128, 128, 64, 4, 3),
-         BwdConfig(32, 128, 128, 32, 4, 3), BwdConfig(64, 64, 64, 64, 4, 3)],
-    128: [BwdConfig(64, 128, 128, 64, 8, 3), BwdConfig(32, 128, 128, 32, 4, 3),
-          BwdConfig(64, 128, 128, 64, 8, 2), BwdConfig(64, 64, 64, 64, 4, 3)],
-    256: [BwdConfig(32, 64, 64, 32, 8, 2), BwdConfig(64, 64, 64, 64, 8, 2),
-          BwdConfig(32, 64, 64, 32, 4, 2), BwdConfig(16, 64, 64, 16, 4, 2)],
+    64: [BwdConfig(64, 64, 64, 64, 4, 3), BwdConfig(32, 128, 128, 32, 4, 3),
+         BwdConfig(64, 128, 128, 64, 8, 3), BwdConfig(64, 64, 128, 64, 4, 3)],
+    128: [BwdConfig(64, 128, 128, 64, 8, 3), BwdConfig(64, 128, 128, 128, 8, 3),
+          BwdConfig(64, 128, 64, 128, 8, 3), BwdConfig(32, 128, 128, 64, 8, 3)],
+    256: [BwdConfig(32, 64, 64, 32, 8, 2), BwdConfig(64, 64, 64, 64, 8, 2)],
 }
 
 
@@ -53,8 +50,7 @@ def bench_case(mode, d, s, causal, tokens=16384, hidden=2048):
     results = []
     cands = FWD_CANDIDATES[d] if mode == "fwd" else BWD_CANDIDATES[d]
     orig_f, orig_b = configs.fwd_config, configs.bwd_config
-    variants = [(c, det) for c in cands for det in ((False,) if mode == "fwd" else (False, True))]
-    for cfg, det in variants:
+    for cfg in cands:
         if mode == "fwd":
             configs.fwd_config = lambda *a, _c=cfg: _c
         else:
@@ -64,14 +60,14 @@ def bench_case(mode, d, s, causal, tokens=16384, hidden=2048):
                 ms = do_bench(lambda: ioattn.flash_attn_func(q, k, v, causal=causal),
                               return_mode="median")
             else:
-                out = ioattn.flash_attn_func(q, k, v, causal=causal, deterministic=det)
+                out = ioattn.flash_attn_func(q, k, v, causal=causal)
                 g = torch.randn_like(out)
                 ms = do_bench(lambda: out.backward(g, retain_graph=True), grad_to_none=[q, k, v],
                               return_mode="median")
-            results.append(dict(cfg=dataclasses.asdict(cfg), det=det, ms=ms,
+            results.append(dict(cfg=dataclasses.asdict(cfg), ms=ms,
                                 tflops=flops(b, h, s, d, causal, mode) / ms * 1e-9))
         except Exception as e:  # a config that does not compile (shared memory) is reported
-            results.append(dict(cfg=dataclasses.asdict(cfg), det=det, error=str(e).splitlines()[0][:120]))
+            results.append(dict(cfg=dataclasses.asdict(cfg), error=str(e).splitlines()[0][:120]))
         finally:
             configs.fwd_config, configs.bwd_config = orig_f, orig_b
     qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
@@ -112,7 +108,6 @@ def main(argv=None):
                     name = r.get("anchor") or "{block_m}x{block_n} w{num_warps} s{num_stages}".format(**r["cfg"]) + \
                         (" tma" if r.get("cfg", {}).get("tma") else "") + \
                         (" ws" if r.get("cfg", {}).get("warp_specialize") else "") + \
-                        (" det" if r.get("det") else "") + \
                         (" bm_dq{block_m_dq} bn_dq{block_n_dq}".format(**r["cfg"]) if "block_m_dq" in r.get("cfg", {}) else "")
                     val = f"{r['tflops']:7.1f} TFLOP/s" if "tflops" in r else "ERR " + r["error"]
                     print(f"   {name:45s} {val}")

@@ -62,8 +62,8 @@ def _check_common(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, window_size
     if not isinstance(softcap, (int, float)) or softcap < 0:
         _fail(f"softcap={softcap!r} must be a float >= 0 (0 disables it)")
     if softmax_scale is not None and (not isinstance(softmax_scale, (int, float))
-                                      or not math.isfinite(softmax_scale)):
-        _fail(f"softmax_scale={softmax_scale!r} must be a finite float or None")
+                                      or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        _fail(f"softmax_scale={softmax_scale!r} must be a finite float > 0, or None (1/sqrt(headdim))")
 
 
 def _check_alibi(alibi_slopes, batch: int, h: int, device: torch.device) -> None:

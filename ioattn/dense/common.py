@@ -106,10 +106,12 @@ def tanh_f32(x):
 @triton.jit
 def scores_log2(qk, rows, cols, off, qk_scale_log2, softcap_scale, softcap_log2, slope_log2,
                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """Raw q·k (fp32) -> scores in the log2 domain, plus tanh (for softcap's gradient).
+    """Raw q·k (fp32) -> (s, t, c) with ``s * c`` the score in the log2 domain, t = tanh (softcap).
 
-    No softcap: s = qk * scale * log2e. Softcap: s = cap * tanh(qk * scale / cap) * log2e.
+    No softcap: s * c = qk * scale * log2e. Softcap: cap * tanh(qk * scale / cap) * log2e.
     ALiBi adds -slope * |i + off - j| (times log2e) after the softcap, as FA2 does.
+    In the plain case s stays the raw qk and c is the scale, so the callers' ``exp2(s * c - m)``
+    is one FMA per element (the softmax, not the matmuls, limits small head dims).
     rows / cols broadcast as in ``visible``.
     """
     if HAS_SOFTCAP:
@@ -117,11 +119,17 @@ def scores_log2(qk, rows, cols, off, qk_scale_log2, softcap_scale, softcap_log2,
         s = t * softcap_log2
     else:
         t = qk
-        s = qk * qk_scale_log2
+        s = qk
     if HAS_ALIBI:
+        if not HAS_SOFTCAP:
+            s = qk * qk_scale_log2
         dist = tl.abs(rows + off - cols).to(tl.float32)
         s = s - slope_log2 * dist
-    return s, t
+    if HAS_SOFTCAP or HAS_ALIBI:
+        c = 1.0
+    else:
+        c = qk_scale_log2
+    return s, t, c
 
 
 @triton.jit

@@ -88,12 +88,12 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, 
         qkT = tl.dot(k, tl.trans(q))
         rows = offs_m[None, :]
         cols = offs_n[:, None]
-        sT, tT = scores_log2(qkT, rows, cols, off, qk_scale_log2, softcap_scale, softcap_log2,
-                             slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+        sT, tT, c = scores_log2(qkT, rows, cols, off, qk_scale_log2, softcap_scale, softcap_log2,
+                                slope_log2, HAS_SOFTCAP, HAS_ALIBI)
         if MASKED:
             sT = tl.where(visible(rows, cols, seqlen_k, off, window_left, window_right,
                                   HAS_LEFT, HAS_RIGHT), sT, float("-inf"))
-        pT = tl.exp2(sT - lse2[None, :])
+        pT = tl.exp2(sT * c - lse2[None, :])
         # [BLOCK_N, BLOCK_M]
         dpT = tl.dot(v, tl.trans(do)).to(tl.float32)
         if HAS_DROPOUT:
@@ -229,12 +229,12 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
             k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
             v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
         qk = tl.dot(q, tl.trans(k))
-        s, t = scores_log2(qk, offs_m[:, None], offs_n[None, :], off, qk_scale_log2, softcap_scale, softcap_log2,
-                           slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+        s, t, c = scores_log2(qk, offs_m[:, None], offs_n[None, :], off, qk_scale_log2, softcap_scale,
+                              softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
         if MASKED:
             s = tl.where(visible(offs_m[:, None], offs_n[None, :], seqlen_k, off, window_left,
                                  window_right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
-        p = tl.exp2(s - lse2[:, None])
+        p = tl.exp2(s * c - lse2[:, None])
         dp = tl.dot(do, tl.trans(v)).to(tl.float32)
         if HAS_DROPOUT:
             keep = dropout_keep(seed, rng_row0, offs_m[:, None], offs_n[None, :], max_seqlen_k, dropout_p)

@@ -41,18 +41,18 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
             k = tl.load(k_src + start_n * stride_kn, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
         # [BLOCK_M, BLOCK_N]
         qk = tl.dot(q, tl.trans(k))
-        s, _ = scores_log2(qk, offs_m[:, None], cols[None, :], off, qk_scale_log2, softcap_scale, softcap_log2,
-                           slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+        s, _, c = scores_log2(qk, offs_m[:, None], cols[None, :], off, qk_scale_log2, softcap_scale,
+                              softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
         if MASKED:
             s = tl.where(visible(offs_m[:, None], cols[None, :], seqlen_k, off, window_left, window_right,
                                  HAS_LEFT, HAS_RIGHT), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * c)
             # a row with nothing visible yet keeps m = -inf; shift by 0 so exp2 sees -inf, not NaN
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * c)
             m_use = m_new
-        p = tl.exp2(s - m_use[:, None])
+        p = tl.exp2(s * c - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]

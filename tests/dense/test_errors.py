@@ -47,6 +47,8 @@ def test_argument_errors(device):
         ioattn.flash_attn_func(q, k, v, dropout_p=1.0)
     with pytest.raises(ValueError, match="window_size"):
         ioattn.flash_attn_func(q, k, v, window_size=(-2, 0))
+    with pytest.raises(ValueError, match="softmax_scale"):
+        ioattn.flash_attn_func(q, k, v, softmax_scale=0.0)
     with pytest.raises(ValueError, match="softcap"):
         ioattn.flash_attn_func(q, k, v, softcap=-1.0)
     with pytest.raises(TypeError, match="alibi_slopes must be float32"):
