@@ -21,11 +21,10 @@ from ioattn.dense import configs
 from ioattn.dense.configs import BwdConfig, FwdConfig
 
 FWD_CANDIDATES = {
-    64: [FwdConfig(64, 64, 4, 3), FwdConfig(128, 64, 4, 3), FwdConfig(64, 64, 4, 4),
-         FwdConfig(64, 128, 4, 3), FwdConfig(128, 64, 8, 3, tma=True, warp_specialize=True),
-         FwdConfig(128, 128, 8, 3, tma=True, warp_specialize=True)],
+    64: [FwdConfig(64, 64, 4, 3), FwdConfig(128, 64, 4, 3), FwdConfig(64, 32, 4, 3)],
     128: [FwdConfig(128, 128, 8, 3, tma=True, warp_specialize=True), FwdConfig(128, 64, 8, 3),
-          FwdConfig(128, 128, 8, 3), FwdConfig(128, 64, 8, 3, tma=True, warp_specialize=True)],
+          FwdConfig(64, 64, 4, 3), FwdConfig(64, 128, 4, 3), FwdConfig(128, 64, 4, 3),
+          FwdConfig(64, 64, 8, 3), FwdConfig(128, 32, 8, 3)],
     256: [FwdConfig(128, 64, 8, 2), FwdConfig(64, 64, 4, 2)],
 }
 

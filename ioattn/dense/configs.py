@@ -49,18 +49,22 @@ def _arch(device: torch.device) -> tuple[int, int]:
 
 
 def fwd_config(device: torch.device, head_dim: int, head_dim_v: int, dtype: torch.dtype,
-               masked: bool) -> FwdConfig:
+               masked: bool, seqlen_q: int) -> FwdConfig:
     if interpreting() or device.type != "cuda":
         return _INTERP_FWD
     d = max(pad_dim(head_dim), pad_dim(head_dim_v))
     major, _ = _arch(device)
     if major >= 9:
-        # H200 sweep, FA grid s=8k bf16 (benchmarks/NOTES.md): d64 64x64 416/393 TFLOP/s (causal);
-        # d128 128x128 TMA+WS 507/460; d256 128x64 450/442
+        # H200 sweeps, FA grid bf16 (benchmarks/NOTES.md). Causal work is uneven per query block,
+        # so short causal problems want small query blocks; long ones want the TMA+WS pipeline.
         if d <= 64:
-            return FwdConfig(64, 64, 4, 3)
+            return FwdConfig(64, 64, 4, 3) if masked else FwdConfig(128, 64, 4, 3)
         if d <= 128:
-            return FwdConfig(128, 128, 8, 3, tma=True, warp_specialize=True)
+            if seqlen_q >= 8192:
+                return FwdConfig(128, 128, 8, 3, tma=True, warp_specialize=True)
+            if masked and seqlen_q <= 2048:
+                return FwdConfig(64, 64, 4, 3)
+            return FwdConfig(128, 64, 8, 3)
         return FwdConfig(128, 64, 8, 2)
     if d <= 64:
         return FwdConfig(128, 64, 4, 3)

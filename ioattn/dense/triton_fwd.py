@@ -210,7 +210,8 @@ def _ensure_allocator() -> None:
 def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor) -> None:
     """Launch the forward into preallocated ``out`` (q's layout, d_v) and ``lse`` (fp32)."""
-    cfg = configs.fwd_config(q.device, p.head_dim, p.head_dim_v, q.dtype, p.causal_like)
+    cfg = configs.fwd_config(q.device, p.head_dim, p.head_dim_v, q.dtype, p.causal_like,
+                             p.max_seqlen_q)
     n_heads = q.shape[-2]
     grid = (triton.cdiv(p.max_seqlen_q, cfg.block_m), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
