@@ -23,8 +23,8 @@ def run(s: int, causal: bool, h: int = 16, d: int = 128) -> dict:
                for _ in range(3))
     dout = torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16)
     inputs_bytes = torch.cuda.memory_allocated()
-    # warm-up at a small size compiles the kernels outside the timed region
-    ioattn.flash_attn_func(q[:, :256], k[:, :256], v[:, :256], causal=causal).sum().backward()
+    # an untimed run at the full size compiles the kernels (configs depend on the length)
+    ioattn.flash_attn_func(q, k, v, causal=causal).backward(dout)
     q.grad = k.grad = v.grad = None
     start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     start.record()

@@ -29,11 +29,11 @@ FWD_CANDIDATES = {
 }
 
 BWD_CANDIDATES = {
-    64: [BwdConfig(64, 64, 64, 64, 4, 3), BwdConfig(32, 128, 128, 32, 4, 3),
-         BwdConfig(64, 128, 128, 64, 8, 3), BwdConfig(64, 64, 128, 64, 4, 3)],
-    128: [BwdConfig(64, 128, 128, 64, 8, 3), BwdConfig(64, 128, 128, 128, 8, 3),
-          BwdConfig(64, 128, 64, 128, 8, 3), BwdConfig(32, 128, 128, 64, 8, 3)],
-    256: [BwdConfig(32, 64, 64, 32, 8, 2), BwdConfig(64, 64, 64, 64, 8, 2)],
+    64: [BwdConfig(64, 64, 64, 64, 4, 3), BwdConfig(64, 64, 64, 64, 4, 3, tma=True)],
+    128: [BwdConfig(64, 128, 128, 64, 8, 3), BwdConfig(64, 128, 128, 64, 8, 3, tma=True),
+          BwdConfig(32, 128, 128, 64, 8, 3, keys_as_b=True, tma=True)],
+    256: [BwdConfig(32, 64, 64, 32, 8, 2), BwdConfig(32, 64, 64, 32, 8, 2, tma=True),
+          BwdConfig(32, 64, 64, 32, 8, 2, keys_as_b=True)],
 }
 
 
@@ -107,7 +107,8 @@ def main(argv=None):
                     name = r.get("anchor") or "{block_m}x{block_n} w{num_warps} s{num_stages}".format(**r["cfg"]) + \
                         (" tma" if r.get("cfg", {}).get("tma") else "") + \
                         (" ws" if r.get("cfg", {}).get("warp_specialize") else "") + \
-                        (" bm_dq{block_m_dq} bn_dq{block_n_dq}".format(**r["cfg"]) if "block_m_dq" in r.get("cfg", {}) else "")
+                        (" bm_dq{block_m_dq} bn_dq{block_n_dq}".format(**r["cfg"]) if "block_m_dq" in r.get("cfg", {}) else "") + \
+                        (" kab" if r.get("cfg", {}).get("keys_as_b") else "")
                     val = f"{r['tflops']:7.1f} TFLOP/s" if "tflops" in r else "ERR " + r["error"]
                     print(f"   {name:45s} {val}")
                 sys.stdout.flush()

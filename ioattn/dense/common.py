@@ -6,6 +6,7 @@ Conventions (all kernels of this family):
   side is unbounded, encoded by the constexpr flags ``HAS_LEFT`` / ``HAS_RIGHT``;
 - scores live in the log2 domain inside the kernels (``exp2``), the LSE leaves them in natural log.
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -141,3 +142,26 @@ def dropout_keep(seed, rng_row0, rows, cols, max_seqlen_k, dropout_p):
     """
     offsets = (rng_row0 + rows.to(tl.int64)) * max_seqlen_k + cols.to(tl.int64)
     return tl.rand(seed, offsets) >= dropout_p
+
+
+# ---- host side ----
+
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and 16-byte multiples for every outer stride."""
+    for t in tensors:
+        esize = t.element_size()
+        if t.data_ptr() % 16 or any((st * esize) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+_tma_allocator_set = False
+
+
+def ensure_tma_allocator() -> None:
+    # device-side TMA descriptors need a small global scratch per program, from torch's allocator
+    global _tma_allocator_set
+    if not _tma_allocator_set:
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                      device="cuda"))
+        _tma_allocator_set = True

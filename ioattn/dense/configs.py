@@ -29,6 +29,8 @@ class BwdConfig:
     block_n_dq: int  # keys per inner step of the dQ kernel
     num_warps: int
     num_stages: int
+    keys_as_b: bool = False  # dK/dV kernel: K, V as wgmma B operands (shared memory, fewer registers)
+    tma: bool = False  # Q/dO (dK/dV kernel) and K/V (dQ kernel) through TMA descriptors
 
 
 def interpreting() -> bool:

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from ioattn.dense import configs
-from ioattn.dense.common import (LOG2E, dropout_keep, kv_block_range, q_block_range, scores_log2,
-                                 visible)
+from ioattn.dense.common import (LOG2E, dropout_keep, ensure_tma_allocator, kv_block_range,
+                                 q_block_range, scores_log2, tma_compatible, visible)
 from ioattn.dense.params import AttnParams
 
 
@@ -55,59 +55,82 @@ def _bwd_preprocess(O, DO, DLSE, DELTA,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
                 start, end, offs_m0, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, off,
                 window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2, slope_log2,
                 seed, rng_row0, max_seqlen_k, dropout_p,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
                 MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                HAS_DROPOUT: tl.constexpr):
+                HAS_DROPOUT: tl.constexpr, KEYS_AS_B: tl.constexpr, USE_TMA: tl.constexpr):
+    # q_src / do_src: TMA descriptors (USE_TMA; rows past seqlen_q read as 0) or base pointers
     for start_m in tl.range(start, end, BLOCK_M):
         offs_m = start_m + offs_m0
-        q_ptrs = q_base + offs_m[:, None] * stride_qm + offs_d[None, :]
-        do_ptrs = do_base + offs_m[:, None] * stride_dom + offs_dv[None, :]
-        if MASKED:
-            row_ok = offs_m < seqlen_q
-            q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-            do = tl.load(do_ptrs, mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
-            lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
-            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        if USE_TMA:
+            q = q_src.load([start_m, 0])
+            do = do_src.load([start_m, 0])
         else:
-            if EVEN_D:
+            q_ptrs = q_src + offs_m[:, None] * stride_qm + offs_d[None, :]
+            do_ptrs = do_src + offs_m[:, None] * stride_dom + offs_dv[None, :]
+            if MASKED:
+                row_ok = offs_m < seqlen_q
+                q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+                do = tl.load(do_ptrs, mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+            elif EVEN_D:
                 q = tl.load(q_ptrs)
                 do = tl.load(do_ptrs)
             else:
                 q = tl.load(q_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
                 do = tl.load(do_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+        if MASKED:
+            row_ok = offs_m < seqlen_q
+            lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        else:
             lse = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
         # fully masked rows carry LSE = -inf; +inf makes their P exactly 0 instead of NaN
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        # [BLOCK_N, BLOCK_M]: transposed scores, keys on rows
-        qkT = tl.dot(k, tl.trans(q))
-        rows = offs_m[None, :]
-        cols = offs_n[:, None]
-        sT, tT, c = scores_log2(qkT, rows, cols, off, qk_scale_log2, softcap_scale, softcap_log2,
-                                slope_log2, HAS_SOFTCAP, HAS_ALIBI)
-        if MASKED:
-            sT = tl.where(visible(rows, cols, seqlen_k, off, window_left, window_right,
-                                  HAS_LEFT, HAS_RIGHT), sT, float("-inf"))
-        pT = tl.exp2(sT * c - lse2[None, :])
-        # [BLOCK_N, BLOCK_M]
-        dpT = tl.dot(v, tl.trans(do)).to(tl.float32)
-        if HAS_DROPOUT:
-            keepT = dropout_keep(seed, rng_row0, rows, cols, max_seqlen_k, dropout_p)
-            inv_keep = 1.0 / (1.0 - dropout_p)
-            pT_drop = tl.where(keepT, pT * inv_keep, 0.0)
-            dpT = tl.where(keepT, dpT * inv_keep, 0.0)
+        # KEYS_AS_B: scores [BLOCK_M, BLOCK_N] with K and V as the B operands (read from shared
+        # memory), so K/V tiles need no registers; else transposed scores [BLOCK_N, BLOCK_M].
+        if KEYS_AS_B:
+            qk = tl.dot(q, tl.trans(k))
+            rows = offs_m[:, None]
+            cols = offs_n[None, :]
+            lse_b = lse2[:, None]
+            delta_b = delta[:, None]
         else:
-            pT_drop = pT
-        dv = tl.dot(pT_drop.to(do.dtype), do, dv)
-        dsT = pT * (dpT - delta[None, :])
+            qk = tl.dot(k, tl.trans(q))
+            rows = offs_m[None, :]
+            cols = offs_n[:, None]
+            lse_b = lse2[None, :]
+            delta_b = delta[None, :]
+        s, t, c = scores_log2(qk, rows, cols, off, qk_scale_log2, softcap_scale, softcap_log2,
+                              slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+        if MASKED:
+            s = tl.where(visible(rows, cols, seqlen_k, off, window_left, window_right,
+                                 HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+        p = tl.exp2(s * c - lse_b)
+        if KEYS_AS_B:
+            dp = tl.dot(do, tl.trans(v))
+        else:
+            dp = tl.dot(v, tl.trans(do))
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, rng_row0, rows, cols, max_seqlen_k, dropout_p)
+            inv_keep = 1.0 / (1.0 - dropout_p)
+            p_drop = tl.where(keep, p * inv_keep, 0.0)
+            dp = tl.where(keep, dp * inv_keep, 0.0)
+        else:
+            p_drop = p
+        ds = p * (dp - delta_b)
         if HAS_SOFTCAP:
-            dsT = dsT * (1.0 - tT * tT)
-        dk = tl.dot(dsT.to(q.dtype), q, dk)
+            ds = ds * (1.0 - t * t)
+        if KEYS_AS_B:
+            dv = tl.dot(tl.trans(p_drop.to(do.dtype)), do, dv)
+            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk)
+        else:
+            dv = tl.dot(p_drop.to(do.dtype), do, dv)
+            dk = tl.dot(ds.to(q.dtype), q, dk)
     return dk, dv
 
 
@@ -127,6 +150,7 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    KEYS_AS_B: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = (BLOCK_D == HEAD_DIM) and (BLOCK_DV == HEAD_DIM_V)
     pid_n = tl.program_id(0)
@@ -171,6 +195,14 @@ def _bwd_dkdv_kernel(
         off_h = (off_hk * kv_group + g).to(tl.int64)
         q_base = Q + off_b64 * stride_qb + q_start.to(tl.int64) * stride_qm + off_h * stride_qh
         do_base = DO + off_b64 * stride_dob + q_start.to(tl.int64) * stride_dom + off_h * stride_doh
+        if USE_TMA:
+            q_src = tl.make_tensor_descriptor(q_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_qm, 1],
+                                              block_shape=[BLOCK_M, BLOCK_D])
+            do_src = tl.make_tensor_descriptor(do_base, shape=[seqlen_q, HEAD_DIM_V],
+                                               strides=[stride_dom, 1], block_shape=[BLOCK_M, BLOCK_DV])
+        else:
+            q_src = q_base
+            do_src = do_base
         l_off = off_b64 * stride_lb + off_h * stride_lh + q_start
         slope_log2 = 0.0
         if HAS_ALIBI:
@@ -178,24 +210,24 @@ def _bwd_dkdv_kernel(
         rng_row0 = 0
         if HAS_DROPOUT:
             rng_row0 = off_h * rng_rows + rng_q0 + tl.load(RNG + 1)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + l_off, DELTA + l_off, stride_qm,
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE + l_off, DELTA + l_off, stride_qm,
                              stride_dom, lo, full_lo, offs_m0, offs_n, offs_d, offs_dv, seqlen_q,
                              seqlen_k, off, window_left, window_right, qk_scale_log2, softcap_scale,
                              softcap_log2, slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
                              HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + l_off, DELTA + l_off, stride_qm,
+                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, KEYS_AS_B, USE_TMA)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE + l_off, DELTA + l_off, stride_qm,
                              stride_dom, full_lo, full_hi, offs_m0, offs_n, offs_d, offs_dv, seqlen_q,
                              seqlen_k, off, window_left, window_right, qk_scale_log2, softcap_scale,
                              softcap_log2, slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
                              HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + l_off, DELTA + l_off, stride_qm,
+                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, KEYS_AS_B, USE_TMA)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE + l_off, DELTA + l_off, stride_qm,
                              stride_dom, full_hi, hi, offs_m0, offs_n, offs_d, offs_dv, seqlen_q,
                              seqlen_k, off, window_left, window_right, qk_scale_log2, softcap_scale,
                              softcap_log2, slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
                              HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, KEYS_AS_B, USE_TMA)
     dk = dk * sm_scale
     mask_k = col_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     mask_v = col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
@@ -206,28 +238,32 @@ def _bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
+def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn,
               start, end, offs_m, offs_n0, offs_d, offs_dv, seqlen_k, off,
               window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2, slope_log2,
               seed, rng_row0, max_seqlen_k, dropout_p,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-              HAS_DROPOUT: tl.constexpr):
+              HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr):
+    # k_src / v_src: TMA descriptors (USE_TMA) or [BLOCK_N, BLOCK_D] pointer blocks
     for start_n in tl.range(start, end, BLOCK_N):
         offs_n = start_n + offs_n0
-        if MASKED:
+        if USE_TMA:
+            k = k_src.load([start_n, 0])
+            v = v_src.load([start_n, 0])
+        elif MASKED:
             col_ok = offs_n < seqlen_k
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+            k = tl.load(k_src + start_n * stride_kn, mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
                         other=0.0)
-            v = tl.load(v_ptrs + start_n * stride_vn,
+            v = tl.load(v_src + start_n * stride_vn,
                         mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
         elif EVEN_D:
-            k = tl.load(k_ptrs + start_n * stride_kn)
-            v = tl.load(v_ptrs + start_n * stride_vn)
+            k = tl.load(k_src + start_n * stride_kn)
+            v = tl.load(v_src + start_n * stride_vn)
         else:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+            k = tl.load(k_src + start_n * stride_kn, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            v = tl.load(v_src + start_n * stride_vn, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
         qk = tl.dot(q, tl.trans(k))
         s, t, c = scores_log2(qk, offs_m[:, None], offs_n[None, :], off, qk_scale_log2, softcap_scale,
                               softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
@@ -261,6 +297,7 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = (BLOCK_D == HEAD_DIM) and (BLOCK_DV == HEAD_DIM_V)
     pid_m = tl.program_id(0)
@@ -300,8 +337,14 @@ def _bwd_dq_kernel(
     delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
     k_base = K + off_b64 * stride_kb + k_start.to(tl.int64) * stride_kn + off_hk.to(tl.int64) * stride_kh
     v_base = V + off_b64 * stride_vb + k_start.to(tl.int64) * stride_vn + off_hk.to(tl.int64) * stride_vh
-    k_ptrs = k_base + offs_n0[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = v_base + offs_n0[:, None] * stride_vn + offs_dv[None, :]
+    if USE_TMA:
+        k_src = tl.make_tensor_descriptor(k_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[seqlen_k, HEAD_DIM_V], strides=[stride_vn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        k_src = k_base + offs_n0[:, None] * stride_kn + offs_d[None, :]
+        v_src = v_base + offs_n0[:, None] * stride_vn + offs_dv[None, :]
     slope_log2 = 0.0
     if HAS_ALIBI:
         slope_log2 = tl.load(SLOPES + off_b * stride_sb + off_h).to(tl.float32) * 1.4426950408889634
@@ -314,22 +357,22 @@ def _bwd_dq_kernel(
     lo, full_lo, full_hi, hi = kv_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, full_lo, offs_m,
+    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, lo, full_lo, offs_m,
                    offs_n0, offs_d, offs_dv, seqlen_k, off, window_left, window_right, qk_scale_log2,
                    softcap_scale, softcap_log2, slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
                    HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                   HAS_ALIBI, HAS_DROPOUT)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, full_lo, full_hi,
+                   HAS_ALIBI, HAS_DROPOUT, USE_TMA)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, full_lo, full_hi,
                    offs_m, offs_n0, offs_d, offs_dv, seqlen_k, off, window_left, window_right,
                    qk_scale_log2, softcap_scale, softcap_log2, slope_log2, seed, rng_row0,
                    max_seqlen_k, dropout_p,
                    HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                   HAS_ALIBI, HAS_DROPOUT)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, full_hi, hi, offs_m,
+                   HAS_ALIBI, HAS_DROPOUT, USE_TMA)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, full_hi, hi, offs_m,
                    offs_n0, offs_d, offs_dv, seqlen_k, off, window_left, window_right, qk_scale_log2,
                    softcap_scale, softcap_log2, slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
                    HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                   HAS_ALIBI, HAS_DROPOUT)
+                   HAS_ALIBI, HAS_DROPOUT, USE_TMA)
     dq = dq * sm_scale
     tl.store(DQ + off_b64 * stride_dqb + rows[:, None] * stride_dqm + off_h.to(tl.int64) * stride_dqh
              + offs_d[None, :], dq.to(DQ.dtype.element_ty),
@@ -351,6 +394,9 @@ def attn_bwd(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     scalars = (p.softmax_scale, p.softmax_scale * LOG2E,
                p.softmax_scale / p.softcap if p.softcap > 0 else 0.0, p.softcap * LOG2E,
                p.window_left, p.window_right, p.dropout_p)
+    use_tma = cfg.tma and tma_compatible(q, k, v, dout)
+    if use_tma:
+        ensure_tma_allocator()
     pre_block = 64
     grid_q = (triton.cdiv(p.max_seqlen_q, pre_block), p.batch * n_heads)
     grid_kv = (triton.cdiv(p.max_seqlen_k, cfg.block_n), p.batch * n_heads_k)
@@ -382,7 +428,8 @@ def attn_bwd(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, p.rng_rows, p.max_seqlen_k,
         *scalars,
         HEAD_DIM=p.head_dim, HEAD_DIM_V=p.head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KEYS_AS_B=cfg.keys_as_b, USE_TMA=use_tma,
+        **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _bwd_dq_kernel[grid_dq](
@@ -396,6 +443,6 @@ def attn_bwd(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, p.rng_rows, p.max_seqlen_k,
         *scalars,
         HEAD_DIM=p.head_dim, HEAD_DIM_V=p.head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, **flags,
+        BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, USE_TMA=use_tma, **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 from ioattn.dense import configs
-from ioattn.dense.common import LOG2E, dropout_keep, kv_block_range, scores_log2, visible
+from ioattn.dense.common import (LOG2E, dropout_keep, ensure_tma_allocator, kv_block_range,
+                                 scores_log2, tma_compatible, visible)
 from ioattn.dense.params import AttnParams
 
 
@@ -186,27 +187,6 @@ def _attn_fwd_kernel(
     tl.store(lse_ptrs, lse, mask=row_ok)
 
 
-def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned bases and 16-byte multiples for every outer stride."""
-    for t in tensors:
-        esize = t.element_size()
-        if t.data_ptr() % 16 or any((st * esize) % 16 for st in t.stride()[:-1]):
-            return False
-    return True
-
-
-_allocator_set = False
-
-
-def _ensure_allocator() -> None:
-    # device-side TMA descriptors need a small global scratch per program, from torch's allocator
-    global _allocator_set
-    if not _allocator_set:
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
-                                                                      device="cuda"))
-        _allocator_set = True
-
-
 def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor) -> None:
     """Launch the forward into preallocated ``out`` (q's layout, d_v) and ``lse`` (fp32)."""
@@ -218,9 +198,9 @@ def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return
     sb = p.batch_strides
     # ptxas (CUDA 13.0) crashes on the TMA variant at head dim 256; warp specialization needs 8 warps
-    use_tma = cfg.tma and max(p.head_dim, p.head_dim_v) <= 128 and _tma_ok(q, k, v)
+    use_tma = cfg.tma and max(p.head_dim, p.head_dim_v) <= 128 and tma_compatible(q, k, v)
     if use_tma:
-        _ensure_allocator()
+        ensure_tma_allocator()
     _attn_fwd_kernel[grid](
         q, k, v, out, lse, p.alibi_arg(q), p.cu_q_arg(q), p.cu_k_arg(q), p.rng_arg(q),
         sb(q), q.stride(-3), q.stride(-2),

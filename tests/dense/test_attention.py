@@ -290,3 +290,26 @@ def test_fwd_tma_path(c: Case, device, monkeypatch):
     ref, _ = attention_ref(q, k, v, **kw)
     pt, _ = attention_ref(q, k, v, upcast=False, **kw)
     assert_close_rule("out", out, ref, pt)
+
+
+BWD_VARIANTS = {"keys_as_b": dict(keys_as_b=True), "tma": dict(tma=True),
+                "tma_keys_as_b": dict(tma=True, keys_as_b=True)}
+BWD_VARIANT_CASES = [Case(113, 203, d=64, causal=True), Case(128, 217, d=96, window=(20, 3), h=4, h_k=2,
+                                                          softcap=2.0, dtype=FP16)]
+
+
+@pytest.mark.parametrize("variant", list(BWD_VARIANTS))
+@pytest.mark.parametrize("c", BWD_VARIANT_CASES, ids=lambda c: c.id)
+def test_bwd_variants(c: Case, variant, device, monkeypatch):
+    """Backward kernel variants that configs may select (K/V as B operands, TMA loads)."""
+    from ioattn.dense import configs
+
+    base = configs.bwd_config
+    monkeypatch.setattr(configs, "bwd_config",
+                        lambda *a: dataclasses.replace(base(*a), **BWD_VARIANTS[variant]))
+    q, k, v = _inputs(c, device, scale=1.5 if c.softcap else 1.0)
+    kw = dict(causal=c.causal, window_size=c.window, softcap=c.softcap)
+    out = ioattn.flash_attn_func(q, k, v, **kw)
+    ref, _ = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    _check_grads(c.id, out, ref, pt, torch.randn_like(out), (q, k, v))
