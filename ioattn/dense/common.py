@@ -15,6 +15,47 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed, seqlen_k_fixed, IS_VARLEN: tl.constexpr):
+    """(q_start, seqlen_q, k_start, seqlen_k, rng_q0) of batch entry ``off_b``.
+
+    Varlen reads cu_seqlens; the batched layout is the varlen case with equal lengths (rows start
+    at 0 of each batch entry, whose offset comes from the batch stride). rng_q0 is the entry's
+    first row among all query rows of the batch (dropout's Philox row index).
+    """
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + off_b)
+        seqlen_q = tl.load(CU_Q + off_b + 1) - q_start
+        k_start = tl.load(CU_K + off_b)
+        seqlen_k = tl.load(CU_K + off_b + 1) - k_start
+        rng_q0 = q_start
+    else:
+        # tensors (not constexprs, which 1 would become) so every caller can .to() them
+        q_start = off_b * 0
+        k_start = off_b * 0
+        seqlen_q = q_start + seqlen_q_fixed
+        seqlen_k = k_start + seqlen_k_fixed
+        rng_q0 = off_b * seqlen_q_fixed
+    return q_start, seqlen_q, k_start, seqlen_k, rng_q0
+
+
+@triton.jit
+def kv_sources(k_base, v_base, seqlen_k, stride_kn, stride_vn, offs_n, offs_d, offs_dv,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, USE_TMA: tl.constexpr):
+    """K/V tiles' sources for loops over key blocks: TMA descriptors bounded by seqlen_k (rows past
+    it and head-dim padding read as 0) or [BLOCK_N, BLOCK_D] pointer blocks at key block 0."""
+    if USE_TMA:
+        k_src = tl.make_tensor_descriptor(k_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[seqlen_k, HEAD_DIM_V], strides=[stride_vn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        k_src = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
+        v_src = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :]
+    return k_src, v_src
+
+
+@triton.jit
 def floor_div(a, b: tl.constexpr):
     # Triton's integer // truncates toward zero; block bounds need floor for negative numerators.
     return tl.where(a >= 0, a // b, -((-a + b - 1) // b))
@@ -155,13 +196,22 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
     return True
 
 
-_tma_allocator_set = False
+def _torch_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def ensure_tma_allocator() -> None:
-    # device-side TMA descriptors need a small global scratch per program, from torch's allocator
-    global _tma_allocator_set
-    if not _tma_allocator_set:
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
-                                                                      device="cuda"))
-        _tma_allocator_set = True
+    """Device-side TMA descriptors need a small global scratch per program.
+
+    Triton keeps its allocator in a ContextVar, so it must be set in the launching thread: autograd
+    runs the backward in its own worker thread (seen on the H200: "Kernel requires a runtime memory
+    allocation"). An allocator the caller set is kept; only Triton's null default is replaced.
+    """
+    try:
+        from triton.runtime import _allocation
+        current = _allocation._allocator.get()
+        if not isinstance(current, _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):  # private layout changed: set ours, always valid
+        pass
+    triton.set_allocator(_torch_scratch)

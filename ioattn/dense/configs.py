@@ -46,17 +46,18 @@ _INTERP_FWD = FwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
 _INTERP_BWD = BwdConfig(block_m=32, block_n=64, block_m_dq=64, block_n_dq=32, num_warps=4, num_stages=1)
 
 
-def _arch(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def fwd_config(device: torch.device, head_dim: int, head_dim_v: int, dtype: torch.dtype,
                masked: bool, seqlen_q: int) -> FwdConfig:
     if interpreting() or device.type != "cuda":
         return _INTERP_FWD
+    return fwd_config_for(torch.cuda.get_device_capability(device), head_dim, head_dim_v, masked,
+                          seqlen_q)
+
+
+def fwd_config_for(arch: tuple[int, int], head_dim: int, head_dim_v: int, masked: bool,
+                   seqlen_q: int) -> FwdConfig:
     d = max(pad_dim(head_dim), pad_dim(head_dim_v))
-    major, _ = _arch(device)
-    if major >= 9:
+    if arch[0] >= 9:
         # H200 sweeps, FA grid bf16 (benchmarks/NOTES.md). Causal work is uneven per query block,
         # so short causal problems want small query blocks; long ones want the TMA+WS pipeline.
         if d <= 64:
@@ -79,8 +80,13 @@ def bwd_config(device: torch.device, head_dim: int, head_dim_v: int, dtype: torc
                masked: bool) -> BwdConfig:
     if interpreting() or device.type != "cuda":
         return _INTERP_BWD
+    return bwd_config_for(torch.cuda.get_device_capability(device), head_dim, head_dim_v, masked)
+
+
+def bwd_config_for(arch: tuple[int, int], head_dim: int, head_dim_v: int, masked: bool) -> BwdConfig:
     d = max(pad_dim(head_dim), pad_dim(head_dim_v))
-    # H200 sweep, s=8k bf16: d64 64x64 w4 377/344 TFLOP/s (causal); d128 64x128 w8 425/392
+    # H200 sweep, s=8k bf16: d64 64x64 w4 377/344 TFLOP/s (causal); d128 64x128 w8 425/392.
+    # Untuned below sm90 (same tables).
     if d <= 64:
         return BwdConfig(64, 64, 64, 64, 4, 3)
     if d <= 128:

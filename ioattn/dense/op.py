@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -33,6 +34,11 @@ def _last_dim_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _on_device(t: Tensor):
+    # Triton launches on the current CUDA device, which need not be the inputs' device
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def draw_rng_state(device: torch.device) -> Tensor:
     """Philox (seed, offset) for dropout, drawn from torch's generator of ``device``.
 
@@ -52,7 +58,8 @@ def dense_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
                     window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
     out = _new_output(q, q.shape[:-1] + (v.shape[-1],))
     lse = _new_output(q, _lse_shape(q, p.is_varlen), dtype=torch.float32)
-    attn_fwd(p, q, k, v, out, lse)
+    with _on_device(q):
+        attn_fwd(p, q, k, v, out, lse)
     return out, lse
 
 
@@ -79,7 +86,8 @@ def dense_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     dk = _new_output(k, k.shape)
     dv = _new_output(v, v.shape)
     delta = torch.empty_like(lse)
-    attn_bwd(p, dout, q, k, v, out, lse, dlse, dq, dk, dv, delta)
+    with _on_device(q):
+        attn_bwd(p, dout, q, k, v, out, lse, dlse, dq, dk, dv, delta)
     return dq, dk, dv
 
 

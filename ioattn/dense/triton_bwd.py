@@ -17,7 +17,8 @@ import triton.language as tl
 
 from ioattn.dense import configs
 from ioattn.dense.common import (LOG2E, dropout_keep, ensure_tma_allocator, kv_block_range,
-                                 q_block_range, scores_log2, tma_compatible, visible)
+                                 kv_sources, q_block_range, scores_log2, seq_bounds, tma_compatible,
+                                 visible)
 from ioattn.dense.params import AttnParams
 
 
@@ -31,12 +32,7 @@ def _bwd_preprocess(O, DO, DLSE, DELTA,
     pid_bh = tl.program_id(1)
     off_b = pid_bh // n_heads
     off_h = pid_bh % n_heads
-    if IS_VARLEN:
-        q_start = tl.load(CU_Q + off_b)
-        seqlen_q = tl.load(CU_Q + off_b + 1) - q_start
-    else:
-        q_start = off_b * 0
-        seqlen_q = seqlen_q_fixed
+    q_start, seqlen_q, _, _, _ = seq_bounds(CU_Q, CU_Q, off_b, seqlen_q_fixed, 0, IS_VARLEN)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < seqlen_q
@@ -157,18 +153,8 @@ def _bwd_dkdv_kernel(
     pid_bh = tl.program_id(1)
     off_b = pid_bh // n_heads_k
     off_hk = pid_bh % n_heads_k
-    if IS_VARLEN:
-        q_start = tl.load(CU_Q + off_b)
-        seqlen_q = tl.load(CU_Q + off_b + 1) - q_start
-        k_start = tl.load(CU_K + off_b)
-        seqlen_k = tl.load(CU_K + off_b + 1) - k_start
-        rng_q0 = q_start
-    else:
-        q_start = off_b * 0
-        k_start = off_b * 0
-        seqlen_q = seqlen_q_fixed
-        seqlen_k = seqlen_k_fixed
-        rng_q0 = off_b * seqlen_q_fixed
+    q_start, seqlen_q, k_start, seqlen_k, rng_q0 = seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed,
+                                                              seqlen_k_fixed, IS_VARLEN)
     start_n = pid_n * BLOCK_N
     if start_n >= seqlen_k:
         return
@@ -305,18 +291,8 @@ def _bwd_dq_kernel(
     off_b = pid_bh // n_heads
     off_h = pid_bh % n_heads
     off_hk = off_h // kv_group
-    if IS_VARLEN:
-        q_start = tl.load(CU_Q + off_b)
-        seqlen_q = tl.load(CU_Q + off_b + 1) - q_start
-        k_start = tl.load(CU_K + off_b)
-        seqlen_k = tl.load(CU_K + off_b + 1) - k_start
-        rng_q0 = q_start
-    else:
-        q_start = off_b * 0
-        k_start = off_b * 0
-        seqlen_q = seqlen_q_fixed
-        seqlen_k = seqlen_k_fixed
-        rng_q0 = off_b * seqlen_q_fixed
+    q_start, seqlen_q, k_start, seqlen_k, rng_q0 = seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed,
+                                                              seqlen_k_fixed, IS_VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -337,14 +313,8 @@ def _bwd_dq_kernel(
     delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
     k_base = K + off_b64 * stride_kb + k_start.to(tl.int64) * stride_kn + off_hk.to(tl.int64) * stride_kh
     v_base = V + off_b64 * stride_vb + k_start.to(tl.int64) * stride_vn + off_hk.to(tl.int64) * stride_vh
-    if USE_TMA:
-        k_src = tl.make_tensor_descriptor(k_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
-                                          block_shape=[BLOCK_N, BLOCK_D])
-        v_src = tl.make_tensor_descriptor(v_base, shape=[seqlen_k, HEAD_DIM_V], strides=[stride_vn, 1],
-                                          block_shape=[BLOCK_N, BLOCK_DV])
-    else:
-        k_src = k_base + offs_n0[:, None] * stride_kn + offs_d[None, :]
-        v_src = v_base + offs_n0[:, None] * stride_vn + offs_dv[None, :]
+    k_src, v_src = kv_sources(k_base, v_base, seqlen_k, stride_kn, stride_vn, offs_n0, offs_d, offs_dv,
+                              HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA)
     slope_log2 = 0.0
     if HAS_ALIBI:
         slope_log2 = tl.load(SLOPES + off_b * stride_sb + off_h).to(tl.float32) * 1.4426950408889634

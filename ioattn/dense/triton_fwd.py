@@ -11,7 +11,7 @@ import triton.language as tl
 
 from ioattn.dense import configs
 from ioattn.dense.common import (LOG2E, dropout_keep, ensure_tma_allocator, kv_block_range,
-                                 scores_log2, tma_compatible, visible)
+                                 kv_sources, scores_log2, seq_bounds, tma_compatible, visible)
 from ioattn.dense.params import AttnParams
 
 
@@ -96,18 +96,8 @@ def _attn_fwd_kernel(
     off_b = pid_bh // n_heads
     off_h = pid_bh % n_heads
     off_hk = off_h // kv_group
-    if IS_VARLEN:
-        q_start = tl.load(CU_Q + off_b)
-        seqlen_q = tl.load(CU_Q + off_b + 1) - q_start
-        k_start = tl.load(CU_K + off_b)
-        seqlen_k = tl.load(CU_K + off_b + 1) - k_start
-        rng_q0 = q_start
-    else:
-        q_start = off_b * 0  # a tensor, so .to() below works in both layouts
-        k_start = off_b * 0
-        seqlen_q = seqlen_q_fixed
-        seqlen_k = seqlen_k_fixed
-        rng_q0 = off_b * seqlen_q_fixed
+    q_start, seqlen_q, k_start, seqlen_k, rng_q0 = seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed,
+                                                              seqlen_k_fixed, IS_VARLEN)
     # heaviest query blocks first (the last ones under a causal mask) shortens the tail
     start_m = (tl.num_programs(0) - 1 - pid_m) * BLOCK_M
     if start_m >= seqlen_q:
@@ -127,14 +117,8 @@ def _attn_fwd_kernel(
     # [BLOCK_M, BLOCK_D]
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    if USE_TMA:
-        k_src = tl.make_tensor_descriptor(k_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
-                                          block_shape=[BLOCK_N, BLOCK_D])
-        v_src = tl.make_tensor_descriptor(v_base, shape=[seqlen_k, HEAD_DIM_V], strides=[stride_vn, 1],
-                                          block_shape=[BLOCK_N, BLOCK_DV])
-    else:
-        k_src = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
-        v_src = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :]
+    k_src, v_src = kv_sources(k_base, v_base, seqlen_k, stride_kn, stride_vn, offs_n, offs_d, offs_dv,
+                              HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA)
 
     slope_log2 = 0.0
     if HAS_ALIBI:

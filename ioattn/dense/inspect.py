@@ -1,0 +1,139 @@
+"""Compile the dense kernels for a GPU target without a GPU; report instructions, registers, spills.
+
+    python -m ioattn.dense.inspect            # table for sm90 (H100/H200), bf16
+    python -m ioattn.dense.inspect --json
+
+Runs on a CPU-only machine (Triton's wheel carries ptxas and cuobjdump): CI uses it to prove the
+kernels build for Hopper with the instructions the design needs (wgmma, TMA bulk copies), and
+tuning uses the spill counts to screen tile configs before spending GPU time. Must run without
+TRITON_INTERPRET=1 (interpreted kernels cannot be compiled).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ioattn.dense import triton_bwd, triton_fwd
+
+_PTR_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "SLOPES": "*fp32",
+              "CU_Q": "*i32", "CU_K": "*i32", "RNG": "*i64"}
+_INT_PREFIXES = ("stride", "n_heads", "kv_group", "seqlen", "rng_rows", "max_seqlen", "window")
+
+
+def _signature(fn, constexprs: dict, dtype: str) -> dict:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.isupper():  # pointer arguments are the upper-case names
+            sig[name] = _PTR_TYPES.get(name, f"*{dtype}")
+        elif name.startswith(_INT_PREFIXES):
+            sig[name] = "i32"
+        else:
+            sig[name] = "fp32"
+    return sig
+
+
+@dataclass
+class KernelReport:
+    name: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    wgmma: bool
+    tma: bool
+    warp_specialized: bool
+
+    def row(self) -> str:
+        return (f"{self.name:58s} regs {self.registers:3d}  spill st/ld {self.spill_stores:5d}/"
+                f"{self.spill_loads:5d}  wgmma {'y' if self.wgmma else 'n'}  tma {'y' if self.tma else 'n'}"
+                f"  setmaxnreg {'y' if self.warp_specialized else 'n'}")
+
+
+def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", path, "-o", path + ".o"],
+                             capture_output=True, text=True, check=True)
+    text = res.stderr
+
+    def num(pattern):
+        m = re.search(pattern, text)
+        return int(m.group(1)) if m else 0
+
+    return (num(r"Used (\d+) registers"), num(r"(\d+) bytes spill stores"),
+            num(r"(\d+) bytes spill loads"))
+
+
+def compile_report(name: str, fn, constexprs: dict, num_warps: int, num_stages: int,
+                   arch: int = 90, dtype: str = "bf16") -> KernelReport:
+    src = ASTSource(fn=fn, signature=_signature(fn, constexprs, dtype), constexprs=constexprs)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = k.asm["ptx"]
+    regs, st, ld = _ptxas_usage(ptx, arch)
+    return KernelReport(name, regs, st, ld, wgmma="wgmma.mma_async" in ptx,
+                        tma="cp.async.bulk.tensor" in ptx, warp_specialized="setmaxnreg" in ptx)
+
+
+def _flags(d: int, block_m: int, block_n: int, causal: bool) -> dict:
+    return dict(HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=block_m, BLOCK_N=block_n,
+                IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=causal, HAS_SOFTCAP=False, HAS_ALIBI=False,
+                HAS_DROPOUT=False)
+
+
+def default_reports(arch: int = 90, head_dims=(64, 128, 256)) -> list[KernelReport]:
+    """The kernels the H200 configs launch (configs.py), plus the TMA+WS forward."""
+    from ioattn.dense.configs import bwd_config_for, fwd_config_for
+
+    out = []
+    for d in head_dims:
+        for masked in (False, True):
+            fc = fwd_config_for((arch // 10, arch % 10), d, d, masked, 16384)
+            tma = fc.tma and d <= 128
+            ce = dict(_flags(d, fc.block_m, fc.block_n, masked), USE_TMA=tma,
+                      WARP_SPEC=tma and fc.warp_specialize and fc.num_warps == 8)
+            tag = f"fwd d{d} {'causal' if masked else 'full'} {fc.block_m}x{fc.block_n} w{fc.num_warps}"
+            out.append(compile_report(tag + (" tma+ws" if ce["WARP_SPEC"] else ""),
+                                      triton_fwd._attn_fwd_kernel, ce, fc.num_warps, fc.num_stages, arch))
+        bc = bwd_config_for((arch // 10, arch % 10), d, d, False)
+        ce = dict(_flags(d, bc.block_m, bc.block_n, False), KEYS_AS_B=bc.keys_as_b, USE_TMA=bc.tma)
+        out.append(compile_report(f"bwd dkdv d{d} {bc.block_m}x{bc.block_n} w{bc.num_warps}",
+                                  triton_bwd._bwd_dkdv_kernel, ce, bc.num_warps, bc.num_stages, arch))
+        ce = dict(_flags(d, bc.block_m_dq, bc.block_n_dq, False), USE_TMA=bc.tma)
+        out.append(compile_report(f"bwd dq d{d} {bc.block_m_dq}x{bc.block_n_dq} w{bc.num_warps}",
+                                  triton_bwd._bwd_dq_kernel, ce, bc.num_warps, bc.num_stages, arch))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--dims", default="64,128,256")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
+    reports = default_reports(a.arch, tuple(int(x) for x in a.dims.split(",")))
+    if a.json:
+        print(json.dumps([r.__dict__ for r in reports], indent=1))
+    else:
+        for r in reports:
+            print(r.row())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
