@@ -20,20 +20,22 @@ import ioattn
 from ioattn.dense import configs
 from ioattn.dense.configs import BwdConfig, FwdConfig
 
+# Candidates for the next H200 sweep, screened on CPU with `python -m ioattn.dense.inspect`-style
+# compiles (spill counts in benchmarks/NOTES.md).
 FWD_CANDIDATES = {
-    64: [FwdConfig(64, 64, 4, 3), FwdConfig(128, 64, 4, 3), FwdConfig(64, 32, 4, 3)],
-    128: [FwdConfig(128, 128, 8, 3, tma=True, warp_specialize=True), FwdConfig(128, 64, 8, 3),
-          FwdConfig(64, 64, 4, 3), FwdConfig(64, 128, 4, 3), FwdConfig(128, 64, 4, 3),
-          FwdConfig(64, 64, 8, 3), FwdConfig(128, 32, 8, 3)],
-    256: [FwdConfig(128, 64, 8, 2), FwdConfig(64, 64, 4, 2)],
+    64: [FwdConfig(128, 64, 4, 3), FwdConfig(64, 64, 4, 3), FwdConfig(128, 64, 4, 3, tma=True)],
+    128: [FwdConfig(128, 64, 8, 3), FwdConfig(128, 128, 8, 3, tma=True, warp_specialize=True),
+          FwdConfig(128, 64, 8, 3, tma=True), FwdConfig(128, 128, 8, 3, tma=True)],
+    256: [FwdConfig(128, 64, 8, 2), FwdConfig(128, 64, 8, 1, tma=True)],
 }
 
 BWD_CANDIDATES = {
     64: [BwdConfig(64, 64, 64, 64, 4, 3), BwdConfig(64, 64, 64, 64, 4, 3, tma=True)],
     128: [BwdConfig(64, 128, 128, 64, 8, 3), BwdConfig(64, 128, 128, 64, 8, 3, tma=True),
-          BwdConfig(32, 128, 128, 64, 8, 3, keys_as_b=True, tma=True)],
-    256: [BwdConfig(32, 64, 64, 32, 8, 2), BwdConfig(32, 64, 64, 32, 8, 2, tma=True),
-          BwdConfig(32, 64, 64, 32, 8, 2, keys_as_b=True)],
+          BwdConfig(32, 128, 128, 64, 8, 3, keys_as_b=True, tma=True),
+          BwdConfig(32, 64, 64, 64, 8, 3, tma=True)],
+    256: [BwdConfig(32, 64, 64, 32, 8, 2), BwdConfig(16, 64, 64, 64, 8, 2, tma=True),
+          BwdConfig(16, 64, 64, 32, 8, 2, tma=True)],
 }
 
 

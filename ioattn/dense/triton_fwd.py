@@ -181,7 +181,8 @@ def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if grid[0] * grid[1] == 0:
         return
     sb = p.batch_strides
-    # ptxas (CUDA 13.0) crashes on the TMA variant at head dim 256; warp specialization needs 8 warps
+    # ptxas (Triton 3.6's) crashes on the TMA variant at head dim 256 with num_stages >= 2 (also
+    # reproduced on CPU: python -m ioattn.dense.inspect); warp specialization needs 8 warps
     use_tma = cfg.tma and max(p.head_dim, p.head_dim_v) <= 128 and tma_compatible(q, k, v)
     if use_tma:
         ensure_tma_allocator()
