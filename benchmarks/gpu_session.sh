@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call that does a session's GPU work: the test suite, the benchmark grid and the
+# long-context run, logs under $OUT (the device tool returns at most 8 files).
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [tune-fwd] [tune-bwd]   (default: all but tune)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD IOATTN_GIT_COMMIT=${IOATTN_GIT_COMMIT:-unknown}
+OUT=${OUT:-/tmp/ioattn_out}; mkdir -p "$OUT"
+steps=${*:-tests bench long}
+for step in $steps; do
+  case $step in
+    tests) timeout 240 python -m pytest -q -n 8 -p no:cacheprovider tests > "$OUT/tests_gpu.log" 2>&1
+           tail -1 "$OUT/tests_gpu.log" ;;
+    bench) timeout 400 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes bf16 \
+             --out "$OUT/dense_nvidia-h200_$(date +%F).json" > "$OUT/bench.log" 2>&1
+           grep -E "geomean" "$OUT/bench.log" ;;
+    long)  timeout 120 python benchmarks/long_context.py --out "$OUT" > "$OUT/long.log" 2>&1
+           cat "$OUT/long.log" ;;
+    tune-fwd) timeout 300 python benchmarks/tune.py --mode fwd --seqlens 2048,8192 --json "$OUT/tune_fwd.json" \
+                > "$OUT/tune_fwd.log" 2>&1; grep -E "^==|TFLOP|ERR" "$OUT/tune_fwd.log" ;;
+    tune-bwd) timeout 300 python benchmarks/tune.py --mode bwd --seqlens 2048,8192 --json "$OUT/tune_bwd.json" \
+                > "$OUT/tune_bwd.log" 2>&1; grep -E "^==|TFLOP|ERR" "$OUT/tune_bwd.log" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
