@@ -67,6 +67,9 @@ def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 alibi_slopes: Optional[torch.Tensor], dropout_p: float,
                 rng_state: Optional[torch.Tensor]) -> AttnParams:
     """Build params from op arguments (already validated by the public functions)."""
+    # the kernels index slopes and cu_seqlens with unit inner stride
+    alibi_slopes, cu_seqlens_q, cu_seqlens_k = (
+        t.contiguous() if t is not None else None for t in (alibi_slopes, cu_seqlens_q, cu_seqlens_k))
     if cu_seqlens_q is not None:
         batch = cu_seqlens_q.shape[0] - 1
         rng_rows = q.shape[0]

@@ -250,6 +250,18 @@ def test_noncontiguous_inputs(device):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+def test_strided_slopes_and_cu_seqlens(device):
+    """Non-contiguous ALiBi slopes and cu_seqlens views index like their contiguous copies."""
+    b, s, h, d = 2, 40, 3, 32
+    q, k, v = (torch.randn(b * s, h, d, device=device, dtype=FP16) for _ in range(3))
+    slopes = alibi_slopes(h, b, device).t()  # (b, h) view with head stride b
+    cu_wide = cu_seqlens([0, s, 0, s], device)[[0, 2, 4]]  # a gathered copy to compare against
+    cu_view = cu_seqlens([0, s, 0, s], device)[::2]  # strided view, same values
+    got = ioattn.flash_attn_varlen_func(q, k, v, cu_view, cu_view, s, s, alibi_slopes=slopes)
+    want = ioattn.flash_attn_varlen_func(q, k, v, cu_wide, cu_wide, s, s, alibi_slopes=slopes.contiguous())
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def test_deterministic_bitwise(device):
     c = Case(200, 333, d=64, h=4, h_k=1, causal=True)
     q, k, v = _inputs(c, device)
