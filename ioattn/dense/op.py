@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ioattn.dense.params import make_params
+from ioattn.dense.params import check_int32_rows, make_params
 from ioattn.dense.triton_bwd import attn_bwd
 from ioattn.dense.triton_fwd import attn_fwd
 
@@ -58,6 +58,8 @@ def dense_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
                     window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
     out = _new_output(q, q.shape[:-1] + (v.shape[-1],))
     lse = _new_output(q, _lse_shape(q, p.is_varlen), dtype=torch.float32)
+    check_int32_rows(p.max_seqlen_q, q=q, out=out)
+    check_int32_rows(p.max_seqlen_k, k=k, v=v)
     with _on_device(q):
         attn_fwd(p, q, k, v, out, lse)
     return out, lse
@@ -86,6 +88,8 @@ def dense_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     dk = _new_output(k, k.shape)
     dv = _new_output(v, v.shape)
     delta = torch.empty_like(lse)
+    check_int32_rows(p.max_seqlen_q, q=q, out=out, dout=dout, dq=dq)
+    check_int32_rows(p.max_seqlen_k, k=k, v=v, dk=dk, dv=dv)
     with _on_device(q):
         attn_bwd(p, dout, q, k, v, out, lse, dlse, dq, dk, dv, delta)
     return dq, dk, dv

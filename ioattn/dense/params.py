@@ -85,3 +85,23 @@ def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, rng_state=rng_state,
         rng_rows=rng_rows,
     )
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def check_int32_rows(max_rows: int, **tensors: torch.Tensor) -> None:
+    """The kernels index rows within one sequence in int32 (batch and head offsets are int64).
+
+    Raise instead of overflowing silently when one sequence of a tensor spans 2^31 elements or
+    more (e.g. s=256k with 64 heads of d=128 in one [s, h, d] tensor).
+    """
+    for name, t in tensors.items():
+        if t.dim() < 3:
+            continue
+        extent = (max_rows + 256) * t.stride(-3) + t.shape[-2] * t.stride(-2)  # +256: tile rounding
+        if extent > _INT32_MAX:
+            raise ValueError(
+                f"{name}: one sequence spans {max_rows} rows x row stride {t.stride(-3)} >= 2^31 "
+                f"elements, beyond the kernels' int32 in-sequence indexing; pass fewer heads per call "
+                f"as contiguous tensors or split the sequence")

@@ -94,3 +94,13 @@ def test_cu_seqlens_errors(device):
         ioattn.flash_attn_varlen_func(q, q, q, cu, cu, 10, 20)
     with pytest.raises(ValueError, match="q must have 3 dims"):
         ioattn.flash_attn_varlen_func(q[None], q, q, cu, cu, 20, 20)
+
+
+def test_int32_row_extent_error():
+    """A sequence spanning >= 2^31 elements raises (checked on the op's inputs, no kernel runs)."""
+    from ioattn.dense.params import check_int32_rows
+
+    q = torch.empty(2**20, 2, 8, device="meta").as_strided((2**20, 2, 8), (2**12, 8, 1))  # no storage
+    with pytest.raises(ValueError, match="int32 in-sequence indexing"):
+        check_int32_rows(2**20, q=q)
+    check_int32_rows(2**10, q=q)  # small extent passes
