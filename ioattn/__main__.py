@@ -38,56 +38,71 @@ def _info() -> int:
 
 
 def _demo() -> int:
-    import time
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    # the interpreter's bf16 dot is broken in triton 3.6 (see tests/conftest.py): fp16 on CPU
+    dtype = torch.bfloat16 if on_gpu else torch.float16
+    shape = (4, 4096, 16, 16, 128) if on_gpu else (1, 128, 2, 1, 64)
+    torch.manual_seed(0)
+    print(f"ioattn demo on {device}: (b, s, h, h_k, d) = {shape} {dtype}, causal, fwd+bwd")
+    ok = demo_check(device, dtype, shape)
+    if not on_gpu:
+        print("correctness only on CPU (Triton interpreter); run on a GPU for speed")
+        return 0 if ok else 1
+    demo_time(device, dtype, shape)
+    return 0 if ok else 1
 
+
+def _inputs(device, dtype, shape, batch=None):
+    b, s, h, h_k, d = shape
+    return [torch.randn(batch or b, s, n, d, device=device, dtype=dtype, requires_grad=True)
+            for n in (h, h_k, h_k)]
+
+
+def demo_check(device: torch.device, dtype: torch.dtype, shape: tuple) -> bool:
+    """One sequence of the batch against the fp32 reference (FlashAttention's rule), fwd + bwd."""
     from ioattn import flash_attn_func
     from ioattn.reference import attention_ref
     from ioattn.testing import GRAD_FACTOR, OUT_FACTOR, rule_check
 
-    on_gpu = torch.cuda.is_available()
-    device = "cuda" if on_gpu else "cpu"
-    # the interpreter's bf16 dot is broken in triton 3.6 (see tests/conftest.py): fp16 on CPU
-    dtype = torch.bfloat16 if on_gpu else torch.float16
-    b, s, h, h_k, d = (4, 4096, 16, 16, 128) if on_gpu else (1, 128, 2, 1, 64)
-    torch.manual_seed(0)
-    print(f"ioattn demo on {device}: b={b} s={s} h={h} h_k={h_k} d={d} {dtype}, causal, fwd+bwd")
-
-    def inputs(batch):
-        return [torch.randn(batch, s, n, d, device=device, dtype=dtype, requires_grad=True)
-                for n in (h, h_k, h_k)]
-
-    # correctness on one sequence of the batch against the fp32 reference (FlashAttention's rule)
-    q, k, v = inputs(1)
+    q, k, v = _inputs(device, dtype, shape, batch=1)
     out = flash_attn_func(q, k, v, causal=True)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)
-    ok = True
     ref, _ = attention_ref(q, k, v, causal=True)
     pt, _ = attention_ref(q, k, v, causal=True, upcast=False)
     ref_g = torch.autograd.grad(ref, (q, k, v), g)
     pt_g = torch.autograd.grad(pt, (q, k, v), g)
+    ok = True
     for name, a, r, p, f in [("out", out, ref, pt, OUT_FACTOR)] + [
             (n, a, r, p, GRAD_FACTOR) for n, a, r, p in zip(("dq", "dk", "dv"), grads, ref_g, pt_g)]:
         good, err, base, _ = rule_check(a, r, p, f)
         ok &= good
         print(f"  {name}: max err {err:.2e} (PyTorch {dtype} err {base:.2e}) {'ok' if good else 'FAIL'}")
-    if not on_gpu:
-        print("correctness only on CPU (Triton interpreter); run on a GPU for speed")
-        return 0 if ok else 1
+    return ok
 
-    from triton.testing import do_bench
+
+def demo_time(device: torch.device, dtype: torch.dtype, shape: tuple) -> dict:
+    """fwd and bwd time of ioattn next to SDPA's cuDNN and FLASH backends; returns ms per impl."""
+    import time
+
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    q, k, v = inputs(b)
+    from ioattn import flash_attn_func
+    from ioattn.bench.runner import time_ms
+
+    b, s, h, h_k, d = shape
+    q, k, v = _inputs(device, dtype, shape)
     flops = 4 * b * h * s * s * d / 2
     qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    results = {}
 
     def report(name, fwd, leaves):
-        ms_f = do_bench(fwd, return_mode="median")
+        ms_f = time_ms(fwd, device, 25, 100, [])
         o = fwd()
         dout = torch.randn_like(o)
-        ms_b = do_bench(lambda: o.backward(dout, retain_graph=True), grad_to_none=leaves,
-                        return_mode="median")
+        ms_b = time_ms(lambda: o.backward(dout, retain_graph=True), device, 25, 100, leaves)
+        results[name] = (ms_f, ms_b)
         print(f"  {name:12s} fwd {ms_f:7.3f} ms {flops / ms_f * 1e-9:6.1f} TFLOP/s   "
               f"bwd {ms_b:7.3f} ms {2.5 * flops / ms_b * 1e-9:6.1f} TFLOP/s")
 
@@ -98,11 +113,11 @@ def _demo() -> int:
         try:
             with sdpa_kernel(backend):
                 report(name, lambda: torch.nn.functional.scaled_dot_product_attention(
-                    qt, kt, vt, is_causal=True), [qt, kt, vt])
-        except RuntimeError as e:  # a backend refusing the shape is reported, not fatal
-            print(f"  {name:12s} unavailable: {str(e).splitlines()[0]}")
+                    qt, kt, vt, is_causal=True, enable_gqa=h != h_k), [qt, kt, vt])
+        except RuntimeError as e:  # a backend refusing the shape (or the device) is reported
+            print(f"  {name:12s} unavailable: {str(e).splitlines()[0][:100]}")
     print(f"timed in {time.time() - t0:.1f}s")
-    return 0 if ok else 1
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
