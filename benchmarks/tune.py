@@ -33,7 +33,7 @@ BWD_CANDIDATES = {
     64: [BwdConfig(64, 64, 64, 64, 4, 3), BwdConfig(64, 64, 64, 64, 4, 3, tma=True)],
     128: [BwdConfig(64, 128, 128, 64, 8, 3), BwdConfig(64, 128, 128, 64, 8, 3, tma=True),
           BwdConfig(32, 128, 128, 64, 8, 3, keys_as_b=True, tma=True),
-          BwdConfig(32, 64, 64, 64, 8, 3, tma=True)],
+          BwdConfig(32, 64, 64, 64, 8, 3), BwdConfig(32, 64, 64, 64, 8, 3, tma=True)],
     256: [BwdConfig(32, 64, 64, 32, 8, 2), BwdConfig(16, 64, 64, 64, 8, 2, tma=True),
           BwdConfig(16, 64, 64, 32, 8, 2, tma=True)],
 }
