@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ioattn.dense.op import dense_fwd, draw_rng_state
+from ioattn.dense.op import dense_attention, draw_rng_state
 from ioattn.dispatch import resolve_backend
 from ioattn.reference import attention_ref, attention_varlen_ref
 
@@ -159,8 +159,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
                                  dropout_p=dropout_p, dropout_mask=mask)
         return _finish(out, lse, return_attn_probs)
     rng = draw_rng_state(q.device) if dropout_p > 0 else None
-    out, lse = dense_fwd(q, k, v, None, None, s_q, k.shape[1], float(scale), left, right,
-                         float(softcap), alibi_slopes, float(dropout_p), rng)
+    out, lse = dense_attention(q, k, v, None, None, s_q, k.shape[1], float(scale), left, right,
+                               float(softcap), alibi_slopes, float(dropout_p), rng)
     return _finish(out, lse, return_attn_probs)
 
 
@@ -204,9 +204,9 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
             lse = torch.cat([lse, lse.new_full((h, q.shape[0] - lse.shape[1]), float("-inf"))], 1)
         return _finish(out, lse, return_attn_probs)
     rng = draw_rng_state(q.device) if dropout_p > 0 else None
-    out, lse = dense_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                         float(scale), left, right, float(softcap), alibi_slopes, float(dropout_p),
-                         rng)
+    out, lse = dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                               int(max_seqlen_k), float(scale), left, right, float(softcap),
+                               alibi_slopes, float(dropout_p), rng)
     return _finish(out, lse, return_attn_probs)
 
 
