@@ -83,40 +83,22 @@ def demo_check(device: torch.device, dtype: torch.dtype, shape: tuple) -> bool:
 
 
 def demo_time(device: torch.device, dtype: torch.dtype, shape: tuple) -> dict:
-    """fwd and bwd time of ioattn next to SDPA's cuDNN and FLASH backends; returns ms per impl."""
-    import time
+    """fwd and bwd ms of ioattn next to SDPA's cuDNN and FLASH backends (the bench's cells, MHA with
+    shape's b, s, h, d); an anchor that cannot run is reported, not fatal."""
+    from ioattn.bench.runner import run_cell
+    from ioattn.bench.shapes import Shape
 
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from ioattn import flash_attn_func
-    from ioattn.bench.runner import time_ms
-
-    b, s, h, h_k, d = shape
-    q, k, v = _inputs(device, dtype, shape)
-    flops = 4 * b * h * s * s * d / 2
-    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
-    results = {}
-
-    def report(name, fwd, leaves):
-        ms_f = time_ms(fwd, device, 25, 100, [])
-        o = fwd()
-        dout = torch.randn_like(o)
-        ms_b = time_ms(lambda: o.backward(dout, retain_graph=True), device, 25, 100, leaves)
-        results[name] = (ms_f, ms_b)
-        print(f"  {name:12s} fwd {ms_f:7.3f} ms {flops / ms_f * 1e-9:6.1f} TFLOP/s   "
-              f"bwd {ms_b:7.3f} ms {2.5 * flops / ms_b * 1e-9:6.1f} TFLOP/s")
-
-    t0 = time.time()
-    report("ioattn", lambda: flash_attn_func(q, k, v, causal=True), [q, k, v])
-    for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
-                          ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
-        try:
-            with sdpa_kernel(backend):
-                report(name, lambda: torch.nn.functional.scaled_dot_product_attention(
-                    qt, kt, vt, is_causal=True, enable_gqa=h != h_k), [qt, kt, vt])
-        except RuntimeError as e:  # a backend refusing the shape (or the device) is reported
-            print(f"  {name:12s} unavailable: {str(e).splitlines()[0][:100]}")
-    print(f"timed in {time.time() - t0:.1f}s")
+    b, s, h, _, d = shape
+    key = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    impls = ["ioattn", "sdpa_cudnn", "sdpa_flash"]
+    results: dict = {}
+    for mode in ("fwd", "bwd"):
+        for row in run_cell(Shape(mode, d, h, s, b, True, key), impls, device, 25, 100):
+            if row.error:
+                print(f"  {row.impl:12s} {mode} unavailable: {row.error[:100]}")
+                continue
+            results.setdefault(row.impl, {})[mode] = row.ms
+            print(f"  {row.impl:12s} {mode} {row.ms:7.3f} ms {row.tflops:6.1f} TFLOP/s")
     return results
 
 

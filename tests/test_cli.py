@@ -9,7 +9,7 @@ def test_demo_check_and_time(device):
     shape = (2, 96, 4, 2, 32)
     assert demo_check(torch.device(device), dtype, shape)
     results = demo_time(torch.device(device), dtype, shape)
-    assert "ioattn" in results and all(ms > 0 for ms in results["ioattn"])
+    assert set(results["ioattn"]) == {"fwd", "bwd"} and all(ms > 0 for ms in results["ioattn"].values())
 
 
 def test_info_and_help(capsys):

@@ -56,6 +56,23 @@ def kv_sources(k_base, v_base, seqlen_k, stride_kn, stride_vn, offs_n, offs_d, o
 
 
 @triton.jit
+def load_kv_block(src, start_n, stride_n, cols, offs_d, seqlen_k, HEAD_DIM: tl.constexpr,
+                  MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """The [BLOCK_N, BLOCK_D] tile of K or V at key block ``start_n`` from a ``kv_sources`` source;
+    cols = start_n + arange(BLOCK_N). Masked blocks guard rows past seqlen_k (TMA zero-fills them)."""
+    if USE_TMA:
+        x = src.load([start_n, 0])
+    elif MASKED:
+        x = tl.load(src + start_n * stride_n,
+                    mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif EVEN_D:
+        x = tl.load(src + start_n * stride_n)
+    else:
+        x = tl.load(src + start_n * stride_n, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return x
+
+
+@triton.jit
 def floor_div(a, b: tl.constexpr):
     # Triton's integer // truncates toward zero; block bounds need floor for negative numerators.
     return tl.where(a >= 0, a // b, -((-a + b - 1) // b))

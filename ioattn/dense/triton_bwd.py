@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ioattn.dense import configs
 from ioattn.dense.common import (LOG2E, dropout_keep, ensure_tma_allocator, kv_block_range,
-                                 kv_sources, q_block_range, scores_log2, seq_bounds, tma_compatible,
+                                 kv_sources, load_kv_block, q_block_range, scores_log2, seq_bounds, tma_compatible,
                                  visible)
 from ioattn.dense.params import AttnParams
 
@@ -232,24 +232,13 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn,
               MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr):
-    # k_src / v_src: TMA descriptors (USE_TMA) or [BLOCK_N, BLOCK_D] pointer blocks
+    # k_src / v_src: from kv_sources (TMA descriptors or pointer blocks)
     for start_n in tl.range(start, end, BLOCK_N):
         offs_n = start_n + offs_n0
-        if USE_TMA:
-            k = k_src.load([start_n, 0])
-            v = v_src.load([start_n, 0])
-        elif MASKED:
-            col_ok = offs_n < seqlen_k
-            k = tl.load(k_src + start_n * stride_kn, mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
-                        other=0.0)
-            v = tl.load(v_src + start_n * stride_vn,
-                        mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_src + start_n * stride_kn)
-            v = tl.load(v_src + start_n * stride_vn)
-        else:
-            k = tl.load(k_src + start_n * stride_kn, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-            v = tl.load(v_src + start_n * stride_vn, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+        k = load_kv_block(k_src, start_n, stride_kn, offs_n, offs_d, seqlen_k, HEAD_DIM, MASKED, EVEN_D,
+                          USE_TMA)
+        v = load_kv_block(v_src, start_n, stride_vn, offs_n, offs_dv, seqlen_k, HEAD_DIM_V, MASKED,
+                          EVEN_D, USE_TMA)
         qk = tl.dot(q, tl.trans(k))
         s, t, c = scores_log2(qk, offs_m[:, None], offs_n[None, :], off, qk_scale_log2, softcap_scale,
                               softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)

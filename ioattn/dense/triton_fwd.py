@@ -11,7 +11,8 @@ import triton.language as tl
 
 from ioattn.dense import configs
 from ioattn.dense.common import (LOG2E, dropout_keep, ensure_tma_allocator, kv_block_range,
-                                 kv_sources, scores_log2, seq_bounds, tma_compatible, visible)
+                                 kv_sources, load_kv_block, scores_log2, seq_bounds,
+                                 tma_compatible, visible)
 from ioattn.dense.params import AttnParams
 
 
@@ -25,21 +26,13 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
                WARP_SPEC: tl.constexpr):
-    # k_src / v_src: TMA descriptors (USE_TMA; out-of-range rows and head-dim padding read as 0)
-    # or [BLOCK_N, BLOCK_D] pointer blocks
+    # k_src / v_src: from kv_sources (TMA descriptors or pointer blocks)
     WS: tl.constexpr = WARP_SPEC and not MASKED
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WS):
         cols = start_n + offs_n
         # [BLOCK_N, BLOCK_D]
-        if USE_TMA:
-            k = k_src.load([start_n, 0])
-        elif MASKED:
-            k = tl.load(k_src + start_n * stride_kn,
-                        mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_src + start_n * stride_kn)
-        else:
-            k = tl.load(k_src + start_n * stride_kn, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        k = load_kv_block(k_src, start_n, stride_kn, cols, offs_d, seqlen_k, HEAD_DIM, MASKED, EVEN_D,
+                          USE_TMA)
         # [BLOCK_M, BLOCK_N]
         qk = tl.dot(q, tl.trans(k))
         s, _, c = scores_log2(qk, offs_m[:, None], cols[None, :], off, qk_scale_log2, softcap_scale,
@@ -60,15 +53,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
         if HAS_DROPOUT:
             keep = dropout_keep(seed, rng_row0, offs_m[:, None], cols[None, :], max_seqlen_k, dropout_p)
             p = tl.where(keep, p, 0.0)
-        if USE_TMA:
-            v = v_src.load([start_n, 0])
-        elif MASKED:
-            v = tl.load(v_src + start_n * stride_vn,
-                        mask=(cols[:, None] < seqlen_k) & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
-        elif EVEN_D:
-            v = tl.load(v_src + start_n * stride_vn)
-        else:
-            v = tl.load(v_src + start_n * stride_vn, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+        v = load_kv_block(v_src, start_n, stride_vn, cols, offs_dv, seqlen_k, HEAD_DIM_V, MASKED,
+                          EVEN_D, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, l_i, m_i
