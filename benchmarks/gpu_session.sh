@@ -2,6 +2,7 @@
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
 #   bash benchmarks/gpu_session.sh [tests] [bench] [long] [tune-fwd] [tune-bwd]   (default: all but tune)
+# TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD IOATTN_GIT_COMMIT=${IOATTN_GIT_COMMIT:-unknown}
 OUT=${OUT:-/tmp/ioattn_out}; mkdir -p "$OUT"
@@ -15,9 +16,9 @@ for step in $steps; do
            grep -E "geomean" "$OUT/bench.log" ;;
     long)  timeout 120 python benchmarks/long_context.py --out "$OUT" > "$OUT/long.log" 2>&1
            cat "$OUT/long.log" ;;
-    tune-fwd) timeout 300 python benchmarks/tune.py --mode fwd --seqlens 2048,8192 --json "$OUT/tune_fwd.json" \
+    tune-fwd) timeout 300 python benchmarks/tune.py --mode fwd ${TUNE_FWD_ARGS:---seqlens 2048,8192} --json "$OUT/tune_fwd.json" \
                 > "$OUT/tune_fwd.log" 2>&1; grep -E "^==|TFLOP|ERR" "$OUT/tune_fwd.log" ;;
-    tune-bwd) timeout 300 python benchmarks/tune.py --mode bwd --seqlens 2048,8192 --json "$OUT/tune_bwd.json" \
+    tune-bwd) timeout 300 python benchmarks/tune.py --mode bwd ${TUNE_BWD_ARGS:---seqlens 2048,8192} --json "$OUT/tune_bwd.json" \
                 > "$OUT/tune_bwd.log" 2>&1; grep -E "^==|TFLOP|ERR" "$OUT/tune_bwd.log" ;;
     *) echo "unknown step $step" ;;
   esac

@@ -25,7 +25,8 @@ from ioattn.dense.configs import BwdConfig, FwdConfig
 FWD_CANDIDATES = {
     64: [FwdConfig(128, 64, 4, 3), FwdConfig(64, 64, 4, 3), FwdConfig(128, 64, 4, 3, tma=True)],
     128: [FwdConfig(128, 64, 8, 3), FwdConfig(128, 128, 8, 3, tma=True, warp_specialize=True),
-          FwdConfig(128, 64, 8, 3, tma=True), FwdConfig(128, 128, 8, 3, tma=True)],
+          FwdConfig(128, 64, 8, 3, tma=True), FwdConfig(128, 128, 8, 3, tma=True),
+          FwdConfig(128, 64, 8, 4), FwdConfig(128, 128, 8, 3), FwdConfig(64, 64, 4, 3)],
     256: [FwdConfig(128, 64, 8, 2), FwdConfig(128, 64, 8, 1, tma=True)],
 }
 
@@ -86,7 +87,26 @@ def bench_case(mode, d, s, causal, tokens=16384, hidden=2048):
             results.append(dict(anchor=name, ms=ms, tflops=flops(b, h, s, d, causal, mode) / ms * 1e-9))
         except RuntimeError as e:
             results.append(dict(anchor=name, error=str(e).splitlines()[0][:120]))
+    results.append(_flex(mode, qt, kt, vt, s, causal, flops(b, h, s, d, causal, mode)))
     return results
+
+
+def _flex(mode, q, k, v, s, causal, nflops):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch._dynamo.reset()
+    mask = None
+    if causal:
+        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, s, s, device="cuda")
+    fn = torch.compile(flex_attention, dynamic=False)
+    if mode == "fwd":
+        ms = do_bench(lambda: fn(q, k, v, block_mask=mask), return_mode="median")
+    else:
+        o = fn(q, k, v, block_mask=mask)
+        g = torch.randn_like(o)
+        ms = do_bench(lambda: o.backward(g, retain_graph=True), grad_to_none=[q, k, v],
+                      return_mode="median")
+    return dict(anchor="flex", ms=ms, tflops=nflops / ms * 1e-9)
 
 
 def main(argv=None):

@@ -50,8 +50,10 @@ def kv_sources(k_base, v_base, seqlen_k, stride_kn, stride_vn, offs_n, offs_d, o
         v_src = tl.make_tensor_descriptor(v_base, shape=[seqlen_k, HEAD_DIM_V], strides=[stride_vn, 1],
                                           block_shape=[BLOCK_N, BLOCK_DV])
     else:
-        k_src = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
-        v_src = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :]
+        # scalar bases: the tile addresses are formed at each load (a hoisted [BLOCK_N, BLOCK_D]
+        # int64 pointer block would pin 2 registers per element across the loop and spill)
+        k_src = k_base
+        v_src = v_base
     return k_src, v_src
 
 
@@ -62,13 +64,14 @@ def load_kv_block(src, start_n, stride_n, cols, offs_d, seqlen_k, HEAD_DIM: tl.c
     cols = start_n + arange(BLOCK_N). Masked blocks guard rows past seqlen_k (TMA zero-fills them)."""
     if USE_TMA:
         x = src.load([start_n, 0])
-    elif MASKED:
-        x = tl.load(src + start_n * stride_n,
-                    mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    elif EVEN_D:
-        x = tl.load(src + start_n * stride_n)
     else:
-        x = tl.load(src + start_n * stride_n, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        ptrs = src + cols[:, None] * stride_n + offs_d[None, :]
+        if MASKED:
+            x = tl.load(ptrs, mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        elif EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
     return x
 
 

@@ -60,13 +60,19 @@ class KernelReport:
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    # the ptxas Triton itself compiles with (TRITON_PTXAS_PATH may point at a CUDA toolkit's, whose
+    # PTX version the wheel's bundled ptxas cannot read)
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(arch).path
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
         res = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", path, "-o", path + ".o"],
-                             capture_output=True, text=True, check=True)
+                             capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"{ptxas} failed ({res.returncode}): {res.stderr[-2000:]}")
     text = res.stderr
 
     def num(pattern):
