@@ -22,7 +22,7 @@ def _info() -> int:
     import triton
 
     import ioattn
-    from ioattn.dispatch import triton_unavailable_reason
+    from ioattn.dispatch import sm90_unavailable_reason, triton_unavailable_reason
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"ioattn {ioattn.__version__}  torch {torch.__version__}  triton {triton.__version__}")
@@ -33,6 +33,8 @@ def _info() -> int:
         print(f"device: cpu (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')})")
     reason = triton_unavailable_reason(device)
     print(f"backend triton: {'available' if reason is None else 'unavailable: ' + reason}")
+    reason = sm90_unavailable_reason(device)
+    print(f"backend sm90: {'available (Gluon FA3-design forward; auto picks it where it measured faster)' if reason is None else 'unavailable: ' + reason}")
     print("backend reference: available (plain PyTorch)")
     return 0
 

@@ -1,11 +1,23 @@
-"""Backend choice. An explicitly requested backend that cannot run raises; only 'auto' picks."""
+"""Backend choice. An explicitly requested backend that cannot run raises; only 'auto' picks.
+
+- 'triton': the portable Triton kernels (any GPU with compute capability >= 8.0; CPU under the
+  interpreter).
+- 'sm90': the Hopper kernels written in Gluon (FlashAttention-3 design), for sm90 with Triton 3.6.x
+  (Gluon's API changes between Triton releases, so other versions are refused, never guessed at).
+- 'reference': plain PyTorch (slow; any device).
+- 'auto': 'sm90' where the platform and the problem allow it, else 'triton'.
+"""
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 
 from ioattn.dense.configs import interpreting
 
-BACKENDS = ("auto", "triton", "reference")
+BACKENDS = ("auto", "triton", "sm90", "reference")
+# Gluon releases this code is written against (its API is experimental and changes per release)
+GLUON_TRITON_SERIES = "3.6."
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
@@ -23,12 +35,50 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     return f"device type {device.type!r} is not supported (use CUDA tensors)"
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map a requested backend to the one that runs: 'triton' or 'reference'."""
+def sm90_unavailable_reason(device: torch.device) -> str | None:
+    """Why the Gluon Hopper kernels cannot run on ``device`` at all (None when they can)."""
+    import triton
+
+    if device.type != "cuda":
+        return f"the sm90 kernels need a CUDA device (Hopper), got {device.type}"
+    if interpreting():
+        return "the sm90 kernels are Gluon, which the Triton interpreter cannot run"
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        return f"the sm90 kernels need compute capability 9.0 (H100/H200), {device} has {cap[0]}.{cap[1]}"
+    if not triton.__version__.startswith(GLUON_TRITON_SERIES):
+        return (f"the sm90 kernels are written for Triton {GLUON_TRITON_SERIES}x (Gluon's API changes "
+                f"between releases), this is Triton {triton.__version__}")
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError as e:  # pragma: no cover - depends on the installed Triton
+        return f"triton.experimental.gluon cannot be imported: {e}"
+    return None
+
+
+def resolve_backend(backend: str, device: torch.device,
+                    sm90_problem: Optional[Callable[[], Optional[str]]] = None,
+                    sm90_preferred: Optional[Callable[[], bool]] = None) -> str:
+    """Map a requested backend to the one that runs: 'sm90', 'triton' or 'reference'.
+
+    ``sm90_problem()`` says why this particular call (head dim, features, layout) is outside what
+    the sm90 kernels cover, None when it is inside; it is only called where the platform can run
+    them (it may import Gluon). Without it the call has no sm90 path. ``sm90_preferred()`` tells
+    'auto' whether the sm90 kernel is the faster choice for this call (an explicit 'sm90' runs it
+    regardless).
+    """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend == "reference":
         return "reference"
+    if backend in ("sm90", "auto"):
+        reason = sm90_unavailable_reason(device)
+        if reason is None:
+            reason = sm90_problem() if sm90_problem is not None else "this entry point has no sm90 kernel"
+        if reason is None and (backend == "sm90" or sm90_preferred is None or sm90_preferred()):
+            return "sm90"
+        if backend == "sm90":
+            raise ValueError(f"backend='sm90' cannot run: {reason}; use backend='triton' or 'auto'")
     reason = triton_unavailable_reason(device)
     if reason is not None:
         raise ValueError(f"backend={backend!r} cannot run: {reason}")

@@ -79,11 +79,17 @@ class Impl:
 
 
 class IoAttn(Impl):
-    name = "ioattn"
+    """ioattn through its public function; ``backend`` 'auto' is what users get (the sm90 Gluon
+    forward on Hopper where it covers the call), 'triton' the portable kernels."""
+
+    def __init__(self, name: str = "ioattn", backend: str = "auto") -> None:
+        self.name, self.backend = name, backend
 
     def build(self, inp: Inputs, shape: Shape) -> Built:
         func, (q, k, v) = get_ioattn_func(), (inp.q, inp.k, inp.v)
-        return Built(lambda: func(q, k, v, causal=shape.causal), [q, k, v], inp.dout, bhsd=False)
+        backend = self.backend
+        return Built(lambda: func(q, k, v, causal=shape.causal, backend=backend), [q, k, v],
+                     inp.dout, bhsd=False)
 
 
 class Sdpa(Impl):
@@ -137,13 +143,15 @@ IMPLS: dict[str, Impl] = {
     i.name: i
     for i in (
         IoAttn(),
+        IoAttn("ioattn_triton", "triton"),
+        IoAttn("ioattn_sm90", "sm90"),
         Sdpa("sdpa_cudnn", "CUDNN_ATTENTION", needs_cuda=True),
         Sdpa("sdpa_flash", "FLASH_ATTENTION", needs_cuda=True),
         Flex(),
         Sdpa("sdpa_math", "MATH", needs_cuda=False),
     )
 }
-DEFAULT_IMPLS = ("ioattn", "sdpa_cudnn", "sdpa_flash", "flex")
+DEFAULT_IMPLS = ("ioattn", "ioattn_triton", "sdpa_cudnn", "sdpa_flash", "flex")
 REF_ORDER = ("sdpa_cudnn", "sdpa_flash", "flex", "sdpa_math")  # preferred correctness reference
 
 

@@ -1,7 +1,7 @@
 """Public dense attention functions with FlashAttention-2 signatures and semantics.
 
 Switching from flash_attn is a change of import: ``from ioattn import flash_attn_func``.
-Differences from FA2, all additive: a keyword-only ``backend`` ('auto' | 'triton' | 'reference'),
+Differences from FA2, all additive: a keyword-only ``backend`` ('auto' | 'sm90' | 'triton' | 'reference'),
 head dims 1..256 with d_v != d allowed, gradients through the returned LSE, and
 ``return_attn_probs=True`` returning ``(out, lse, None)`` (no materialized probability matrix).
 """
@@ -109,6 +109,24 @@ def _window(causal: bool, window_size: Sequence[int]) -> tuple[int, int]:
     return left, 0 if causal else right
 
 
+def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
+          alibi_slopes: Optional[Tensor], dropout_p: float, varlen: bool, masked: bool,
+          max_seqlen_q: int) -> str:
+    """The kernel family that runs this call: 'sm90', 'triton' or 'reference' (ioattn.dispatch)."""
+    def sm90_problem():
+        from ioattn.dense.sm90_fwd import unsupported_reason
+
+        return unsupported_reason(q, k, v, q.shape[-1], v.shape[-1], softcap,
+                                  alibi_slopes is not None, dropout_p, varlen)
+
+    def sm90_preferred():
+        from ioattn.dense.sm90_fwd import preferred
+
+        return preferred(q.shape[-1], masked, max_seqlen_q)
+
+    return resolve_backend(backend, q.device, sm90_problem, sm90_preferred)
+
+
 def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool):
     return (out, lse, None) if return_attn_probs else out
 
@@ -134,7 +152,10 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
             always deterministic (bitwise reproducible), and it is also the faster design here.
         return_attn_probs: also return the LSE: (out, softmax_lse [b, nheads, seqlen_q] fp32,
             natural log, None).
-        backend: 'auto' (default), 'triton' or 'reference' (plain PyTorch).
+        backend: 'auto' (default: 'sm90' on Hopper where it covers the call, else 'triton'),
+            'sm90' (Gluon FA3-design forward; the backward runs the Triton kernels), 'triton'
+            (portable Triton kernels) or 'reference' (plain PyTorch). A requested backend that
+            cannot run the call raises ValueError.
 
     Returns:
         out [batch, seqlen_q, nheads, headdim_v], or the tuple above.
@@ -150,7 +171,9 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
     _check_alibi(alibi_slopes, b, h, q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     left, right = _window(causal, window_size)
-    if resolve_backend(backend, q.device) == "reference":
+    impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=False,
+                 masked=left >= 0 or right >= 0, max_seqlen_q=s_q)
+    if impl == "reference":
         mask = None
         if dropout_p > 0:
             mask = torch.rand(b, h, s_q, k.shape[1], device=q.device) >= dropout_p
@@ -160,7 +183,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
         return _finish(out, lse, return_attn_probs)
     rng = draw_rng_state(q.device) if dropout_p > 0 else None
     out, lse = dense_attention(q, k, v, None, None, s_q, k.shape[1], float(scale), left, right,
-                               float(softcap), alibi_slopes, float(dropout_p), rng)
+                               float(softcap), alibi_slopes, float(dropout_p), rng, impl)
     return _finish(out, lse, return_attn_probs)
 
 
@@ -190,7 +213,9 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     _check_alibi(alibi_slopes, batch, h, q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     left, right = _window(causal, window_size)
-    if resolve_backend(backend, q.device) == "reference":
+    impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=True,
+                 masked=left >= 0 or right >= 0, max_seqlen_q=int(max_seqlen_q))
+    if impl == "reference":
         masks = None
         if dropout_p > 0:
             cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -206,7 +231,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     rng = draw_rng_state(q.device) if dropout_p > 0 else None
     out, lse = dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                int(max_seqlen_k), float(scale), left, right, float(softcap),
-                               alibi_slopes, float(dropout_p), rng)
+                               alibi_slopes, float(dropout_p), rng, impl)
     return _finish(out, lse, return_attn_probs)
 
 

@@ -52,6 +52,8 @@ class KernelReport:
     wgmma: bool
     tma: bool
     warp_specialized: bool
+    mbarrier_waits: int = 0
+    shared_bytes: int = 0
 
     def row(self) -> str:
         return (f"{self.name:58s} regs {self.registers:3d}  spill st/ld {self.spill_stores:5d}/"
@@ -124,15 +126,65 @@ def default_reports(arch: int = 90, head_dims=(64, 128, 256)) -> list[KernelRepo
     return out
 
 
+_TMA_LAYOUT = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth={bits}, rank=2, "
+               "transposed=False, fp4_padded=False, cga_layout=[])")
+
+
+def gluon_reports(arch: int = 90, head_dims=(64, 128), dtype: str = "bf16") -> list[KernelReport]:
+    """The sm90 Gluon forward (sm90_fwd.py) compiled as the launcher configures it."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from ioattn.dense import sm90_fwd
+
+    fn = sm90_fwd._attn_fwd_sm90
+    lay = _TMA_LAYOUT.format(bits=16)
+    out = []
+    for d in head_dims:
+        bn = sm90_fwd._block_n(d)
+        for causal in (False, True):
+            sig = {}
+            for name in fn.arg_names:
+                if name in ("q_desc", "o_desc"):
+                    sig[name] = f"tensordesc<{dtype}[64, {d}],{lay}>"
+                elif name in ("k_desc", "v_desc"):
+                    sig[name] = f"tensordesc<{dtype}[{bn}, {d}],{lay}>"
+                elif name == "O":
+                    sig[name] = f"*{dtype}"
+                elif name in ("LSE", "CU_Q", "CU_K"):
+                    sig[name] = "*fp32" if name == "LSE" else "*i32"
+                elif name == "qk_scale_log2":
+                    sig[name] = "fp32"
+                elif name.isupper() or name.endswith("_"):
+                    sig[name] = "constexpr"
+                else:
+                    sig[name] = "i32"
+            ce = dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=causal, STAGES=sm90_fwd._stages(d),
+                      CONSUMER_REGS_=sm90_fwd.CONSUMER_REGS, PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS)
+            k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=ce),
+                               target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+            ptx = k.asm["ptx"]
+            regs, st, ld = _ptxas_usage(ptx, arch)
+            out.append(KernelReport(
+                f"sm90 fwd d{d} {'causal' if causal else 'full'} 128x{bn} ws", regs, st, ld,
+                wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
+                warp_specialized="setmaxnreg" in ptx, mbarrier_waits=ptx.count("mbarrier.try_wait"),
+                shared_bytes=k.metadata.shared))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--dims", default="64,128,256")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--gluon", action="store_true", help="the sm90 Gluon kernels instead")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
-    reports = default_reports(a.arch, tuple(int(x) for x in a.dims.split(",")))
+    if a.gluon:
+        reports = gluon_reports(a.arch)
+    else:
+        reports = default_reports(a.arch, tuple(int(x) for x in a.dims.split(",")))
     if a.json:
         print(json.dumps([r.__dict__ for r in reports], indent=1))
     else:

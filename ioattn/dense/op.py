@@ -52,7 +52,21 @@ def dense_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
               cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
               softmax_scale: float, window_left: int, window_right: int, softcap: float,
               alibi_slopes: Optional[Tensor], dropout_p: float,
-              rng_state: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+              rng_state: Optional[Tensor], impl: str = "triton") -> tuple[Tensor, Tensor]:
+    # impl: the kernel family, 'triton' (portable) or 'sm90' (Gluon, Hopper), from ioattn.dispatch
+    # (not named "kernel": inductor's fallback lowering takes that keyword itself)
+    if impl == "sm90":
+        from ioattn.dense.sm90_fwd import attn_fwd_sm90 as launch
+        from ioattn.dense.sm90_fwd import unsupported_reason
+
+        reason = unsupported_reason(q, k, v, q.shape[-1], v.shape[-1], softcap,
+                                    alibi_slopes is not None, dropout_p, cu_seqlens_q is not None)
+        if reason is not None:
+            raise ValueError(f"impl='sm90' cannot run this call: {reason}")
+    elif impl == "triton":
+        launch = attn_fwd
+    else:
+        raise ValueError(f"impl={impl!r} is not 'triton' or 'sm90'")
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     p = make_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                     window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
@@ -61,13 +75,13 @@ def dense_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
     check_int32_rows(p.max_seqlen_q, q=q, out=out)
     check_int32_rows(p.max_seqlen_k, k=k, v=v)
     with _on_device(q):
-        attn_fwd(p, q, k, v, out, lse)
+        launch(p, q, k, v, out, lse)
     return out, lse
 
 
 @dense_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-      window_right, softcap, alibi_slopes, dropout_p, rng_state):
+      window_right, softcap, alibi_slopes, dropout_p, rng_state, impl="triton"):
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
     return out, lse
@@ -103,7 +117,7 @@ def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 
 _FWD_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
              "softmax_scale", "window_left", "window_right", "softcap", "alibi_slopes", "dropout_p",
-             "rng_state")
+             "rng_state", "impl")
 
 
 def _setup_context(ctx, inputs, output):
@@ -153,15 +167,16 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tens
                     cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                     softmax_scale: float, window_left: int, window_right: int, softcap: float,
                     alibi_slopes: Optional[Tensor], dropout_p: float,
-                    rng_state: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """Differentiable (out, lse); arguments as ``ioattn::dense_fwd``."""
+                    rng_state: Optional[Tensor], impl: str = "triton") -> tuple[Tensor, Tensor]:
+    """Differentiable (out, lse); arguments as ``ioattn::dense_fwd``. The backward runs the
+    portable Triton kernels for either forward kernel (same LSE convention)."""
     # compiled graphs use the op's registered autograd (dynamo traces it without a break; it cannot
     # trace autograd.Function.apply with one tensor in two inputs, e.g. cu_seqlens_q is cu_seqlens_k)
     if torch.compiler.is_compiling() or not (
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return dense_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                         rng_state)
+                         rng_state, impl)
     return DenseAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                                dropout_p, rng_state)
+                                dropout_p, rng_state, impl)

@@ -1,0 +1,364 @@
+"""Hopper (sm90) attention forward in Gluon: the FlashAttention-3 design.
+
+One CTA computes a 128-row query tile of one (sequence, head) with three warp-specialized roles:
+- a 1-warp producer (24 registers) that issues TMA loads: the two 64-row halves of the Q tile once,
+  then K and V tiles through a ring of shared-memory stages, each guarded by a "full" mbarrier
+  (TMA transaction bytes) and "empty" mbarriers (released by both consumers: K's as soon as
+  QKᵀ has read it, V's after PV), so the next K streams in while PV runs;
+- two consumer warpgroups (240 registers each, via setmaxnreg), one per 64-row half, running async
+  wgmma: S = Q·Kᵀ from shared memory, softmax in registers, O += P·V with P kept in registers
+  (the "RS" form). Within a warpgroup, QKᵀ of block j is issued before PV of block j-1 and retired
+  first (``warpgroup_mma_wait(1)``), so the softmax of block j runs while PV_{j-1} is on the tensor
+  cores; the two warpgroups' instruction streams interleave on the SM.
+
+Layout: host-side TMA descriptors over the row-major views [rows, heads * head_dim] of q, k, v and
+out (batched [b, s, h, d] tensors are the varlen case with equal lengths, rows = b * s). Rows read
+past a sequence's end belong to the next sequence (or are zero past the tensor); their scores are
+masked and their outputs never stored. The epilogue stores O through TMA when the 64-row half lies
+inside the sequence, with masked stores otherwise.
+
+Semantics are the portable kernel's (``triton_fwd.py``): bottom-right causal/window masks, LSE in
+natural log, rows with no visible key give out 0 and LSE -inf. ``unsupported_reason`` lists what
+this kernel does not cover; dispatch then uses the portable kernel ('auto') or raises ('sm90').
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ioattn.dense.common import LOG2E
+from ioattn.dense.params import AttnParams
+
+HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M)
+BLOCK_M = gl.constexpr(128)  # two consumer warpgroups
+SUPPORTED_HEAD_DIMS = (64, 128)
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def _block_n(head_dim: int) -> int:
+    return 128
+
+
+def _stages(head_dim: int) -> int:
+    # shared memory: Q 2x64xD + STAGES x (K + V) BLOCK_NxD, 2 bytes each (<= 227 KB on sm90:
+    # d=128 with 3 stages takes 224 KB)
+    return 3
+
+
+@gluon.jit
+def _floor_div(a, b: gl.constexpr):
+    # integer // truncates toward zero; block bounds need floor for negative numerators
+    if a < 0:
+        a = -((-a + b - 1) // b)
+    else:
+        a = a // b
+    return a
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty,
+              v_empty, q_row, q_col, k_row, kv_col, n_tiles, STAGES: gl.constexpr):
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    # no key block: the consumers never wait for Q and reuse its buffers to stage O, so Q must not
+    # be in flight then
+    has_work = n_tiles > 0
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes, pred=has_work)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0), pred=has_work)
+    tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, q_col], q_bar, q_smem.index(1),
+                                    pred=has_work)
+    for j in range(n_tiles):
+        st = j % STAGES
+        ph = ((j // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(st), ph)
+        mbarrier.expect(k_full.index(st), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, kv_col], k_full.index(st),
+                                        k_smem.index(st))
+        mbarrier.wait(v_empty.index(st), ph)
+        mbarrier.expect(v_full.index(st), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [k_row + j * BLOCK_N, kv_col], v_full.index(st),
+                                        v_smem.index(st))
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_right, qk_scale_log2,
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """One key block's online-softmax update in the log2 domain (scores = s * qk_scale_log2).
+
+    Returns (p, alpha, m_new, l_new); p unnormalized, alpha the rescale of the running sums.
+    """
+    s_layout: gl.constexpr = s.type.layout
+    ROWS: gl.constexpr = s.shape[0]
+    BLOCK_N: gl.constexpr = s.shape[1]
+    need_mask = col0 + BLOCK_N > seqlen_k
+    if HAS_RIGHT:
+        need_mask = need_mask | (col0 + BLOCK_N - 1 > row0 + off + window_right)
+    if HAS_LEFT:
+        need_mask = need_mask | (col0 < row0 + ROWS - 1 + off - window_left)
+    if need_mask:
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        vis = cols[None, :] < seqlen_k
+        if HAS_RIGHT:
+            vis = vis & (cols[None, :] <= rows[:, None] + off + window_right)
+        if HAS_LEFT:
+            vis = vis & (cols[None, :] >= rows[:, None] + off - window_left)
+        s = gl.where(vis, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
+        # a row that has seen no key keeps m = -inf: shift by 0 so exp2 sees -inf, not NaN
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
+        m_use = m_new
+    p = gl.exp2(s * qk_scale_log2 - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
+              o_row, o_col, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
+              window_left, window_right, qk_scale_log2,
+              WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    HEAD_D: gl.constexpr = q_smem.shape[2]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q = q_smem.index(WG)
+    row0 = start_m + WG * HALF_M  # first query row (within the sequence) of this warpgroup
+    off = seqlen_k - seqlen_q
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.full([HALF_M], 0.0, gl.float32, layout=row_s)
+    acc = gl.zeros([HALF_M, HEAD_D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+
+    if n_tiles > 0:
+        mbarrier.wait(q_bar, 0)
+        # prologue: S_0 and its softmax
+        mbarrier.wait(k_full.index(0), 0)
+        s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo, row0, seqlen_k, off, window_left,
+                                           window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT)
+        # steady state: QK_j issued before PV_{j-1}; wait(1) retires QK_j, the softmax of block j
+        # then overlaps PV_{j-1}
+        for j in range(1, n_tiles):
+            st = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(k_full.index(st), (j // STAGES) & 1)
+            s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+            mbarrier.wait(v_full.index(prev), ((j - 1) // STAGES) & 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+            mbarrier.arrive(k_empty.index(st), count=1)  # K_j is consumed: the producer refills it
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo + j * BLOCK_N, row0, seqlen_k, off,
+                                               window_left, window_right, qk_scale_log2,
+                                               HAS_LEFT, HAS_RIGHT)
+            acc = warpgroup_mma_wait(0, deps=[acc_tok])
+            mbarrier.arrive(v_empty.index(prev), count=1)  # V_{j-1} is consumed
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        # tail: PV of the last block
+        last = (n_tiles - 1) % STAGES
+        mbarrier.wait(v_full.index(last), ((n_tiles - 1) // STAGES) & 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc_tok])
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+    # epilogue: rows that saw no key (l = 0) give out 0 and LSE -inf
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    out = (acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]).to(dtype)
+    rows_s = row0 + gl.arange(0, HALF_M, layout=row_s)
+    gl.store(LSE + lse_off + rows_s, lse, mask=rows_s < seqlen_q)
+    if row0 + HALF_M <= seqlen_q:
+        o_smem = q_smem.index(WG)  # the Q half is dead: stage O there for the TMA store
+        o_smem.store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [o_row + WG * HALF_M, o_col], o_smem)
+        tma.store_wait(0)
+    else:
+        rows_o = row0 + gl.arange(0, HALF_M, layout=row_o)
+        cols_o = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+        ptrs = O + o_base_off + rows_o[:, None].to(gl.int64) * stride_om + cols_o[None, :]
+        gl.store(ptrs, out, mask=(rows_o < seqlen_q)[:, None])
+
+
+@gluon.jit
+def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K,
+                   stride_om, stride_oh, stride_lb, stride_lh,
+                   n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
+                   qk_scale_log2, window_left, window_right,
+                   IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                   STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
+                   PRODUCER_REGS_: gl.constexpr):
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    off_b = pid_bh // n_heads
+    off_h = pid_bh % n_heads
+    off_hk = off_h // kv_group
+    # q_start / k_start: the sequence's first row in the [rows, heads * d] views;
+    # lse_start: its first LSE column (varlen LSE is [h, total_q], batched [b, h, s_q])
+    if IS_VARLEN:
+        q_start = gl.load(CU_Q + off_b)
+        seqlen_q = gl.load(CU_Q + off_b + 1) - q_start
+        k_start = gl.load(CU_K + off_b)
+        seqlen_k = gl.load(CU_K + off_b + 1) - k_start
+        lse_start = q_start
+    else:
+        q_start = off_b * seqlen_q_fixed
+        seqlen_q = seqlen_q_fixed
+        k_start = off_b * seqlen_k_fixed
+        seqlen_k = seqlen_k_fixed
+        lse_start = 0
+    # heaviest query tiles first (the last ones under a causal mask) shortens the tail
+    start_m = (gl.num_programs(0) - 1 - pid_m) * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+
+    off = seqlen_k - seqlen_q
+    last_m = gl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+    lo = 0
+    hi = seqlen_k
+    if HAS_LEFT:
+        lo = gl.maximum(_floor_div(start_m + off - window_left, BLOCK_N) * BLOCK_N, 0)
+    if HAS_RIGHT:
+        hi = gl.minimum(last_m + off + window_right + 1, seqlen_k)
+    hi = gl.maximum(hi, lo)
+    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF_M, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+
+    q_row = q_start + start_m
+    o_base_off = q_start.to(gl.int64) * stride_om + off_h.to(gl.int64) * stride_oh
+    lse_off = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + lse_start
+    gl.warp_specialize([
+        (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
+                     q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k,
+                     lo, n_tiles, window_left, window_right, qk_scale_log2,
+                     0, STAGES, HAS_LEFT, HAS_RIGHT)),
+        (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
+                     q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k,
+                     lo, n_tiles, window_left, window_right, qk_scale_log2,
+                     1, STAGES, HAS_LEFT, HAS_RIGHT)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
+                     q_row, off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles, STAGES)),
+    ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_full.index(i))
+        mbarrier.invalidate(v_full.index(i))
+        mbarrier.invalidate(k_empty.index(i))
+        mbarrier.invalidate(v_empty.index(i))
+
+
+def _rows_view(t: torch.Tensor, varlen: bool) -> tuple[int, int] | None:
+    """(rows, row stride) of ``t`` as a row-major [rows, heads * d] matrix, or None if its strides
+    do not allow that view (heads packed in a row; batches back to back)."""
+    d = t.shape[-1]
+    if t.stride(-1) != 1 or t.stride(-2) != d:
+        return None
+    if varlen:
+        return t.shape[0], t.stride(0)
+    b, s = t.shape[0], t.shape[1]
+    if b > 1 and t.stride(0) != s * t.stride(1):
+        return None
+    return b * s, t.stride(1)
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int,
+                       head_dim_v: int, softcap: float, has_alibi: bool, dropout_p: float,
+                       varlen: bool) -> str | None:
+    """Why this call is outside what the sm90 forward covers (None when inside)."""
+    if head_dim not in SUPPORTED_HEAD_DIMS or head_dim_v != head_dim:
+        return (f"head dims (d={head_dim}, d_v={head_dim_v}) are not covered yet: the sm90 kernels "
+                f"take d = d_v in {SUPPORTED_HEAD_DIMS}")
+    if softcap > 0 or has_alibi or dropout_p > 0:
+        return "softcap, ALiBi and dropout are not covered by the sm90 kernels yet"
+    if q.dtype not in _GL_DTYPES:
+        return f"dtype {q.dtype} is not fp16/bf16"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        view = _rows_view(t, varlen)
+        if view is None:
+            return (f"{name}'s strides {tuple(t.stride())} do not form a row-major [rows, heads * "
+                    f"head_dim] matrix (TMA needs heads packed in a row)")
+        if t.data_ptr() % 16 or (view[1] * t.element_size()) % 16:
+            return f"{name} is not 16-byte aligned (base or row stride), as TMA requires"
+    return None
+
+
+def preferred(head_dim: int, masked: bool, max_seqlen_q: int) -> bool:
+    """Whether 'auto' should take this kernel over the portable one: where it measured faster on
+    the H200 (benchmarks/NOTES.md, results/sm90_fwd_quick_*.json): d=128 from s=2k (1.01-1.32x
+    the portable kernel); d=64 only from 8k (1.06x; at 2k they tie or the run was noisy)."""
+    if head_dim == 128:
+        return max_seqlen_q >= 2048
+    return max_seqlen_q >= 8192
+
+
+def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Launch the sm90 forward into ``out`` / ``lse`` (layouts as ``triton_fwd.attn_fwd``)."""
+    d = p.head_dim
+    n_heads, n_heads_k = q.shape[-2], k.shape[-2]
+    grid = (-(-p.max_seqlen_q // BLOCK_M.value), p.batch * n_heads)
+    if grid[0] * grid[1] == 0:
+        return
+    block_n = _block_n(d)
+    gdt = _GL_DTYPES[q.dtype]
+    q_layout = gl.NVMMASharedLayout.get_default_for([HALF_M.value, d], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gdt)
+
+    def desc(t, n_h, block_rows, layout):
+        rows, row_stride = _rows_view(t, p.is_varlen)
+        return TensorDescriptor(t, [rows, n_h * d], [row_stride, 1], [block_rows, d], layout)
+
+    q_desc = desc(q, n_heads, HALF_M.value, q_layout)
+    k_desc = desc(k, n_heads_k, block_n, kv_layout)
+    v_desc = desc(v, n_heads_k, block_n, kv_layout)
+    o_desc = desc(out, n_heads, HALF_M.value, q_layout)
+    dummy = lse  # unused pointer arguments (batched layout)
+    _attn_fwd_sm90[grid](
+        q_desc, k_desc, v_desc, o_desc, out, lse,
+        p.cu_seqlens_q if p.is_varlen else dummy, p.cu_seqlens_k if p.is_varlen else dummy,
+        out.stride(-3), out.stride(-2), *p.lse_strides(lse),
+        n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k,
+        p.softmax_scale * LOG2E, p.window_left, p.window_right,
+        IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
+        STAGES=_stages(d), CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS,
+        num_warps=4,
+    )

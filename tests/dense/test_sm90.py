@@ -1,0 +1,125 @@
+"""The Gluon sm90 forward (FlashAttention-3 design), forced with backend='sm90' on Hopper, and the
+dispatch rules around it (run anywhere). The whole dense suite also runs through backend='auto',
+which picks this kernel on sm90 wherever it covers the call."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ioattn
+from ioattn.dispatch import sm90_unavailable_reason
+from ioattn.reference import attention_ref, attention_varlen_ref
+from ioattn.testing import assert_close_rule, cu_seqlens
+from tests.dense.test_attention import FP16, Case, _check_grads, _inputs, _varlen_inputs
+
+SM90 = torch.cuda.is_available() and sm90_unavailable_reason(torch.device("cuda")) is None
+needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200) with Triton 3.6.x")
+
+CASES = [
+    Case(1, 1, d=64),
+    Case(113, 203, d=64),
+    Case(113, 203, d=128, causal=True),
+    Case(203, 113, d=128, causal=True),  # s_q > s_k: the first 90 rows see no key
+    Case(128, 217, d=64, window=(33, 0), dtype=FP16),
+    Case(256, 128, d=128, window=(17, 5)),
+    Case(300, 37, d=128, window=(-1, 7)),
+    Case(1023, 1024, d=128, causal=True, dtype=FP16),
+    Case(1024, 1023, d=64, h=8, h_k=2),
+    Case(2048, 2048, d=128, causal=True, b=1, h=8, h_k=1),
+    Case(777, 777, d=128, h=6, h_k=3, window=(100, -1)),
+    Case(4096, 4096, d=64, causal=True, b=1, h=2),
+]
+
+
+def _check_fwd(c: Case, out, lse, ref, lse_ref, pt):
+    assert_close_rule("out", out, ref, pt)
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), finite), "LSE -inf pattern differs (fully masked rows)"
+    torch.testing.assert_close(lse[finite], lse_ref[finite], atol=1e-3, rtol=1e-3)
+
+
+@needs_sm90
+@pytest.mark.parametrize("c", CASES, ids=lambda c: "sm90-" + c.id)
+def test_sm90_fwd(c: Case):
+    q, k, v = _inputs(c, "cuda")
+    kw = dict(causal=c.causal, window_size=c.window)
+    out, lse, _ = ioattn.flash_attn_func(q, k, v, return_attn_probs=True, backend="sm90", **kw)
+    ref, lse_ref = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    _check_fwd(c, out, lse, ref, lse_ref, pt)
+    if c.s_q * c.s_k <= 1024 * 1024:  # the backward (Triton kernels) from the sm90 forward's LSE
+        _check_grads(c.id, out, ref, pt, torch.randn_like(out), (q, k, v))
+
+
+@needs_sm90
+@pytest.mark.parametrize("c", [Case(0, 0, d=128, b=5, causal=True, h=6, h_k=2),
+                               Case(0, 0, d=64, b=4, window=(30, 3), dtype=FP16)],
+                         ids=lambda c: "sm90-varlen-" + c.id)
+def test_sm90_varlen(c: Case):
+    q, k, v, lq, lk = _varlen_inputs(c, "cuda")
+    cq, ck = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")
+    kw = dict(causal=c.causal, window_size=c.window)
+    out, lse, _ = ioattn.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk),
+                                                return_attn_probs=True, backend="sm90", **kw)
+    ref, lse_ref = attention_varlen_ref(q, k, v, cq, ck, **kw)
+    pt, _ = attention_varlen_ref(q, k, v, cq, ck, upcast=False, **kw)
+    _check_fwd(c, out, lse, ref, lse_ref, pt)
+    _check_grads(c.id, out, ref, pt, torch.randn_like(out), (q, k, v))
+
+
+@needs_sm90
+def test_sm90_matches_triton_and_auto_picks_it(monkeypatch):
+    q, k, v = (torch.randn(1, 2048, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    a = ioattn.flash_attn_func(q, k, v, backend="sm90")
+    b = ioattn.flash_attn_func(q, k, v, backend="triton")
+    assert (a.float() - b.float()).abs().max().item() < 2e-2
+    from ioattn.dense import sm90_fwd
+
+    calls = []
+    orig = sm90_fwd.attn_fwd_sm90
+    monkeypatch.setattr(sm90_fwd, "attn_fwd_sm90", lambda *a_: calls.append(1) or orig(*a_))
+    ioattn.flash_attn_func(q, k, v)
+    assert calls, "backend='auto' should run the sm90 forward here (d=128, non-causal, s=2k)"
+    calls.clear()
+    q, k, v = (t[..., :64].contiguous() for t in (q, k, v))
+    ioattn.flash_attn_func(q, k, v)  # d=64 at 2k: the portable kernel is auto's choice
+    assert not calls
+
+
+@needs_sm90
+@pytest.mark.parametrize("kw", [dict(softcap=2.0), dict(dropout_p=0.1), dict(d=96), dict(strided=True)])
+def test_sm90_refuses_what_it_does_not_cover(kw):
+    d = kw.pop("d", 64)
+    q, k, v = (torch.randn(1, 64, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    if kw.pop("strided", False):  # heads not packed within a row: no TMA view
+        q = torch.randn(1, 64, d, 4, device="cuda", dtype=torch.bfloat16).transpose(2, 3)
+    with pytest.raises(ValueError, match="sm90"):
+        ioattn.flash_attn_func(q, k, v, backend="sm90", **kw)
+    ioattn.flash_attn_func(q, k, v, **kw)  # auto runs it on the portable kernels
+
+
+@pytest.mark.skipif(SM90, reason="checks the refusal off Hopper")
+def test_sm90_refused_off_hopper(device):
+    q, k, v = (torch.randn(1, 16, 2, 64, device=device, dtype=torch.float16) for _ in range(3))
+    with pytest.raises(ValueError, match="backend='sm90' cannot run"):
+        ioattn.flash_attn_func(q, k, v, backend="sm90")
+
+
+def test_sm90_kernel_compiles_for_hopper():
+    """The Gluon forward compiles for sm90 (on any machine, with Triton's ptxas) with the FA3
+    design's instructions: TMA loads, async wgmma, mbarriers, setmaxnreg; and (almost) no spills."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "ioattn.dense.inspect", "--gluon", "--json"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    reports = json.loads(res.stdout)
+    assert len(reports) == 4  # d = 64, 128 x causal or not
+    for r in reports:
+        assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
+        assert r["spill_stores"] <= 16, r  # 240 registers per consumer: at most a few bytes
+        assert r["mbarrier_waits"] > 0, r
