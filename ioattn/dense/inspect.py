@@ -130,7 +130,7 @@ _TMA_LAYOUT = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth={bits
                "transposed=False, fp4_padded=False, cga_layout=[])")
 
 
-def gluon_reports(arch: int = 90, head_dims=(64, 128), dtype: str = "bf16") -> list[KernelReport]:
+def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16") -> list[KernelReport]:
     """The sm90 Gluon forward (sm90_fwd.py) compiled as the launcher configures it."""
     from triton.experimental.gluon._runtime import GluonASTSource
 

@@ -35,20 +35,21 @@ from ioattn.dense.params import AttnParams
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M)
 BLOCK_M = gl.constexpr(128)  # two consumer warpgroups
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 def _block_n(head_dim: int) -> int:
-    return 128
+    # d=256: the 64x256 fp32 accumulator takes 128 of a consumer's 240 registers
+    return 64 if head_dim == 256 else 128
 
 
 def _stages(head_dim: int) -> int:
     # shared memory: Q 2x64xD + STAGES x (K + V) BLOCK_NxD, 2 bytes each (<= 227 KB on sm90:
-    # d=128 with 3 stages takes 224 KB)
-    return 3
+    # d=128 with 3 stages takes 224 KB, d=256 with 2 stages 192 KB)
+    return 2 if head_dim == 256 else 3
 
 
 @gluon.jit
@@ -323,11 +324,12 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_d
 
 def preferred(head_dim: int, masked: bool, max_seqlen_q: int) -> bool:
     """Whether 'auto' should take this kernel over the portable one: where it measured faster on
-    the H200 (benchmarks/NOTES.md, results/sm90_fwd_quick_*.json): d=128 from s=2k (1.01-1.32x
-    the portable kernel); d=64 only from 8k (1.06x; at 2k they tie or the run was noisy)."""
-    if head_dim == 128:
-        return max_seqlen_q >= 2048
-    return max_seqlen_q >= 8192
+    the H200 (benchmarks/NOTES.md, results/sm90_fwd_*quick_*.json): d=128 from s=2k (1.01-1.32x
+    the portable kernel), d=256 from 2k (1.32-1.42x); d=64 only from 8k (1.06x; at 2k they tie
+    or the run was noisy). Shorter sequences were not measured: the portable kernel keeps them."""
+    if head_dim == 64:
+        return max_seqlen_q >= 8192
+    return max_seqlen_q >= 2048
 
 
 def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

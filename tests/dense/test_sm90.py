@@ -28,6 +28,9 @@ CASES = [
     Case(2048, 2048, d=128, causal=True, b=1, h=8, h_k=1),
     Case(777, 777, d=128, h=6, h_k=3, window=(100, -1)),
     Case(4096, 4096, d=64, causal=True, b=1, h=2),
+    Case(113, 203, d=256),
+    Case(1024, 1023, d=256, causal=True, b=1, h=2, dtype=FP16),
+    Case(300, 300, d=256, h=4, h_k=2, window=(50, 20)),
 ]
 
 
@@ -53,7 +56,8 @@ def test_sm90_fwd(c: Case):
 
 @needs_sm90
 @pytest.mark.parametrize("c", [Case(0, 0, d=128, b=5, causal=True, h=6, h_k=2),
-                               Case(0, 0, d=64, b=4, window=(30, 3), dtype=FP16)],
+                               Case(0, 0, d=64, b=4, window=(30, 3), dtype=FP16),
+                               Case(0, 0, d=256, b=3, causal=True)],
                          ids=lambda c: "sm90-varlen-" + c.id)
 def test_sm90_varlen(c: Case):
     q, k, v, lq, lk = _varlen_inputs(c, "cuda")
@@ -118,7 +122,7 @@ def test_sm90_kernel_compiles_for_hopper():
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     reports = json.loads(res.stdout)
-    assert len(reports) == 4  # d = 64, 128 x causal or not
+    assert len(reports) == 6  # d = 64, 128, 256 x causal or not
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         assert r["spill_stores"] <= 16, r  # 240 registers per consumer: at most a few bytes
