@@ -130,45 +130,62 @@ _TMA_LAYOUT = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth={bits
                "transposed=False, fp4_padded=False, cga_layout=[])")
 
 
+def _gluon_signature(fn, dtype: str, desc_rows: dict, d: int) -> dict:
+    lay = _TMA_LAYOUT.format(bits=16)
+    sig = {}
+    for name in fn.arg_names:
+        if name.endswith("_desc"):
+            sig[name] = f"tensordesc<{dtype}[{desc_rows[name]}, {d}],{lay}>"
+        elif name in ("O", "DQ", "DK", "DV"):
+            sig[name] = f"*{dtype}"
+        elif name in ("LSE", "DELTA"):
+            sig[name] = "*fp32"
+        elif name in ("CU_Q", "CU_K"):
+            sig[name] = "*i32"
+        elif name in ("qk_scale_log2", "sm_scale"):
+            sig[name] = "fp32"
+        elif name.isupper() or name.endswith("_"):
+            sig[name] = "constexpr"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
 def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16") -> list[KernelReport]:
-    """The sm90 Gluon forward (sm90_fwd.py) compiled as the launcher configures it."""
+    """The sm90 Gluon kernels (sm90_fwd.py, sm90_bwd.py) compiled as their launchers configure them."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from ioattn.dense import sm90_fwd
+    from ioattn.dense import sm90_bwd, sm90_fwd
 
-    fn = sm90_fwd._attn_fwd_sm90
-    lay = _TMA_LAYOUT.format(bits=16)
-    out = []
+    regs = dict(CONSUMER_REGS_=sm90_fwd.CONSUMER_REGS, PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS)
+    jobs = []
     for d in head_dims:
         bn = sm90_fwd._block_n(d)
         for causal in (False, True):
-            sig = {}
-            for name in fn.arg_names:
-                if name in ("q_desc", "o_desc"):
-                    sig[name] = f"tensordesc<{dtype}[64, {d}],{lay}>"
-                elif name in ("k_desc", "v_desc"):
-                    sig[name] = f"tensordesc<{dtype}[{bn}, {d}],{lay}>"
-                elif name == "O":
-                    sig[name] = f"*{dtype}"
-                elif name in ("LSE", "CU_Q", "CU_K"):
-                    sig[name] = "*fp32" if name == "LSE" else "*i32"
-                elif name == "qk_scale_log2":
-                    sig[name] = "fp32"
-                elif name.isupper() or name.endswith("_"):
-                    sig[name] = "constexpr"
-                else:
-                    sig[name] = "i32"
-            ce = dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=causal, STAGES=sm90_fwd._stages(d),
-                      CONSUMER_REGS_=sm90_fwd.CONSUMER_REGS, PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS)
-            k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=ce),
-                               target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
-            ptx = k.asm["ptx"]
-            regs, st, ld = _ptxas_usage(ptx, arch)
-            out.append(KernelReport(
-                f"sm90 fwd d{d} {'causal' if causal else 'full'} 128x{bn} ws", regs, st, ld,
-                wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
-                warp_specialized="setmaxnreg" in ptx, mbarrier_waits=ptx.count("mbarrier.try_wait"),
-                shared_bytes=k.metadata.shared))
+            flags = dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=causal, **regs)
+            tag = "causal" if causal else "full"
+            jobs.append((f"sm90 fwd d{d} {tag} 128x{bn} ws", sm90_fwd._attn_fwd_sm90,
+                         dict(q_desc=64, o_desc=64, k_desc=bn, v_desc=bn), d,
+                         dict(flags, STAGES=sm90_fwd._stages(d))))
+            if d in sm90_bwd.SUPPORTED_HEAD_DIMS:
+                jobs.append((f"sm90 bwd dkdv d{d} {tag} 128 keys ws", sm90_bwd._bwd_dkdv_sm90,
+                             dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64), d,
+                             dict(flags, STAGES=sm90_bwd.DKDV_STAGES)))
+                jobs.append((f"sm90 bwd dq d{d} {tag} 128x{sm90_bwd.DQ_BLOCK_N} ws", sm90_bwd._bwd_dq_sm90,
+                             dict(q_desc=64, do_desc=64, k_desc=sm90_bwd.DQ_BLOCK_N,
+                                  v_desc=sm90_bwd.DQ_BLOCK_N), d,
+                             dict(flags, STAGES=sm90_bwd.DQ_STAGES)))
+    out = []
+    for name, fn, desc_rows, d, ce in jobs:
+        k = triton.compile(GluonASTSource(fn=fn, signature=_gluon_signature(fn, dtype, desc_rows, d),
+                                          constexprs=ce),
+                           target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+        ptx = k.asm["ptx"]
+        regs_used, st, ld = _ptxas_usage(ptx, arch)
+        out.append(KernelReport(
+            name, regs_used, st, ld, wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
+            warp_specialized="setmaxnreg" in ptx, mbarrier_waits=ptx.count("mbarrier.try_wait"),
+            shared_bytes=k.metadata.shared))
     return out
 
 

@@ -28,17 +28,16 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
+from ioattn.dense.sm90_common import GL_DTYPES, query_tile, rows_descriptor, tma_view_problem
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M)
 BLOCK_M = gl.constexpr(128)  # two consumer warpgroups
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 def _block_n(head_dim: int) -> int:
@@ -50,16 +49,6 @@ def _stages(head_dim: int) -> int:
     # shared memory: Q 2x64xD + STAGES x (K + V) BLOCK_NxD, 2 bytes each (<= 227 KB on sm90:
     # d=128 with 3 stages takes 224 KB, d=256 with 2 stages 192 KB)
     return 2 if head_dim == 256 else 3
-
-
-@gluon.jit
-def _floor_div(a, b: gl.constexpr):
-    # integer // truncates toward zero; block bounds need floor for negative numerators
-    if a < 0:
-        a = -((-a + b - 1) // b)
-    else:
-        a = a // b
-    return a
 
 
 @gluon.jit
@@ -212,50 +201,21 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K,
                    PRODUCER_REGS_: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    off_b = pid_bh // n_heads
-    off_h = pid_bh % n_heads
-    off_hk = off_h // kv_group
-    # q_start / k_start: the sequence's first row in the [rows, heads * d] views;
-    # lse_start: its first LSE column (varlen LSE is [h, total_q], batched [b, h, s_q])
-    if IS_VARLEN:
-        q_start = gl.load(CU_Q + off_b)
-        seqlen_q = gl.load(CU_Q + off_b + 1) - q_start
-        k_start = gl.load(CU_K + off_b)
-        seqlen_k = gl.load(CU_K + off_b + 1) - k_start
-        lse_start = q_start
-    else:
-        q_start = off_b * seqlen_q_fixed
-        seqlen_q = seqlen_q_fixed
-        k_start = off_b * seqlen_k_fixed
-        seqlen_k = seqlen_k_fixed
-        lse_start = 0
-    # heaviest query tiles first (the last ones under a causal mask) shortens the tail
-    start_m = (gl.num_programs(0) - 1 - pid_m) * BLOCK_M
+    (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
+     n_tiles) = query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, window_left,
+                           window_right, BLOCK_M, BLOCK_N, IS_VARLEN, HAS_LEFT, HAS_RIGHT)
     if start_m >= seqlen_q:
         return
-
-    off = seqlen_k - seqlen_q
-    last_m = gl.minimum(start_m + BLOCK_M, seqlen_q) - 1
-    lo = 0
-    hi = seqlen_k
-    if HAS_LEFT:
-        lo = gl.maximum(_floor_div(start_m + off - window_left, BLOCK_N) * BLOCK_N, 0)
-    if HAS_RIGHT:
-        hi = gl.minimum(last_m + off + window_right + 1, seqlen_k)
-    hi = gl.maximum(hi, lo)
-    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF_M, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_bar.index(0), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_full.index(i), count=1)
         mbarrier.init(v_full.index(i), count=1)
@@ -267,38 +227,27 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K,
     o_base_off = q_start.to(gl.int64) * stride_om + off_h.to(gl.int64) * stride_oh
     lse_off = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + lse_start
     gl.warp_specialize([
-        (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
+        (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0), k_full, v_full,
+                     k_empty, v_empty,
                      q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k,
                      lo, n_tiles, window_left, window_right, qk_scale_log2,
                      0, STAGES, HAS_LEFT, HAS_RIGHT)),
-        (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
+        (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0), k_full, v_full,
+                     k_empty, v_empty,
                      q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k,
                      lo, n_tiles, window_left, window_right, qk_scale_log2,
                      1, STAGES, HAS_LEFT, HAS_RIGHT)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0), k_full,
+                     v_full, k_empty, v_empty,
                      q_row, off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles, STAGES)),
     ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
-    mbarrier.invalidate(q_bar)
+    mbarrier.invalidate(q_bar.index(0))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_full.index(i))
         mbarrier.invalidate(v_full.index(i))
         mbarrier.invalidate(k_empty.index(i))
         mbarrier.invalidate(v_empty.index(i))
-
-
-def _rows_view(t: torch.Tensor, varlen: bool) -> tuple[int, int] | None:
-    """(rows, row stride) of ``t`` as a row-major [rows, heads * d] matrix, or None if its strides
-    do not allow that view (heads packed in a row; batches back to back)."""
-    d = t.shape[-1]
-    if t.stride(-1) != 1 or t.stride(-2) != d:
-        return None
-    if varlen:
-        return t.shape[0], t.stride(0)
-    b, s = t.shape[0], t.shape[1]
-    if b > 1 and t.stride(0) != s * t.stride(1):
-        return None
-    return b * s, t.stride(1)
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int,
@@ -310,15 +259,12 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_d
                 f"take d = d_v in {SUPPORTED_HEAD_DIMS}")
     if softcap > 0 or has_alibi or dropout_p > 0:
         return "softcap, ALiBi and dropout are not covered by the sm90 kernels yet"
-    if q.dtype not in _GL_DTYPES:
+    if q.dtype not in GL_DTYPES:
         return f"dtype {q.dtype} is not fp16/bf16"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        view = _rows_view(t, varlen)
-        if view is None:
-            return (f"{name}'s strides {tuple(t.stride())} do not form a row-major [rows, heads * "
-                    f"head_dim] matrix (TMA needs heads packed in a row)")
-        if t.data_ptr() % 16 or (view[1] * t.element_size()) % 16:
-            return f"{name} is not 16-byte aligned (base or row stride), as TMA requires"
+        problem = tma_view_problem(name, t, varlen)
+        if problem is not None:
+            return problem
     return None
 
 
@@ -341,18 +287,10 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if grid[0] * grid[1] == 0:
         return
     block_n = _block_n(d)
-    gdt = _GL_DTYPES[q.dtype]
-    q_layout = gl.NVMMASharedLayout.get_default_for([HALF_M.value, d], gdt)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gdt)
-
-    def desc(t, n_h, block_rows, layout):
-        rows, row_stride = _rows_view(t, p.is_varlen)
-        return TensorDescriptor(t, [rows, n_h * d], [row_stride, 1], [block_rows, d], layout)
-
-    q_desc = desc(q, n_heads, HALF_M.value, q_layout)
-    k_desc = desc(k, n_heads_k, block_n, kv_layout)
-    v_desc = desc(v, n_heads_k, block_n, kv_layout)
-    o_desc = desc(out, n_heads, HALF_M.value, q_layout)
+    q_desc = rows_descriptor(q, p.is_varlen, HALF_M.value)
+    k_desc = rows_descriptor(k, p.is_varlen, block_n)
+    v_desc = rows_descriptor(v, p.is_varlen, block_n)
+    o_desc = rows_descriptor(out, p.is_varlen, HALF_M.value)
     dummy = lse  # unused pointer arguments (batched layout)
     _attn_fwd_sm90[grid](
         q_desc, k_desc, v_desc, o_desc, out, lse,

@@ -338,6 +338,24 @@ def _bwd_dq_kernel(
              mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
+def bwd_preprocess(p: AttnParams, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+                   dlse: Optional[torch.Tensor], delta: torch.Tensor) -> None:
+    """delta = rowsum(dO * O) - dLSE into ``delta`` (LSE's layout); shared by every backward."""
+    n_heads = out.shape[-2]
+    sb = p.batch_strides
+    pre_block = 64
+    grid = (triton.cdiv(p.max_seqlen_q, pre_block), p.batch * n_heads)
+    if grid[0] * grid[1] == 0:
+        return
+    _bwd_preprocess[grid](
+        out, dout, dlse if dlse is not None else delta, delta,
+        sb(out), out.stride(-3), out.stride(-2), sb(dout), dout.stride(-3), dout.stride(-2),
+        *p.lse_strides(lse), p.cu_q_arg(out), n_heads, p.max_seqlen_q,
+        HEAD_DIM_V=p.head_dim_v, BLOCK_DV=configs.pad_dim(p.head_dim_v), BLOCK_M=pre_block,
+        IS_VARLEN=p.is_varlen, HAS_DLSE=dlse is not None,
+    )
+
+
 def attn_bwd(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
              dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, delta: torch.Tensor) -> None:
@@ -367,13 +385,7 @@ def attn_bwd(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         dk.zero_()
         dv.zero_()
         return
-    _bwd_preprocess[grid_q](
-        out, dout, dlse if dlse is not None else delta, delta,
-        sb(out), out.stride(-3), out.stride(-2), sb(dout), dout.stride(-3), dout.stride(-2),
-        *lse_strides, p.cu_q_arg(q), n_heads, p.max_seqlen_q,
-        HEAD_DIM_V=p.head_dim_v, BLOCK_DV=block_dv, BLOCK_M=pre_block, IS_VARLEN=p.is_varlen,
-        HAS_DLSE=dlse is not None,
-    )
+    bwd_preprocess(p, out, dout, lse, dlse, delta)
     _bwd_dkdv_kernel[grid_kv](
         q, k, v, dout, lse, delta, dk, dv, p.alibi_arg(q), p.cu_q_arg(q), p.cu_k_arg(q),
         p.rng_arg(q),

@@ -1,0 +1,389 @@
+"""Hopper (sm90) attention backward in Gluon: warp-specialized, TMA-fed, async wgmma.
+
+Two kernels after the portable preprocess (delta = rowsum(dO * O) - dLSE), both without atomics,
+so the backward stays deterministic, as the portable one is:
+- dK/dV: one CTA per 128-key block of one KV head. A 1-warp producer loads the block's K and V
+  halves once, then streams Q and dO tiles (64 query rows) of every query head of the GQA group
+  through a ring of shared-memory stages. Two consumer warpgroups own 64 keys each and keep dK
+  and dV in registers (64 x d fp32 each): per tile, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (shared-memory
+  operands), Pᵀ = exp2(Sᵀ - LSE), dSᵀ = Pᵀ(dPᵀ - delta), then dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ
+  and dSᵀ as register operands.
+- dQ: one CTA per 128 query rows of one head, the forward's shape: Q and dO halves loaded once,
+  K and V streamed; per key block S = Q·Kᵀ, dP = dO·Vᵀ, dS = P(dP - delta), dQ += dS·K.
+
+Layouts and coverage are the forward's (``sm90_fwd``): [rows, heads * d] views through host TMA
+descriptors, d = d_v in {64, 128} here, causal/window, GQA, batched and varlen, fp16/bf16.
+
+Status: compiled for sm90 in CI (``python -m ioattn.dense.inspect --gluon``); not yet run on a GPU,
+so no entry point dispatches to it until ``tests/dense/test_sm90.py::test_sm90_bwd`` has passed on
+the H200.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+from ioattn.dense.common import LOG2E
+from ioattn.dense.params import AttnParams
+from ioattn.dense.sm90_common import (barriers, invalidate, query_tile, query_tiles,
+                                      rows_descriptor, seq_bounds, tma_view_problem)
+from ioattn.dense.triton_bwd import bwd_preprocess
+
+HALF = gl.constexpr(64)  # rows of one consumer warpgroup's wgmma (keys in dK/dV, queries in dQ)
+SUPPORTED_HEAD_DIMS = (64, 128)
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+DKDV_STAGES = 2
+DQ_BLOCK_N = 64
+DQ_STAGES = 2
+
+
+@gluon.jit
+def _mask_scores(s, rows, cols, seqlen_q, seqlen_k, off, window_left, window_right,
+                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    # rows / cols broadcast to s's shape (either orientation); rows past seqlen_q are masked too:
+    # they belong to the next sequence in the packed views
+    vis = (cols < seqlen_k) & (rows < seqlen_q)
+    if HAS_RIGHT:
+        vis = vis & (cols <= rows + off + window_right)
+    if HAS_LEFT:
+        vis = vis & (cols >= rows + off - window_left)
+    return gl.where(vis, s, float("-inf"))
+
+
+@gluon.jit
+def _tile_needs_mask(m0, n0, seqlen_q, seqlen_k, off, window_left, window_right,
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    # whether a 64-row x 64/128-key tile at (m0, n0) has a masked pair (scalar test; the keys'
+    # extent is the wider 128 so one test serves both kernels conservatively)
+    need = (m0 + HALF > seqlen_q) | (n0 + 2 * HALF > seqlen_k)
+    if HAS_RIGHT:
+        need = need | (n0 + 2 * HALF - 1 > m0 + off + window_right)
+    if HAS_LEFT:
+        need = need | (n0 < m0 + HALF - 1 + off - window_left)
+    return need
+
+
+# ----------------------------------------------------------------------------------- dK / dV
+@gluon.jit
+def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
+                   qdo_full, qdo_empty, q_start, k_row, kv_col, h0, lo_m, n_m, n_steps,
+                   STAGES: gl.constexpr):
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    has_work = n_steps > 0
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes, pred=has_work)
+    tma.async_copy_global_to_shared(k_desc, [k_row, kv_col], kv_bar, k_smem.index(0), pred=has_work)
+    tma.async_copy_global_to_shared(k_desc, [k_row + HALF, kv_col], kv_bar, k_smem.index(1),
+                                    pred=has_work)
+    tma.async_copy_global_to_shared(v_desc, [k_row, kv_col], kv_bar, v_smem.index(0), pred=has_work)
+    tma.async_copy_global_to_shared(v_desc, [k_row + HALF, kv_col], kv_bar, v_smem.index(1),
+                                    pred=has_work)
+    for t in range(n_steps):
+        st = t % STAGES
+        g = t // n_m
+        row = q_start + lo_m + (t - g * n_m) * HALF
+        col = (h0 + g) * HEAD_D
+        mbarrier.wait(qdo_empty.index(st), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(qdo_full.index(st), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row, col], qdo_full.index(st), q_smem.index(st))
+        tma.async_copy_global_to_shared(do_desc, [row, col], qdo_full.index(st), do_smem.index(st))
+
+
+@gluon.jit
+def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, kv_bar, qdo_full, qdo_empty,
+                   dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m,
+                   n_steps, start_n, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
+                   sm_scale,
+                   WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                   HAS_RIGHT: gl.constexpr):
+    HEAD_D: gl.constexpr = q_smem.shape[2]
+    dtype: gl.constexpr = q_smem.dtype
+    # Sᵀ / dPᵀ: [64 keys, 64 query rows]; dK / dV: [64 keys, d]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+    key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    k = k_smem.index(WG)
+    v = v_smem.index(WG)
+    n0 = start_n + WG * HALF
+    off = seqlen_k - seqlen_q
+    cols = n0 + gl.arange(0, HALF, layout=key_l)  # this warpgroup's keys (Sᵀ rows)
+    dk = gl.zeros([HALF, HEAD_D], gl.float32, layout=a_layout)
+    dv = gl.zeros([HALF, HEAD_D], gl.float32, layout=a_layout)
+    s_zero = gl.zeros([HALF, HALF], gl.float32, layout=s_layout)
+    if n_steps > 0:
+        mbarrier.wait(kv_bar, 0)
+    for t in range(n_steps):
+        st = t % STAGES
+        g = t // n_m
+        m0 = lo_m + (t - g * n_m) * HALF
+        rows = m0 + gl.arange(0, HALF, layout=row_l)
+        lse_ptrs = LSE + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows
+        row_ok = rows < seqlen_q
+        lse = gl.load(lse_ptrs, mask=row_ok, other=float("inf"))
+        delta = gl.load(DELTA + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows, mask=row_ok,
+                        other=0.0)
+        # fully masked rows carry LSE = -inf; +inf makes their P exactly 0 instead of NaN
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        mbarrier.wait(qdo_full.index(st), (t // STAGES) & 1)
+        q = q_smem.index(st)
+        do = do_smem.index(st)
+        s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s, dp = warpgroup_mma_wait(0, deps=[s_tok, dp_tok])
+        if _tile_needs_mask(m0, n0, seqlen_q, seqlen_k, off, window_left, window_right,
+                            HAS_LEFT, HAS_RIGHT):
+            s = _mask_scores(s, rows[None, :], cols[:, None], seqlen_q, seqlen_k, off, window_left,
+                             window_right, HAS_LEFT, HAS_RIGHT)
+        p = gl.exp2(s * qk_scale_log2 - lse2[None, :])
+        ds = p * (dp - delta[None, :])
+        dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do, dv, is_async=True)
+        dk_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), q, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+        mbarrier.arrive(qdo_empty.index(st), count=1)
+
+    d_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
+    keys = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))
+    ok = (keys < seqlen_k)[:, None]
+    gl.store(DK + dk_off + keys[:, None].to(gl.int64) * stride_dkn + d_cols[None, :],
+             (dk * sm_scale).to(dtype), mask=ok)
+    gl.store(DV + dv_off + keys[:, None].to(gl.int64) * stride_dvn + d_cols[None, :],
+             dv.to(dtype), mask=ok)
+
+
+@gluon.jit
+def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE, DELTA, CU_Q, CU_K,
+                   stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lb, stride_lh,
+                   n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
+                   sm_scale, qk_scale_log2, window_left, window_right,
+                   IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                   STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
+                   PRODUCER_REGS_: gl.constexpr):
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = 2 * HALF
+    pid_n = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    off_b = pid_bh // n_heads_k
+    off_hk = pid_bh % n_heads_k
+    q_start, seqlen_q, k_start, seqlen_k, lse_start = seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed,
+                                                                 seqlen_k_fixed, IS_VARLEN)
+    start_n = pid_n * BLOCK_N
+    if start_n >= seqlen_k:
+        return
+    lo_m, n_m = query_tiles(start_n, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right, HALF,
+                            HAS_LEFT, HAS_RIGHT)
+    n_steps = n_m * kv_group
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, HALF, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, HALF, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, HALF, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, HALF, HEAD_D], v_desc.layout)
+    kv_bar = barriers(1, 1)
+    qdo_full = barriers(STAGES, 1)
+    qdo_empty = barriers(STAGES, 2)  # one arrive per consumer warpgroup
+    fence_async_shared()
+
+    h0 = off_hk * kv_group
+    dk_off = k_start.to(gl.int64) * stride_dkn + off_hk.to(gl.int64) * stride_dkh
+    dv_off = k_start.to(gl.int64) * stride_dvn + off_hk.to(gl.int64) * stride_dvh
+    lse_base = off_b.to(gl.int64) * stride_lb + lse_start
+    gl.warp_specialize([
+        (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, kv_bar.index(0),
+                          qdo_full, qdo_empty, dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh, h0,
+                          lo_m, n_m, n_steps, start_n, seqlen_q, seqlen_k, window_left, window_right,
+                          qk_scale_log2, sm_scale, 0, STAGES, HAS_LEFT, HAS_RIGHT)),
+        (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, kv_bar.index(0),
+                          qdo_full, qdo_empty, dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh, h0,
+                          lo_m, n_m, n_steps, start_n, seqlen_q, seqlen_k, window_left, window_right,
+                          qk_scale_log2, sm_scale, 1, STAGES, HAS_LEFT, HAS_RIGHT)),
+        (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                          kv_bar.index(0), qdo_full, qdo_empty, q_start, k_start + start_n,
+                          off_hk * HEAD_D, h0, lo_m, n_m, n_steps, STAGES)),
+    ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
+
+    invalidate(kv_bar, 1)
+    invalidate(qdo_full, STAGES)
+    invalidate(qdo_empty, STAGES)
+
+
+# ----------------------------------------------------------------------------------------- dQ
+@gluon.jit
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, kv_full,
+                 kv_empty, q_row, q_col, k_row, kv_col, n_tiles, STAGES: gl.constexpr):
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    has_work = n_tiles > 0
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes,
+                    pred=has_work)
+    for i in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [q_row + i * HALF, q_col], q_bar, q_smem.index(i),
+                                        pred=has_work)
+        tma.async_copy_global_to_shared(do_desc, [q_row + i * HALF, q_col], q_bar, do_smem.index(i),
+                                        pred=has_work)
+    for j in range(n_tiles):
+        st = j % STAGES
+        mbarrier.wait(kv_empty.index(st), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(kv_full.index(st), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, kv_col], kv_full.index(st),
+                                        k_smem.index(st))
+        tma.async_copy_global_to_shared(v_desc, [k_row + j * BLOCK_N, kv_col], kv_full.index(st),
+                                        v_smem.index(st))
+
+
+@gluon.jit
+def _dq_consumer(DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, kv_full, kv_empty,
+                 dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
+                 window_left, window_right, qk_scale_log2, sm_scale,
+                 WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                 HAS_RIGHT: gl.constexpr):
+    HEAD_D: gl.constexpr = q_smem.shape[2]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    q = q_smem.index(WG)
+    do = do_smem.index(WG)
+    row0 = start_m + WG * HALF
+    off = seqlen_k - seqlen_q
+    rows = row0 + gl.arange(0, HALF, layout=row_l)
+    row_ok = rows < seqlen_q
+    lse = gl.load(LSE + lse_off + rows, mask=row_ok, other=float("inf"))
+    delta = gl.load(DELTA + lse_off + rows, mask=row_ok, other=0.0)
+    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    dq = gl.zeros([HALF, HEAD_D], gl.float32, layout=a_layout)
+    s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
+    if n_tiles > 0:
+        mbarrier.wait(q_bar, 0)
+    for j in range(n_tiles):
+        st = j % STAGES
+        mbarrier.wait(kv_full.index(st), (j // STAGES) & 1)
+        k = k_smem.index(st)
+        s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do, v_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+        s, dp = warpgroup_mma_wait(0, deps=[s_tok, dp_tok])
+        if _tile_needs_mask(row0, lo + j * BLOCK_N, seqlen_q, seqlen_k, off, window_left,
+                            window_right, HAS_LEFT, HAS_RIGHT):
+            cols = lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
+            s = _mask_scores(s, rows[:, None], cols[None, :], seqlen_q, seqlen_k, off, window_left,
+                             window_right, HAS_LEFT, HAS_RIGHT)
+        p = gl.exp2(s * qk_scale_log2 - lse2[:, None])
+        ds = p * (dp - delta[:, None])
+        dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k, dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=[dq_tok])
+        mbarrier.arrive(kv_empty.index(st), count=1)
+
+    d_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
+    out_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))
+    gl.store(DQ + dq_off + out_rows[:, None].to(gl.int64) * stride_dqm + d_cols[None, :],
+             (dq * sm_scale).to(dtype), mask=(out_rows < seqlen_q)[:, None])
+
+
+@gluon.jit
+def _bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, CU_Q, CU_K,
+                 stride_dqm, stride_dqh, stride_lb, stride_lh,
+                 n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
+                 sm_scale, qk_scale_log2, window_left, window_right,
+                 IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                 STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr):
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = 2 * HALF
+    (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
+     n_tiles) = query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, window_left,
+                           window_right, BLOCK_M, BLOCK_N, IS_VARLEN, HAS_LEFT, HAS_RIGHT)
+    if start_m >= seqlen_q:
+        return
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, HALF, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = barriers(1, 1)
+    kv_full = barriers(STAGES, 1)
+    kv_empty = barriers(STAGES, 2)  # one arrive per consumer warpgroup
+    fence_async_shared()
+
+    q_row = q_start + start_m
+    dq_off = q_start.to(gl.int64) * stride_dqm + off_h.to(gl.int64) * stride_dqh
+    lse_off = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + lse_start
+    gl.warp_specialize([
+        (_dq_consumer, (DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar.index(0), kv_full,
+                        kv_empty, dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
+                        window_left, window_right, qk_scale_log2, sm_scale,
+                        0, STAGES, HAS_LEFT, HAS_RIGHT)),
+        (_dq_consumer, (DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar.index(0), kv_full,
+                        kv_empty, dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
+                        window_left, window_right, qk_scale_log2, sm_scale,
+                        1, STAGES, HAS_LEFT, HAS_RIGHT)),
+        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                        q_bar.index(0), kv_full, kv_empty, q_row, off_h * HEAD_D, k_start + lo, off_hk * HEAD_D,
+                        n_tiles, STAGES)),
+    ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
+
+    invalidate(q_bar, 1)
+    invalidate(kv_full, STAGES)
+    invalidate(kv_empty, STAGES)
+
+
+# ------------------------------------------------------------------------------------- host
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                       varlen: bool) -> str | None:
+    """Why the sm90 backward does not cover this call (None when it does). Called on the tensors
+    the forward accepted (``sm90_fwd.unsupported_reason``), plus dout."""
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return f"head dim {q.shape[-1]} is not covered by the sm90 backward ({SUPPORTED_HEAD_DIMS})"
+    return tma_view_problem("dout", dout, varlen)
+
+
+def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  dlse: Optional[torch.Tensor], dq: torch.Tensor, dk: torch.Tensor,
+                  dv: torch.Tensor, delta: torch.Tensor) -> None:
+    """The backward into preallocated dq/dk/dv (arguments as ``triton_bwd.attn_bwd``)."""
+    if p.batch * q.shape[-2] == 0:
+        return
+    if p.max_seqlen_k == 0:  # no keys: every dQ is 0, dK/dV are empty
+        dq.zero_()
+        return
+    if p.max_seqlen_q == 0:  # no queries: dK/dV are 0
+        dk.zero_()
+        dv.zero_()
+        return
+    bwd_preprocess(p, out, dout, lse, dlse, delta)
+    n_heads, n_heads_k = q.shape[-2], k.shape[-2]
+    half = HALF.value
+    q_desc, do_desc = rows_descriptor(q, p.is_varlen, half), rows_descriptor(dout, p.is_varlen, half)
+    dummy = lse
+    cu_q = p.cu_seqlens_q if p.is_varlen else dummy
+    cu_k = p.cu_seqlens_k if p.is_varlen else dummy
+    flags = dict(IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
+                 CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
+    scalars = (p.softmax_scale, p.softmax_scale * LOG2E, p.window_left, p.window_right)
+    lse_strides = p.lse_strides(lse)
+    _bwd_dkdv_sm90[(-(-p.max_seqlen_k // (2 * half)), p.batch * n_heads_k)](
+        q_desc, do_desc, rows_descriptor(k, p.is_varlen, half), rows_descriptor(v, p.is_varlen, half),
+        dk, dv, lse, delta, cu_q, cu_k,
+        dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
+        n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
+        STAGES=DKDV_STAGES, **flags)
+    _bwd_dq_sm90[(-(-p.max_seqlen_q // (2 * half)), p.batch * n_heads)](
+        q_desc, do_desc, rows_descriptor(k, p.is_varlen, DQ_BLOCK_N),
+        rows_descriptor(v, p.is_varlen, DQ_BLOCK_N), dq, lse, delta, cu_q, cu_k,
+        dq.stride(-3), dq.stride(-2), *lse_strides,
+        n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
+        STAGES=DQ_STAGES, **flags)

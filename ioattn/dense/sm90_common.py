@@ -1,0 +1,149 @@
+"""Pieces shared by the sm90 Gluon kernels (``sm90_fwd``, ``sm90_bwd``): sequence bounds, tile
+ranges under causal/window masks, and the host-side TMA views.
+
+Layout convention: q, k, v, out (and their gradients) are read as row-major [rows, heads * d]
+matrices through host TMA descriptors; batched [b, s, h, d] tensors are the varlen case with equal
+lengths (rows = b * s). Masks follow ``common.py``: bottom-right aligned, ``off = seqlen_k -
+seqlen_q``, query row i sees key j iff i + off - left <= j <= i + off + right.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@gluon.jit
+def floor_div(a, b: gl.constexpr):
+    # integer // truncates toward zero; block bounds need floor for negative numerators
+    if a < 0:
+        a = -((-a + b - 1) // b)
+    else:
+        a = a // b
+    return a
+
+
+@gluon.jit
+def seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed, seqlen_k_fixed, IS_VARLEN: gl.constexpr):
+    """(q_start, seqlen_q, k_start, seqlen_k, lse_start) of batch entry ``off_b``: first rows in
+    the [rows, heads * d] views, lengths, and the first LSE column (varlen LSE is [h, total_q],
+    batched [b, h, s_q])."""
+    if IS_VARLEN:
+        q_start = gl.load(CU_Q + off_b)
+        seqlen_q = gl.load(CU_Q + off_b + 1) - q_start
+        k_start = gl.load(CU_K + off_b)
+        seqlen_k = gl.load(CU_K + off_b + 1) - k_start
+        lse_start = q_start
+    else:
+        q_start = off_b * seqlen_q_fixed
+        seqlen_q = seqlen_q_fixed
+        k_start = off_b * seqlen_k_fixed
+        seqlen_k = seqlen_k_fixed
+        lse_start = 0
+    return q_start, seqlen_q, k_start, seqlen_k, lse_start
+
+
+@gluon.jit
+def query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, window_left,
+               window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr,
+               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """This program's query tile on a (query tiles, batch * heads) grid, heaviest tiles first (the
+    last ones under a causal mask, which shortens the tail). Returns (off_b, off_h, off_hk,
+    q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo, n_tiles); the caller returns
+    early when start_m >= seqlen_q. Key tiles of BLOCK_N from key lo, as ``key_tiles``."""
+    pid_bh = gl.program_id(1)
+    off_b = pid_bh // n_heads
+    off_h = pid_bh % n_heads
+    q_start, seqlen_q, k_start, seqlen_k, lse_start = seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed,
+                                                                 seqlen_k_fixed, IS_VARLEN)
+    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    lo, n_tiles = key_tiles(start_m, BLOCK_M, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N,
+                            HAS_LEFT, HAS_RIGHT)
+    return (off_b, off_h, off_h // kv_group, q_start, seqlen_q, k_start, seqlen_k, lse_start,
+            start_m, lo, n_tiles)
+
+
+@gluon.jit
+def barriers(N: gl.constexpr, count: gl.constexpr):
+    """N mbarriers ([N, 1], .index(i)), each completing after ``count`` arrivals."""
+    bars = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(N):
+        mbarrier.init(bars.index(i), count=count)
+    return bars
+
+
+@gluon.jit
+def invalidate(bars, N: gl.constexpr):
+    for i in gl.static_range(N):
+        mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def key_tiles(start_m, rows, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N: gl.constexpr,
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """(lo, n_tiles): the BLOCK_N-key tiles from key ``lo`` that query rows [start_m, start_m + rows)
+    may see."""
+    off = seqlen_k - seqlen_q
+    last_m = gl.minimum(start_m + rows, seqlen_q) - 1
+    lo = 0
+    hi = seqlen_k
+    if HAS_LEFT:
+        lo = gl.maximum(floor_div(start_m + off - window_left, BLOCK_N) * BLOCK_N, 0)
+    if HAS_RIGHT:
+        hi = gl.minimum(last_m + off + window_right + 1, seqlen_k)
+    hi = gl.maximum(hi, lo)
+    return lo, gl.cdiv(hi - lo, BLOCK_N)
+
+
+@gluon.jit
+def query_tiles(start_n, keys, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr,
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """(lo, n_tiles): the BLOCK_M-row query tiles from row ``lo`` that see some key of
+    [start_n, start_n + keys)."""
+    off = seqlen_k - seqlen_q
+    last_n = gl.minimum(start_n + keys, seqlen_k) - 1
+    lo = 0
+    hi = seqlen_q
+    if HAS_RIGHT:
+        lo = gl.maximum(floor_div(start_n - off - window_right, BLOCK_M) * BLOCK_M, 0)
+    if HAS_LEFT:
+        hi = gl.minimum(last_n - off + window_left + 1, seqlen_q)
+    hi = gl.maximum(hi, lo)
+    return lo, gl.cdiv(hi - lo, BLOCK_M)
+
+
+def rows_view(t: torch.Tensor, varlen: bool) -> tuple[int, int] | None:
+    """(rows, row stride) of ``t`` as a row-major [rows, heads * d] matrix, or None if its strides
+    do not allow that view (heads packed in a row; batches back to back)."""
+    d = t.shape[-1]
+    if t.stride(-1) != 1 or t.stride(-2) != d:
+        return None
+    if varlen:
+        return t.shape[0], t.stride(0)
+    b, s = t.shape[0], t.shape[1]
+    if b > 1 and t.stride(0) != s * t.stride(1):
+        return None
+    return b * s, t.stride(1)
+
+
+def tma_view_problem(name: str, t: torch.Tensor, varlen: bool) -> str | None:
+    """Why ``t`` cannot be read through a [rows, heads * d] TMA descriptor (None when it can)."""
+    view = rows_view(t, varlen)
+    if view is None:
+        return (f"{name}'s strides {tuple(t.stride())} do not form a row-major [rows, heads * "
+                f"head_dim] matrix (TMA needs heads packed in a row)")
+    if t.data_ptr() % 16 or (view[1] * t.element_size()) % 16:
+        return f"{name} is not 16-byte aligned (base or row stride), as TMA requires"
+    return None
+
+
+def rows_descriptor(t: torch.Tensor, varlen: bool, block_rows: int) -> TensorDescriptor:
+    """Host TMA descriptor of ``t`` as [rows, heads * d] with [block_rows, d] boxes."""
+    d = t.shape[-1]
+    rows, row_stride = rows_view(t, varlen)
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, d], GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, [rows, t.shape[-2] * d], [row_stride, 1], [block_rows, d], layout)
