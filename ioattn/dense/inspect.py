@@ -54,6 +54,7 @@ class KernelReport:
     warp_specialized: bool
     mbarrier_waits: int = 0
     shared_bytes: int = 0
+    sass: dict | None = None  # SASS opcode counts of interest (Gluon kernels), from cuobjdump
 
     def row(self) -> str:
         return (f"{self.name:58s} regs {self.registers:3d}  spill st/ld {self.spill_stores:5d}/"
@@ -83,6 +84,25 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
 
     return (num(r"Used (\d+) registers"), num(r"(\d+) bytes spill stores"),
             num(r"(\d+) bytes spill loads"))
+
+
+SASS_OPS = ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "SYNCS", "WARPGROUP")
+
+
+def _sass_counts(cubin: bytes) -> dict:
+    """Counts of the Hopper SASS opcodes in SASS_OPS, through the cuobjdump Triton's wheel carries:
+    HGMMA (async warpgroup MMA), UTMALDG/UTMASTG (TMA), USETMAXREG (register reallocation), SYNCS
+    (mbarrier ops)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        res = subprocess.run([tool, "-sass", path], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"{tool} failed ({res.returncode}): {res.stderr[-2000:]}")
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", res.stdout)
+    return {op: ops.count(op) for op in SASS_OPS}
 
 
 def compile_report(name: str, fn, constexprs: dict, num_warps: int, num_stages: int,
@@ -185,7 +205,7 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
         out.append(KernelReport(
             name, regs_used, st, ld, wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
             warp_specialized="setmaxnreg" in ptx, mbarrier_waits=ptx.count("mbarrier.try_wait"),
-            shared_bytes=k.metadata.shared))
+            shared_bytes=k.metadata.shared, sass=_sass_counts(k.asm["cubin"])))
     return out
 
 

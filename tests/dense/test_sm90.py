@@ -143,8 +143,9 @@ def test_sm90_refused_off_hopper(device):
 
 
 def test_sm90_kernel_compiles_for_hopper():
-    """The Gluon forward compiles for sm90 (on any machine, with Triton's ptxas) with the FA3
-    design's instructions: TMA loads, async wgmma, mbarriers, setmaxnreg; and (almost) no spills."""
+    """The Gluon kernels compile for sm90 (on any machine, with Triton's ptxas) with the FA3
+    design's instructions, in the PTX and in the SASS: TMA loads, async wgmma, mbarriers,
+    setmaxnreg; and (almost) no spills."""
     import json
     import os
     import subprocess
@@ -163,3 +164,6 @@ def test_sm90_kernel_compiles_for_hopper():
         # together) spills a few hundred bytes, the others at most a few
         assert r["spill_stores"] <= (512 if "dkdv d128" in r["name"] else 16), r
         assert r["mbarrier_waits"] > 0, r
+        sass = r["sass"]  # what the GPU runs: HGMMA, TMA loads, setmaxnreg, mbarrier ops
+        assert sass["HGMMA"] > 0 and sass["UTMALDG"] > 0 and sass["USETMAXREG"] > 0, r
+        assert sass["SYNCS"] > 0, r
