@@ -97,3 +97,89 @@ def attention_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         outs.append(o[0])
         lses.append(lse[0])
     return torch.cat(outs, 0), torch.cat(lses, 1)
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+               interleaved: bool) -> torch.Tensor:
+    """Rotary embedding of x [s, h, d] at integer ``positions`` [s]: the first 2 * cos.shape[1]
+    dims rotate, the rest pass through. interleaved: pairs (0, 1), (2, 3), ... (GPT-J); else the
+    two halves of the rotary dims (GPT-NeoX). Computed in fp32, returned in x's dtype."""
+    rd = 2 * cos.shape[1]
+    c = cos[positions].float()[:, None, :]
+    s = sin[positions].float()[:, None, :]
+    xr, rest = x[..., :rd].float(), x[..., rd:]
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :rd // 2], xr[..., rd // 2:]
+        out = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+    return torch.cat([out.to(x.dtype), rest], dim=-1)
+
+
+def kvcache_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
+                          rotary_cos: Optional[torch.Tensor] = None,
+                          rotary_sin: Optional[torch.Tensor] = None,
+                          cache_seqlens: Optional[torch.Tensor] = None,
+                          cache_batch_idx: Optional[torch.Tensor] = None,
+                          cache_leftpad: Optional[torch.Tensor] = None,
+                          block_table: Optional[torch.Tensor] = None, *,
+                          causal: bool = False, window_size: Sequence[int] = (-1, -1),
+                          softcap: float = 0.0, rotary_interleaved: bool = True,
+                          alibi_slopes: Optional[torch.Tensor] = None,
+                          softmax_scale: Optional[float] = None, upcast: bool = True,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashAttention's ``flash_attn_with_kvcache`` semantics, one sequence at a time, without
+    touching the inputs. Returns (out [b, s_q, h, d], lse [b, h, s_q], k_cache', v_cache') with the
+    new k/v written at cache_seqlens (rotated when rotary_cos is given).
+
+    Keys of sequence i are cache positions [leftpad_i, cache_seqlens_i + s_new); paged caches
+    [pages, page_size, h_k, d] map position p to page block_table[i, p // page_size]; contiguous
+    caches [b_cache, s_cache, h_k, d] use row cache_batch_idx[i] (default i). Rotary positions
+    count from leftpad: new k at cache_seqlens - leftpad + t; q likewise when causal or windowed,
+    else all q tokens at cache_seqlens - leftpad (FlashAttention's convention).
+    """
+    b, s_q, h, d = q.shape
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    s_new = 0 if k is None else k.shape[1]
+    dev = q.device
+    lens = (cache_seqlens.long().tolist() if cache_seqlens is not None
+            else [k_cache.shape[1] if block_table is None else 0] * b)
+    pads = cache_leftpad.long().tolist() if cache_leftpad is not None else [0] * b
+    local = causal or window_size[0] >= 0 or window_size[1] >= 0
+
+    def slots(i: int, positions: torch.Tensor):
+        if block_table is None:
+            row = int(cache_batch_idx[i]) if cache_batch_idx is not None else i
+            return torch.full_like(positions, row), positions
+        ps = k_cache.shape[1]
+        return block_table[i].long()[positions // ps], positions % ps
+
+    outs, lses = [], []
+    for i in range(b):
+        qi = q[i]
+        if rotary_cos is not None:
+            base = lens[i] - pads[i]
+            pos = (base + torch.arange(s_q, device=dev)) if local else torch.full((s_q,), base, device=dev)
+            qi = rotary_ref(qi, rotary_cos, rotary_sin, pos, rotary_interleaved)
+        if s_new:
+            kn, vn = k[i], v[i]
+            if rotary_cos is not None:
+                pos = lens[i] - pads[i] + torch.arange(s_new, device=dev)
+                kn = rotary_ref(kn, rotary_cos, rotary_sin, pos, rotary_interleaved)
+            pg, off = slots(i, lens[i] + torch.arange(s_new, device=dev))
+            k_cache[pg, off] = kn
+            v_cache[pg, off] = vn
+        keys = torch.arange(pads[i], lens[i] + s_new, device=dev)
+        pg, off = slots(i, keys)
+        ki, vi = k_cache[pg, off], v_cache[pg, off]
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes[i] if alibi_slopes.dim() == 2 else alibi_slopes
+        o, lse = attention_ref(qi[None], ki[None], vi[None], causal=causal, window_size=window_size,
+                               softcap=softcap, alibi_slopes=slopes, softmax_scale=softmax_scale,
+                               upcast=upcast)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses), k_cache, v_cache

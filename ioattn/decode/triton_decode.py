@@ -1,0 +1,344 @@
+"""Portable Triton kernels for attention over a KV cache (decode, speculative verification, chunked
+prefill onto a cache) and their launchers.
+
+- ``_kvcache_attn_kernel``: split-KV attention. One program takes a split (a range of cache
+  positions) for one KV head of one sequence and *all* query rows that read that head: the s_q
+  tokens times the GQA group are packed into the tile's M dimension (row r is token r // group,
+  query head kv_head * group + r % group), so GQA decode runs on the tensor cores and each K/V
+  tile is read once for the whole group. Keys are addressed through a page table with any page
+  size (position p lives in page block_table[b, p // page_size], slot p % page_size), or in a
+  contiguous cache row (cache_batch_idx).
+- ``_combine_kernel``: merges the splits' partial outputs by their LSEs.
+- ``_rope_store_kernel``: writes new k/v tokens into the cache (paged or contiguous), rotating k
+  (and q, into a new tensor) with rotary embeddings, interleaved or not.
+
+Masks follow the dense kernels: with L keys in [leftpad, seqlen_k), query token i of s_q sees cache
+position p iff p in [leftpad, seqlen_k) and i + off - left <= p <= i + off + right, off = seqlen_k -
+s_q (bottom-right aligned).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ioattn.dense.common import LOG2E, scores_log2
+
+
+@triton.jit
+def _cache_slots(BT, CACHE_IDX, off_b, stride_btb, pos, mask, page_size,
+                 PAGED: tl.constexpr, HAS_CACHE_IDX: tl.constexpr):
+    """(page, slot) of cache positions ``pos``: paged caches through the block table, contiguous
+    caches as one page per sequence (row cache_batch_idx[b], or b)."""
+    if PAGED:
+        page = tl.load(BT + off_b.to(tl.int64) * stride_btb + pos // page_size, mask=mask, other=0)
+        slot = pos % page_size
+    else:
+        if HAS_CACHE_IDX:
+            page = tl.load(CACHE_IDX + off_b) + pos * 0
+        else:
+            page = off_b + pos * 0
+        slot = pos
+    return page.to(tl.int64), slot
+
+
+@triton.jit
+def _kvcache_attn_kernel(
+    Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS_K, LEFTPAD, BT, CACHE_IDX, SLOPES,
+    stride_qb, stride_qs, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_btb, stride_sb,
+    seqlen_q, n_heads_k, kv_group, page_size, split_len, n_splits, batch,
+    qk_scale_log2, softcap_scale, softcap_log2, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, HAS_CACHE_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr,
+):
+    i_split = tl.program_id(0)
+    i_m = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    off_b = i_bh // n_heads_k
+    off_hk = i_bh % n_heads_k
+    seqlen_k = tl.load(SEQLENS_K + off_b)
+    leftpad = 0
+    if HAS_LEFTPAD:
+        leftpad = tl.load(LEFTPAD + off_b)
+    off = seqlen_k - seqlen_q
+
+    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # packed rows: token r // group, head r % group
+    o_tok = o_r // kv_group
+    o_head = off_hk * kv_group + o_r % kv_group
+    m_row = o_r < seqlen_q * kv_group
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    # [BLOCK_M, BLOCK_D]
+    p_q = (Q + off_b.to(tl.int64) * stride_qb + o_tok[:, None].to(tl.int64) * stride_qs
+           + o_head[:, None] * stride_qh + o_d[None, :])
+    b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
+
+    # this split's cache positions, cut to what some row of the tile may see
+    lo = leftpad + i_split * split_len
+    hi = tl.minimum(lo + split_len, seqlen_k)
+    first_tok = (i_m * BLOCK_M) // kv_group
+    last_tok = tl.minimum((i_m * BLOCK_M + BLOCK_M - 1) // kv_group, seqlen_q - 1)
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, last_tok + off + window_right + 1)
+    if HAS_LEFT:
+        lo = tl.maximum(lo, first_tok + off - window_left)
+
+    slope_log2 = tl.zeros([BLOCK_M, 1], tl.float32)
+    if HAS_ALIBI:
+        slope_log2 = tl.load(SLOPES + off_b * stride_sb + o_head[:, None], mask=m_row[:, None],
+                             other=0.0).to(tl.float32) * 1.4426950408889634
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        o_p = start + tl.arange(0, BLOCK_N)
+        m_p = o_p < hi
+        page, slot = _cache_slots(BT, CACHE_IDX, off_b, stride_btb, o_p, m_p, page_size, PAGED,
+                                  HAS_CACHE_IDX)
+        # [BLOCK_N, BLOCK_D]
+        p_k = (K + page[:, None] * stride_kp + slot[:, None].to(tl.int64) * stride_ks
+               + off_hk * stride_kh + o_d[None, :])
+        b_k = tl.load(p_k, mask=m_p[:, None] & m_d[None, :], other=0.0)
+        # [BLOCK_M, BLOCK_N]
+        qk = tl.dot(b_q, tl.trans(b_k))
+        s, _, c = scores_log2(qk, o_tok[:, None], o_p[None, :], off, qk_scale_log2, softcap_scale,
+                              softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+        vis = m_p[None, :] & (o_p[None, :] >= leftpad)
+        if HAS_RIGHT:
+            vis = vis & (o_p[None, :] <= o_tok[:, None] + off + window_right)
+        if HAS_LEFT:
+            vis = vis & (o_p[None, :] >= o_tok[:, None] + off - window_left)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * c)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s * c - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p_v = (V + page[:, None] * stride_vp + slot[:, None].to(tl.int64) * stride_vs
+               + off_hk * stride_vh + o_d[None, :])
+        b_v = tl.load(p_v, mask=m_p[:, None] & m_d[None, :], other=0.0)
+        acc = tl.dot(p.to(b_v.dtype), b_v, acc * alpha[:, None])
+        m_i = m_new
+
+    empty = l_i == 0.0
+    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    if SPLIT:
+        # partials: O_PART [splits, batch, s_q, h, d] fp32, LSE_PART [splits, batch, h, s_q]
+        row = ((i_split * batch + off_b) * seqlen_q + o_tok).to(tl.int64) * (n_heads_k * kv_group) + o_head
+        tl.store(O_PART + row[:, None] * HEAD_DIM + o_d[None, :], acc,
+                 mask=m_row[:, None] & m_d[None, :])
+        l_row = ((i_split * batch + off_b) * (n_heads_k * kv_group) + o_head).to(tl.int64) * seqlen_q + o_tok
+        tl.store(LSE_PART + l_row, lse, mask=m_row)
+    else:
+        p_o = (O + off_b.to(tl.int64) * stride_ob + o_tok[:, None].to(tl.int64) * stride_os
+               + o_head[:, None] * stride_oh + o_d[None, :])
+        tl.store(p_o, acc.to(O.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
+        l_row = (off_b * (n_heads_k * kv_group) + o_head).to(tl.int64) * seqlen_q + o_tok
+        tl.store(LSE + l_row, lse, mask=m_row)
+
+
+@triton.jit
+def _combine_kernel(O, LSE, O_PART, LSE_PART, stride_ob, stride_os, stride_oh,
+                    seqlen_q, n_heads, n_splits, batch,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One (batch, token) row of every head: out = sum_s exp(lse_s - lse) * o_s."""
+    i_bt = tl.program_id(0)
+    off_b = i_bt // seqlen_q
+    i_tok = i_bt % seqlen_q
+    o_h = tl.arange(0, BLOCK_H)
+    m_h = o_h < n_heads
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in range(n_splits):
+        l_row = ((s * batch + off_b) * n_heads + o_h).to(tl.int64) * seqlen_q + i_tok
+        lse_s = tl.load(LSE_PART + l_row, mask=m_h, other=float("-inf"))
+        row = ((s * batch + off_b) * seqlen_q + i_tok).to(tl.int64) * n_heads + o_h
+        o_s = tl.load(O_PART + row[:, None] * HEAD_DIM + o_d[None, :], mask=m_h[:, None] & m_d[None, :],
+                      other=0.0)
+        m_new = tl.maximum(m_i, lse_s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp(lse_s - m_use)
+        alpha = tl.exp(m_i - m_use)
+        l_i = l_i * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o_s
+        m_i = m_new
+    empty = l_i == 0.0
+    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    p_o = (O + off_b.to(tl.int64) * stride_ob + i_tok.to(tl.int64) * stride_os
+           + o_h[:, None] * stride_oh + o_d[None, :])
+    tl.store(p_o, acc.to(O.dtype.element_ty), mask=m_h[:, None] & m_d[None, :])
+    tl.store(LSE + (off_b * n_heads + o_h).to(tl.int64) * seqlen_q + i_tok, lse, mask=m_h)
+
+
+@triton.jit
+def _rope_store_kernel(SRC, DST, COS, SIN, POS_BASE, LEFTPAD, BT, CACHE_IDX,
+                       stride_sb, stride_ss, stride_sh,
+                       stride_dp, stride_ds, stride_dh,
+                       stride_cos, stride_btb, seqlen, page_size,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROT_HALF: tl.constexpr,
+                       BLOCK_R: tl.constexpr, HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
+                       PER_TOKEN_POS: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+                       TO_CACHE: tl.constexpr, PAGED: tl.constexpr, HAS_CACHE_IDX: tl.constexpr):
+    """Token t of sequence b, one head: DST <- rotary(SRC[b, t, h]) (or a plain copy).
+
+    TO_CACHE: DST is a cache and the token goes to position POS_BASE[b] + t (paged or contiguous);
+    else DST is [b, s, h, d] like SRC. Rotary position: POS_BASE[b] - leftpad[b] (+ t when
+    PER_TOKEN_POS); cos/sin rows of ROT_HALF = rotary_dim / 2 values.
+    """
+    i_bt = tl.program_id(0)
+    off_h = tl.program_id(1)
+    off_b = i_bt // seqlen
+    i_tok = i_bt % seqlen
+    base = tl.load(POS_BASE + off_b)
+    src = SRC + off_b.to(tl.int64) * stride_sb + i_tok.to(tl.int64) * stride_ss + off_h * stride_sh
+    if TO_CACHE:
+        pos = base + i_tok
+        page, slot = _cache_slots(BT, CACHE_IDX, off_b, stride_btb, pos, pos >= 0, page_size, PAGED,
+                                  HAS_CACHE_IDX)
+        dst = DST + page * stride_dp + slot.to(tl.int64) * stride_ds + off_h * stride_dh
+    else:
+        dst = DST + off_b.to(tl.int64) * stride_dp + i_tok.to(tl.int64) * stride_ds + off_h * stride_dh
+    o_d = tl.arange(0, BLOCK_D)
+    rot_dims = 0
+    if HAS_ROTARY:
+        rot_dims = 2 * ROT_HALF
+        rpos = base
+        if HAS_LEFTPAD:
+            rpos = rpos - tl.load(LEFTPAD + off_b)
+        if PER_TOKEN_POS:
+            rpos = rpos + i_tok
+        o_r = tl.arange(0, BLOCK_R)
+        m_r = o_r < ROT_HALF
+        if INTERLEAVED:
+            i1 = 2 * o_r
+            i2 = 2 * o_r + 1
+        else:
+            i1 = o_r
+            i2 = o_r + ROT_HALF
+        x1 = tl.load(src + i1, mask=m_r, other=0.0).to(tl.float32)
+        x2 = tl.load(src + i2, mask=m_r, other=0.0).to(tl.float32)
+        c = tl.load(COS + rpos.to(tl.int64) * stride_cos + o_r, mask=m_r, other=0.0).to(tl.float32)
+        s = tl.load(SIN + rpos.to(tl.int64) * stride_cos + o_r, mask=m_r, other=0.0).to(tl.float32)
+        tl.store(dst + i1, (x1 * c - x2 * s).to(DST.dtype.element_ty), mask=m_r)
+        tl.store(dst + i2, (x1 * s + x2 * c).to(DST.dtype.element_ty), mask=m_r)
+    m_pass = (o_d >= rot_dims) & (o_d < HEAD_DIM)
+    x = tl.load(src + o_d, mask=m_pass, other=0.0)
+    tl.store(dst + o_d, x.to(DST.dtype.element_ty), mask=m_pass)
+
+
+def _pow2(n: int, lo: int = 1) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def num_splits_for(batch: int, n_heads_k: int, m_blocks: int, max_keys: int, block_n: int,
+                   device: torch.device) -> int:
+    """Splits of the key range so that about two programs per SM run (FlashAttention's rule of
+    thumb), each with at least 4 key tiles."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    programs = batch * n_heads_k * m_blocks
+    by_sms = -(-2 * sms // max(programs, 1))
+    by_len = max(1, max_keys // (4 * block_n))
+    return max(1, min(by_sms, by_len, 64))
+
+
+def kvcache_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                 seqlens_k: torch.Tensor, leftpad: Optional[torch.Tensor],
+                 block_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],
+                 alibi_slopes: Optional[torch.Tensor], softmax_scale: float, window_left: int,
+                 window_right: int, softcap: float, num_splits: int,
+                 out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Attention of q [b, s_q, h, d] over the cache into ``out`` (q's layout) and ``lse``
+    [b, h, s_q] fp32. k_pages / v_pages: [pages, page_size, h_k, d] (paged, with block_table
+    [b, pages per sequence] int32) or a contiguous cache [b_cache, s_cache, h_k, d] (one page per
+    sequence, row cache_batch_idx[b] or b). seqlens_k [b] int32: keys per sequence (cache
+    positions [leftpad, seqlens_k)). num_splits 0 picks one."""
+    b, s_q, h, d = q.shape
+    h_k = k_pages.shape[2]
+    group = h // h_k
+    page_size = k_pages.shape[1]
+    paged = block_table is not None
+    capacity = block_table.shape[1] * page_size if paged else page_size
+    rows = s_q * group
+    block_m = min(_pow2(rows, 16), 64)
+    block_d = _pow2(d, 16)
+    block_n = 64 if block_d <= 128 else 32
+    m_blocks = triton.cdiv(rows, block_m)
+    if num_splits <= 0:
+        num_splits = num_splits_for(b, h_k, m_blocks, capacity, block_n, q.device)
+    split_len = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(capacity, split_len)
+    split = num_splits > 1
+    if split:
+        o_part = torch.empty(num_splits, b, s_q, h, d, device=q.device, dtype=torch.float32)
+        lse_part = torch.empty(num_splits, b, h, s_q, device=q.device, dtype=torch.float32)
+    else:
+        o_part, lse_part = out, lse
+    dummy = seqlens_k
+    _kvcache_attn_kernel[(num_splits, m_blocks, b * h_k)](
+        q, k_pages, v_pages, out, lse, o_part, lse_part, seqlens_k,
+        leftpad if leftpad is not None else dummy, block_table if paged else dummy,
+        cache_batch_idx if cache_batch_idx is not None else dummy,
+        alibi_slopes if alibi_slopes is not None else dummy,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        block_table.stride(0) if paged else 0,
+        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+        s_q, h_k, group, page_size, split_len, num_splits, b,
+        softmax_scale * LOG2E, softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E,
+        window_left, window_right,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        PAGED=paged, HAS_CACHE_IDX=cache_batch_idx is not None, HAS_LEFTPAD=leftpad is not None,
+        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
+        HAS_ALIBI=alibi_slopes is not None, SPLIT=split,
+        num_warps=4, num_stages=2 if q.is_cuda else 1,
+    )
+    if split:
+        _combine_kernel[(b * s_q,)](
+            out, lse, o_part, lse_part, out.stride(0), out.stride(1), out.stride(2),
+            s_q, h, num_splits, b, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=_pow2(h),
+            num_warps=4,
+        )
+
+
+def rope_store(src: torch.Tensor, dst: torch.Tensor, pos_base: torch.Tensor,
+               rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor],
+               interleaved: bool, per_token_pos: bool, leftpad: Optional[torch.Tensor],
+               block_table: Optional[torch.Tensor] = None,
+               cache_batch_idx: Optional[torch.Tensor] = None, to_cache: bool = False) -> None:
+    """dst <- rotary(src) token by token (a copy without rotary_cos). src [b, s, h, d]; dst the
+    same layout, or a cache (to_cache: token t of sequence i at position pos_base[i] + t)."""
+    b, s, h, d = src.shape
+    if b * s * h == 0:
+        return
+    has_rot = rotary_cos is not None
+    rot_half = rotary_cos.shape[1] if has_rot else 1
+    paged = block_table is not None
+    dummy = pos_base
+    _rope_store_kernel[(b * s, h)](
+        src, dst, rotary_cos if has_rot else src, rotary_sin if has_rot else src, pos_base,
+        leftpad if leftpad is not None else dummy, block_table if paged else dummy,
+        cache_batch_idx if cache_batch_idx is not None else dummy,
+        src.stride(0), src.stride(1), src.stride(2),
+        dst.stride(0), dst.stride(1), dst.stride(2),
+        rotary_cos.stride(0) if has_rot else 0, block_table.stride(0) if paged else 0, s,
+        dst.shape[1] if to_cache else 1,
+        HEAD_DIM=d, BLOCK_D=_pow2(d, 16), ROT_HALF=rot_half, BLOCK_R=_pow2(rot_half, 16),
+        HAS_ROTARY=has_rot, INTERLEAVED=interleaved, PER_TOKEN_POS=per_token_pos,
+        HAS_LEFTPAD=leftpad is not None, TO_CACHE=to_cache, PAGED=paged,
+        HAS_CACHE_IDX=cache_batch_idx is not None, num_warps=1,
+    )
