@@ -28,10 +28,12 @@ from ioattn.dense.common import LOG2E, scores_log2
 
 
 @triton.jit
-def _cache_slots(BT, CACHE_IDX, off_b, stride_btb, pos, mask, page_size,
+def _cache_slots(BT, CACHE_IDX, off_b, stride_btb, pos, mask, page_size, n_pages,
                  PAGED: tl.constexpr, HAS_CACHE_IDX: tl.constexpr):
     """(page, slot) of cache positions ``pos``: paged caches through the block table, contiguous
-    caches as one page per sequence (row cache_batch_idx[b], or b)."""
+    caches as one page per sequence (row cache_batch_idx[b], or b). Callers keep pos below the
+    capacity; page indices are clamped into the cache, so unchecked indices (CUDA graph replay)
+    can give wrong numbers but never an access outside the cache."""
     if PAGED:
         page = tl.load(BT + off_b.to(tl.int64) * stride_btb + pos // page_size, mask=mask, other=0)
         slot = pos % page_size
@@ -41,6 +43,7 @@ def _cache_slots(BT, CACHE_IDX, off_b, stride_btb, pos, mask, page_size,
         else:
             page = off_b + pos * 0
         slot = pos
+    page = tl.minimum(tl.maximum(page, 0), n_pages - 1)
     return page.to(tl.int64), slot
 
 
@@ -52,7 +55,7 @@ def _kvcache_attn_kernel(
     stride_vp, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_btb, stride_sb,
-    seqlen_q, n_heads_k, kv_group, page_size, split_len, n_splits, batch,
+    seqlen_q, n_heads_k, kv_group, page_size, n_pages, capacity, split_len, n_splits, batch,
     qk_scale_log2, softcap_scale, softcap_log2, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, HAS_CACHE_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
@@ -64,7 +67,7 @@ def _kvcache_attn_kernel(
     i_bh = tl.program_id(2)
     off_b = i_bh // n_heads_k
     off_hk = i_bh % n_heads_k
-    seqlen_k = tl.load(SEQLENS_K + off_b)
+    seqlen_k = tl.minimum(tl.load(SEQLENS_K + off_b), capacity)
     leftpad = 0
     if HAS_LEFTPAD:
         leftpad = tl.load(LEFTPAD + off_b)
@@ -101,8 +104,8 @@ def _kvcache_attn_kernel(
     for start in range(lo, hi, BLOCK_N):
         o_p = start + tl.arange(0, BLOCK_N)
         m_p = o_p < hi
-        page, slot = _cache_slots(BT, CACHE_IDX, off_b, stride_btb, o_p, m_p, page_size, PAGED,
-                                  HAS_CACHE_IDX)
+        page, slot = _cache_slots(BT, CACHE_IDX, off_b, stride_btb, o_p, m_p, page_size, n_pages,
+                                  PAGED, HAS_CACHE_IDX)
         # [BLOCK_N, BLOCK_D]
         p_k = (K + page[:, None] * stride_kp + slot[:, None].to(tl.int64) * stride_ks
                + off_hk * stride_kh + o_d[None, :])
@@ -187,7 +190,7 @@ def _combine_kernel(O, LSE, O_PART, LSE_PART, stride_ob, stride_os, stride_oh,
 def _rope_store_kernel(SRC, DST, COS, SIN, POS_BASE, LEFTPAD, BT, CACHE_IDX,
                        stride_sb, stride_ss, stride_sh,
                        stride_dp, stride_ds, stride_dh,
-                       stride_cos, stride_btb, seqlen, page_size,
+                       stride_cos, rot_rows, stride_btb, seqlen, page_size, n_pages, capacity,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROT_HALF: tl.constexpr,
                        BLOCK_R: tl.constexpr, HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
                        PER_TOKEN_POS: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
@@ -206,8 +209,10 @@ def _rope_store_kernel(SRC, DST, COS, SIN, POS_BASE, LEFTPAD, BT, CACHE_IDX,
     src = SRC + off_b.to(tl.int64) * stride_sb + i_tok.to(tl.int64) * stride_ss + off_h * stride_sh
     if TO_CACHE:
         pos = base + i_tok
-        page, slot = _cache_slots(BT, CACHE_IDX, off_b, stride_btb, pos, pos >= 0, page_size, PAGED,
-                                  HAS_CACHE_IDX)
+        if pos >= capacity:  # only reachable with unchecked cache_seqlens (graph replay): drop it
+            return
+        page, slot = _cache_slots(BT, CACHE_IDX, off_b, stride_btb, pos, pos >= 0, page_size,
+                                  n_pages, PAGED, HAS_CACHE_IDX)
         dst = DST + page * stride_dp + slot.to(tl.int64) * stride_ds + off_h * stride_dh
     else:
         dst = DST + off_b.to(tl.int64) * stride_dp + i_tok.to(tl.int64) * stride_ds + off_h * stride_dh
@@ -220,6 +225,7 @@ def _rope_store_kernel(SRC, DST, COS, SIN, POS_BASE, LEFTPAD, BT, CACHE_IDX,
             rpos = rpos - tl.load(LEFTPAD + off_b)
         if PER_TOKEN_POS:
             rpos = rpos + i_tok
+        rpos = tl.minimum(tl.maximum(rpos, 0), rot_rows - 1)  # checked on the host; memory-safe
         o_r = tl.arange(0, BLOCK_R)
         m_r = o_r < ROT_HALF
         if INTERLEAVED:
@@ -298,7 +304,7 @@ def kvcache_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
         out.stride(0), out.stride(1), out.stride(2),
         block_table.stride(0) if paged else 0,
         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
-        s_q, h_k, group, page_size, split_len, num_splits, b,
+        s_q, h_k, group, page_size, k_pages.shape[0], capacity, split_len, num_splits, b,
         softmax_scale * LOG2E, softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E,
         window_left, window_right,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -335,8 +341,10 @@ def rope_store(src: torch.Tensor, dst: torch.Tensor, pos_base: torch.Tensor,
         cache_batch_idx if cache_batch_idx is not None else dummy,
         src.stride(0), src.stride(1), src.stride(2),
         dst.stride(0), dst.stride(1), dst.stride(2),
-        rotary_cos.stride(0) if has_rot else 0, block_table.stride(0) if paged else 0, s,
-        dst.shape[1] if to_cache else 1,
+        rotary_cos.stride(0) if has_rot else 0, rotary_cos.shape[0] if has_rot else 1,
+        block_table.stride(0) if paged else 0, s,
+        dst.shape[1] if to_cache else 1, dst.shape[0],
+        (block_table.shape[1] * dst.shape[1] if paged else dst.shape[1]) if to_cache else 0,
         HEAD_DIM=d, BLOCK_D=_pow2(d, 16), ROT_HALF=rot_half, BLOCK_R=_pow2(rot_half, 16),
         HAS_ROTARY=has_rot, INTERLEAVED=interleaved, PER_TOKEN_POS=per_token_pos,
         HAS_LEFTPAD=leftpad is not None, TO_CACHE=to_cache, PAGED=paged,
