@@ -28,14 +28,14 @@ from ioattn.dense.common import LOG2E, scores_log2
 
 
 @triton.jit
-def _cache_slots(BT, CACHE_IDX, off_b, stride_btb, pos, mask, page_size, n_pages,
+def _cache_slots(BT, CACHE_IDX, off_b, bt_row, pos, mask, page_size, n_pages,
                  PAGED: tl.constexpr, HAS_CACHE_IDX: tl.constexpr):
     """(page, slot) of cache positions ``pos``: paged caches through the block table, contiguous
     caches as one page per sequence (row cache_batch_idx[b], or b). Callers keep pos below the
     capacity; page indices are clamped into the cache, so unchecked indices (CUDA graph replay)
     can give wrong numbers but never an access outside the cache."""
     if PAGED:
-        page = tl.load(BT + off_b.to(tl.int64) * stride_btb + pos // page_size, mask=mask, other=0)
+        page = tl.load(BT + bt_row + pos // page_size, mask=mask, other=0)
         slot = pos % page_size
     else:
         if HAS_CACHE_IDX:
@@ -49,7 +49,7 @@ def _cache_slots(BT, CACHE_IDX, off_b, stride_btb, pos, mask, page_size, n_pages
 
 @triton.jit
 def _kvcache_attn_kernel(
-    Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS_K, LEFTPAD, BT, CACHE_IDX, SLOPES,
+    Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS_K, LEFTPAD, BT, CACHE_IDX, SLOPES, WORK, N_WORK,
     stride_qb, stride_qs, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -60,14 +60,32 @@ def _kvcache_attn_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, HAS_CACHE_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr, WORKLIST: tl.constexpr, CSR: tl.constexpr,
+    LSE_BASE2: tl.constexpr = False,
 ):
-    i_split = tl.program_id(0)
     i_m = tl.program_id(1)
-    i_bh = tl.program_id(2)
-    off_b = i_bh // n_heads_k
-    off_hk = i_bh % n_heads_k
+    if WORKLIST:
+        # planned work (plan()/run()): item w = (request, first key, end key, partial slot or -1);
+        # the grid is sized for the most items a plan may produce, the rest exit here
+        w = tl.program_id(0)
+        if w >= tl.load(N_WORK):
+            return
+        off_b = tl.load(WORK + 4 * w)
+        w_lo = tl.load(WORK + 4 * w + 1)
+        w_hi = tl.load(WORK + 4 * w + 2)
+        part = tl.load(WORK + 4 * w + 3)
+        off_hk = tl.program_id(2)
+    else:
+        i_split = tl.program_id(0)
+        i_bh = tl.program_id(2)
+        off_b = i_bh // n_heads_k
+        off_hk = i_bh % n_heads_k
     seqlen_k = tl.minimum(tl.load(SEQLENS_K + off_b), capacity)
+    # the sequence's page-table row: a row of a dense [batch, pages] table, or a CSR segment
+    if CSR:
+        bt_row = tl.load(SEQLENS_K + batch + off_b).to(tl.int64)  # plan() stores indptr there
+    else:
+        bt_row = off_b.to(tl.int64) * stride_btb
     leftpad = 0
     if HAS_LEFTPAD:
         leftpad = tl.load(LEFTPAD + off_b)
@@ -85,8 +103,12 @@ def _kvcache_attn_kernel(
     b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
 
     # this split's cache positions, cut to what some row of the tile may see
-    lo = leftpad + i_split * split_len
-    hi = tl.minimum(lo + split_len, seqlen_k)
+    if WORKLIST:
+        lo = w_lo
+        hi = tl.minimum(w_hi, seqlen_k)
+    else:
+        lo = leftpad + i_split * split_len
+        hi = tl.minimum(lo + split_len, seqlen_k)
     first_tok = (i_m * BLOCK_M) // kv_group
     last_tok = tl.minimum((i_m * BLOCK_M + BLOCK_M - 1) // kv_group, seqlen_q - 1)
     if HAS_RIGHT:
@@ -104,7 +126,7 @@ def _kvcache_attn_kernel(
     for start in range(lo, hi, BLOCK_N):
         o_p = start + tl.arange(0, BLOCK_N)
         m_p = o_p < hi
-        page, slot = _cache_slots(BT, CACHE_IDX, off_b, stride_btb, o_p, m_p, page_size, n_pages,
+        page, slot = _cache_slots(BT, CACHE_IDX, off_b, bt_row, o_p, m_p, page_size, n_pages,
                                   PAGED, HAS_CACHE_IDX)
         # [BLOCK_N, BLOCK_D]
         p_k = (K + page[:, None] * stride_kp + slot[:, None].to(tl.int64) * stride_ks
@@ -133,8 +155,22 @@ def _kvcache_attn_kernel(
 
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    if SPLIT:
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    if not LSE_BASE2:
+        lse = lse * 0.6931471805599453  # natural log (FlashAttention's convention)
+    if WORKLIST:
+        # decode (s_q = 1): a request split over several items writes partials to its slots
+        # (O_PART [slots, h, d], LSE_PART [slots, h]), a single-item request its final output
+        if part >= 0:
+            row = part.to(tl.int64) * (n_heads_k * kv_group) + o_head
+            tl.store(O_PART + row[:, None] * HEAD_DIM + o_d[None, :], acc,
+                     mask=m_row[:, None] & m_d[None, :])
+            tl.store(LSE_PART + row, lse, mask=m_row)
+        else:
+            p_o = O + off_b.to(tl.int64) * stride_ob + o_head[:, None] * stride_oh + o_d[None, :]
+            tl.store(p_o, acc.to(O.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
+            tl.store(LSE + off_b.to(tl.int64) * (n_heads_k * kv_group) + o_head, lse, mask=m_row)
+    elif SPLIT:
         # partials: O_PART [splits, batch, s_q, h, d] fp32, LSE_PART [splits, batch, h, s_q]
         row = ((i_split * batch + off_b) * seqlen_q + o_tok).to(tl.int64) * (n_heads_k * kv_group) + o_head
         tl.store(O_PART + row[:, None] * HEAD_DIM + o_d[None, :], acc,
@@ -150,6 +186,31 @@ def _kvcache_attn_kernel(
 
 
 @triton.jit
+def _merge_start(BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    return (tl.full([BLOCK_H], float("-inf"), tl.float32), tl.zeros([BLOCK_H], tl.float32),
+            tl.zeros([BLOCK_H, BLOCK_D], tl.float32))
+
+
+@triton.jit
+def _merge(m_i, l_i, acc, lse2, o):
+    """Fold one partial (normalized output o, base-2 LSE lse2 per row) into the running merge
+    (max m_i, sum l_i, accumulator acc); rows whose partials are all empty keep -inf / 0."""
+    m_new = tl.maximum(m_i, lse2)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    w = tl.exp2(lse2 - m_use)
+    alpha = tl.exp2(m_i - m_use)
+    return m_new, l_i * alpha + w, acc * alpha[:, None] + w[:, None] * o
+
+
+@triton.jit
+def _merged(m_i, l_i, acc):
+    """(output, base-2 LSE) of a finished merge; rows with nothing give 0 and -inf."""
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    return out, tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+
+
+@triton.jit
 def _combine_kernel(O, LSE, O_PART, LSE_PART, stride_ob, stride_os, stride_oh,
                     seqlen_q, n_heads, n_splits, batch,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -161,29 +222,52 @@ def _combine_kernel(O, LSE, O_PART, LSE_PART, stride_ob, stride_os, stride_oh,
     m_h = o_h < n_heads
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    m_i, l_i, acc = _merge_start(BLOCK_H, BLOCK_D)
     for s in range(n_splits):
         l_row = ((s * batch + off_b) * n_heads + o_h).to(tl.int64) * seqlen_q + i_tok
         lse_s = tl.load(LSE_PART + l_row, mask=m_h, other=float("-inf"))
         row = ((s * batch + off_b) * seqlen_q + i_tok).to(tl.int64) * n_heads + o_h
         o_s = tl.load(O_PART + row[:, None] * HEAD_DIM + o_d[None, :], mask=m_h[:, None] & m_d[None, :],
                       other=0.0)
-        m_new = tl.maximum(m_i, lse_s)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp(lse_s - m_use)
-        alpha = tl.exp(m_i - m_use)
-        l_i = l_i * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o_s
-        m_i = m_new
-    empty = l_i == 0.0
-    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        m_i, l_i, acc = _merge(m_i, l_i, acc, lse_s * 1.4426950408889634, o_s)
+    acc, lse = _merged(m_i, l_i, acc)
+    lse = lse * 0.6931471805599453
     p_o = (O + off_b.to(tl.int64) * stride_ob + i_tok.to(tl.int64) * stride_os
            + o_h[:, None] * stride_oh + o_d[None, :])
     tl.store(p_o, acc.to(O.dtype.element_ty), mask=m_h[:, None] & m_d[None, :])
     tl.store(LSE + (off_b * n_heads + o_h).to(tl.int64) * seqlen_q + i_tok, lse, mask=m_h)
+
+
+@triton.jit
+def _combine_slots_kernel(O, LSE, O_PART, LSE_PART, SLOT_START, stride_ob, stride_oh, n_heads,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                          LSE_BASE2: tl.constexpr):
+    """Decode request b split over slots [SLOT_START[b], SLOT_START[b + 1]) (none when the
+    request ran as one item and wrote its output itself): merge them by LSE."""
+    off_b = tl.program_id(0)
+    first = tl.load(SLOT_START + off_b)
+    last = tl.load(SLOT_START + off_b + 1)
+    if last <= first:
+        return
+    o_h = tl.arange(0, BLOCK_H)
+    m_h = o_h < n_heads
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    m_i, l_i, acc = _merge_start(BLOCK_H, BLOCK_D)
+    for slot in range(first, last):
+        row = o_h.to(tl.int64) + slot * n_heads  # slots x heads stays far below 2^31
+        lse_s = tl.load(LSE_PART + row, mask=m_h, other=float("-inf"))
+        if not LSE_BASE2:
+            lse_s = lse_s * 1.4426950408889634
+        o_s = tl.load(O_PART + row[:, None] * HEAD_DIM + o_d[None, :], mask=m_h[:, None] & m_d[None, :],
+                      other=0.0)
+        m_i, l_i, acc = _merge(m_i, l_i, acc, lse_s, o_s)
+    acc, lse = _merged(m_i, l_i, acc)
+    if not LSE_BASE2:
+        lse = lse * 0.6931471805599453
+    p_o = O + off_b.to(tl.int64) * stride_ob + o_h[:, None] * stride_oh + o_d[None, :]
+    tl.store(p_o, acc.to(O.dtype.element_ty), mask=m_h[:, None] & m_d[None, :])
+    tl.store(LSE + off_b.to(tl.int64) * n_heads + o_h, lse, mask=m_h)
 
 
 @triton.jit
@@ -211,8 +295,8 @@ def _rope_store_kernel(SRC, DST, COS, SIN, POS_BASE, LEFTPAD, BT, CACHE_IDX,
         pos = base + i_tok
         if pos >= capacity:  # only reachable with unchecked cache_seqlens (graph replay): drop it
             return
-        page, slot = _cache_slots(BT, CACHE_IDX, off_b, stride_btb, pos, pos >= 0, page_size,
-                                  n_pages, PAGED, HAS_CACHE_IDX)
+        page, slot = _cache_slots(BT, CACHE_IDX, off_b, off_b.to(tl.int64) * stride_btb, pos,
+                                  pos >= 0, page_size, n_pages, PAGED, HAS_CACHE_IDX)
         dst = DST + page * stride_dp + slot.to(tl.int64) * stride_ds + off_h * stride_dh
     else:
         dst = DST + off_b.to(tl.int64) * stride_dp + i_tok.to(tl.int64) * stride_ds + off_h * stride_dh
@@ -243,6 +327,12 @@ def _rope_store_kernel(SRC, DST, COS, SIN, POS_BASE, LEFTPAD, BT, CACHE_IDX,
     m_pass = (o_d >= rot_dims) & (o_d < HEAD_DIM)
     x = tl.load(src + o_d, mask=m_pass, other=0.0)
     tl.store(dst + o_d, x.to(DST.dtype.element_ty), mask=m_pass)
+
+
+def _attn_warps(block_d: int) -> int:
+    # the gathered K/V tiles' addresses are [BLOCK_N, BLOCK_D] int64 blocks: 8 warps keep d <= 128
+    # with 64-key tiles spill-free (sm90 ptxas: 242 registers; 4 warps spill 400 B)
+    return 8 if block_d <= 128 else 4
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -297,7 +387,7 @@ def kvcache_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
         q, k_pages, v_pages, out, lse, o_part, lse_part, seqlens_k,
         leftpad if leftpad is not None else dummy, block_table if paged else dummy,
         cache_batch_idx if cache_batch_idx is not None else dummy,
-        alibi_slopes if alibi_slopes is not None else dummy,
+        alibi_slopes if alibi_slopes is not None else dummy, dummy, dummy,
         q.stride(0), q.stride(1), q.stride(2),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
@@ -310,8 +400,8 @@ def kvcache_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGED=paged, HAS_CACHE_IDX=cache_batch_idx is not None, HAS_LEFTPAD=leftpad is not None,
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
-        HAS_ALIBI=alibi_slopes is not None, SPLIT=split,
-        num_warps=4, num_stages=2 if q.is_cuda else 1,
+        HAS_ALIBI=alibi_slopes is not None, SPLIT=split, WORKLIST=False, CSR=False,
+        num_warps=_attn_warps(block_d), num_stages=2 if q.is_cuda else 1,
     )
     if split:
         _combine_kernel[(b * s_q,)](
@@ -349,4 +439,44 @@ def rope_store(src: torch.Tensor, dst: torch.Tensor, pos_base: torch.Tensor,
         HAS_ROTARY=has_rot, INTERLEAVED=interleaved, PER_TOKEN_POS=per_token_pos,
         HAS_LEFTPAD=leftpad is not None, TO_CACHE=to_cache, PAGED=paged,
         HAS_CACHE_IDX=cache_batch_idx is not None, num_warps=1,
+    )
+
+
+def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, indices: torch.Tensor,
+                 seqlens_indptr: torch.Tensor, work: torch.Tensor, n_work: torch.Tensor,
+                 slot_start: torch.Tensor, max_items: int, o_part: torch.Tensor,
+                 lse_part: torch.Tensor, softmax_scale: float, window_left: int, softcap: float,
+                 out: torch.Tensor, lse: torch.Tensor, lse_base2: bool) -> None:
+    """Planned decode (plan()/run()): q [batch, h, d] over pages [pages, page_size, h_k, d]
+    (strided views serve NHD and HND), CSR page table ``indices`` with the per-request kv lengths
+    and indptr in ``seqlens_indptr`` ([batch] lengths, then [batch + 1] indptr), the work list
+    ``work`` [max_items, 4] (``n_work`` of them live) and split slots ``slot_start`` [batch + 1].
+    Launches a fixed grid, so CUDA graphs replay it under new plans. Allocates nothing."""
+    b, h, d = q.shape
+    h_k = k_pages.shape[2]
+    group = h // h_k
+    block_m = min(_pow2(group, 16), 64)
+    block_d = _pow2(d, 16)
+    block_n = 64 if block_d <= 128 else 32
+    m_blocks = triton.cdiv(group, block_m)
+    _kvcache_attn_kernel[(max_items, m_blocks, h_k)](
+        q, k_pages, v_pages, out, lse, o_part, lse_part, seqlens_indptr, seqlens_indptr, indices,
+        seqlens_indptr, seqlens_indptr, work, n_work,
+        q.stride(0), 0, q.stride(1),
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+        out.stride(0), 0, out.stride(1),
+        0, 0,
+        1, h_k, group, k_pages.shape[1], k_pages.shape[0], indices.shape[0] * k_pages.shape[1], 0, 0, b,
+        softmax_scale * LOG2E, softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E,
+        window_left, -1,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        PAGED=True, HAS_CACHE_IDX=False, HAS_LEFTPAD=False,
+        HAS_LEFT=window_left >= 0, HAS_RIGHT=False, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=False,
+        SPLIT=False, WORKLIST=True, CSR=True, LSE_BASE2=lse_base2,
+        num_warps=_attn_warps(block_d), num_stages=2 if q.is_cuda else 1,
+    )
+    _combine_slots_kernel[(b,)](
+        out, lse, o_part, lse_part, slot_start, out.stride(0), out.stride(1), h,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=_pow2(h), LSE_BASE2=lse_base2, num_warps=4,
     )

@@ -1,0 +1,325 @@
+"""FlashInfer-compatible calls: same names, arguments and semantics as ``flashinfer`` (0.2-0.7),
+so call sites switch by import (``import ioattn.flashinfer as flashinfer``).
+
+Conventions as FlashInfer: page tables are int32 CSR (``indptr``, ``indices``, ``last_page_len``);
+a paged cache is one tensor [pages, 2, page_size, H_kv, D] (NHD) / [pages, 2, H_kv, page_size, D]
+(HND) or a (k, v) tuple of [pages, page_size, H_kv, D] / [pages, H_kv, page_size, D]. **The LSE is
+base 2** here (log2 of the softmax denominator, FlashInfer's choice), unlike ``flash_attn_*``'s
+natural log.
+
+Covered so far: ``BatchDecodeWithPagedKVCacheWrapper`` (plan/run, CUDA-graph safe),
+``single_decode_with_kv_cache``, ``append_paged_kv_cache``, ``get_batch_indices_positions``,
+``get_seq_lens``; ``pos_encoding_mode='NONE'`` (rotate q/k before the call for RoPE).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ioattn.decode.triton_decode import kvcache_attn, paged_decode
+from ioattn.paged.plan import kv_lengths, max_work_items, sm_count, split_work
+
+_LAYOUTS = ("NHD", "HND")
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, torch.float16: torch.float16,
+           torch.bfloat16: torch.bfloat16}
+
+
+def _fail(msg: str, exc=ValueError):
+    raise exc(msg)
+
+
+def _check_pos_encoding(mode: str) -> None:
+    if mode != "NONE":
+        _fail(f"pos_encoding_mode={mode!r}: ioattn applies no RoPE inside attention yet; rotate q "
+              "and k before the call (e.g. flashinfer-style apply_rope) and pass 'NONE'")
+
+
+def _int32_cpu(name: str, t) -> list[int]:
+    if not isinstance(t, Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+        _fail(f"{name} must be a 1-D int32 tensor", TypeError)
+    return t.tolist()
+
+
+def _kv_views(paged_kv_cache, kv_layout: str) -> tuple[Tensor, Tensor]:
+    """k, v as [pages, page_size, H_kv, D] views (HND caches become strided views)."""
+    if isinstance(paged_kv_cache, (tuple, list)):
+        if len(paged_kv_cache) != 2:
+            _fail("paged_kv_cache as a tuple must be (k_cache, v_cache)")
+        k, v = paged_kv_cache
+    else:
+        if not isinstance(paged_kv_cache, Tensor) or paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
+            _fail("paged_kv_cache must be [pages, 2, page_size, H_kv, D] (NHD), "
+                  "[pages, 2, H_kv, page_size, D] (HND) or a (k, v) tuple", TypeError)
+        k, v = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+    for name, t in (("k cache", k), ("v cache", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            _fail(f"{name} must be a 4-D tensor [pages, page_size, H_kv, D] (NHD)", TypeError)
+        if t.stride(-1) != 1:
+            _fail(f"{name} must have a contiguous last dim")
+    if kv_layout == "HND":
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    return k, v
+
+
+def get_seq_lens(kv_indptr: Tensor, kv_last_page_len: Tensor, page_size: int) -> Tensor:
+    """Tokens per request of a CSR page table: full pages times page_size plus the last page's."""
+    pages = kv_indptr[1:] - kv_indptr[:-1]
+    return torch.where(pages > 0, (pages - 1) * page_size + kv_last_page_len, 0).to(torch.int32)
+
+
+def get_batch_indices_positions(append_indptr: Tensor, seq_lens: Tensor, nnz: int
+                                ) -> tuple[Tensor, Tensor]:
+    """For appending nnz tokens (request b's are append_indptr[b]:append_indptr[b + 1]) to
+    sequences whose lengths *after* the append are seq_lens: each token's request and position."""
+    counts = (append_indptr[1:] - append_indptr[:-1]).long()
+    batch = torch.repeat_interleave(torch.arange(counts.numel(), device=append_indptr.device),
+                                    counts, output_size=nnz)
+    first = (seq_lens.long() - counts)[batch]
+    positions = first + torch.arange(nnz, device=append_indptr.device) - append_indptr.long()[batch]
+    return batch.to(torch.int32), positions.to(torch.int32)
+
+
+@triton.jit
+def _append_paged_kernel(K_NEW, V_NEW, K, V, BATCH, POS, INDICES, INDPTR,
+                         stride_nn, stride_nh, stride_kp, stride_ks, stride_kh,
+                         stride_vp, stride_vs, stride_vh, page_size, n_pages,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    i = tl.program_id(0)
+    off_h = tl.program_id(1)
+    b = tl.load(BATCH + i)
+    pos = tl.load(POS + i)
+    page = tl.load(INDICES + tl.load(INDPTR + b) + pos // page_size)
+    page = tl.minimum(tl.maximum(page, 0), n_pages - 1).to(tl.int64)
+    slot = (pos % page_size).to(tl.int64)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    src = i.to(tl.int64) * stride_nn + off_h * stride_nh + o_d
+    tl.store(K + page * stride_kp + slot * stride_ks + off_h * stride_kh + o_d,
+             tl.load(K_NEW + src, mask=m_d), mask=m_d)
+    tl.store(V + page * stride_vp + slot * stride_vs + off_h * stride_vh + o_d,
+             tl.load(V_NEW + src, mask=m_d), mask=m_d)
+
+
+def append_paged_kv_cache(append_key: Tensor, append_value: Tensor, batch_indices: Tensor,
+                          positions: Tensor, paged_kv_cache, kv_indices: Tensor, kv_indptr: Tensor,
+                          kv_last_page_len: Tensor, kv_layout: str = "NHD") -> None:
+    """Write nnz new tokens ([nnz, H_kv, D]) into a paged cache in place: token i goes to request
+    batch_indices[i] at position positions[i] (``get_batch_indices_positions``)."""
+    if kv_layout not in _LAYOUTS:
+        _fail(f"kv_layout={kv_layout!r} must be one of {_LAYOUTS}")
+    k, v = _kv_views(paged_kv_cache, kv_layout)
+    nnz, h_k, d = append_key.shape
+    if append_value.shape != append_key.shape or k.shape[2:] != (h_k, d):
+        _fail(f"append_key/append_value must be [nnz, {k.shape[2]}, {k.shape[3]}] like the cache, got "
+              f"{tuple(append_key.shape)} and {tuple(append_value.shape)}")
+    for name, t in (("batch_indices", batch_indices), ("positions", positions),
+                    ("kv_indices", kv_indices), ("kv_indptr", kv_indptr)):
+        if t.dtype != torch.int32:
+            _fail(f"{name} must be int32, got {t.dtype}", TypeError)
+    if nnz == 0:
+        return
+    append_key = append_key if append_key.stride(-1) == 1 else append_key.contiguous()
+    append_value = append_value.reshape(append_key.shape).contiguous() if append_value.stride() != append_key.stride() else append_value
+    _append_paged_kernel[(nnz, h_k)](
+        append_key, append_value, k, v, batch_indices, positions, kv_indices, kv_indptr,
+        append_key.stride(0), append_key.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), k.shape[1], k.shape[0],
+        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=1)
+
+
+def single_decode_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, kv_layout: str = "NHD",
+                                pos_encoding_mode: str = "NONE", use_tensor_cores: bool = False,
+                                q_scale: Optional[float] = None, k_scale: Optional[float] = None,
+                                v_scale: Optional[float] = None, window_left: int = -1,
+                                logits_soft_cap: Optional[float] = None,
+                                sm_scale: Optional[float] = None, rope_scale: Optional[float] = None,
+                                rope_theta: Optional[float] = None, return_lse: bool = False):
+    """One query token q [H, D] over k, v [kv_len, H_kv, D] (NHD) or [H_kv, kv_len, D] (HND).
+    Returns out [H, D] (and the base-2 LSE [H] with return_lse)."""
+    _check_pos_encoding(pos_encoding_mode)
+    if kv_layout not in _LAYOUTS:
+        _fail(f"kv_layout={kv_layout!r} must be one of {_LAYOUTS}")
+    if q.dim() != 2 or k.dim() != 3 or v.shape != k.shape:
+        _fail(f"q must be [H, D] and k, v [kv_len, H_kv, D] (NHD) / [H_kv, kv_len, D] (HND); got "
+              f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if kv_layout == "HND":
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    h, d = q.shape
+    kv_len, h_k = k.shape[0], k.shape[1]
+    if k.shape[2] != d or h % h_k or k.dtype != q.dtype or q.dtype not in (torch.float16, torch.bfloat16):
+        _fail(f"q [H={h}, D={d}] and k [.., H_kv={h_k}, D={k.shape[2]}] need equal D, H % H_kv == 0 "
+              f"and one fp16/bf16 dtype")
+    scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)) * (q_scale or 1.0) * (k_scale or 1.0)
+    out = torch.empty(1, 1, h, d, device=q.device, dtype=q.dtype)
+    lse = torch.empty(1, h, 1, device=q.device, dtype=torch.float32)
+    lens = torch.full((1,), kv_len, dtype=torch.int32, device=q.device)
+    kvcache_attn(q.view(1, 1, h, d), k[None], v[None], lens, None, None, None, None, scale,
+                 window_left, -1, float(logits_soft_cap or 0.0), 0, out, lse)
+    o = out.view(h, d) * v_scale if v_scale is not None else out.view(h, d)
+    return (o, lse.view(h) * (1.0 / math.log(2.0))) if return_lse else o
+
+
+class BatchDecodeWithPagedKVCacheWrapper:
+    """Decode (one query token per request) over a paged KV cache, FlashInfer's wrapper.
+
+    plan() runs on the host once per step (shared by every layer): it reads the CSR page table,
+    splits long requests into KV chunks so the SMs are busy, and writes the work list into
+    buffers. run() launches the kernels on those buffers and allocates nothing but ``out``/``lse``
+    when they are not passed; with ``use_cuda_graph=True`` the buffers keep their size and address,
+    so a graph captured around run() replays under later plans with new lengths.
+    GQA: the query heads of one KV head share a tile (tensor cores), whatever use_tensor_cores says.
+    """
+
+    def __init__(self, float_workspace_buffer: Tensor, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, use_tensor_cores: bool = False,
+                 paged_kv_indptr_buffer: Optional[Tensor] = None,
+                 paged_kv_indices_buffer: Optional[Tensor] = None,
+                 paged_kv_last_page_len_buffer: Optional[Tensor] = None,
+                 backend: str = "auto", jit_args=None) -> None:
+        if kv_layout not in _LAYOUTS:
+            _fail(f"kv_layout={kv_layout!r} must be one of {_LAYOUTS}")
+        if not isinstance(float_workspace_buffer, Tensor):
+            _fail("float_workspace_buffer must be a torch.Tensor (e.g. 128 MB of uint8)", TypeError)
+        if backend not in ("auto", "triton"):
+            _fail(f"backend={backend!r}: ioattn's paged decode is the portable Triton kernel "
+                  "('auto' or 'triton')")
+        self._workspace = float_workspace_buffer
+        self._device = float_workspace_buffer.device
+        self._kv_layout = kv_layout
+        self._use_cuda_graph = use_cuda_graph
+        self._indices_buf = paged_kv_indices_buffer
+        self._batch: Optional[int] = None
+        self._max_items = 0
+        self._planned = False
+
+    def reset_workspace_buffer(self, float_workspace_buffer: Tensor, int_workspace_buffer=None) -> None:
+        self._workspace = float_workspace_buffer
+
+    def plan(self, indptr: Tensor, indices: Tensor, last_page_len: Tensor, num_qo_heads: int,
+             num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode: str = "NONE",
+             window_left: int = -1, logits_soft_cap: Optional[float] = None,
+             q_data_type: Union[str, torch.dtype] = "float16",
+             kv_data_type: Union[str, torch.dtype, None] = None,
+             data_type: Union[str, torch.dtype, None] = None, sm_scale: Optional[float] = None,
+             rope_scale: Optional[float] = None, rope_theta: Optional[float] = None,
+             non_blocking: bool = True, fixed_split_size: Optional[int] = None,
+             disable_split_kv: bool = False, **_unused) -> None:
+        """Validate the page table on the host and build this step's work list (see class doc)."""
+        _check_pos_encoding(pos_encoding_mode)
+        ip, lp = _int32_cpu("indptr", indptr), _int32_cpu("last_page_len", last_page_len)
+        idx = indices
+        if not isinstance(idx, Tensor) or idx.dtype != torch.int32 or idx.dim() != 1:
+            _fail("indices must be a 1-D int32 tensor", TypeError)
+        batch = len(ip) - 1
+        if batch < 1 or len(lp) != batch:
+            _fail(f"indptr ({len(ip)}) must have batch + 1 entries and last_page_len batch "
+                  f"({len(lp)})")
+        if ip[0] != 0 or any(b < a for a, b in zip(ip, ip[1:])) or ip[-1] > idx.numel():
+            _fail(f"indptr must start at 0, be non-decreasing and end within indices "
+                  f"({idx.numel()} entries), got {ip[:8]}...")
+        if not isinstance(page_size, int) or page_size < 1:
+            _fail(f"page_size={page_size!r} must be an int >= 1")
+        for b in range(batch):
+            if ip[b + 1] > ip[b] and not 1 <= lp[b] <= page_size:
+                _fail(f"last_page_len[{b}] = {lp[b]} must be in 1..page_size ({page_size})")
+        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+            _fail(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if not 1 <= head_dim <= 256:
+            _fail(f"head_dim={head_dim} is not supported (1..256)")
+        dt = _DTYPES.get(q_data_type if data_type is None else data_type)
+        if dt is None:
+            _fail(f"q_data_type={q_data_type!r} must be float16 or bfloat16", TypeError)
+        if self._use_cuda_graph and self._batch is not None and batch != self._batch:
+            _fail(f"use_cuda_graph=True fixes the batch size at the first plan ({self._batch}); "
+                  f"got {batch}")
+        lengths = kv_lengths(ip, lp, page_size)
+        sms = sm_count(self._device)
+        max_items = max_work_items(batch, num_kv_heads, sms)
+        plan = split_work(lengths, num_kv_heads, sms,
+                          fixed_chunk=max(lengths + [1]) if disable_split_kv else fixed_split_size)
+        if len(plan.work) > max_items:
+            if self._use_cuda_graph:
+                _fail(f"fixed_split_size={fixed_split_size} gives {len(plan.work)} work items, more "
+                      f"than the {max_items} a captured graph launches; use a larger split size")
+            max_items = len(plan.work)
+        # device buffers: allocated at the first plan (or when they must grow), reused after
+        if self._batch is None or max_items > self._max_items or batch != self._batch:
+            dev = self._device
+            self._work = torch.zeros(max_items, 4, dtype=torch.int32, device=dev)
+            self._n_work = torch.zeros(1, dtype=torch.int32, device=dev)
+            self._seqlens_indptr = torch.zeros(2 * batch + 1, dtype=torch.int32, device=dev)
+            self._slot_start = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
+            self._max_items = max_items
+        if getattr(self, "_lse_keep", None) is None or self._lse_keep.shape != (batch, num_qo_heads):
+            # where run() writes the LSE when the caller does not want it
+            self._lse_keep = torch.empty(batch, num_qo_heads, device=self._device, dtype=torch.float32)
+            self._batch = batch
+        need = self._max_items * num_qo_heads * (head_dim + 1) * 4
+        if self._workspace.numel() * self._workspace.element_size() < need:
+            _fail(f"float_workspace_buffer holds {self._workspace.numel() * self._workspace.element_size()}"
+                  f" bytes; this plan needs {need} (allocate a larger one, e.g. 128 MB)")
+        flat = self._workspace.view(torch.uint8)[:need].view(torch.float32)
+        n_rows = self._max_items * num_qo_heads
+        self._o_part = flat[:n_rows * head_dim].view(self._max_items, num_qo_heads, head_dim)
+        self._lse_part = flat[n_rows * head_dim:n_rows * (head_dim + 1)].view(self._max_items, num_qo_heads)
+        work = torch.tensor(plan.work, dtype=torch.int32).view(-1, 4)
+        self._work[:work.shape[0]].copy_(work, non_blocking=non_blocking)
+        self._n_work.fill_(len(plan.work))
+        self._seqlens_indptr.copy_(torch.tensor(lengths + ip, dtype=torch.int32), non_blocking=non_blocking)
+        self._slot_start.copy_(torch.tensor(plan.slot_start, dtype=torch.int32), non_blocking=non_blocking)
+        if self._indices_buf is not None:
+            if self._indices_buf.numel() < idx.numel():
+                _fail(f"paged_kv_indices_buffer has {self._indices_buf.numel()} entries; this plan "
+                      f"needs {idx.numel()}")
+            self._indices_buf[:idx.numel()].copy_(idx, non_blocking=non_blocking)
+            self._indices = self._indices_buf
+        else:
+            self._indices = idx.to(self._device)
+        self._n_pages_needed = max(idx.tolist()) + 1 if idx.numel() else 0
+        self._min_page = min(idx.tolist()) if idx.numel() else 0
+        self._cfg = dict(h=num_qo_heads, h_k=num_kv_heads, d=head_dim, page_size=page_size,
+                         window_left=window_left, softcap=float(logits_soft_cap or 0.0),
+                         scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
+                         dtype=dt)
+        self._planned = True
+
+    def run(self, q: Tensor, paged_kv_cache, *args, q_scale: Optional[float] = None,
+            k_scale: Optional[float] = None, v_scale: Optional[float] = None,
+            out: Optional[Tensor] = None, lse: Optional[Tensor] = None, return_lse: bool = False,
+            enable_pdl=None, window_left: Optional[int] = None, **_unused):
+        """Attention of q [batch, num_qo_heads, head_dim] over the planned pages. Returns out
+        [batch, num_qo_heads, head_dim] (and the base-2 LSE [batch, num_qo_heads])."""
+        if not self._planned:
+            _fail("call plan() before run()", RuntimeError)
+        c = self._cfg
+        k, v = _kv_views(paged_kv_cache, self._kv_layout)
+        want = (self._batch, c["h"], c["d"])
+        if tuple(q.shape) != want or q.dtype != c["dtype"]:
+            _fail(f"q must be {c['dtype']} of shape {want} (as planned), got {q.dtype} {tuple(q.shape)}")
+        if k.shape[1:] != (c["page_size"], c["h_k"], c["d"]) or k.dtype != q.dtype:
+            _fail(f"the cache must hold pages of ({c['page_size']}, {c['h_k']}, {c['d']}) in "
+                  f"{q.dtype} ({self._kv_layout}), got {tuple(k.shape[1:])} {k.dtype}")
+        if self._min_page < 0 or self._n_pages_needed > k.shape[0]:
+            _fail(f"the planned page indices reach page {self._n_pages_needed - 1}; the cache has "
+                  f"{k.shape[0]} pages")
+        if out is None:
+            out = torch.empty(want, device=q.device, dtype=q.dtype)
+        if lse is None and return_lse:
+            lse = torch.empty(want[:2], device=q.device, dtype=torch.float32)
+        scale = c["scale"] * (q_scale or 1.0) * (k_scale or 1.0)
+        wl = c["window_left"] if window_left is None else window_left
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        paged_decode(q, k, v, self._indices, self._seqlens_indptr, self._work, self._n_work,
+                     self._slot_start, self._max_items, self._o_part, self._lse_part, scale, wl,
+                     c["softcap"], out, lse if lse is not None else self._lse_keep, lse_base2=True)
+        if v_scale is not None:
+            out.mul_(v_scale)
+        return (out, lse) if return_lse else out
+
+    forward = run
+    begin_forward = plan

@@ -1,0 +1,166 @@
+"""ioattn.flashinfer against references built by gathering each request's pages into contiguous
+K/V (FlashAttention's tolerance rule); LSE in base 2 as FlashInfer."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ioattn.flashinfer as fi
+from ioattn.reference import attention_ref
+from ioattn.testing import assert_close_rule
+from tests.conftest import ON_GPU
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+def _paged(batch, h_k, d, page, dtype, device, layout="NHD", max_len=120, empty=True, g=None):
+    lens = torch.randint(1, max_len, (batch,), generator=g).tolist()
+    if empty and batch > 2:
+        lens[1] = 0  # a request with no pages
+    pages = [(n + page - 1) // page for n in lens]
+    n_pages = sum(pages) + 3
+    perm = torch.randperm(n_pages, generator=g)[:sum(pages)].to(torch.int32)
+    indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
+    last = torch.tensor([n - (p - 1) * page if p else 0 for n, p in zip(lens, pages)], dtype=torch.int32)
+    shape = (n_pages, 2, page, h_k, d) if layout == "NHD" else (n_pages, 2, h_k, page, d)
+    cache = torch.randn(shape, device=device, dtype=dtype)
+    return lens, indptr, perm, last, cache
+
+
+def _gather(cache, layout, indices, indptr, b, n):
+    k, v = cache[:, 0], cache[:, 1]
+    if layout == "HND":
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    rows = indices[indptr[b]:indptr[b + 1]].long()
+    kk = k[rows].flatten(0, 1)[:n]
+    vv = v[rows].flatten(0, 1)[:n]
+    return kk, vv
+
+
+CASES = [
+    dict(batch=4, h=8, h_k=2, d=64, page=16, layout="NHD"),
+    dict(batch=3, h=5, h_k=1, d=64, page=1, layout="HND", dtype=FP16),
+    dict(batch=5, h=4, h_k=4, d=96, page=3, layout="NHD", window_left=20),
+    dict(batch=2, h=7, h_k=1, d=64, page=7, layout="HND", softcap=4.0),
+    dict(batch=3, h=32, h_k=8, d=128, page=16, layout="NHD", split=8),
+]
+if ON_GPU:
+    CASES += [dict(batch=64, h=32, h_k=8, d=128, page=16, layout="NHD", max_len=4096),
+              dict(batch=2, h=32, h_k=4, d=256, page=64, layout="HND", max_len=3000),
+              dict(batch=16, h=16, h_k=2, d=128, page=1, layout="NHD", max_len=1000)]
+
+
+@pytest.mark.parametrize("c", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_batch_decode(c, device):
+    c = dict(c)
+    dtype = c.pop("dtype", BF16)
+    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+    lens, indptr, indices, last, cache = _paged(c["batch"], c["h_k"], c["d"], c["page"], dtype,
+                                                device, c["layout"], c.get("max_len", 120), g=g)
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(32 << 20, dtype=torch.uint8, device=device), kv_layout=c["layout"])
+    wl, cap = c.get("window_left", -1), c.get("softcap", 0.0)
+    wrapper.plan(indptr, indices.to(device), last, c["h"], c["h_k"], c["d"], c["page"],
+                 window_left=wl, logits_soft_cap=cap or None, q_data_type=dtype,
+                 fixed_split_size=c.get("split"))
+    q = torch.randn(c["batch"], c["h"], c["d"], device=device, dtype=dtype)
+    out, lse = wrapper.run(q, cache, return_lse=True)
+    for b, n in enumerate(lens):
+        k, v = _gather(cache, c["layout"], indices, indptr, b, n)
+        kw = dict(window_size=(wl, -1), softcap=cap)
+        ref, lse_ref = attention_ref(q[b][None, None], k[None], v[None], **kw)
+        pt, _ = attention_ref(q[b][None, None], k[None], v[None], upcast=False, **kw)
+        assert_close_rule(f"out[{b}]", out[b], ref[0, 0], pt[0, 0])
+        if n == 0:
+            assert (out[b] == 0).all() and torch.isinf(lse[b]).all()
+        else:
+            torch.testing.assert_close(lse[b], lse_ref[0, :, 0] / math.log(2), atol=1e-3, rtol=1e-3)
+
+
+def test_plan_reuse_with_new_lengths(device):
+    """run() after a second plan with other lengths (what a CUDA graph replay does) is right, and
+    the buffers it launches on keep their addresses."""
+    g = torch.Generator().manual_seed(1)
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(8 << 20, dtype=torch.uint8, device=device), use_cuda_graph=True)
+    addrs = None
+    for max_len in (20, 300):
+        lens, indptr, indices, last, cache = _paged(3, 2, 64, 4, BF16, device, max_len=max_len, g=g)
+        wrapper.plan(indptr, indices.to(device), last, 4, 2, 64, 4, q_data_type=BF16)
+        now = (wrapper._work.data_ptr(), wrapper._o_part.data_ptr(), wrapper._seqlens_indptr.data_ptr())
+        assert addrs is None or now == addrs
+        addrs = now
+        q = torch.randn(3, 4, 64, device=device, dtype=BF16)
+        out = wrapper.run(q, cache)
+        for b, n in enumerate(lens):
+            k, v = _gather(cache, "NHD", indices, indptr, b, n)
+            ref, _ = attention_ref(q[b][None, None], k[None], v[None])
+            pt, _ = attention_ref(q[b][None, None], k[None], v[None], upcast=False)
+            assert_close_rule(f"out[{b}]", out[b], ref[0, 0], pt[0, 0])
+
+
+def test_single_decode(device):
+    q = torch.randn(8, 64, device=device, dtype=BF16)
+    k = torch.randn(77, 2, 64, device=device, dtype=BF16)
+    v = torch.randn(77, 2, 64, device=device, dtype=BF16)
+    out, lse = fi.single_decode_with_kv_cache(q, k, v, return_lse=True)
+    ref, lse_ref = attention_ref(q[None, None], k[None], v[None])
+    pt, _ = attention_ref(q[None, None], k[None], v[None], upcast=False)
+    assert_close_rule("out", out, ref[0, 0], pt[0, 0])
+    torch.testing.assert_close(lse, lse_ref[0, :, 0] / math.log(2), atol=1e-3, rtol=1e-3)
+    out_hnd = fi.single_decode_with_kv_cache(q, k.transpose(0, 1).contiguous(),
+                                             v.transpose(0, 1).contiguous(), kv_layout="HND")
+    torch.testing.assert_close(out_hnd, out, atol=0, rtol=0)
+
+
+def test_append_paged_kv_cache(device):
+    g = torch.Generator().manual_seed(2)
+    lens, indptr, indices, last, cache = _paged(3, 2, 64, 5, BF16, device, max_len=40, empty=False, g=g)
+    new = torch.tensor([3, 0, 2])
+    # room: the table already covers lens; append within the allocated pages' capacity
+    cap = ((indptr[1:] - indptr[:-1]) * 5).tolist()
+    seq_after = [min(n + a, c_) for n, a, c_ in zip(lens, new.tolist(), cap)]
+    counts = [s_ - n for s_, n in zip(seq_after, lens)]
+    append_indptr = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    nnz = sum(counts)
+    kn = torch.randn(nnz, 2, 64, device=device, dtype=BF16)
+    vn = torch.randn(nnz, 2, 64, device=device, dtype=BF16)
+    bi, pos = fi.get_batch_indices_positions(append_indptr, torch.tensor(seq_after, dtype=torch.int32, device=device), nnz)
+    before = cache.clone()
+    fi.append_paged_kv_cache(kn, vn, bi, pos, cache, indices.to(device), indptr.to(device), last.to(device))
+    i = 0
+    for b in range(3):
+        for t in range(counts[b]):
+            p_ = lens[b] + t
+            page = int(indices[indptr[b] + p_ // 5])
+            assert torch.equal(cache[page, 0, p_ % 5], kn[i]) and torch.equal(cache[page, 1, p_ % 5], vn[i])
+            before[page, :, p_ % 5] = cache[page, :, p_ % 5]
+            i += 1
+    assert torch.equal(before, cache), "only the appended slots change"
+    torch.testing.assert_close(fi.get_seq_lens(indptr, last, 5), torch.tensor(lens, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("indptr_dtype", "int32"), ("last_page_len", "last_page_len"), ("heads", "multiple"),
+    ("rope", "pos_encoding_mode"), ("indptr_order", "non-decreasing"),
+])
+def test_plan_errors(bad, match, device):
+    lens, indptr, indices, last, cache = _paged(3, 2, 64, 4, BF16, device)
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
+    kw = dict(pos_encoding_mode="NONE")
+    h = 4
+    if bad == "indptr_dtype":
+        indptr = indptr.long()
+    if bad == "last_page_len":
+        last = last.clone()
+        last[0] = 5
+    if bad == "heads":
+        h = 3
+    if bad == "rope":
+        kw["pos_encoding_mode"] = "ROPE_LLAMA"
+    if bad == "indptr_order":
+        indptr = indptr.flip(0)
+    with pytest.raises((ValueError, TypeError), match=match):
+        w.plan(indptr, indices.to(device), last, h, 2, 64, 4, q_data_type=BF16, **kw)
