@@ -188,6 +188,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if backend not in ("auto", "triton"):
             _fail(f"backend={backend!r}: ioattn's paged decode is the portable Triton kernel "
                   "('auto' or 'triton')")
+        if use_cuda_graph and paged_kv_indices_buffer is None:
+            _fail("use_cuda_graph=True needs paged_kv_indices_buffer (int32, as many entries as "
+                  "the largest plan's indices): a captured run() reads the page indices from a "
+                  "buffer whose address cannot change")
         self._workspace = float_workspace_buffer
         self._device = float_workspace_buffer.device
         self._kv_layout = kv_layout

@@ -303,7 +303,18 @@ def _progress(shapes: list[Shape]) -> Iterator[Shape]:
 
 
 def main(argv: Optional[Iterable[str]] = None) -> int:
-    a = parse_args(list(argv) if argv is not None else None)
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    if "--suite" in argv:  # --suite dense (this grid, the default) | decode (ioattn.bench.decode)
+        i = argv.index("--suite")
+        suite = argv[i + 1] if i + 1 < len(argv) else ""
+        argv = argv[:i] + argv[i + 2:]
+        if suite == "decode":
+            from .decode import main as decode_main
+
+            return decode_main(argv)
+        if suite != "dense":
+            raise SystemExit(f"--suite {suite!r}: choose dense or decode")
+    a = parse_args(argv)
     device = torch.device(a.device)
     causals = {"both": [False, True], "true": [True], "false": [False]}[a.causal]
     shapes = fa_grid(a.tokens, a.hidden, a.dims, a.seqlens, causals, a.dtypes, a.modes)

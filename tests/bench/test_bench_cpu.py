@@ -97,3 +97,15 @@ def test_flops_formula():
     fwd = Shape("fwd", 128, 16, 4096, 4, False, "bf16")
     assert fwd.flops() == 4 * 4 * 16 * 4096 * 4096 * 128
     assert Shape("bwd", 128, 16, 4096, 4, True, "bf16").flops() == 2.5 * fwd.flops() / 2
+
+
+def test_decode_suite_cpu(tmp_path, capsys):
+    """The decode suite's plumbing on CPU (interpreter, tiny cells); SDPA anchors run on CPU too."""
+    out = tmp_path / "decode.json"
+    assert runner.main(["--suite", "decode", "--cells", "2x64x4", "--prefill-cells", "1x32x16x16",
+                        "--heads", "4,2", "--dim", "32", "--warmup", "1", "--rep", "3",
+                        "--device", "cpu", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    paged = [r for r in rows if r["impl"] == "ioattn_paged"]
+    assert paged and "tb_s" in paged[0] and paged[0]["max_abs_err"] < 0.05
+    assert any(r["kind"] == "chunked_prefill" and "tflops" in r for r in rows)

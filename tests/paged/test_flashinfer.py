@@ -84,12 +84,14 @@ def test_plan_reuse_with_new_lengths(device):
     the buffers it launches on keep their addresses."""
     g = torch.Generator().manual_seed(1)
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
-        torch.empty(8 << 20, dtype=torch.uint8, device=device), use_cuda_graph=True)
+        torch.empty(8 << 20, dtype=torch.uint8, device=device), use_cuda_graph=True,
+        paged_kv_indices_buffer=torch.empty(1000, dtype=torch.int32, device=device))
     addrs = None
     for max_len in (20, 300):
         lens, indptr, indices, last, cache = _paged(3, 2, 64, 4, BF16, device, max_len=max_len, g=g)
         wrapper.plan(indptr, indices.to(device), last, 4, 2, 64, 4, q_data_type=BF16)
-        now = (wrapper._work.data_ptr(), wrapper._o_part.data_ptr(), wrapper._seqlens_indptr.data_ptr())
+        now = (wrapper._work.data_ptr(), wrapper._o_part.data_ptr(), wrapper._seqlens_indptr.data_ptr(),
+               wrapper._indices.data_ptr())
         assert addrs is None or now == addrs
         addrs = now
         q = torch.randn(3, 4, 64, device=device, dtype=BF16)
@@ -164,3 +166,39 @@ def test_plan_errors(bad, match, device):
         indptr = indptr.flip(0)
     with pytest.raises((ValueError, TypeError), match=match):
         w.plan(indptr, indices.to(device), last, h, 2, 64, 4, q_data_type=BF16, **kw)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_cuda_graph_capture_short_replay_long():
+    """Capture run() once at short lengths, then re-plan with long lengths and replay: the output
+    follows the new plan (buffers keep their addresses, the grid covers any plan)."""
+    device = "cuda"
+    g = torch.Generator().manual_seed(3)
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(64 << 20, dtype=torch.uint8, device=device), use_cuda_graph=True,
+        paged_kv_indices_buffer=torch.empty(4000, dtype=torch.int32, device=device))
+    b, h, h_k, d, page = 8, 32, 8, 128, 16
+    q = torch.randn(b, h, d, device=device, dtype=BF16)
+    out = torch.empty_like(q)
+    lens, indptr, indices, last, cache = _paged(b, h_k, d, page, BF16, device, max_len=40, empty=False, g=g)
+    big = torch.randn(4000, 2, page, h_k, d, device=device, dtype=BF16)
+    big[:cache.shape[0]] = cache
+    wrapper.plan(indptr, indices.to(device), last, h, h_k, d, page, q_data_type=BF16)
+    wrapper.run(q, big, out=out)  # warm-up (compiles) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q, big, out=out)
+    lens2 = torch.randint(2000, 3000, (b,), generator=g).tolist()
+    pages = [(n + page - 1) // page for n in lens2]
+    perm = torch.randperm(4000, generator=g)[:sum(pages)].to(torch.int32)
+    indptr2 = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
+    last2 = torch.tensor([n - (p - 1) * page for n, p in zip(lens2, pages)], dtype=torch.int32)
+    wrapper.plan(indptr2, perm.to(device), last2, h, h_k, d, page, q_data_type=BF16)
+    graph.replay()
+    torch.cuda.synchronize()
+    for i, n in enumerate(lens2):
+        k, v = _gather(big, "NHD", perm, indptr2, i, n)
+        ref, _ = attention_ref(q[i][None, None], k[None], v[None])
+        pt, _ = attention_ref(q[i][None, None], k[None], v[None], upcast=False)
+        assert_close_rule(f"out[{i}]", out[i], ref[0, 0], pt[0, 0])

@@ -1,0 +1,163 @@
+"""Decode benchmark (``python -m ioattn bench --suite decode``): one query token per request
+against a paged KV cache, side by side in one process with SDPA (cuDNN, FLASH) on the same data
+in contiguous form. Reported as effective K+V bytes read per second; plus chunked prefill (new
+tokens onto a paged context) in TFLOP/s next to the dense forward on the same tokens.
+
+Cells default to the serving acceptance shapes: GQA 32/8 query/KV heads, head dim 128, bf16.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ioattn.bench.runner import collect_env, time_ms
+
+# (batch, context, page size)
+DECODE_CELLS = [(64, 4096, 16), (16, 8192, 16), (1, 32768, 16), (128, 2048, 16), (64, 4096, 1)]
+# (batch, context, new tokens, page size)
+PREFILL_CELLS = [(8, 4096, 512, 16)]
+
+
+def _paged_copy(k: torch.Tensor, v: torch.Tensor, page: int, g: torch.Generator):
+    """Contiguous [b, s, h_k, d] K/V into a shuffled paged cache [pages, 2, page, h_k, d] with its
+    CSR table and the equivalent dense block table."""
+    b, s, h_k, d = k.shape
+    per = s // page
+    perm = torch.randperm(b * per, generator=g).to(k.device)
+    cache = torch.empty(b * per, 2, page, h_k, d, device=k.device, dtype=k.dtype)
+    cache[perm, 0] = k.reshape(b * per, page, h_k, d)
+    cache[perm, 1] = v.reshape(b * per, page, h_k, d)
+    table = perm.view(b, per).to(torch.int32)
+    indptr = torch.arange(0, b * per + 1, per, dtype=torch.int32)
+    last = torch.full((b,), page, dtype=torch.int32)
+    return cache, table, indptr, table.flatten(), last
+
+
+def _impls_decode(q, k, v, page, g) -> dict[str, Callable[[], torch.Tensor]]:
+    import ioattn
+    import ioattn.flashinfer as fi
+
+    b, h, d = q.shape
+    h_k = k.shape[2]
+    cache, table, indptr, indices, last = _paged_copy(k, v, page, g)
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(256 << 20, dtype=torch.uint8, device=q.device))
+    wrapper.plan(indptr, indices, last, h, h_k, d, page, q_data_type=q.dtype)  # not timed
+    out = torch.empty_like(q)
+    lens = torch.full((b,), k.shape[1], dtype=torch.int32, device=q.device)
+    kc, vc = cache[:, 0], cache[:, 1]
+    qt = q[:, :, None, :]  # [b, h, 1, d]
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+    fns = {
+        "ioattn_paged": lambda: wrapper.run(q, cache, out=out),
+        "ioattn_kvcache": lambda: ioattn.flash_attn_with_kvcache(q[:, None], kc, vc, cache_seqlens=lens,
+                                                                 block_table=table)[:, 0],
+    }
+    for name, backend in (("sdpa_cudnn", "CUDNN_ATTENTION"), ("sdpa_flash", "FLASH_ATTENTION")):
+        def sdpa(backend=backend):
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)[:, :, 0]
+        fns[name] = sdpa
+    return fns
+
+
+def run_decode(cells, device, warmup, rep, h=32, h_k=8, d=128, dtype=torch.bfloat16) -> list[dict]:
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for b, ctx, page in cells:
+        q = torch.randn(b, h, d, device=device, dtype=dtype)
+        k = torch.randn(b, ctx, h_k, d, device=device, dtype=dtype)
+        v = torch.randn(b, ctx, h_k, d, device=device, dtype=dtype)
+        nbytes = 2 * b * ctx * h_k * d * k.element_size()
+        ref = None
+        for name, fn in _impls_decode(q, k, v, page, g).items():
+            row = dict(kind="decode", b=b, ctx=ctx, page=page, h=h, h_k=h_k, d=d, impl=name)
+            try:
+                o = fn()
+                ref = o.float() if ref is None and name.startswith("sdpa") else ref
+                row["out"] = o
+                ms = time_ms(fn, device, warmup, rep, [])
+                row.update(ms=ms, tb_s=nbytes / ms * 1e-9)
+            except Exception as e:  # an anchor that cannot run this shape is reported, not fatal
+                row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+            rows.append(row)
+        for row in rows[-4:]:
+            o = row.pop("out", None)
+            if o is not None and ref is not None:
+                row["max_abs_err"] = (o.float() - ref).abs().max().item()
+    return rows
+
+
+def run_prefill(cells, device, warmup, rep, h=32, h_k=8, d=128, dtype=torch.bfloat16) -> list[dict]:
+    import ioattn
+
+    rows = []
+    g = torch.Generator().manual_seed(1)
+    for b, ctx, new, page in cells:
+        total = ctx + new
+        k = torch.randn(b, total, h_k, d, device=device, dtype=dtype)
+        v = torch.randn(b, total, h_k, d, device=device, dtype=dtype)
+        q = torch.randn(b, new, h, d, device=device, dtype=dtype)
+        cache, table, *_ = _paged_copy(k, v, page, g)
+        lens = torch.full((b,), total, dtype=torch.int32, device=device)
+        flops = 4.0 * b * h * d * sum(ctx + i + 1 for i in range(new))
+        fns = {
+            "ioattn_kvcache": lambda: ioattn.flash_attn_with_kvcache(
+                q, cache[:, 0], cache[:, 1], cache_seqlens=lens, block_table=table, causal=True),
+            "ioattn_dense": lambda: ioattn.flash_attn_func(q, k, v, causal=True),
+        }
+        for name, fn in fns.items():
+            row = dict(kind="chunked_prefill", b=b, ctx=ctx, new=new, page=page, h=h, h_k=h_k, d=d,
+                       impl=name)
+            try:
+                ms = time_ms(fn, device, warmup, rep, [])
+                row.update(ms=ms, tflops=flops / ms * 1e-9)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+            rows.append(row)
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ioattn bench --suite decode", description=__doc__.splitlines()[0])
+    p.add_argument("--cells", default=None, help="decode cells b x ctx x page, e.g. 64x4096x16,1x32768x16")
+    p.add_argument("--prefill-cells", default=None, help="b x ctx x new x page, e.g. 8x4096x512x16")
+    p.add_argument("--heads", default="32,8", help="query,kv heads")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<gpu>_<date>.json)")
+    p.add_argument("--warmup", type=int, default=25)
+    p.add_argument("--rep", type=int, default=100)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    cells = ([tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")] if a.cells
+             else DECODE_CELLS)
+    pcells = ([tuple(int(x) for x in c.split("x")) for c in a.prefill_cells.split(",")]
+              if a.prefill_cells is not None else PREFILL_CELLS)
+    h, h_k = (int(x) for x in a.heads.split(","))
+    env = collect_env(device)
+    rows = run_decode(cells, device, a.warmup, a.rep, h, h_k, a.dim)
+    rows += run_prefill([c for c in pcells if c], device, a.warmup, a.rep, h, h_k, a.dim)
+    for r in rows:
+        val = (f"{r['tb_s']:6.2f} TB/s" if "tb_s" in r else f"{r['tflops']:6.1f} TFLOP/s" if "tflops" in r
+               else "ERR " + r.get("error", ""))
+        shape = f"b{r['b']} ctx{r['ctx']}" + (f"+{r['new']}" if "new" in r else "") + f" page{r['page']}"
+        print(f"{r['kind']:15s} {shape:24s} {r['impl']:15s} {val}")
+    gpu = (env.get("gpu") or "cpu").lower().replace(" ", "-")
+    path = Path(a.out) if a.out else (Path("benchmarks/results") / f"decode_{gpu}_{env['date'][:10]}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    method = {"decode": "effective bandwidth = K+V bytes of the context / time (q, out ignored)",
+              "chunked_prefill": "flops = 4*b*h*d*sum_i(ctx + i + 1) (causal over context + new)",
+              "timer": "triton.testing.do_bench median" if device.type == "cuda" else "wall clock",
+              "anchors": "SDPA on the same K/V in contiguous [b, h_k, s, d] form (enable_gqa)"}
+    path.write_text(json.dumps({"env": env, "method": method, "rows": rows}, indent=1))
+    print(path)
+    return 0
