@@ -7,9 +7,11 @@ a paged cache is one tensor [pages, 2, page_size, H_kv, D] (NHD) / [pages, 2, H_
 base 2** here (log2 of the softmax denominator, FlashInfer's choice), unlike ``flash_attn_*``'s
 natural log.
 
-Covered so far: ``BatchDecodeWithPagedKVCacheWrapper`` (plan/run, CUDA-graph safe),
-``single_decode_with_kv_cache``, ``append_paged_kv_cache``, ``get_batch_indices_positions``,
-``get_seq_lens``; ``pos_encoding_mode='NONE'`` (rotate q/k before the call for RoPE).
+Covered: ``BatchDecodeWithPagedKVCacheWrapper`` (plan/run, CUDA-graph safe),
+``BatchPrefillWithPagedKVCacheWrapper``, ``BatchPrefillWithRaggedKVCacheWrapper`` (plan/run, not
+captured in CUDA graphs yet), ``single_decode_with_kv_cache``, ``single_prefill_with_kv_cache``,
+``append_paged_kv_cache``, ``get_batch_indices_positions``, ``get_seq_lens``. Not yet:
+``pos_encoding_mode='ROPE_LLAMA'`` (rotate q/k before the call) and custom masks; both raise.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ioattn.decode.triton_decode import kvcache_attn, paged_decode
+from ioattn.decode.triton_decode import kvcache_attn, paged_attn, paged_tiles
 from ioattn.paged.plan import kv_lengths, max_work_items, sm_count, split_work
 
 _LAYOUTS = ("NHD", "HND")
@@ -43,6 +45,35 @@ def _int32_cpu(name: str, t) -> list[int]:
     if not isinstance(t, Tensor) or t.dtype != torch.int32 or t.dim() != 1:
         _fail(f"{name} must be a 1-D int32 tensor", TypeError)
     return t.tolist()
+
+
+def _check_csr(indptr: Tensor, indices: Tensor, last_page_len: Tensor, page_size: int
+               ) -> tuple[list[int], list[int]]:
+    """Validate a CSR page table on the host; returns (indptr, last_page_len) as lists."""
+    ip, lp = _int32_cpu("indptr", indptr), _int32_cpu("last_page_len", last_page_len)
+    if not isinstance(indices, Tensor) or indices.dtype != torch.int32 or indices.dim() != 1:
+        _fail("indices must be a 1-D int32 tensor", TypeError)
+    batch = len(ip) - 1
+    if batch < 1 or len(lp) != batch:
+        _fail(f"indptr ({len(ip)}) must have batch + 1 entries and last_page_len batch ({len(lp)})")
+    if ip[0] != 0 or any(b < a for a, b in zip(ip, ip[1:])) or ip[-1] > indices.numel():
+        _fail(f"indptr must start at 0, be non-decreasing and end within indices "
+              f"({indices.numel()} entries), got {ip[:8]}...")
+    if not isinstance(page_size, int) or page_size < 1:
+        _fail(f"page_size={page_size!r} must be an int >= 1")
+    for b in range(batch):
+        if ip[b + 1] > ip[b] and not 1 <= lp[b] <= page_size:
+            _fail(f"last_page_len[{b}] = {lp[b]} must be in 1..page_size ({page_size})")
+    if indices.numel() and int(indices.min()) < 0:
+        _fail("indices must be page numbers >= 0")
+    return ip, lp
+
+
+def _check_heads(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+        _fail(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if not 1 <= head_dim <= 256:
+        _fail(f"head_dim={head_dim} is not supported (1..256)")
 
 
 def _kv_views(paged_kv_cache, kv_layout: str) -> tuple[Tensor, Tensor]:
@@ -215,26 +246,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
              disable_split_kv: bool = False, **_unused) -> None:
         """Validate the page table on the host and build this step's work list (see class doc)."""
         _check_pos_encoding(pos_encoding_mode)
-        ip, lp = _int32_cpu("indptr", indptr), _int32_cpu("last_page_len", last_page_len)
+        ip, lp = _check_csr(indptr, indices, last_page_len, page_size)
         idx = indices
-        if not isinstance(idx, Tensor) or idx.dtype != torch.int32 or idx.dim() != 1:
-            _fail("indices must be a 1-D int32 tensor", TypeError)
         batch = len(ip) - 1
-        if batch < 1 or len(lp) != batch:
-            _fail(f"indptr ({len(ip)}) must have batch + 1 entries and last_page_len batch "
-                  f"({len(lp)})")
-        if ip[0] != 0 or any(b < a for a, b in zip(ip, ip[1:])) or ip[-1] > idx.numel():
-            _fail(f"indptr must start at 0, be non-decreasing and end within indices "
-                  f"({idx.numel()} entries), got {ip[:8]}...")
-        if not isinstance(page_size, int) or page_size < 1:
-            _fail(f"page_size={page_size!r} must be an int >= 1")
-        for b in range(batch):
-            if ip[b + 1] > ip[b] and not 1 <= lp[b] <= page_size:
-                _fail(f"last_page_len[{b}] = {lp[b]} must be in 1..page_size ({page_size})")
-        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
-            _fail(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        if not 1 <= head_dim <= 256:
-            _fail(f"head_dim={head_dim} is not supported (1..256)")
+        _check_heads(num_qo_heads, num_kv_heads, head_dim)
         dt = _DTYPES.get(q_data_type if data_type is None else data_type)
         if dt is None:
             _fail(f"q_data_type={q_data_type!r} must be float16 or bfloat16", TypeError)
@@ -254,9 +269,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # device buffers: allocated at the first plan (or when they must grow), reused after
         if self._batch is None or max_items > self._max_items or batch != self._batch:
             dev = self._device
-            self._work = torch.zeros(max_items, 4, dtype=torch.int32, device=dev)
+            self._work = torch.zeros(max_items, 5, dtype=torch.int32, device=dev)
             self._n_work = torch.zeros(1, dtype=torch.int32, device=dev)
-            self._seqlens_indptr = torch.zeros(2 * batch + 1, dtype=torch.int32, device=dev)
+            self._seqlens_indptr = torch.zeros(3 * batch + 2, dtype=torch.int32, device=dev)
             self._slot_start = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
             self._max_items = max_items
         if getattr(self, "_lse_keep", None) is None or self._lse_keep.shape != (batch, num_qo_heads):
@@ -271,10 +286,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         n_rows = self._max_items * num_qo_heads
         self._o_part = flat[:n_rows * head_dim].view(self._max_items, num_qo_heads, head_dim)
         self._lse_part = flat[n_rows * head_dim:n_rows * (head_dim + 1)].view(self._max_items, num_qo_heads)
-        work = torch.tensor(plan.work, dtype=torch.int32).view(-1, 4)
+        work = torch.tensor(plan.work, dtype=torch.int32).view(-1, 5)
         self._work[:work.shape[0]].copy_(work, non_blocking=non_blocking)
         self._n_work.fill_(len(plan.work))
-        self._seqlens_indptr.copy_(torch.tensor(lengths + ip, dtype=torch.int32), non_blocking=non_blocking)
+        self._seqlens_indptr.copy_(torch.tensor(lengths + ip + list(range(batch + 1)), dtype=torch.int32),
+                                   non_blocking=non_blocking)
         self._slot_start.copy_(torch.tensor(plan.slot_start, dtype=torch.int32), non_blocking=non_blocking)
         if self._indices_buf is not None:
             if self._indices_buf.numel() < idx.numel():
@@ -318,12 +334,223 @@ class BatchDecodeWithPagedKVCacheWrapper:
         scale = c["scale"] * (q_scale or 1.0) * (k_scale or 1.0)
         wl = c["window_left"] if window_left is None else window_left
         q = q if q.stride(-1) == 1 else q.contiguous()
-        paged_decode(q, k, v, self._indices, self._seqlens_indptr, self._work, self._n_work,
-                     self._slot_start, self._max_items, self._o_part, self._lse_part, scale, wl,
-                     c["softcap"], out, lse if lse is not None else self._lse_keep, lse_base2=True)
+        group = c["h"] // c["h_k"]
+        block_m = paged_tiles(group, c["d"])[0]
+        paged_attn(q, k, v, self._indices, self._seqlens_indptr, self._work, self._n_work,
+                   self._slot_start, self._max_items, -(-group // block_m), block_m,
+                   self._o_part, self._lse_part, scale, wl, -1, c["softcap"], out,
+                   lse if lse is not None else self._lse_keep, lse_base2=True)
         if v_scale is not None:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out
+
+    forward = run
+    begin_forward = plan
+
+
+def _prefill_window(causal: bool, window_left: int) -> tuple[int, int]:
+    return (window_left if window_left is not None else -1), (0 if causal else -1)
+
+
+def _no_custom_mask(custom_mask, packed_custom_mask) -> None:
+    if custom_mask is not None or packed_custom_mask is not None:
+        _fail("custom masks are not supported by ioattn yet (causal and window_left are)")
+
+
+def _base2(lse_natural_h_t: Tensor) -> Tensor:
+    """[h, total] natural-log LSE (the dense kernels') as FlashInfer's [total, h] base 2."""
+    return (lse_natural_h_t * (1.0 / math.log(2.0))).t().contiguous()
+
+
+def single_prefill_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, custom_mask=None,
+                                 packed_custom_mask=None, causal: bool = False,
+                                 kv_layout: str = "NHD", pos_encoding_mode: str = "NONE",
+                                 use_fp16_qk_reduction: bool = False,
+                                 sm_scale: Optional[float] = None, window_left: int = -1,
+                                 logits_soft_cap: Optional[float] = None,
+                                 rope_scale: Optional[float] = None,
+                                 rope_theta: Optional[float] = None, return_lse: bool = False):
+    """q [qo_len, H, D] over k, v [kv_len, H_kv, D] (NHD) / [H_kv, kv_len, D] (HND); causal is
+    aligned bottom-right (the queries are the last qo_len positions). Returns out [qo_len, H, D]
+    (and the base-2 LSE [qo_len, H])."""
+    from ioattn.dense.api import flash_attn_func
+
+    _check_pos_encoding(pos_encoding_mode)
+    _no_custom_mask(custom_mask, packed_custom_mask)
+    if kv_layout not in _LAYOUTS:
+        _fail(f"kv_layout={kv_layout!r} must be one of {_LAYOUTS}")
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        _fail("q must be [qo_len, H, D] and k, v [kv_len, H_kv, D] (NHD) or [H_kv, kv_len, D] (HND)")
+    if kv_layout == "HND":
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    out, lse, _ = flash_attn_func(q[None], k[None], v[None], softmax_scale=sm_scale, causal=causal,
+                                  window_size=_prefill_window(False, window_left),
+                                  softcap=float(logits_soft_cap or 0.0), return_attn_probs=True)
+    return (out[0], _base2(lse[0])) if return_lse else out[0]
+
+
+class BatchPrefillWithRaggedKVCacheWrapper:
+    """Prefill over ragged (packed) K/V: request b's queries are q[qo_indptr[b]:qo_indptr[b + 1]]
+    and its keys k[kv_indptr[b]:kv_indptr[b + 1]]. plan() reads the indptrs once per step; run()
+    launches the dense varlen kernels (the sm90 Gluon forward on Hopper where it applies)."""
+
+    def __init__(self, float_workspace_buffer: Tensor, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, qo_indptr_buf=None, kv_indptr_buf=None,
+                 backend: str = "auto", **_unused) -> None:
+        if kv_layout != "NHD":
+            _fail("ragged K/V are [total_kv, H_kv, D] (kv_layout='NHD')")
+        if use_cuda_graph:
+            _fail("use_cuda_graph: ioattn's ragged prefill wrapper does not capture yet (the "
+                  "decode wrapper does); run it outside the graph")
+        self._backend = backend
+        self._planned = False
+
+    def plan(self, qo_indptr: Tensor, kv_indptr: Tensor, num_qo_heads: int, num_kv_heads: int,
+             head_dim_qk: int, head_dim_vo: Optional[int] = None, custom_mask=None,
+             packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
+             use_fp16_qk_reduction: bool = False, window_left: int = -1,
+             logits_soft_cap: Optional[float] = None, sm_scale: Optional[float] = None,
+             rope_scale: Optional[float] = None, rope_theta: Optional[float] = None,
+             q_data_type: Union[str, torch.dtype] = "float16", kv_data_type=None,
+             non_blocking: bool = True, **_unused) -> None:
+        _check_pos_encoding(pos_encoding_mode)
+        _no_custom_mask(custom_mask, packed_custom_mask)
+        qi, ki = _int32_cpu("qo_indptr", qo_indptr), _int32_cpu("kv_indptr", kv_indptr)
+        if len(qi) != len(ki) or len(qi) < 2:
+            _fail(f"qo_indptr ({len(qi)}) and kv_indptr ({len(ki)}) need batch + 1 entries each")
+        for name, ip in (("qo_indptr", qi), ("kv_indptr", ki)):
+            if ip[0] != 0 or any(b < a for a, b in zip(ip, ip[1:])):
+                _fail(f"{name} must start at 0 and be non-decreasing, got {ip[:8]}...")
+        _check_heads(num_qo_heads, num_kv_heads, head_dim_qk)
+        self._cu_q, self._cu_k = qo_indptr, kv_indptr
+        self._max_q = max(b - a for a, b in zip(qi, qi[1:]))
+        self._max_k = max(b - a for a, b in zip(ki, ki[1:]))
+        self._totals = (qi[-1], ki[-1])
+        self._cfg = dict(h=num_qo_heads, h_k=num_kv_heads, causal=causal, window_left=window_left,
+                         softcap=float(logits_soft_cap or 0.0), scale=sm_scale)
+        self._planned = True
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, *args, out: Optional[Tensor] = None,
+            lse: Optional[Tensor] = None, return_lse: bool = False, **_unused):
+        """q [total_q, H, D], k/v [total_kv, H_kv, D] -> out [total_q, H, D] (and base-2 LSE
+        [total_q, H])."""
+        from ioattn.dense.api import flash_attn_varlen_func
+
+        if not self._planned:
+            _fail("call plan() before run()", RuntimeError)
+        c = self._cfg
+        dev = q.device
+        if q.shape[0] < self._totals[0] or k.shape[0] < self._totals[1]:
+            _fail(f"q/k hold {q.shape[0]}/{k.shape[0]} rows; the plan's indptrs need "
+                  f"{self._totals[0]}/{self._totals[1]}")
+        o, l_, _ = flash_attn_varlen_func(
+            q, k, v, self._cu_q.to(dev), self._cu_k.to(dev), self._max_q, self._max_k,
+            softmax_scale=c["scale"], causal=c["causal"],
+            window_size=_prefill_window(False, c["window_left"]), softcap=c["softcap"],
+            return_attn_probs=True, backend=self._backend)
+        if out is not None:
+            out.copy_(o)
+            o = out
+        if return_lse:
+            l2 = _base2(l_)
+            if lse is not None:
+                lse.copy_(l2)
+                l2 = lse
+            return o, l2
+        return o
+
+    forward = run
+    begin_forward = plan
+
+
+class BatchPrefillWithPagedKVCacheWrapper:
+    """Prefill (several query tokens per request, e.g. chunked prefill or verification) over a
+    paged KV cache. Queries are ragged (qo_indptr); the CSR page table as the decode wrapper's.
+    Causal is aligned bottom-right: request b's queries are its last qo_len positions."""
+
+    def __init__(self, float_workspace_buffer: Tensor, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, qo_indptr_buf=None, paged_kv_indptr_buf=None,
+                 paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
+                 backend: str = "auto", **_unused) -> None:
+        if kv_layout not in _LAYOUTS:
+            _fail(f"kv_layout={kv_layout!r} must be one of {_LAYOUTS}")
+        if use_cuda_graph:
+            _fail("use_cuda_graph: ioattn's paged prefill wrapper does not capture yet (the "
+                  "decode wrapper does); run it outside the graph")
+        if backend not in ("auto", "triton"):
+            _fail(f"backend={backend!r}: ioattn's paged prefill is the portable Triton kernel")
+        self._device = float_workspace_buffer.device
+        self._kv_layout = kv_layout
+        self._planned = False
+
+    def plan(self, qo_indptr: Tensor, paged_kv_indptr: Tensor, paged_kv_indices: Tensor,
+             paged_kv_last_page_len: Tensor, num_qo_heads: int, num_kv_heads: int,
+             head_dim_qk: int, page_size: int, head_dim_vo: Optional[int] = None,
+             custom_mask=None, packed_custom_mask=None, causal: bool = False,
+             pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
+             sm_scale: Optional[float] = None, window_left: int = -1,
+             logits_soft_cap: Optional[float] = None, rope_scale: Optional[float] = None,
+             rope_theta: Optional[float] = None, q_data_type: Union[str, torch.dtype] = "float16",
+             kv_data_type=None, non_blocking: bool = True, **_unused) -> None:
+        _check_pos_encoding(pos_encoding_mode)
+        _no_custom_mask(custom_mask, packed_custom_mask)
+        if head_dim_vo not in (None, head_dim_qk):
+            _fail("head_dim_vo must equal head_dim_qk for paged caches")
+        ip, lp = _check_csr(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
+        qi = _int32_cpu("qo_indptr", qo_indptr)
+        batch = len(ip) - 1
+        if len(qi) != batch + 1 or qi[0] != 0 or any(b < a for a, b in zip(qi, qi[1:])):
+            _fail(f"qo_indptr must have batch + 1 = {batch + 1} non-decreasing entries from 0")
+        _check_heads(num_qo_heads, num_kv_heads, head_dim_qk)
+        dt = _DTYPES.get(q_data_type)
+        if dt is None:
+            _fail(f"q_data_type={q_data_type!r} must be float16 or bfloat16", TypeError)
+        lengths = kv_lengths(ip, lp, page_size)
+        qo_lens = [b - a for a, b in zip(qi, qi[1:])]
+        if any(n > m for n, m in zip(qo_lens, lengths)):
+            _fail("each request's query count must not exceed its KV length (the queries are the "
+                  f"last positions of the sequence); got qo {qo_lens[:8]} vs kv {lengths[:8]}")
+        group = num_qo_heads // num_kv_heads
+        block_m = paged_tiles(group, head_dim_qk, rows_per_request=max(qo_lens + [1]))[0]
+        work = [(b, m, 0, n, -1) for b, (q_n, n) in enumerate(zip(qo_lens, lengths))
+                for m in range(-(-q_n * group // block_m))]
+        dev = self._device
+        self._work = torch.tensor(work or [(0, 0, 0, 0, -1)], dtype=torch.int32, device=dev)
+        self._n_work = torch.tensor([len(work)], dtype=torch.int32, device=dev)
+        self._seqlens_indptr = torch.tensor(lengths + ip + qi, dtype=torch.int32, device=dev)
+        self._indices = paged_kv_indices.to(dev)
+        self._n_pages_needed = int(paged_kv_indices.max()) + 1 if paged_kv_indices.numel() else 0
+        self._total_q = qi[-1]
+        self._cfg = dict(h=num_qo_heads, h_k=num_kv_heads, d=head_dim_qk, page_size=page_size,
+                         causal=causal, window_left=window_left, block_m=block_m,
+                         softcap=float(logits_soft_cap or 0.0), dtype=dt,
+                         scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim_qk))
+        self._planned = True
+
+    def run(self, q: Tensor, paged_kv_cache, *args, out: Optional[Tensor] = None,
+            lse: Optional[Tensor] = None, return_lse: bool = False, **_unused):
+        """q [total_q, H, D] -> out [total_q, H, D] (and base-2 LSE [total_q, H])."""
+        if not self._planned:
+            _fail("call plan() before run()", RuntimeError)
+        c = self._cfg
+        k, v = _kv_views(paged_kv_cache, self._kv_layout)
+        want = (self._total_q, c["h"], c["d"])
+        if tuple(q.shape) != want or q.dtype != c["dtype"]:
+            _fail(f"q must be {c['dtype']} of shape {want} (as planned), got {q.dtype} {tuple(q.shape)}")
+        if k.shape[1:] != (c["page_size"], c["h_k"], c["d"]) or k.dtype != q.dtype:
+            _fail(f"the cache must hold pages of ({c['page_size']}, {c['h_k']}, {c['d']}) in "
+                  f"{q.dtype} ({self._kv_layout}), got {tuple(k.shape[1:])} {k.dtype}")
+        if self._n_pages_needed > k.shape[0]:
+            _fail(f"the planned page indices reach page {self._n_pages_needed - 1}; the cache has "
+                  f"{k.shape[0]} pages")
+        out = out if out is not None else torch.empty(want, device=q.device, dtype=q.dtype)
+        lse_out = lse if lse is not None else torch.empty(want[:2], device=q.device, dtype=torch.float32)
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        wl, wr = _prefill_window(c["causal"], c["window_left"])
+        paged_attn(q, k, v, self._indices, self._seqlens_indptr, self._work, self._n_work, None,
+                   self._work.shape[0], 1, c["block_m"], lse_out, lse_out, c["scale"], wl, wr,
+                   c["softcap"], out, lse_out, lse_base2=True)
+        return (out, lse_out) if return_lse else out
 
     forward = run
     begin_forward = plan

@@ -65,16 +65,23 @@ def _kvcache_attn_kernel(
 ):
     i_m = tl.program_id(1)
     if WORKLIST:
-        # planned work (plan()/run()): item w = (request, first key, end key, partial slot or -1);
-        # the grid is sized for the most items a plan may produce, the rest exit here
+        # planned work (plan()/run()): item w = (request, first row block, first key, end key,
+        # partial slot or -1); the grid is sized for the most items a plan may produce, the rest
+        # exit here. Queries are ragged: request b's rows are [qo_indptr[b], qo_indptr[b + 1]) of
+        # q [total_q, h, d] (decode: one row each); plan() stores, after the kv lengths, the kv
+        # indptr and the qo indptr in SEQLENS_K.
         w = tl.program_id(0)
         if w >= tl.load(N_WORK):
             return
-        off_b = tl.load(WORK + 4 * w)
-        w_lo = tl.load(WORK + 4 * w + 1)
-        w_hi = tl.load(WORK + 4 * w + 2)
-        part = tl.load(WORK + 4 * w + 3)
+        off_b = tl.load(WORK + 5 * w)
+        i_m += tl.load(WORK + 5 * w + 1)
+        w_lo = tl.load(WORK + 5 * w + 2)
+        w_hi = tl.load(WORK + 5 * w + 3)
+        part = tl.load(WORK + 5 * w + 4)
         off_hk = tl.program_id(2)
+        q_row0 = tl.load(SEQLENS_K + 2 * batch + 1 + off_b)
+        seqlen_q = tl.load(SEQLENS_K + 2 * batch + 2 + off_b) - q_row0
+        q_row0 = q_row0.to(tl.int64)
     else:
         i_split = tl.program_id(0)
         i_bh = tl.program_id(2)
@@ -98,8 +105,11 @@ def _kvcache_attn_kernel(
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
     # [BLOCK_M, BLOCK_D]
-    p_q = (Q + off_b.to(tl.int64) * stride_qb + o_tok[:, None].to(tl.int64) * stride_qs
-           + o_head[:, None] * stride_qh + o_d[None, :])
+    if WORKLIST:
+        q_base = Q + q_row0 * stride_qs
+    else:
+        q_base = Q + off_b.to(tl.int64) * stride_qb
+    p_q = q_base + o_tok[:, None].to(tl.int64) * stride_qs + o_head[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
 
     # this split's cache positions, cut to what some row of the tile may see
@@ -159,17 +169,19 @@ def _kvcache_attn_kernel(
     if not LSE_BASE2:
         lse = lse * 0.6931471805599453  # natural log (FlashAttention's convention)
     if WORKLIST:
-        # decode (s_q = 1): a request split over several items writes partials to its slots
-        # (O_PART [slots, h, d], LSE_PART [slots, h]), a single-item request its final output
+        # a decode request split over several items writes partials to its slots (O_PART
+        # [slots, h, d], LSE_PART [slots, h]); otherwise rows go to out [total_q, h, d] and the
+        # LSE to [total_q, h]
         if part >= 0:
             row = part.to(tl.int64) * (n_heads_k * kv_group) + o_head
             tl.store(O_PART + row[:, None] * HEAD_DIM + o_d[None, :], acc,
                      mask=m_row[:, None] & m_d[None, :])
             tl.store(LSE_PART + row, lse, mask=m_row)
         else:
-            p_o = O + off_b.to(tl.int64) * stride_ob + o_head[:, None] * stride_oh + o_d[None, :]
+            rows = q_row0 + o_tok
+            p_o = O + rows[:, None] * stride_os + o_head[:, None] * stride_oh + o_d[None, :]
             tl.store(p_o, acc.to(O.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
-            tl.store(LSE + off_b.to(tl.int64) * (n_heads_k * kv_group) + o_head, lse, mask=m_row)
+            tl.store(LSE + rows * (n_heads_k * kv_group) + o_head, lse, mask=m_row)
     elif SPLIT:
         # partials: O_PART [splits, batch, s_q, h, d] fp32, LSE_PART [splits, batch, h, s_q]
         row = ((i_split * batch + off_b) * seqlen_q + o_tok).to(tl.int64) * (n_heads_k * kv_group) + o_head
@@ -367,11 +379,8 @@ def kvcache_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
     page_size = k_pages.shape[1]
     paged = block_table is not None
     capacity = block_table.shape[1] * page_size if paged else page_size
-    rows = s_q * group
-    block_m = min(_pow2(rows, 16), 64)
-    block_d = _pow2(d, 16)
-    block_n = 64 if block_d <= 128 else 32
-    m_blocks = triton.cdiv(rows, block_m)
+    block_m, block_d, block_n = paged_tiles(group, d, s_q)
+    m_blocks = triton.cdiv(s_q * group, block_m)
     if num_splits <= 0:
         num_splits = num_splits_for(b, h_k, m_blocks, capacity, block_n, q.device)
     split_len = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
@@ -442,41 +451,53 @@ def rope_store(src: torch.Tensor, dst: torch.Tensor, pos_base: torch.Tensor,
     )
 
 
-def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, indices: torch.Tensor,
-                 seqlens_indptr: torch.Tensor, work: torch.Tensor, n_work: torch.Tensor,
-                 slot_start: torch.Tensor, max_items: int, o_part: torch.Tensor,
-                 lse_part: torch.Tensor, softmax_scale: float, window_left: int, softcap: float,
-                 out: torch.Tensor, lse: torch.Tensor, lse_base2: bool) -> None:
-    """Planned decode (plan()/run()): q [batch, h, d] over pages [pages, page_size, h_k, d]
-    (strided views serve NHD and HND), CSR page table ``indices`` with the per-request kv lengths
-    and indptr in ``seqlens_indptr`` ([batch] lengths, then [batch + 1] indptr), the work list
-    ``work`` [max_items, 4] (``n_work`` of them live) and split slots ``slot_start`` [batch + 1].
-    Launches a fixed grid, so CUDA graphs replay it under new plans. Allocates nothing."""
-    b, h, d = q.shape
+def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, indices: torch.Tensor,
+               seqlens_indptr: torch.Tensor, work: torch.Tensor, n_work: torch.Tensor,
+               slot_start: Optional[torch.Tensor], max_items: int, row_blocks: int, block_m: int,
+               o_part: torch.Tensor, lse_part: torch.Tensor, softmax_scale: float,
+               window_left: int, window_right: int, softcap: float, out: torch.Tensor,
+               lse: torch.Tensor, lse_base2: bool) -> None:
+    """Planned attention (plan()/run()) of ragged q [total_q, h, d] over pages [pages, page_size,
+    h_k, d] (strided views serve NHD and HND) through the CSR page table ``indices``.
+    ``seqlens_indptr`` holds the per-request kv lengths, kv indptr and qo indptr ([batch],
+    [batch + 1], [batch + 1]); ``work`` [max_items, 5] the items (``n_work`` of them live), each
+    run for ``row_blocks`` consecutive row blocks of ``block_m`` rows (the plan's); ``slot_start`` [batch + 1] the split decode
+    requests' partial slots (merged afterwards), or None when no item splits. out [total_q, h, d],
+    lse [total_q, h]. Launches a fixed grid, so CUDA graphs replay it under new plans; allocates
+    nothing."""
+    total_q, h, d = q.shape
+    b = slot_start.shape[0] - 1 if slot_start is not None else (seqlens_indptr.shape[0] - 2) // 3
     h_k = k_pages.shape[2]
     group = h // h_k
-    block_m = min(_pow2(group, 16), 64)
-    block_d = _pow2(d, 16)
-    block_n = 64 if block_d <= 128 else 32
-    m_blocks = triton.cdiv(group, block_m)
-    _kvcache_attn_kernel[(max_items, m_blocks, h_k)](
+    _, block_d, block_n = paged_tiles(group, d)
+    _kvcache_attn_kernel[(max_items, row_blocks, h_k)](
         q, k_pages, v_pages, out, lse, o_part, lse_part, seqlens_indptr, seqlens_indptr, indices,
         seqlens_indptr, seqlens_indptr, work, n_work,
-        q.stride(0), 0, q.stride(1),
+        0, q.stride(0), q.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
-        out.stride(0), 0, out.stride(1),
+        0, out.stride(0), out.stride(1),
         0, 0,
         1, h_k, group, k_pages.shape[1], k_pages.shape[0], indices.shape[0] * k_pages.shape[1], 0, 0, b,
         softmax_scale * LOG2E, softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E,
-        window_left, -1,
+        window_left, window_right,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGED=True, HAS_CACHE_IDX=False, HAS_LEFTPAD=False,
-        HAS_LEFT=window_left >= 0, HAS_RIGHT=False, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=False,
-        SPLIT=False, WORKLIST=True, CSR=True, LSE_BASE2=lse_base2,
+        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
+        HAS_ALIBI=False, SPLIT=False, WORKLIST=True, CSR=True, LSE_BASE2=lse_base2,
         num_warps=_attn_warps(block_d), num_stages=2 if q.is_cuda else 1,
     )
-    _combine_slots_kernel[(b,)](
-        out, lse, o_part, lse_part, slot_start, out.stride(0), out.stride(1), h,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=_pow2(h), LSE_BASE2=lse_base2, num_warps=4,
-    )
+    if slot_start is not None:
+        _combine_slots_kernel[(b,)](
+            out, lse, o_part, lse_part, slot_start, out.stride(0), out.stride(1), h,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=_pow2(h), LSE_BASE2=lse_base2, num_warps=4,
+        )
+
+
+def paged_tiles(group: int, d: int, rows_per_request: int = 1) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_D, BLOCK_N) of the paged kernels: rows = query tokens x GQA group."""
+    block_m = min(_pow2(rows_per_request * group, 16), 64)
+    block_d = _pow2(d, 16)
+    # sm90 ptxas, 8 warps: 64-key tiles spill at 64 rows or d=256 (the gathered [keys, d] int64
+    # address blocks); 32-key tiles do not
+    return block_m, block_d, 64 if block_d <= 128 and block_m < 64 else 32

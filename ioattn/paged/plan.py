@@ -27,7 +27,7 @@ def target_items(batch: int, n_heads_k: int, sms: int) -> int:
 
 @dataclass
 class DecodePlan:
-    work: list[tuple[int, int, int, int]]  # (request, first key, end key, partial slot or -1)
+    work: list[tuple[int, int, int, int, int]]  # (request, row block, first key, end key, slot or -1)
     slot_start: list[int]  # [batch + 1]: request b's partial slots are [slot_start[b], [b + 1])
     chunk: int
 
@@ -43,10 +43,10 @@ def split_work(lengths: list[int], n_heads_k: int, sms: int, min_chunk: int = 25
     for b, n in enumerate(lengths):
         pieces = max(1, -(-n // chunk))
         if pieces == 1:
-            work.append((b, 0, n, -1))
+            work.append((b, 0, 0, n, -1))
         else:
             for p in range(pieces):
-                work.append((b, p * chunk, min((p + 1) * chunk, n), slot))
+                work.append((b, 0, p * chunk, min((p + 1) * chunk, n), slot))
                 slot += 1
         slot_start.append(slot)
     return DecodePlan(work, slot_start, chunk)

@@ -202,3 +202,62 @@ def test_cuda_graph_capture_short_replay_long():
         ref, _ = attention_ref(q[i][None, None], k[None], v[None])
         pt, _ = attention_ref(q[i][None, None], k[None], v[None], upcast=False)
         assert_close_rule(f"out[{i}]", out[i], ref[0, 0], pt[0, 0])
+
+
+PREFILL_CASES = [
+    dict(batch=3, h=4, h_k=2, d=64, page=16, layout="NHD", causal=True),
+    dict(batch=4, h=6, h_k=1, d=64, page=3, layout="HND", causal=False, window_left=25),
+    dict(batch=2, h=2, h_k=2, d=96, page=1, layout="NHD", causal=True, softcap=5.0, dtype=FP16),
+]
+
+
+@pytest.mark.parametrize("c", PREFILL_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_batch_prefill_paged(c, device):
+    c = dict(c)
+    dtype = c.pop("dtype", BF16)
+    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+    lens, indptr, indices, last, cache = _paged(c["batch"], c["h_k"], c["d"], c["page"], dtype,
+                                                device, c["layout"], 90, empty=False, g=g)
+    qo = [int(torch.randint(1, n + 1, (), generator=g)) for n in lens]
+    qo[0] = lens[0]  # one request prefills its whole sequence
+    qo_indptr = torch.tensor([0] + torch.tensor(qo).cumsum(0).tolist(), dtype=torch.int32)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device),
+                                               kv_layout=c["layout"])
+    wl, cap = c.get("window_left", -1), c.get("softcap", 0.0)
+    w.plan(qo_indptr, indptr, indices.to(device), last, c["h"], c["h_k"], c["d"], c["page"],
+           causal=c["causal"], window_left=wl, logits_soft_cap=cap or None, q_data_type=dtype)
+    q = torch.randn(sum(qo), c["h"], c["d"], device=device, dtype=dtype)
+    out, lse = w.run(q, cache, return_lse=True)
+    for b, n in enumerate(lens):
+        k, v = _gather(cache, c["layout"], indices, indptr, b, n)
+        qb = q[qo_indptr[b]:qo_indptr[b + 1]][None]
+        kw = dict(causal=c["causal"], window_size=(wl, -1), softcap=cap)
+        ref, lse_ref = attention_ref(qb, k[None], v[None], **kw)
+        pt, _ = attention_ref(qb, k[None], v[None], upcast=False, **kw)
+        sl = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
+        assert_close_rule(f"out[{b}]", out[sl], ref[0], pt[0])
+        fin = torch.isfinite(lse_ref[0].t())
+        torch.testing.assert_close(lse[sl][fin], (lse_ref[0].t() / math.log(2))[fin], atol=1e-3, rtol=1e-3)
+
+
+def test_batch_prefill_ragged_and_single(device):
+    g = torch.Generator().manual_seed(5)
+    qo, kv = [5, 17, 1], [9, 17, 30]
+    cq = torch.tensor([0, 5, 22, 23], dtype=torch.int32)
+    ck = torch.tensor([0, 9, 26, 56], dtype=torch.int32)
+    q = torch.randn(23, 4, 64, device=device, dtype=BF16)
+    k = torch.randn(56, 2, 64, device=device, dtype=BF16)
+    v = torch.randn(56, 2, 64, device=device, dtype=BF16)
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
+    w.plan(cq, ck, 4, 2, 64, causal=True, q_data_type=BF16)
+    out, lse = w.run(q, k, v, return_lse=True)
+    assert lse.shape == (23, 4)
+    for b in range(3):
+        qs, ks = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
+        o1, l1 = fi.single_prefill_with_kv_cache(q[qs], k[ks], v[ks], causal=True, return_lse=True)
+        ref, lse_ref = attention_ref(q[qs][None], k[ks][None], v[ks][None], causal=True)
+        pt, _ = attention_ref(q[qs][None], k[ks][None], v[ks][None], causal=True, upcast=False)
+        assert_close_rule(f"ragged out[{b}]", out[qs], ref[0], pt[0])
+        assert_close_rule(f"single out[{b}]", o1, ref[0], pt[0])
+        torch.testing.assert_close(lse[qs], lse_ref[0].t() / math.log(2), atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(l1, lse_ref[0].t() / math.log(2), atol=1e-3, rtol=1e-3)
