@@ -10,8 +10,9 @@ natural log.
 Covered: ``BatchDecodeWithPagedKVCacheWrapper`` (plan/run, CUDA-graph safe),
 ``BatchPrefillWithPagedKVCacheWrapper``, ``BatchPrefillWithRaggedKVCacheWrapper`` (plan/run, not
 captured in CUDA graphs yet), ``single_decode_with_kv_cache``, ``single_prefill_with_kv_cache``,
-``append_paged_kv_cache``, ``get_batch_indices_positions``, ``get_seq_lens``. Not yet:
-``pos_encoding_mode='ROPE_LLAMA'`` (rotate q/k before the call) and custom masks; both raise.
+``append_paged_kv_cache``, ``get_batch_indices_positions``, ``get_seq_lens``.
+``pos_encoding_mode`` 'NONE' and 'ROPE_LLAMA' (RoPE on q and k inside attention; not yet in the
+ragged prefill wrapper). Custom masks are not supported yet and raise.
 """
 from __future__ import annotations
 
@@ -35,10 +36,32 @@ def _fail(msg: str, exc=ValueError):
     raise exc(msg)
 
 
-def _check_pos_encoding(mode: str) -> None:
-    if mode != "NONE":
-        _fail(f"pos_encoding_mode={mode!r}: ioattn applies no RoPE inside attention yet; rotate q "
-              "and k before the call (e.g. flashinfer-style apply_rope) and pass 'NONE'")
+def _rope_args(mode: str, rope_scale: Optional[float], rope_theta: Optional[float]
+               ) -> Optional[tuple[float, float]]:
+    """(rope_scale, rope_theta) for ``pos_encoding_mode='ROPE_LLAMA'`` (RoPE applied to q and k
+    inside attention, halves layout; positions: keys 0..kv_len-1, queries the last qo_len), None
+    for 'NONE'."""
+    if mode == "NONE":
+        return None
+    if mode == "ROPE_LLAMA":
+        scale, theta = float(rope_scale or 1.0), float(rope_theta or 1e4)
+        if scale <= 0 or theta <= 1:
+            _fail(f"rope_scale ({scale}) must be > 0 and rope_theta ({theta}) > 1")
+        return scale, theta
+    _fail(f"pos_encoding_mode={mode!r}: ioattn supports 'NONE' and 'ROPE_LLAMA' (for ALiBi use "
+          "ioattn.flash_attn_func's alibi_slopes)")
+
+
+def _llama_rope(x: Tensor, positions: Tensor, rope: tuple[float, float]) -> Tensor:
+    """x [n, h, d] rotated at positions [n] (the in-kernel formula, in fp32; for the single-
+    request calls, which run the non-paged kernels)."""
+    d = x.shape[-1]
+    i = torch.arange(d // 2, device=x.device, dtype=torch.float32)
+    inv_freq = (1.0 / rope[0]) * torch.exp2(-(2.0 * i / d) * math.log2(rope[1]))
+    ang = positions.float()[:, None] * inv_freq[None, :]
+    c, s_ = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    a, b = x[..., :d // 2].float(), x[..., d // 2:].float()
+    return torch.cat([a * c - b * s_, b * c + a * s_], -1).to(x.dtype)
 
 
 def _int32_cpu(name: str, t) -> list[int]:
@@ -172,7 +195,7 @@ def single_decode_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, kv_layout: str 
                                 rope_theta: Optional[float] = None, return_lse: bool = False):
     """One query token q [H, D] over k, v [kv_len, H_kv, D] (NHD) or [H_kv, kv_len, D] (HND).
     Returns out [H, D] (and the base-2 LSE [H] with return_lse)."""
-    _check_pos_encoding(pos_encoding_mode)
+    rope = _rope_args(pos_encoding_mode, rope_scale, rope_theta)
     if kv_layout not in _LAYOUTS:
         _fail(f"kv_layout={kv_layout!r} must be one of {_LAYOUTS}")
     if q.dim() != 2 or k.dim() != 3 or v.shape != k.shape:
@@ -186,6 +209,9 @@ def single_decode_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, kv_layout: str 
         _fail(f"q [H={h}, D={d}] and k [.., H_kv={h_k}, D={k.shape[2]}] need equal D, H % H_kv == 0 "
               f"and one fp16/bf16 dtype")
     scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)) * (q_scale or 1.0) * (k_scale or 1.0)
+    if rope is not None:
+        k = _llama_rope(k, torch.arange(kv_len, device=q.device), rope)
+        q = _llama_rope(q[None], torch.full((1,), kv_len - 1, device=q.device), rope)[0]
     out = torch.empty(1, 1, h, d, device=q.device, dtype=q.dtype)
     lse = torch.empty(1, h, 1, device=q.device, dtype=torch.float32)
     lens = torch.full((1,), kv_len, dtype=torch.int32, device=q.device)
@@ -245,7 +271,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
              non_blocking: bool = True, fixed_split_size: Optional[int] = None,
              disable_split_kv: bool = False, **_unused) -> None:
         """Validate the page table on the host and build this step's work list (see class doc)."""
-        _check_pos_encoding(pos_encoding_mode)
+        rope = _rope_args(pos_encoding_mode, rope_scale, rope_theta)
         ip, lp = _check_csr(indptr, indices, last_page_len, page_size)
         idx = indices
         batch = len(ip) - 1
@@ -305,7 +331,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._cfg = dict(h=num_qo_heads, h_k=num_kv_heads, d=head_dim, page_size=page_size,
                          window_left=window_left, softcap=float(logits_soft_cap or 0.0),
                          scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
-                         dtype=dt)
+                         dtype=dt, rope=rope)
         self._planned = True
 
     def run(self, q: Tensor, paged_kv_cache, *args, q_scale: Optional[float] = None,
@@ -339,7 +365,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         paged_attn(q, k, v, self._indices, self._seqlens_indptr, self._work, self._n_work,
                    self._slot_start, self._max_items, -(-group // block_m), block_m,
                    self._o_part, self._lse_part, scale, wl, -1, c["softcap"], out,
-                   lse if lse is not None else self._lse_keep, lse_base2=True)
+                   lse if lse is not None else self._lse_keep, lse_base2=True, rope=c["rope"])
         if v_scale is not None:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out
@@ -375,7 +401,7 @@ def single_prefill_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, custom_mask=No
     (and the base-2 LSE [qo_len, H])."""
     from ioattn.dense.api import flash_attn_func
 
-    _check_pos_encoding(pos_encoding_mode)
+    rope = _rope_args(pos_encoding_mode, rope_scale, rope_theta)
     _no_custom_mask(custom_mask, packed_custom_mask)
     if kv_layout not in _LAYOUTS:
         _fail(f"kv_layout={kv_layout!r} must be one of {_LAYOUTS}")
@@ -383,6 +409,10 @@ def single_prefill_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, custom_mask=No
         _fail("q must be [qo_len, H, D] and k, v [kv_len, H_kv, D] (NHD) or [H_kv, kv_len, D] (HND)")
     if kv_layout == "HND":
         k, v = k.transpose(0, 1), v.transpose(0, 1)
+    if rope is not None:
+        kv_len, qo_len = k.shape[0], q.shape[0]
+        k = _llama_rope(k, torch.arange(kv_len, device=q.device), rope)
+        q = _llama_rope(q, torch.arange(kv_len - qo_len, kv_len, device=q.device), rope)
     out, lse, _ = flash_attn_func(q[None], k[None], v[None], softmax_scale=sm_scale, causal=causal,
                                   window_size=_prefill_window(False, window_left),
                                   softcap=float(logits_soft_cap or 0.0), return_attn_probs=True)
@@ -413,7 +443,9 @@ class BatchPrefillWithRaggedKVCacheWrapper:
              rope_scale: Optional[float] = None, rope_theta: Optional[float] = None,
              q_data_type: Union[str, torch.dtype] = "float16", kv_data_type=None,
              non_blocking: bool = True, **_unused) -> None:
-        _check_pos_encoding(pos_encoding_mode)
+        if _rope_args(pos_encoding_mode, rope_scale, rope_theta) is not None:
+            _fail("pos_encoding_mode='ROPE_LLAMA' is not supported by the ragged prefill wrapper "
+                  "yet (the paged ones apply it); rotate q and k before run()")
         _no_custom_mask(custom_mask, packed_custom_mask)
         qi, ki = _int32_cpu("qo_indptr", qo_indptr), _int32_cpu("kv_indptr", kv_indptr)
         if len(qi) != len(ki) or len(qi) < 2:
@@ -492,7 +524,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
              logits_soft_cap: Optional[float] = None, rope_scale: Optional[float] = None,
              rope_theta: Optional[float] = None, q_data_type: Union[str, torch.dtype] = "float16",
              kv_data_type=None, non_blocking: bool = True, **_unused) -> None:
-        _check_pos_encoding(pos_encoding_mode)
+        rope = _rope_args(pos_encoding_mode, rope_scale, rope_theta)
         _no_custom_mask(custom_mask, packed_custom_mask)
         if head_dim_vo not in (None, head_dim_qk):
             _fail("head_dim_vo must equal head_dim_qk for paged caches")
@@ -522,7 +554,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         self._n_pages_needed = int(paged_kv_indices.max()) + 1 if paged_kv_indices.numel() else 0
         self._total_q = qi[-1]
         self._cfg = dict(h=num_qo_heads, h_k=num_kv_heads, d=head_dim_qk, page_size=page_size,
-                         causal=causal, window_left=window_left, block_m=block_m,
+                         causal=causal, window_left=window_left, block_m=block_m, rope=rope,
                          softcap=float(logits_soft_cap or 0.0), dtype=dt,
                          scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim_qk))
         self._planned = True
@@ -549,7 +581,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         wl, wr = _prefill_window(c["causal"], c["window_left"])
         paged_attn(q, k, v, self._indices, self._seqlens_indptr, self._work, self._n_work, None,
                    self._work.shape[0], 1, c["block_m"], lse_out, lse_out, c["scale"], wl, wr,
-                   c["softcap"], out, lse_out, lse_base2=True)
+                   c["softcap"], out, lse_out, lse_base2=True, rope=c["rope"])
         return (out, lse_out) if return_lse else out
 
     forward = run

@@ -18,6 +18,7 @@ s_q (bottom-right aligned).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -48,6 +49,18 @@ def _cache_slots(BT, CACHE_IDX, off_b, bt_row, pos, mask, page_size, n_pages,
 
 
 @triton.jit
+def _rope_halves(x1, x2, pos, inv_freq):
+    """Rotate (x1, x2), the two halves of [rows, d] vectors at positions ``pos`` [rows], by the
+    angles pos * inv_freq (GPT-NeoX / Llama layout); computed in fp32, returned in x's dtype."""
+    ang = pos[:, None] * inv_freq[None, :]
+    c = tl.cos(ang)
+    s = tl.sin(ang)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    return (a * c - b * s).to(x1.dtype), (b * c + a * s).to(x1.dtype)
+
+
+@triton.jit
 def _kvcache_attn_kernel(
     Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS_K, LEFTPAD, BT, CACHE_IDX, SLOPES, WORK, N_WORK,
     stride_qb, stride_qs, stride_qh,
@@ -57,11 +70,12 @@ def _kvcache_attn_kernel(
     stride_btb, stride_sb,
     seqlen_q, n_heads_k, kv_group, page_size, n_pages, capacity, split_len, n_splits, batch,
     qk_scale_log2, softcap_scale, softcap_log2, window_left, window_right,
+    rope_rcp_scale, rope_log2_theta,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, HAS_CACHE_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr, WORKLIST: tl.constexpr, CSR: tl.constexpr,
-    LSE_BASE2: tl.constexpr = False,
+    LSE_BASE2: tl.constexpr = False, ROPE: tl.constexpr = False, BLOCK_HD: tl.constexpr = 16,
 ):
     i_m = tl.program_id(1)
     if WORKLIST:
@@ -109,8 +123,22 @@ def _kvcache_attn_kernel(
         q_base = Q + q_row0 * stride_qs
     else:
         q_base = Q + off_b.to(tl.int64) * stride_qb
-    p_q = q_base + o_tok[:, None].to(tl.int64) * stride_qs + o_head[:, None] * stride_qh + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
+    p_q_row = q_base + o_tok.to(tl.int64) * stride_qs + o_head * stride_qh  # [BLOCK_M]
+    if ROPE:
+        # RoPE inside attention (FlashInfer's ROPE_LLAMA): the cache holds unrotated keys; q and
+        # each K tile rotate in registers (halves of the head dim), and QK^T is the sum of the
+        # two half products. Query token i sits at position seqlen_k - seqlen_q + i.
+        HALF_D: tl.constexpr = HEAD_DIM // 2
+        o_hd = tl.arange(0, BLOCK_HD)
+        m_hd = o_hd < HALF_D
+        inv_freq = rope_rcp_scale * tl.exp2(-(2.0 * o_hd.to(tl.float32) / HEAD_DIM) * rope_log2_theta)
+        p_q1 = p_q_row[:, None] + o_hd[None, :]
+        m_q = m_row[:, None] & m_hd[None, :]
+        b_q1, b_q2 = _rope_halves(tl.load(p_q1, mask=m_q, other=0.0),
+                                  tl.load(p_q1 + HALF_D, mask=m_q, other=0.0),
+                                  (off + o_tok).to(tl.float32), inv_freq)
+    else:
+        b_q = tl.load(p_q_row[:, None] + o_d[None, :], mask=m_row[:, None] & m_d[None, :], other=0.0)
 
     # this split's cache positions, cut to what some row of the tile may see
     if WORKLIST:
@@ -139,11 +167,20 @@ def _kvcache_attn_kernel(
         page, slot = _cache_slots(BT, CACHE_IDX, off_b, bt_row, o_p, m_p, page_size, n_pages,
                                   PAGED, HAS_CACHE_IDX)
         # [BLOCK_N, BLOCK_D]
-        p_k = (K + page[:, None] * stride_kp + slot[:, None].to(tl.int64) * stride_ks
-               + off_hk * stride_kh + o_d[None, :])
-        b_k = tl.load(p_k, mask=m_p[:, None] & m_d[None, :], other=0.0)
-        # [BLOCK_M, BLOCK_N]
-        qk = tl.dot(b_q, tl.trans(b_k))
+        p_k_row = K + page * stride_kp + slot.to(tl.int64) * stride_ks + off_hk * stride_kh
+        if ROPE:
+            p_k1 = p_k_row[:, None] + o_hd[None, :]
+            m_k = m_p[:, None] & m_hd[None, :]
+            b_k1, b_k2 = _rope_halves(tl.load(p_k1, mask=m_k, other=0.0),
+                                      tl.load(p_k1 + HALF_D, mask=m_k, other=0.0),
+                                      o_p.to(tl.float32), inv_freq)
+            # [BLOCK_M, BLOCK_N]
+            qk = tl.dot(b_q1, tl.trans(b_k1))
+            qk = tl.dot(b_q2, tl.trans(b_k2), qk)
+        else:
+            b_k = tl.load(p_k_row[:, None] + o_d[None, :], mask=m_p[:, None] & m_d[None, :], other=0.0)
+            # [BLOCK_M, BLOCK_N]
+            qk = tl.dot(b_q, tl.trans(b_k))
         s, _, c = scores_log2(qk, o_tok[:, None], o_p[None, :], off, qk_scale_log2, softcap_scale,
                               softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
         vis = m_p[None, :] & (o_p[None, :] >= leftpad)
@@ -342,9 +379,9 @@ def _rope_store_kernel(SRC, DST, COS, SIN, POS_BASE, LEFTPAD, BT, CACHE_IDX,
 
 
 def _attn_warps(block_d: int) -> int:
-    # the gathered K/V tiles' addresses are [BLOCK_N, BLOCK_D] int64 blocks: 8 warps keep d <= 128
-    # with 64-key tiles spill-free (sm90 ptxas: 242 registers; 4 warps spill 400 B)
-    return 8 if block_d <= 128 else 4
+    # the gathered K/V tiles' addresses are [BLOCK_N, BLOCK_D] int64 blocks: 8 warps keep the
+    # tiles of paged_tiles spill-free (sm90 ptxas; 4 warps spill 400 B at d=128, 64 keys)
+    return 8
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -405,7 +442,7 @@ def kvcache_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
         s_q, h_k, group, page_size, k_pages.shape[0], capacity, split_len, num_splits, b,
         softmax_scale * LOG2E, softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E,
-        window_left, window_right,
+        window_left, window_right, 1.0, 0.0,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGED=paged, HAS_CACHE_IDX=cache_batch_idx is not None, HAS_LEFTPAD=leftpad is not None,
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
@@ -456,14 +493,16 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
                slot_start: Optional[torch.Tensor], max_items: int, row_blocks: int, block_m: int,
                o_part: torch.Tensor, lse_part: torch.Tensor, softmax_scale: float,
                window_left: int, window_right: int, softcap: float, out: torch.Tensor,
-               lse: torch.Tensor, lse_base2: bool) -> None:
+               lse: torch.Tensor, lse_base2: bool,
+               rope: Optional[tuple[float, float]] = None) -> None:
     """Planned attention (plan()/run()) of ragged q [total_q, h, d] over pages [pages, page_size,
     h_k, d] (strided views serve NHD and HND) through the CSR page table ``indices``.
     ``seqlens_indptr`` holds the per-request kv lengths, kv indptr and qo indptr ([batch],
     [batch + 1], [batch + 1]); ``work`` [max_items, 5] the items (``n_work`` of them live), each
     run for ``row_blocks`` consecutive row blocks of ``block_m`` rows (the plan's); ``slot_start`` [batch + 1] the split decode
     requests' partial slots (merged afterwards), or None when no item splits. out [total_q, h, d],
-    lse [total_q, h]. Launches a fixed grid, so CUDA graphs replay it under new plans; allocates
+    lse [total_q, h]. rope=(rope_scale, rope_theta) rotates q and K inside the kernel (FlashInfer's
+    ROPE_LLAMA; the cache keeps unrotated keys). Launches a fixed grid, so CUDA graphs replay it under new plans; allocates
     nothing."""
     total_q, h, d = q.shape
     b = slot_start.shape[0] - 1 if slot_start is not None else (seqlens_indptr.shape[0] - 2) // 3
@@ -480,11 +519,12 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
         0, 0,
         1, h_k, group, k_pages.shape[1], k_pages.shape[0], indices.shape[0] * k_pages.shape[1], 0, 0, b,
         softmax_scale * LOG2E, softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E,
-        window_left, window_right,
+        window_left, window_right, 1.0 / rope[0] if rope else 1.0, math.log2(rope[1]) if rope else 0.0,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGED=True, HAS_CACHE_IDX=False, HAS_LEFTPAD=False,
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=False, SPLIT=False, WORKLIST=True, CSR=True, LSE_BASE2=lse_base2,
+        ROPE=rope is not None, BLOCK_HD=_pow2(d // 2, 16),
         num_warps=_attn_warps(block_d), num_stages=2 if q.is_cuda else 1,
     )
     if slot_start is not None:
@@ -496,8 +536,10 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
 
 def paged_tiles(group: int, d: int, rows_per_request: int = 1) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_D, BLOCK_N) of the paged kernels: rows = query tokens x GQA group."""
-    block_m = min(_pow2(rows_per_request * group, 16), 64)
     block_d = _pow2(d, 16)
-    # sm90 ptxas, 8 warps: 64-key tiles spill at 64 rows or d=256 (the gathered [keys, d] int64
-    # address blocks); 32-key tiles do not
-    return block_m, block_d, 64 if block_d <= 128 and block_m < 64 else 32
+    block_m = min(_pow2(rows_per_request * group, 16), 64 if block_d <= 128 else 32)
+    # sm90 ptxas, 8 warps: 64-key tiles spill at 64 rows (the gathered [keys, d] int64 address
+    # blocks); d=256 needs 16-key tiles and at most 32 rows (RoPE's rotated halves included)
+    if block_d > 128:
+        return block_m, block_d, 16
+    return block_m, block_d, 64 if block_m < 64 else 32

@@ -116,6 +116,32 @@ def compile_report(name: str, fn, constexprs: dict, num_warps: int, num_stages: 
                         tma="cp.async.bulk.tensor" in ptx, warp_specialized="setmaxnreg" in ptx)
 
 
+def kernel_report(name: str, fn, pointer_types: dict, constexprs: dict, num_warps: int,
+                  num_stages: int = 2, arch: int = 90) -> KernelReport:
+    """Compile any Triton kernel for ``arch`` on this machine: pointer arguments typed by
+    ``pointer_types`` (other upper-case names are int32 pointers), names with 'scale', 'softcap'
+    or 'rope' fp32, the rest int32."""
+    sig = {}
+    for n in fn.arg_names:
+        if n in constexprs:
+            sig[n] = "constexpr"
+        elif n in pointer_types:
+            sig[n] = pointer_types[n]
+        elif n.isupper():
+            sig[n] = "*i32"
+        elif any(w in n for w in ("scale", "softcap", "rope")):
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                       target=GPUTarget("cuda", arch, 32),
+                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = k.asm["ptx"]
+    regs, st, ld = _ptxas_usage(ptx, arch)
+    return KernelReport(name, regs, st, ld, wgmma="wgmma.mma_async" in ptx or "mma.sync" in ptx,
+                        tma="cp.async.bulk.tensor" in ptx, warp_specialized="setmaxnreg" in ptx)
+
+
 def _flags(d: int, block_m: int, block_n: int, causal: bool) -> dict:
     return dict(HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=block_m, BLOCK_N=block_n,
                 IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=causal, HAS_SOFTCAP=False, HAS_ALIBI=False,

@@ -1,0 +1,45 @@
+"""The serving kernels compile for Hopper (sm90) spill-free with tensor-core MMAs, in the tile
+configurations their launchers pick (on any machine: Triton's wheel carries ptxas)."""
+import os
+import subprocess
+import sys
+
+SCRIPT = r"""
+import json
+from ioattn.decode import triton_decode as td
+from ioattn.dense.inspect import kernel_report
+
+ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", LSE="*fp32", O_PART="*fp32",
+            LSE_PART="*fp32", SLOPES="*fp32")
+base = dict(HEAD_DIM=128, BLOCK_D=128, PAGED=True, HAS_CACHE_IDX=False, HAS_LEFTPAD=False,
+            HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, SPLIT=False,
+            WORKLIST=False, CSR=False, LSE_BASE2=False, ROPE=False, BLOCK_HD=64)
+out = []
+for name, s_q, d, extra in [
+        ("kvcache decode split", 1, 128, dict(SPLIT=True)),
+        ("kvcache verify causal", 4, 128, dict(HAS_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True)),
+        ("paged decode", 1, 128, dict(WORKLIST=True, CSR=True, LSE_BASE2=True)),
+        ("paged decode rope d256", 1, 256, dict(WORKLIST=True, CSR=True, LSE_BASE2=True, ROPE=True,
+                                                BLOCK_HD=128)),
+        ("paged prefill causal", 16, 128, dict(WORKLIST=True, CSR=True, LSE_BASE2=True,
+                                               HAS_RIGHT=True)),
+        ("paged prefill d256", 16, 256, dict(WORKLIST=True, CSR=True, LSE_BASE2=True,
+                                             HAS_RIGHT=True))]:
+    block_m, block_d, block_n = td.paged_tiles(4, d, s_q)
+    ce = dict(base, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
+    r = kernel_report(name, td._kvcache_attn_kernel, ptrs, ce, td._attn_warps(block_d))
+    out.append(r.__dict__)
+print(json.dumps(out))
+"""
+
+
+def test_serving_kernels_compile_for_sm90():
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for r in json.loads(res.stdout.strip().splitlines()[-1]):
+        assert r["wgmma"], f"{r['name']}: no tensor-core MMA"
+        assert r["spill_stores"] == 0, f"{r['name']}: {r['spill_stores']} B of spills"
