@@ -45,6 +45,9 @@ CASES = [
     dict(batch=5, h=4, h_k=4, d=96, page=3, layout="NHD", window_left=20),
     dict(batch=2, h=7, h_k=1, d=64, page=7, layout="HND", softcap=4.0),
     dict(batch=3, h=32, h_k=8, d=128, page=16, layout="NHD", split=8),
+    dict(batch=2, h=16, h_k=1, d=64, page=64, layout="HND"),
+    dict(batch=2, h=32, h_k=1, d=256, page=16, layout="NHD", max_len=70),
+    dict(batch=3, h=12, h_k=2, d=64, page=5, layout="NHD", split=16),
 ]
 if ON_GPU:
     CASES += [dict(batch=64, h=32, h_k=8, d=128, page=16, layout="NHD", max_len=4096),
