@@ -70,26 +70,40 @@ def _int32_cpu(name: str, t) -> list[int]:
     return t.tolist()
 
 
-def _check_csr(indptr: Tensor, indices: Tensor, last_page_len: Tensor, page_size: int
-               ) -> tuple[list[int], list[int]]:
-    """Validate a CSR page table on the host; returns (indptr, last_page_len) as lists."""
-    ip, lp = _int32_cpu("indptr", indptr), _int32_cpu("last_page_len", last_page_len)
+def _check_csr(indptr: Tensor, indices: Tensor, last_page_len: Tensor, page_size: int,
+               prefix: str = "") -> tuple[list[int], list[int]]:
+    """Validate a CSR page table on the host; returns (indptr, last_page_len) as lists. ``prefix``
+    names the arguments as the caller's signature does (e.g. 'paged_kv_')."""
+    n_ip, n_idx, n_lp = prefix + "indptr", prefix + "indices", prefix + "last_page_len"
+    ip, lp = _int32_cpu(n_ip, indptr), _int32_cpu(n_lp, last_page_len)
     if not isinstance(indices, Tensor) or indices.dtype != torch.int32 or indices.dim() != 1:
-        _fail("indices must be a 1-D int32 tensor", TypeError)
+        _fail(f"{n_idx} must be a 1-D int32 tensor", TypeError)
     batch = len(ip) - 1
     if batch < 1 or len(lp) != batch:
-        _fail(f"indptr ({len(ip)}) must have batch + 1 entries and last_page_len batch ({len(lp)})")
+        _fail(f"{n_ip} ({len(ip)}) must have batch + 1 entries and {n_lp} batch ({len(lp)})")
     if ip[0] != 0 or any(b < a for a, b in zip(ip, ip[1:])) or ip[-1] > indices.numel():
-        _fail(f"indptr must start at 0, be non-decreasing and end within indices "
+        _fail(f"{n_ip} must start at 0, be non-decreasing and end within {n_idx} "
               f"({indices.numel()} entries), got {ip[:8]}...")
     if not isinstance(page_size, int) or page_size < 1:
         _fail(f"page_size={page_size!r} must be an int >= 1")
     for b in range(batch):
         if ip[b + 1] > ip[b] and not 1 <= lp[b] <= page_size:
-            _fail(f"last_page_len[{b}] = {lp[b]} must be in 1..page_size ({page_size})")
+            _fail(f"{n_lp}[{b}] = {lp[b]} must be in 1..page_size ({page_size})")
     if indices.numel() and int(indices.min()) < 0:
-        _fail("indices must be page numbers >= 0")
+        _fail(f"{n_idx} must be page numbers >= 0")
     return ip, lp
+
+
+def _check_out(name: str, t: Optional[Tensor], shape: tuple, dtype: torch.dtype,
+               device: torch.device) -> None:
+    """A caller-supplied output buffer: the kernels write it as a contiguous ``shape``."""
+    if t is None:
+        return
+    if not isinstance(t, Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype \
+            or t.device != device or not t.is_contiguous():
+        _fail(f"{name} must be a contiguous {dtype} tensor of shape {tuple(shape)} on {device}, got "
+              f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))} on "
+              f"{getattr(t, 'device', '?')}")
 
 
 def _check_heads(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -115,6 +129,9 @@ def _kv_views(paged_kv_cache, kv_layout: str) -> tuple[Tensor, Tensor]:
             _fail(f"{name} must be a 4-D tensor [pages, page_size, H_kv, D] (NHD)", TypeError)
         if t.stride(-1) != 1:
             _fail(f"{name} must have a contiguous last dim")
+    if v.shape != k.shape or v.dtype != k.dtype or v.device != k.device:
+        _fail(f"the v cache ({tuple(v.shape)}, {v.dtype}) must match the k cache "
+              f"({tuple(k.shape)}, {k.dtype}) on one device")
     if kv_layout == "HND":
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     return k, v
@@ -141,21 +158,23 @@ def get_batch_indices_positions(append_indptr: Tensor, seq_lens: Tensor, nnz: in
 @triton.jit
 def _append_paged_kernel(K_NEW, V_NEW, K, V, BATCH, POS, INDICES, INDPTR,
                          stride_nn, stride_nh, stride_kp, stride_ks, stride_kh,
-                         stride_vp, stride_vs, stride_vh, page_size, n_pages,
+                         stride_vp, stride_vs, stride_vh, page_size, n_pages, n_indices,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     i = tl.program_id(0)
     off_h = tl.program_id(1)
     b = tl.load(BATCH + i)
     pos = tl.load(POS + i)
-    page = tl.load(INDICES + tl.load(INDPTR + b) + pos // page_size)
+    at = tl.minimum(tl.maximum(tl.load(INDPTR + b) + pos // page_size, 0), n_indices - 1)
+    page = tl.load(INDICES + at)
     page = tl.minimum(tl.maximum(page, 0), n_pages - 1).to(tl.int64)
     slot = (pos % page_size).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
-    src = i.to(tl.int64) * stride_nn + off_h * stride_nh + o_d
-    tl.store(K + page * stride_kp + slot * stride_ks + off_h * stride_kh + o_d,
+    h64 = off_h.to(tl.int64)
+    src = i.to(tl.int64) * stride_nn + h64 * stride_nh + o_d
+    tl.store(K + page * stride_kp + slot * stride_ks + h64 * stride_kh + o_d,
              tl.load(K_NEW + src, mask=m_d), mask=m_d)
-    tl.store(V + page * stride_vp + slot * stride_vs + off_h * stride_vh + o_d,
+    tl.store(V + page * stride_vp + slot * stride_vs + h64 * stride_vh + o_d,
              tl.load(V_NEW + src, mask=m_d), mask=m_d)
 
 
@@ -171,18 +190,33 @@ def append_paged_kv_cache(append_key: Tensor, append_value: Tensor, batch_indice
     if append_value.shape != append_key.shape or k.shape[2:] != (h_k, d):
         _fail(f"append_key/append_value must be [nnz, {k.shape[2]}, {k.shape[3]}] like the cache, got "
               f"{tuple(append_key.shape)} and {tuple(append_value.shape)}")
+    if v.shape != k.shape:
+        _fail("the v cache must match the k cache's shape")
     for name, t in (("batch_indices", batch_indices), ("positions", positions),
                     ("kv_indices", kv_indices), ("kv_indptr", kv_indptr)):
-        if t.dtype != torch.int32:
-            _fail(f"{name} must be int32, got {t.dtype}", TypeError)
+        if t.dtype != torch.int32 or t.dim() != 1:
+            _fail(f"{name} must be a 1-D int32 tensor, got {t.dtype} {tuple(t.shape)}", TypeError)
+    if batch_indices.numel() != nnz or positions.numel() != nnz:
+        _fail(f"batch_indices and positions need one entry per appended token ({nnz}), got "
+              f"{batch_indices.numel()} and {positions.numel()}")
     if nnz == 0:
         return
-    append_key = append_key if append_key.stride(-1) == 1 else append_key.contiguous()
-    append_value = append_value.reshape(append_key.shape).contiguous() if append_value.stride() != append_key.stride() else append_value
+    batch_indices, positions, kv_indices, kv_indptr = (
+        t.contiguous() for t in (batch_indices, positions, kv_indices, kv_indptr))
+    if not (batch_indices.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # each token must land inside its request's pages (a host sync; skipped under capture,
+        # where the kernel still never leaves the cache)
+        ip = kv_indptr.tolist()
+        bi, pos = batch_indices.tolist(), positions.tolist()
+        for i, (b, p_) in enumerate(zip(bi, pos)):
+            if not 0 <= b < len(ip) - 1 or not 0 <= p_ < (ip[b + 1] - ip[b]) * k.shape[1]:
+                _fail(f"token {i}: request {b}, position {p_} lies outside that request's pages "
+                      "(kv_indptr); allocate the pages before appending")
+    append_key, append_value = append_key.contiguous(), append_value.contiguous()  # one layout
     _append_paged_kernel[(nnz, h_k)](
         append_key, append_value, k, v, batch_indices, positions, kv_indices, kv_indptr,
         append_key.stride(0), append_key.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), k.shape[1], k.shape[0],
+        v.stride(0), v.stride(1), v.stride(2), k.shape[1], k.shape[0], kv_indices.numel(),
         HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=1)
 
 
@@ -203,6 +237,8 @@ def single_decode_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, kv_layout: str 
               f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if kv_layout == "HND":
         k, v = k.transpose(0, 1), v.transpose(0, 1)
+    q = q.contiguous()  # viewed as [1, 1, H, D] below
+    k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
     h, d = q.shape
     kv_len, h_k = k.shape[0], k.shape[1]
     if k.shape[2] != d or h % h_k or k.dtype != q.dtype or q.dtype not in (torch.float16, torch.bfloat16):
@@ -276,9 +312,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         idx = indices
         batch = len(ip) - 1
         _check_heads(num_qo_heads, num_kv_heads, head_dim)
-        dt = _DTYPES.get(q_data_type if data_type is None else data_type)
+        name, value = ("q_data_type", q_data_type) if data_type is None else ("data_type", data_type)
+        dt = _DTYPES.get(value)
         if dt is None:
-            _fail(f"q_data_type={q_data_type!r} must be float16 or bfloat16", TypeError)
+            _fail(f"{name}={value!r} must be float16 or bfloat16", TypeError)
+        if rope is not None and head_dim % 2:
+            _fail(f"pos_encoding_mode='ROPE_LLAMA' needs an even head_dim, got {head_dim}")
         if self._use_cuda_graph and self._batch is not None and batch != self._batch:
             _fail(f"use_cuda_graph=True fixes the batch size at the first plan ({self._batch}); "
                   f"got {batch}")
@@ -325,7 +364,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._indices_buf[:idx.numel()].copy_(idx, non_blocking=non_blocking)
             self._indices = self._indices_buf
         else:
-            self._indices = idx.to(self._device)
+            self._indices = idx.to(self._device).contiguous()
         self._n_pages_needed = max(idx.tolist()) + 1 if idx.numel() else 0
         self._min_page = min(idx.tolist()) if idx.numel() else 0
         self._cfg = dict(h=num_qo_heads, h_k=num_kv_heads, d=head_dim, page_size=page_size,
@@ -353,6 +392,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._min_page < 0 or self._n_pages_needed > k.shape[0]:
             _fail(f"the planned page indices reach page {self._n_pages_needed - 1}; the cache has "
                   f"{k.shape[0]} pages")
+        _check_out("out", out, want, q.dtype, q.device)
+        _check_out("lse", lse, want[:2], torch.float32, q.device)
         if out is None:
             out = torch.empty(want, device=q.device, dtype=q.dtype)
         if lse is None and return_lse:
@@ -481,11 +522,13 @@ class BatchPrefillWithRaggedKVCacheWrapper:
             window_size=_prefill_window(False, c["window_left"]), softcap=c["softcap"],
             return_attn_probs=True, backend=self._backend)
         if out is not None:
+            _check_out("out", out, tuple(o.shape), o.dtype, o.device)
             out.copy_(o)
             o = out
         if return_lse:
             l2 = _base2(l_)
             if lse is not None:
+                _check_out("lse", lse, tuple(l2.shape), torch.float32, l2.device)
                 lse.copy_(l2)
                 l2 = lse
             return o, l2
@@ -528,12 +571,15 @@ class BatchPrefillWithPagedKVCacheWrapper:
         _no_custom_mask(custom_mask, packed_custom_mask)
         if head_dim_vo not in (None, head_dim_qk):
             _fail("head_dim_vo must equal head_dim_qk for paged caches")
-        ip, lp = _check_csr(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
+        ip, lp = _check_csr(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size,
+                            "paged_kv_")
         qi = _int32_cpu("qo_indptr", qo_indptr)
         batch = len(ip) - 1
         if len(qi) != batch + 1 or qi[0] != 0 or any(b < a for a, b in zip(qi, qi[1:])):
             _fail(f"qo_indptr must have batch + 1 = {batch + 1} non-decreasing entries from 0")
         _check_heads(num_qo_heads, num_kv_heads, head_dim_qk)
+        if rope is not None and head_dim_qk % 2:
+            _fail(f"pos_encoding_mode='ROPE_LLAMA' needs an even head_dim_qk, got {head_dim_qk}")
         dt = _DTYPES.get(q_data_type)
         if dt is None:
             _fail(f"q_data_type={q_data_type!r} must be float16 or bfloat16", TypeError)
@@ -550,7 +596,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         self._work = torch.tensor(work or [(0, 0, 0, 0, -1)], dtype=torch.int32, device=dev)
         self._n_work = torch.tensor([len(work)], dtype=torch.int32, device=dev)
         self._seqlens_indptr = torch.tensor(lengths + ip + qi, dtype=torch.int32, device=dev)
-        self._indices = paged_kv_indices.to(dev)
+        self._indices = paged_kv_indices.to(dev).contiguous()
         self._n_pages_needed = int(paged_kv_indices.max()) + 1 if paged_kv_indices.numel() else 0
         self._total_q = qi[-1]
         self._cfg = dict(h=num_qo_heads, h_k=num_kv_heads, d=head_dim_qk, page_size=page_size,
@@ -575,6 +621,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
         if self._n_pages_needed > k.shape[0]:
             _fail(f"the planned page indices reach page {self._n_pages_needed - 1}; the cache has "
                   f"{k.shape[0]} pages")
+        _check_out("out", out, want, q.dtype, q.device)
+        _check_out("lse", lse, want[:2], torch.float32, q.device)
         out = out if out is not None else torch.empty(want, device=q.device, dtype=q.dtype)
         lse_out = lse if lse is not None else torch.empty(want[:2], device=q.device, dtype=torch.float32)
         q = q if q.stride(-1) == 1 else q.contiguous()

@@ -32,6 +32,8 @@ def _check_values(cache_seqlens: Tensor, s_new: int, capacity: int, cache_leftpa
     if torch.compiler.is_compiling() or (cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     lens = cache_seqlens.tolist()
+    if not lens:
+        return
     if min(lens) < 0 or max(lens) + s_new > capacity:
         _fail(f"cache_seqlens + new tokens must lie in 0..{capacity} (the cache's capacity per "
               f"sequence), got cache_seqlens {lens[:8]} with {s_new} new tokens")
@@ -91,6 +93,14 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     _check_tensor("q", q, 4)
     _check_tensor("k_cache", k_cache, 4)
     _check_tensor("v_cache", v_cache, 4)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):  # named here, not as k/v
+        if t.dtype != q.dtype:
+            _fail(f"{name} has dtype {t.dtype} but q has {q.dtype}; the caches must match q's dtype",
+                  TypeError)
+        if t.device != q.device:
+            _fail(f"{name} is on {t.device} but q is on {q.device}")
+        if t.shape[-1] != q.shape[-1]:
+            _fail(f"{name} head dim {t.shape[-1]} != q head dim {q.shape[-1]}")
     _check_common(q, k_cache, v_cache, 0.0, window_size, softcap, softmax_scale)
     b, s_q, h, d = q.shape
     if v_cache.shape[:3] != k_cache.shape[:3] or v_cache.shape[-1] != d:

@@ -23,6 +23,12 @@ def kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
     Returns (out [b, s_q, h, d], lse [b, h, s_q] fp32, natural log)."""
     b, s_q, h, d = q.shape
     local = window_left >= 0 or window_right >= 0
+    # the kernels read index vectors, slopes and table rows with unit stride, and token rows of
+    # q / k / v with a contiguous head dim: copy views that are laid out otherwise
+    q, k, v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes = (
+        t if t is None else t.contiguous()
+        for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes))
     with _on_device(q):
         if rotary_cos is not None:
             q_rot = torch.empty_like(q)

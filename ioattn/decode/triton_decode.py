@@ -123,7 +123,7 @@ def _kvcache_attn_kernel(
         q_base = Q + q_row0 * stride_qs
     else:
         q_base = Q + off_b.to(tl.int64) * stride_qb
-    p_q_row = q_base + o_tok.to(tl.int64) * stride_qs + o_head * stride_qh  # [BLOCK_M]
+    p_q_row = q_base + o_tok.to(tl.int64) * stride_qs + o_head.to(tl.int64) * stride_qh  # [BLOCK_M]
     if ROPE:
         # RoPE inside attention (FlashInfer's ROPE_LLAMA): the cache holds unrotated keys; q and
         # each K tile rotate in registers (halves of the head dim), and QK^T is the sum of the
@@ -167,7 +167,7 @@ def _kvcache_attn_kernel(
         page, slot = _cache_slots(BT, CACHE_IDX, off_b, bt_row, o_p, m_p, page_size, n_pages,
                                   PAGED, HAS_CACHE_IDX)
         # [BLOCK_N, BLOCK_D]
-        p_k_row = K + page * stride_kp + slot.to(tl.int64) * stride_ks + off_hk * stride_kh
+        p_k_row = K + page * stride_kp + slot.to(tl.int64) * stride_ks + off_hk.to(tl.int64) * stride_kh
         if ROPE:
             p_k1 = p_k_row[:, None] + o_hd[None, :]
             m_k = m_p[:, None] & m_hd[None, :]
@@ -195,7 +195,7 @@ def _kvcache_attn_kernel(
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         p_v = (V + page[:, None] * stride_vp + slot[:, None].to(tl.int64) * stride_vs
-               + off_hk * stride_vh + o_d[None, :])
+               + off_hk.to(tl.int64) * stride_vh + o_d[None, :])
         b_v = tl.load(p_v, mask=m_p[:, None] & m_d[None, :], other=0.0)
         acc = tl.dot(p.to(b_v.dtype), b_v, acc * alpha[:, None])
         m_i = m_new
@@ -216,7 +216,7 @@ def _kvcache_attn_kernel(
             tl.store(LSE_PART + row, lse, mask=m_row)
         else:
             rows = q_row0 + o_tok
-            p_o = O + rows[:, None] * stride_os + o_head[:, None] * stride_oh + o_d[None, :]
+            p_o = O + rows[:, None] * stride_os + o_head[:, None].to(tl.int64) * stride_oh + o_d[None, :]
             tl.store(p_o, acc.to(O.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
             tl.store(LSE + rows * (n_heads_k * kv_group) + o_head, lse, mask=m_row)
     elif SPLIT:
@@ -228,7 +228,7 @@ def _kvcache_attn_kernel(
         tl.store(LSE_PART + l_row, lse, mask=m_row)
     else:
         p_o = (O + off_b.to(tl.int64) * stride_ob + o_tok[:, None].to(tl.int64) * stride_os
-               + o_head[:, None] * stride_oh + o_d[None, :])
+               + o_head[:, None].to(tl.int64) * stride_oh + o_d[None, :])
         tl.store(p_o, acc.to(O.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
         l_row = (off_b * (n_heads_k * kv_group) + o_head).to(tl.int64) * seqlen_q + o_tok
         tl.store(LSE + l_row, lse, mask=m_row)
@@ -339,16 +339,16 @@ def _rope_store_kernel(SRC, DST, COS, SIN, POS_BASE, LEFTPAD, BT, CACHE_IDX,
     off_b = i_bt // seqlen
     i_tok = i_bt % seqlen
     base = tl.load(POS_BASE + off_b)
-    src = SRC + off_b.to(tl.int64) * stride_sb + i_tok.to(tl.int64) * stride_ss + off_h * stride_sh
+    src = SRC + off_b.to(tl.int64) * stride_sb + i_tok.to(tl.int64) * stride_ss + off_h.to(tl.int64) * stride_sh
     if TO_CACHE:
         pos = base + i_tok
         if pos >= capacity:  # only reachable with unchecked cache_seqlens (graph replay): drop it
             return
         page, slot = _cache_slots(BT, CACHE_IDX, off_b, off_b.to(tl.int64) * stride_btb, pos,
                                   pos >= 0, page_size, n_pages, PAGED, HAS_CACHE_IDX)
-        dst = DST + page * stride_dp + slot.to(tl.int64) * stride_ds + off_h * stride_dh
+        dst = DST + page * stride_dp + slot.to(tl.int64) * stride_ds + off_h.to(tl.int64) * stride_dh
     else:
-        dst = DST + off_b.to(tl.int64) * stride_dp + i_tok.to(tl.int64) * stride_ds + off_h * stride_dh
+        dst = DST + off_b.to(tl.int64) * stride_dp + i_tok.to(tl.int64) * stride_ds + off_h.to(tl.int64) * stride_dh
     o_d = tl.arange(0, BLOCK_D)
     rot_dims = 0
     if HAS_ROTARY:
@@ -416,6 +416,10 @@ def kvcache_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
     page_size = k_pages.shape[1]
     paged = block_table is not None
     capacity = block_table.shape[1] * page_size if paged else page_size
+    if capacity == 0:  # no key anywhere: every row is empty
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return
     block_m, block_d, block_n = paged_tiles(group, d, s_q)
     m_blocks = triton.cdiv(s_q * group, block_m)
     if num_splits <= 0:
@@ -508,7 +512,8 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
     b = slot_start.shape[0] - 1 if slot_start is not None else (seqlens_indptr.shape[0] - 2) // 3
     h_k = k_pages.shape[2]
     group = h // h_k
-    _, block_d, block_n = paged_tiles(group, d)
+    block_d = _pow2(d, 16)
+    block_n = _tile_n(block_m, block_d)
     _kvcache_attn_kernel[(max_items, row_blocks, h_k)](
         q, k_pages, v_pages, out, lse, o_part, lse_part, seqlens_indptr, seqlens_indptr, indices,
         seqlens_indptr, seqlens_indptr, work, n_work,
@@ -538,8 +543,12 @@ def paged_tiles(group: int, d: int, rows_per_request: int = 1) -> tuple[int, int
     """(BLOCK_M, BLOCK_D, BLOCK_N) of the paged kernels: rows = query tokens x GQA group."""
     block_d = _pow2(d, 16)
     block_m = min(_pow2(rows_per_request * group, 16), 64 if block_d <= 128 else 32)
+    return block_m, block_d, _tile_n(block_m, block_d)
+
+
+def _tile_n(block_m: int, block_d: int) -> int:
     # sm90 ptxas, 8 warps: 64-key tiles spill at 64 rows (the gathered [keys, d] int64 address
     # blocks); d=256 needs 16-key tiles and at most 32 rows (RoPE's rotated halves included)
     if block_d > 128:
-        return block_m, block_d, 16
-    return block_m, block_d, 64 if block_m < 64 else 32
+        return 16
+    return 64 if block_m < 64 else 32

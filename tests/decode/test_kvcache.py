@@ -198,3 +198,26 @@ def test_kvcache_op_and_compile(device):
                 kw["cache_seqlens"], kw["block_table"])
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     torch.testing.assert_close(k2, k_cache, atol=0, rtol=0)
+
+
+def test_strided_indices_and_empty_caches(device):
+    """Index vectors, slopes and table rows given as strided views read the same as contiguous
+    copies; a cache with no capacity gives out 0 and LSE -inf; batch 0 returns empty."""
+    c = KVCase(b=3, h=4, h_k=2, page=4, alibi=True, leftpad=True, s_q=2, causal=True)
+    q, k_cache, v_cache, kw, opts = _build(c, device)
+    want = ioattn.flash_attn_with_kvcache(q, k_cache, v_cache, **kw, **opts)
+    strided = dict(kw)
+    for key in ("cache_seqlens", "cache_leftpad"):
+        strided[key] = torch.stack([kw[key], kw[key]], 1)[:, 0]
+    bt = kw["block_table"]
+    strided["block_table"] = torch.stack([bt, bt], 2).flatten(1)[:, ::2]
+    sopts = dict(opts, alibi_slopes=torch.stack([opts["alibi_slopes"]] * 2, 1)[:, 0])
+    assert strided["block_table"].stride(1) == 2 and sopts["alibi_slopes"].stride(0) == 2
+    got = ioattn.flash_attn_with_kvcache(q, k_cache, v_cache, **strided, **sopts)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    empty = torch.zeros(2, 0, 2, 64, device=device, dtype=BF16)
+    out, lse = ioattn.flash_attn_with_kvcache(q[:2], empty, empty, cache_seqlens=0,
+                                              return_softmax_lse=True)
+    assert (out == 0).all() and torch.isinf(lse).all() and (lse < 0).all()
+    assert ioattn.flash_attn_with_kvcache(q[:0], k_cache, v_cache, cache_seqlens=kw["cache_seqlens"][:0],
+                                          block_table=bt[:0]).shape[0] == 0

@@ -316,3 +316,20 @@ def test_rope_llama(kind, device):
         # one extra bf16 rounding of q/k (FMA contraction, cos/sin ulps) may differ from the
         # reference's: allow that on top of the rule
         assert_close_rule(f"{kind} out[{b}]", got, ref[0], pt[0], factor=3.0)
+
+
+def test_run_checks_buffers_and_caches(device):
+    lens, indptr, indices, last, cache = _paged(2, 2, 64, 4, BF16, device, empty=False)
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
+    w.plan(indptr, indices.to(device), last, 4, 2, 64, 4, q_data_type=BF16)
+    q = torch.randn(2, 4, 64, device=device, dtype=BF16)
+    with pytest.raises(ValueError, match="out must be"):
+        w.run(q, cache, out=torch.empty(1, 4, 64, device=device, dtype=BF16))
+    with pytest.raises(ValueError, match="out must be"):
+        w.run(q, cache, out=torch.empty(2, 4, 128, device=device, dtype=BF16)[..., ::2])
+    k, v = cache[:, 0], cache[:, 1]
+    with pytest.raises(ValueError, match="v cache"):
+        w.run(q, (k, v[:1]))
+    with pytest.raises(ValueError, match="paged_kv_indptr"):
+        fi.BatchPrefillWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8, device=device)).plan(
+            torch.tensor([0, 1, 2], dtype=torch.int32), indptr.flip(0), indices, last, 4, 2, 64, 4)
