@@ -11,8 +11,9 @@ Covered: ``BatchDecodeWithPagedKVCacheWrapper`` (plan/run, CUDA-graph safe),
 ``BatchPrefillWithPagedKVCacheWrapper``, ``BatchPrefillWithRaggedKVCacheWrapper`` (plan/run, not
 captured in CUDA graphs yet), ``single_decode_with_kv_cache``, ``single_prefill_with_kv_cache``,
 ``append_paged_kv_cache``, ``get_batch_indices_positions``, ``get_seq_lens``.
-``pos_encoding_mode`` 'NONE' and 'ROPE_LLAMA' (RoPE on q and k inside attention; not yet in the
-ragged prefill wrapper). Custom masks are not supported yet and raise.
+``pos_encoding_mode`` 'NONE' and 'ROPE_LLAMA' (RoPE on q and k inside the paged kernels; the
+ragged and single-request calls rotate copies first). Custom masks are not supported yet and
+raise.
 """
 from __future__ import annotations
 
@@ -484,9 +485,9 @@ class BatchPrefillWithRaggedKVCacheWrapper:
              rope_scale: Optional[float] = None, rope_theta: Optional[float] = None,
              q_data_type: Union[str, torch.dtype] = "float16", kv_data_type=None,
              non_blocking: bool = True, **_unused) -> None:
-        if _rope_args(pos_encoding_mode, rope_scale, rope_theta) is not None:
-            _fail("pos_encoding_mode='ROPE_LLAMA' is not supported by the ragged prefill wrapper "
-                  "yet (the paged ones apply it); rotate q and k before run()")
+        rope = _rope_args(pos_encoding_mode, rope_scale, rope_theta)
+        if rope is not None and head_dim_qk % 2:
+            _fail(f"pos_encoding_mode='ROPE_LLAMA' needs an even head_dim_qk, got {head_dim_qk}")
         _no_custom_mask(custom_mask, packed_custom_mask)
         qi, ki = _int32_cpu("qo_indptr", qo_indptr), _int32_cpu("kv_indptr", kv_indptr)
         if len(qi) != len(ki) or len(qi) < 2:
@@ -500,7 +501,14 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         self._max_k = max(b - a for a, b in zip(ki, ki[1:]))
         self._totals = (qi[-1], ki[-1])
         self._cfg = dict(h=num_qo_heads, h_k=num_kv_heads, causal=causal, window_left=window_left,
-                         softcap=float(logits_soft_cap or 0.0), scale=sm_scale)
+                         softcap=float(logits_soft_cap or 0.0), scale=sm_scale, rope=rope)
+        if rope is not None:
+            # RoPE positions per token: keys 0..kv_len-1, queries the last qo_len of them
+            kv_lens = [b - a for a, b in zip(ki, ki[1:])]
+            q_pos = [kv_lens[r] - (qi[r + 1] - qi[r]) + t for r in range(len(qi) - 1)
+                     for t in range(qi[r + 1] - qi[r])]
+            k_pos = [t for n in kv_lens for t in range(n)]
+            self._rope_pos = (torch.tensor(q_pos, dtype=torch.int32), torch.tensor(k_pos, dtype=torch.int32))
         self._planned = True
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, *args, out: Optional[Tensor] = None,
@@ -516,6 +524,10 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         if q.shape[0] < self._totals[0] or k.shape[0] < self._totals[1]:
             _fail(f"q/k hold {q.shape[0]}/{k.shape[0]} rows; the plan's indptrs need "
                   f"{self._totals[0]}/{self._totals[1]}")
+        if c["rope"] is not None:  # rotated copies (the dense kernels take rotated inputs)
+            q_pos, k_pos = (t.to(dev) for t in self._rope_pos)
+            q = torch.cat([_llama_rope(q[:self._totals[0]], q_pos, c["rope"]), q[self._totals[0]:]])
+            k = torch.cat([_llama_rope(k[:self._totals[1]], k_pos, c["rope"]), k[self._totals[1]:]])
         o, l_, _ = flash_attn_varlen_func(
             q, k, v, self._cu_q.to(dev), self._cu_k.to(dev), self._max_q, self._max_k,
             softmax_scale=c["scale"], causal=c["causal"],

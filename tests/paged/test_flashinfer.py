@@ -274,7 +274,7 @@ def _rope_tables(n: int, d: int, scale: float, theta: float, device):
     return ang.cos(), ang.sin()
 
 
-@pytest.mark.parametrize("kind", ["decode", "prefill", "single_decode", "single_prefill"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "single_decode", "single_prefill", "ragged"])
 def test_rope_llama(kind, device):
     """pos_encoding_mode='ROPE_LLAMA': q and k rotated inside attention (keys at 0..kv_len-1,
     queries at the last positions) against rotating first and attending."""
@@ -299,6 +299,12 @@ def test_rope_llama(kind, device):
         w.plan(qo_indptr, indptr, indices.to(device), last, h, h_k, d, page, causal=True,
                q_data_type=BF16, **rope)
         out = w.run(q, cache)
+    elif kind == "ragged":
+        ks, vs = zip(*(_gather(cache, "NHD", indices, indptr, b, n) for b, n in enumerate(lens)))
+        kv_indptr = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws)
+        w.plan(qo_indptr, kv_indptr, h, h_k, d, causal=True, q_data_type=BF16, **rope)
+        out = w.run(q, torch.cat(ks), torch.cat(vs))
     for b, n in enumerate(lens):
         k, v = _gather(cache, "NHD", indices, indptr, b, n)
         qb = q[qo_indptr[b]:qo_indptr[b + 1]]
