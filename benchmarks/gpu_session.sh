@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [decode] [tune-fwd] [tune-bwd]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD IOATTN_GIT_COMMIT=${IOATTN_GIT_COMMIT:-unknown}
@@ -23,6 +23,11 @@ for step in $steps; do
     decode) timeout 300 python -m ioattn bench --suite decode \
              --out "$OUT/decode_nvidia-h200_$(date +%F).json" > "$OUT/decode.log" 2>&1
            grep -vE "^/" "$OUT/decode.log" | tail -20 ;;
+    tests-sm90) IOATTN_TEST_SM90=always timeout 240 python -m pytest -q -n 8 -p no:cacheprovider tests/dense \
+             > "$OUT/tests_sm90_forced.log" 2>&1; tail -1 "$OUT/tests_sm90_forced.log" ;;
+    sanitize) for tool in memcheck racecheck; do
+               timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 python benchmarks/sanitize_cases.py \
+                 > "$OUT/sanitize_$tool.log" 2>&1; echo "$tool rc=$?"; tail -2 "$OUT/sanitize_$tool.log"; done ;;
     tune-fwd) timeout 300 python benchmarks/tune.py --mode fwd ${TUNE_FWD_ARGS:---seqlens 2048,8192} --json "$OUT/tune_fwd.json" \
                 > "$OUT/tune_fwd.log" 2>&1; grep -E "^==|TFLOP|ERR" "$OUT/tune_fwd.log" ;;
     tune-bwd) timeout 300 python benchmarks/tune.py --mode bwd ${TUNE_BWD_ARGS:---seqlens 2048,8192} --json "$OUT/tune_bwd.json" \

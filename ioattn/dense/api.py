@@ -120,9 +120,9 @@ def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
                                   alibi_slopes is not None, dropout_p, varlen)
 
     def sm90_preferred():
-        from ioattn.dense.sm90_fwd import preferred
+        from ioattn.dense import sm90_fwd
 
-        return preferred(q.shape[-1], masked, max_seqlen_q)
+        return sm90_fwd.preferred(q.shape[-1], masked, max_seqlen_q)
 
     return resolve_backend(backend, q.device, sm90_problem, sm90_preferred)
 

@@ -3,6 +3,8 @@ dispatch rules around it (run anywhere). The whole dense suite also runs through
 which picks this kernel on sm90 wherever it covers the call."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -117,10 +119,11 @@ def test_sm90_matches_triton_and_auto_picks_it(monkeypatch):
     monkeypatch.setattr(sm90_fwd, "attn_fwd_sm90", lambda *a_: calls.append(1) or orig(*a_))
     ioattn.flash_attn_func(q, k, v)
     assert calls, "backend='auto' should run the sm90 forward here (d=128, non-causal, s=2k)"
-    calls.clear()
-    q, k, v = (t[..., :64].contiguous() for t in (q, k, v))
-    ioattn.flash_attn_func(q, k, v)  # d=64 at 2k: the portable kernel is auto's choice
-    assert not calls
+    if os.environ.get("IOATTN_TEST_SM90") != "always":  # that run prefers sm90 everywhere
+        calls.clear()
+        q, k, v = (t[..., :64].contiguous() for t in (q, k, v))
+        ioattn.flash_attn_func(q, k, v)  # d=64 at 2k: the portable kernel is auto's choice
+        assert not calls
 
 
 @needs_sm90

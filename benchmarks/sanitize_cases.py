@@ -1,0 +1,39 @@
+"""A few small calls of the sm90 (Gluon) kernels and the serving kernels, for compute-sanitizer:
+    compute-sanitizer --tool memcheck python benchmarks/sanitize_cases.py   (and racecheck)"""
+import torch
+
+import ioattn
+import ioattn.flashinfer as fi
+from ioattn.dense.params import make_params
+from ioattn.dense.sm90_bwd import attn_bwd_sm90
+from ioattn.dense import op
+
+torch.manual_seed(0)
+dev, dt = "cuda", torch.bfloat16
+for d in (64, 128, 256):
+    for causal in (False, True):
+        q, k, v = (torch.randn(2, 203, 4, d, device=dev, dtype=dt) for _ in range(3))
+        ioattn.flash_attn_func(q, k, v, causal=causal, backend="sm90")
+q, k, v = (torch.randn(1, 300, 4, 128, device=dev, dtype=dt) for _ in range(3))
+ioattn.flash_attn_func(q, k, v, window_size=(50, 7), backend="sm90")
+cu = torch.tensor([0, 0, 77, 300], dtype=torch.int32, device=dev)
+qv, kv, vv = (torch.randn(300, 4, 128, device=dev, dtype=dt) for _ in range(3))
+ioattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, 223, 223, causal=True, backend="sm90")
+# the sm90 backward kernels (not dispatched yet)
+q, k, v = (torch.randn(1, 203, 4, 128, device=dev, dtype=dt) for _ in range(3))
+out, lse = op.dense_fwd(q, k, v, None, None, 203, 203, 0.088, -1, 0, 0.0, None, 0.0, None, "sm90")
+p = make_params(q, k, v, None, None, 203, 203, 0.088, -1, 0, 0.0, None, 0.0, None)
+grads = [torch.empty_like(t) for t in (q, k, v)]
+attn_bwd_sm90(p, torch.randn_like(out), q, k, v, out, lse, None, *grads, torch.empty_like(lse))
+# serving: decode wrapper, kv-cache call
+cache = torch.randn(40, 2, 16, 2, 128, device=dev, dtype=dt)
+w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=dev))
+w.plan(torch.tensor([0, 10, 30], dtype=torch.int32), torch.arange(30, dtype=torch.int32, device=dev),
+       torch.tensor([5, 16], dtype=torch.int32), 8, 2, 128, 16, q_data_type=dt, fixed_split_size=64)
+w.run(torch.randn(2, 8, 128, device=dev, dtype=dt), cache)
+ioattn.flash_attn_with_kvcache(torch.randn(2, 3, 8, 128, device=dev, dtype=dt), cache[:, 0], cache[:, 1],
+                               cache_seqlens=torch.tensor([100, 300], dtype=torch.int32, device=dev),
+                               block_table=torch.arange(40, dtype=torch.int32, device=dev).view(2, 20),
+                               causal=True, num_splits=3)
+torch.cuda.synchronize()
+print("sanitize cases done")
