@@ -137,16 +137,19 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, kv_bar, 
         mbarrier.wait(qdo_full.index(st), (t // STAGES) & 1)
         q = q_smem.index(st)
         do = do_smem.index(st)
+        # Sᵀ and dPᵀ issued together; the exponentials run while dPᵀ is on the tensor cores, and
+        # dSᵀ is formed while dV's update runs (wgmma groups retire in issue order)
         s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s, dp = warpgroup_mma_wait(0, deps=[s_tok, dp_tok])
+        s = warpgroup_mma_wait(1, deps=[s_tok])
         if _tile_needs_mask(m0, n0, seqlen_q, seqlen_k, off, window_left, window_right,
                             HAS_LEFT, HAS_RIGHT):
             s = _mask_scores(s, rows[None, :], cols[:, None], seqlen_q, seqlen_k, off, window_left,
                              window_right, HAS_LEFT, HAS_RIGHT)
         p = gl.exp2(s * qk_scale_log2 - lse2[None, :])
-        ds = p * (dp - delta[None, :])
+        dp = warpgroup_mma_wait(0, deps=[dp_tok])
         dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do, dv, is_async=True)
+        ds = p * (dp - delta[None, :])
         dk_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), q, dk, is_async=True)
         dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
         mbarrier.arrive(qdo_empty.index(st), count=1)
