@@ -107,6 +107,22 @@ def _check_out(name: str, t: Optional[Tensor], shape: tuple, dtype: torch.dtype,
               f"{getattr(t, 'device', '?')}")
 
 
+def _check_run(q: Tensor, want: tuple, cfg: dict, k: Tensor, kv_layout: str, n_pages_needed: int,
+               out: Optional[Tensor], lse: Optional[Tensor]) -> None:
+    """run()'s inputs against the plan: q's shape and dtype, the cache's page shape and extent,
+    and caller-supplied out / lse buffers."""
+    if tuple(q.shape) != want or q.dtype != cfg["dtype"]:
+        _fail(f"q must be {cfg['dtype']} of shape {want} (as planned), got {q.dtype} {tuple(q.shape)}")
+    if k.shape[1:] != (cfg["page_size"], cfg["h_k"], cfg["d"]) or k.dtype != q.dtype:
+        _fail(f"the cache must hold pages of ({cfg['page_size']}, {cfg['h_k']}, {cfg['d']}) in "
+              f"{q.dtype} ({kv_layout}), got {tuple(k.shape[1:])} {k.dtype}")
+    if n_pages_needed > k.shape[0]:
+        _fail(f"the planned page indices reach page {n_pages_needed - 1}; the cache has "
+              f"{k.shape[0]} pages")
+    _check_out("out", out, want, q.dtype, q.device)
+    _check_out("lse", lse, want[:2], torch.float32, q.device)
+
+
 def _check_heads(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> None:
     if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
         _fail(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -366,8 +382,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._indices = self._indices_buf
         else:
             self._indices = idx.to(self._device).contiguous()
-        self._n_pages_needed = max(idx.tolist()) + 1 if idx.numel() else 0
-        self._min_page = min(idx.tolist()) if idx.numel() else 0
+        self._n_pages_needed = int(idx.max()) + 1 if idx.numel() else 0  # (min >= 0: _check_csr)
         self._cfg = dict(h=num_qo_heads, h_k=num_kv_heads, d=head_dim, page_size=page_size,
                          window_left=window_left, softcap=float(logits_soft_cap or 0.0),
                          scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
@@ -385,16 +400,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c = self._cfg
         k, v = _kv_views(paged_kv_cache, self._kv_layout)
         want = (self._batch, c["h"], c["d"])
-        if tuple(q.shape) != want or q.dtype != c["dtype"]:
-            _fail(f"q must be {c['dtype']} of shape {want} (as planned), got {q.dtype} {tuple(q.shape)}")
-        if k.shape[1:] != (c["page_size"], c["h_k"], c["d"]) or k.dtype != q.dtype:
-            _fail(f"the cache must hold pages of ({c['page_size']}, {c['h_k']}, {c['d']}) in "
-                  f"{q.dtype} ({self._kv_layout}), got {tuple(k.shape[1:])} {k.dtype}")
-        if self._min_page < 0 or self._n_pages_needed > k.shape[0]:
-            _fail(f"the planned page indices reach page {self._n_pages_needed - 1}; the cache has "
-                  f"{k.shape[0]} pages")
-        _check_out("out", out, want, q.dtype, q.device)
-        _check_out("lse", lse, want[:2], torch.float32, q.device)
+        _check_run(q, want, c, k, self._kv_layout, self._n_pages_needed, out, lse)
         if out is None:
             out = torch.empty(want, device=q.device, dtype=q.dtype)
         if lse is None and return_lse:
@@ -625,16 +631,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         c = self._cfg
         k, v = _kv_views(paged_kv_cache, self._kv_layout)
         want = (self._total_q, c["h"], c["d"])
-        if tuple(q.shape) != want or q.dtype != c["dtype"]:
-            _fail(f"q must be {c['dtype']} of shape {want} (as planned), got {q.dtype} {tuple(q.shape)}")
-        if k.shape[1:] != (c["page_size"], c["h_k"], c["d"]) or k.dtype != q.dtype:
-            _fail(f"the cache must hold pages of ({c['page_size']}, {c['h_k']}, {c['d']}) in "
-                  f"{q.dtype} ({self._kv_layout}), got {tuple(k.shape[1:])} {k.dtype}")
-        if self._n_pages_needed > k.shape[0]:
-            _fail(f"the planned page indices reach page {self._n_pages_needed - 1}; the cache has "
-                  f"{k.shape[0]} pages")
-        _check_out("out", out, want, q.dtype, q.device)
-        _check_out("lse", lse, want[:2], torch.float32, q.device)
+        _check_run(q, want, c, k, self._kv_layout, self._n_pages_needed, out, lse)
         out = out if out is not None else torch.empty(want, device=q.device, dtype=q.dtype)
         lse_out = lse if lse is not None else torch.empty(want[:2], device=q.device, dtype=torch.float32)
         q = q if q.stride(-1) == 1 else q.contiguous()

@@ -31,7 +31,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (barriers, invalidate, query_tile, query_tiles,
-                                      rows_descriptor, seq_bounds, tma_view_problem)
+                                      rows_descriptor, seq_bounds, tma_view_problem,
+                                      wgmma_a_operand, wgmma_acc_layout)
 from ioattn.dense.triton_bwd import bwd_preprocess
 
 HALF = gl.constexpr(64)  # rows of one consumer warpgroup's wgmma (keys in dK/dV, queries in dQ)
@@ -104,11 +105,9 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, kv_bar, 
     HEAD_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     # Sᵀ / dPᵀ: [64 keys, 64 query rows]; dK / dV: [64 keys, d]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
-    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+    s_layout: gl.constexpr = wgmma_acc_layout(HALF)
+    a_layout: gl.constexpr = wgmma_acc_layout(HEAD_D)
+    op_layout: gl.constexpr = wgmma_a_operand(a_layout)
     key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_l: gl.constexpr = gl.SliceLayout(0, s_layout)
 
@@ -250,11 +249,9 @@ def _dq_consumer(DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, kv_full
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+    s_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N)
+    a_layout: gl.constexpr = wgmma_acc_layout(HEAD_D)
+    op_layout: gl.constexpr = wgmma_a_operand(a_layout)
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
 

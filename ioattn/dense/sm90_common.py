@@ -17,6 +17,19 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
+@gluon.constexpr_function
+def wgmma_acc_layout(n):
+    """Accumulator layout of one consumer warpgroup's wgmma: 64 rows (4 warps) by ``n`` columns."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def wgmma_a_operand(acc_layout):
+    """Register A-operand layout (fp16/bf16) of a wgmma accumulating into ``acc_layout``: P or dS
+    kept in registers for the next product ("RS" wgmma)."""
+    return gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+
 @gluon.jit
 def floor_div(a, b: gl.constexpr):
     # integer // truncates toward zero; block bounds need floor for negative numerators

@@ -9,7 +9,7 @@ import torch
 
 import ioattn.flashinfer as fi
 from ioattn.reference import attention_ref
-from ioattn.testing import assert_close_rule
+from ioattn.testing import OUT_FACTOR, assert_close_rule
 from tests.conftest import ON_GPU
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -27,6 +27,15 @@ def _paged(batch, h_k, d, page, dtype, device, layout="NHD", max_len=120, empty=
     shape = (n_pages, 2, page, h_k, d) if layout == "NHD" else (n_pages, 2, h_k, page, d)
     cache = torch.randn(shape, device=device, dtype=dtype)
     return lens, indptr, perm, last, cache
+
+
+def _check_request(name, got, q_rows, k, v, factor=OUT_FACTOR, **kw):
+    """One request's output rows (q_rows [rows, h, d] over k, v [n, h_k, d]) against the fp32
+    reference with FlashAttention's rule; returns the reference LSE [h, rows] (natural log)."""
+    ref, lse_ref = attention_ref(q_rows[None], k[None], v[None], **kw)
+    pt, _ = attention_ref(q_rows[None], k[None], v[None], upcast=False, **kw)
+    assert_close_rule(name, got, ref[0], pt[0], factor=factor)
+    return lse_ref[0]
 
 
 def _gather(cache, layout, indices, indptr, b, n):
@@ -73,13 +82,11 @@ def test_batch_decode(c, device):
     for b, n in enumerate(lens):
         k, v = _gather(cache, c["layout"], indices, indptr, b, n)
         kw = dict(window_size=(wl, -1), softcap=cap)
-        ref, lse_ref = attention_ref(q[b][None, None], k[None], v[None], **kw)
-        pt, _ = attention_ref(q[b][None, None], k[None], v[None], upcast=False, **kw)
-        assert_close_rule(f"out[{b}]", out[b], ref[0, 0], pt[0, 0])
+        lse_ref = _check_request(f"out[{b}]", out[b:b + 1], q[b:b + 1], k, v, **kw)
         if n == 0:
             assert (out[b] == 0).all() and torch.isinf(lse[b]).all()
         else:
-            torch.testing.assert_close(lse[b], lse_ref[0, :, 0] / math.log(2), atol=1e-3, rtol=1e-3)
+            torch.testing.assert_close(lse[b], lse_ref[:, 0] / math.log(2), atol=1e-3, rtol=1e-3)
 
 
 def test_plan_reuse_with_new_lengths(device):
@@ -101,9 +108,7 @@ def test_plan_reuse_with_new_lengths(device):
         out = wrapper.run(q, cache)
         for b, n in enumerate(lens):
             k, v = _gather(cache, "NHD", indices, indptr, b, n)
-            ref, _ = attention_ref(q[b][None, None], k[None], v[None])
-            pt, _ = attention_ref(q[b][None, None], k[None], v[None], upcast=False)
-            assert_close_rule(f"out[{b}]", out[b], ref[0, 0], pt[0, 0])
+            _check_request(f"out[{b}]", out[b:b + 1], q[b:b + 1], k, v)
 
 
 def test_single_decode(device):
@@ -111,10 +116,8 @@ def test_single_decode(device):
     k = torch.randn(77, 2, 64, device=device, dtype=BF16)
     v = torch.randn(77, 2, 64, device=device, dtype=BF16)
     out, lse = fi.single_decode_with_kv_cache(q, k, v, return_lse=True)
-    ref, lse_ref = attention_ref(q[None, None], k[None], v[None])
-    pt, _ = attention_ref(q[None, None], k[None], v[None], upcast=False)
-    assert_close_rule("out", out, ref[0, 0], pt[0, 0])
-    torch.testing.assert_close(lse, lse_ref[0, :, 0] / math.log(2), atol=1e-3, rtol=1e-3)
+    lse_ref = _check_request("out", out[None], q[None], k, v)
+    torch.testing.assert_close(lse, lse_ref[:, 0] / math.log(2), atol=1e-3, rtol=1e-3)
     out_hnd = fi.single_decode_with_kv_cache(q, k.transpose(0, 1).contiguous(),
                                              v.transpose(0, 1).contiguous(), kv_layout="HND")
     torch.testing.assert_close(out_hnd, out, atol=0, rtol=0)
@@ -202,9 +205,7 @@ def test_cuda_graph_capture_short_replay_long():
     torch.cuda.synchronize()
     for i, n in enumerate(lens2):
         k, v = _gather(big, "NHD", perm, indptr2, i, n)
-        ref, _ = attention_ref(q[i][None, None], k[None], v[None])
-        pt, _ = attention_ref(q[i][None, None], k[None], v[None], upcast=False)
-        assert_close_rule(f"out[{i}]", out[i], ref[0, 0], pt[0, 0])
+        _check_request(f"out[{i}]", out[i:i + 1], q[i:i + 1], k, v)
 
 
 PREFILL_CASES = [
@@ -233,14 +234,12 @@ def test_batch_prefill_paged(c, device):
     out, lse = w.run(q, cache, return_lse=True)
     for b, n in enumerate(lens):
         k, v = _gather(cache, c["layout"], indices, indptr, b, n)
-        qb = q[qo_indptr[b]:qo_indptr[b + 1]][None]
+        qb = q[qo_indptr[b]:qo_indptr[b + 1]]
         kw = dict(causal=c["causal"], window_size=(wl, -1), softcap=cap)
-        ref, lse_ref = attention_ref(qb, k[None], v[None], **kw)
-        pt, _ = attention_ref(qb, k[None], v[None], upcast=False, **kw)
         sl = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
-        assert_close_rule(f"out[{b}]", out[sl], ref[0], pt[0])
-        fin = torch.isfinite(lse_ref[0].t())
-        torch.testing.assert_close(lse[sl][fin], (lse_ref[0].t() / math.log(2))[fin], atol=1e-3, rtol=1e-3)
+        lse_ref = _check_request(f"out[{b}]", out[sl], qb, k, v, **kw)
+        fin = torch.isfinite(lse_ref.t())
+        torch.testing.assert_close(lse[sl][fin], (lse_ref.t() / math.log(2))[fin], atol=1e-3, rtol=1e-3)
 
 
 def test_batch_prefill_ragged_and_single(device):
@@ -258,12 +257,10 @@ def test_batch_prefill_ragged_and_single(device):
     for b in range(3):
         qs, ks = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
         o1, l1 = fi.single_prefill_with_kv_cache(q[qs], k[ks], v[ks], causal=True, return_lse=True)
-        ref, lse_ref = attention_ref(q[qs][None], k[ks][None], v[ks][None], causal=True)
-        pt, _ = attention_ref(q[qs][None], k[ks][None], v[ks][None], causal=True, upcast=False)
-        assert_close_rule(f"ragged out[{b}]", out[qs], ref[0], pt[0])
-        assert_close_rule(f"single out[{b}]", o1, ref[0], pt[0])
-        torch.testing.assert_close(lse[qs], lse_ref[0].t() / math.log(2), atol=1e-3, rtol=1e-3)
-        torch.testing.assert_close(l1, lse_ref[0].t() / math.log(2), atol=1e-3, rtol=1e-3)
+        lse_ref = _check_request(f"ragged out[{b}]", out[qs], q[qs], k[ks], v[ks], causal=True)
+        _check_request(f"single out[{b}]", o1, q[qs], k[ks], v[ks], causal=True)
+        torch.testing.assert_close(lse[qs], lse_ref.t() / math.log(2), atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(l1, lse_ref.t() / math.log(2), atol=1e-3, rtol=1e-3)
 
 
 
@@ -317,11 +314,9 @@ def test_rope_llama(kind, device):
             got = out[qo_indptr[b]:qo_indptr[b + 1]]
         kr = rotary_ref(k, cos, sin, torch.arange(n, device=device), False)
         qr = rotary_ref(qb, cos, sin, torch.arange(n - qb.shape[0], n, device=device), False)
-        ref, _ = attention_ref(qr[None], kr[None], v[None], causal=True)
-        pt, _ = attention_ref(qr[None], kr[None], v[None], causal=True, upcast=False)
         # one extra bf16 rounding of q/k (FMA contraction, cos/sin ulps) may differ from the
         # reference's: allow that on top of the rule
-        assert_close_rule(f"{kind} out[{b}]", got, ref[0], pt[0], factor=3.0)
+        _check_request(f"{kind} out[{b}]", got, qr, kr, v, factor=3.0, causal=True)
 
 
 def test_run_checks_buffers_and_caches(device):
