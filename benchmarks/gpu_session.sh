@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD IOATTN_GIT_COMMIT=${IOATTN_GIT_COMMIT:-unknown}
@@ -20,6 +20,10 @@ for step in $steps; do
              --impls ioattn,ioattn_sm90,ioattn_triton,sdpa_cudnn,flex --no-plots \
              --out "$OUT/sm90_fwd_quick_nvidia-h200_$(date +%F).json" > "$OUT/sm90_quick.log" 2>&1
            grep -E "^fwd|geomean" "$OUT/sm90_quick.log" ;;
+    sm90-bwd) timeout 240 python -m ioattn bench --modes bwd --dims 64,128 --seqlens 2048,8192,16384 --dtypes bf16 \
+             --impls ioattn,ioattn_sm90,ioattn_triton,sdpa_cudnn,flex --no-plots \
+             --out "$OUT/sm90_bwd_quick_nvidia-h200_$(date +%F).json" > "$OUT/sm90_bwd_quick.log" 2>&1
+           grep -E "^bwd|geomean" "$OUT/sm90_bwd_quick.log" ;;
     decode) timeout 300 python -m ioattn bench --suite decode \
              --out "$OUT/decode_nvidia-h200_$(date +%F).json" > "$OUT/decode.log" 2>&1
            grep -vE "^/" "$OUT/decode.log" | tail -20 ;;

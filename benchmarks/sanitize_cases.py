@@ -4,9 +4,6 @@ import torch
 
 import ioattn
 import ioattn.flashinfer as fi
-from ioattn.dense.params import make_params
-from ioattn.dense.sm90_bwd import attn_bwd_sm90
-from ioattn.dense import op
 
 torch.manual_seed(0)
 dev, dt = "cuda", torch.bfloat16
@@ -19,12 +16,10 @@ ioattn.flash_attn_func(q, k, v, window_size=(50, 7), backend="sm90")
 cu = torch.tensor([0, 0, 77, 300], dtype=torch.int32, device=dev)
 qv, kv, vv = (torch.randn(300, 4, 128, device=dev, dtype=dt) for _ in range(3))
 ioattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, 223, 223, causal=True, backend="sm90")
-# the sm90 backward kernels (not dispatched yet)
-q, k, v = (torch.randn(1, 203, 4, 128, device=dev, dtype=dt) for _ in range(3))
-out, lse = op.dense_fwd(q, k, v, None, None, 203, 203, 0.088, -1, 0, 0.0, None, 0.0, None, "sm90")
-p = make_params(q, k, v, None, None, 203, 203, 0.088, -1, 0, 0.0, None, 0.0, None)
-grads = [torch.empty_like(t) for t in (q, k, v)]
-attn_bwd_sm90(p, torch.randn_like(out), q, k, v, out, lse, None, *grads, torch.empty_like(lse))
+# the sm90 backward kernels
+q, k, v = (torch.randn(1, 203, 4, 128, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
+out = ioattn.flash_attn_func(q, k, v, causal=True, backend="sm90")
+out.backward(torch.randn_like(out))
 # serving: decode wrapper, kv-cache call
 cache = torch.randn(40, 2, 16, 2, 128, device=dev, dtype=dt)
 w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=dev))

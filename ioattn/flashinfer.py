@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ioattn.dispatch import triton_unavailable_reason
 from ioattn.decode.triton_decode import kvcache_attn, paged_attn, paged_tiles
 from ioattn.paged.plan import kv_lengths, max_work_items, sm_count, split_work
 
@@ -113,6 +114,11 @@ def _check_run(q: Tensor, want: tuple, cfg: dict, k: Tensor, kv_layout: str, n_p
     and caller-supplied out / lse buffers."""
     if tuple(q.shape) != want or q.dtype != cfg["dtype"]:
         _fail(f"q must be {cfg['dtype']} of shape {want} (as planned), got {q.dtype} {tuple(q.shape)}")
+    reason = triton_unavailable_reason(q.device)
+    if reason is not None:
+        _fail(f"q is on {q.device}: {reason}")
+    if k.device != q.device:
+        _fail(f"the cache is on {k.device}, q on {q.device}: put both on the same device")
     if k.shape[1:] != (cfg["page_size"], cfg["h_k"], cfg["d"]) or k.dtype != q.dtype:
         _fail(f"the cache must hold pages of ({cfg['page_size']}, {cfg['h_k']}, {cfg['d']}) in "
               f"{q.dtype} ({kv_layout}), got {tuple(k.shape[1:])} {k.dtype}")

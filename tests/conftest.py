@@ -58,6 +58,8 @@ def device() -> str:
 if os.environ.get("IOATTN_TEST_SM90") == "always" and ON_GPU:
     # the whole dense suite through the sm90 kernels wherever they cover a call (auto otherwise
     # keeps short problems on the portable kernels, where they measured faster)
+    from ioattn.dense import sm90_bwd as _sm90_bwd  # noqa: E402
     from ioattn.dense import sm90_fwd as _sm90_fwd  # noqa: E402
 
     _sm90_fwd.preferred = lambda *args: True
+    _sm90_bwd.preferred = lambda *args: True

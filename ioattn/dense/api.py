@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ioattn.dense.op import dense_attention, draw_rng_state
-from ioattn.dispatch import resolve_backend
+from ioattn.dispatch import resolve_backend, sm90_unavailable_reason
 from ioattn.reference import attention_ref, attention_varlen_ref
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -111,8 +111,10 @@ def _window(causal: bool, window_size: Sequence[int]) -> tuple[int, int]:
 
 def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
           alibi_slopes: Optional[Tensor], dropout_p: float, varlen: bool, masked: bool,
-          max_seqlen_q: int) -> str:
-    """The kernel family that runs this call: 'sm90', 'triton' or 'reference' (ioattn.dispatch)."""
+          max_seqlen_q: int, max_seqlen_k: int) -> tuple[str, str]:
+    """The kernel families of this call's forward and backward: 'sm90', 'triton' or 'reference'
+    (ioattn.dispatch). 'auto' picks each direction where it measured faster; an explicit 'sm90'
+    raises when either direction it would have to run is not covered."""
     def sm90_problem():
         from ioattn.dense.sm90_fwd import unsupported_reason
 
@@ -124,7 +126,20 @@ def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
 
         return sm90_fwd.preferred(q.shape[-1], masked, max_seqlen_q)
 
-    return resolve_backend(backend, q.device, sm90_problem, sm90_preferred)
+    fwd = resolve_backend(backend, q.device, sm90_problem, sm90_preferred)
+    if fwd == "reference" or backend == "triton" or sm90_unavailable_reason(q.device) is not None \
+            or sm90_problem() is not None:
+        return fwd, fwd if fwd == "reference" else "triton"
+    from ioattn.dense import sm90_bwd
+
+    reason = sm90_bwd.unsupported_reason(q.shape[-1], v.shape[-1], softcap, alibi_slopes is not None,
+                                         dropout_p)
+    if reason is None and (backend == "sm90" or sm90_bwd.preferred(q.shape[-1], masked, max_seqlen_k)):
+        return fwd, "sm90"
+    if backend == "sm90" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        _fail(f"backend='sm90' cannot run this call's backward: {reason}; pass backend='auto' (the "
+              f"sm90 forward with the portable backward) or backend='triton'")
+    return fwd, "triton"
 
 
 def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool):
@@ -153,9 +168,10 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
         return_attn_probs: also return the LSE: (out, softmax_lse [b, nheads, seqlen_q] fp32,
             natural log, None).
         backend: 'auto' (default: 'sm90' on Hopper where it covers the call, else 'triton'),
-            'sm90' (Gluon FA3-design forward; the backward runs the Triton kernels), 'triton'
-            (portable Triton kernels) or 'reference' (plain PyTorch). A requested backend that
-            cannot run the call raises ValueError.
+            'sm90' (the Gluon FA3-design kernels, forward and backward; head dim 256 has an sm90
+            forward only, so it raises when a gradient is needed), 'triton' (portable Triton
+            kernels) or 'reference' (plain PyTorch). A requested backend that cannot run the call
+            raises ValueError. 'auto' picks the forward's and the backward's kernels separately.
 
     Returns:
         out [batch, seqlen_q, nheads, headdim_v], or the tuple above.
@@ -171,8 +187,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
     _check_alibi(alibi_slopes, b, h, q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     left, right = _window(causal, window_size)
-    impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=False,
-                 masked=left >= 0 or right >= 0, max_seqlen_q=s_q)
+    impl, bwd_impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=False,
+                           masked=left >= 0 or right >= 0, max_seqlen_q=s_q, max_seqlen_k=k.shape[1])
     if impl == "reference":
         mask = None
         if dropout_p > 0:
@@ -183,7 +199,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
         return _finish(out, lse, return_attn_probs)
     rng = draw_rng_state(q.device) if dropout_p > 0 else None
     out, lse = dense_attention(q, k, v, None, None, s_q, k.shape[1], float(scale), left, right,
-                               float(softcap), alibi_slopes, float(dropout_p), rng, impl)
+                               float(softcap), alibi_slopes, float(dropout_p), rng, impl, bwd_impl)
     return _finish(out, lse, return_attn_probs)
 
 
@@ -213,8 +229,9 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     _check_alibi(alibi_slopes, batch, h, q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     left, right = _window(causal, window_size)
-    impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=True,
-                 masked=left >= 0 or right >= 0, max_seqlen_q=int(max_seqlen_q))
+    impl, bwd_impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=True,
+                           masked=left >= 0 or right >= 0, max_seqlen_q=int(max_seqlen_q),
+                           max_seqlen_k=int(max_seqlen_k))
     if impl == "reference":
         masks = None
         if dropout_p > 0:
@@ -231,7 +248,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     rng = draw_rng_state(q.device) if dropout_p > 0 else None
     out, lse = dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                int(max_seqlen_k), float(scale), left, right, float(softcap),
-                               alibi_slopes, float(dropout_p), rng, impl)
+                               alibi_slopes, float(dropout_p), rng, impl, bwd_impl)
     return _finish(out, lse, return_attn_probs)
 
 

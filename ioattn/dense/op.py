@@ -52,9 +52,11 @@ def dense_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
               cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
               softmax_scale: float, window_left: int, window_right: int, softcap: float,
               alibi_slopes: Optional[Tensor], dropout_p: float,
-              rng_state: Optional[Tensor], impl: str = "triton") -> tuple[Tensor, Tensor]:
+              rng_state: Optional[Tensor], impl: str = "triton",
+              bwd_impl: str = "triton") -> tuple[Tensor, Tensor]:
     # impl: the kernel family, 'triton' (portable) or 'sm90' (Gluon, Hopper), from ioattn.dispatch
-    # (not named "kernel": inductor's fallback lowering takes that keyword itself)
+    # (not named "kernel": inductor's fallback lowering takes that keyword itself); bwd_impl: the
+    # family the registered autograd's backward runs (unused here)
     if impl == "sm90":
         from ioattn.dense.sm90_fwd import attn_fwd_sm90 as launch
         from ioattn.dense.sm90_fwd import unsupported_reason
@@ -81,7 +83,7 @@ def dense_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
 
 @dense_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-      window_right, softcap, alibi_slopes, dropout_p, rng_state, impl="triton"):
+      window_right, softcap, alibi_slopes, dropout_p, rng_state, impl="triton", bwd_impl="triton"):
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
     return out, lse
@@ -92,7 +94,22 @@ def dense_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
               dlse: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
               max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int,
               window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float,
-              rng_state: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+              rng_state: Optional[Tensor], impl: str = "triton") -> tuple[Tensor, Tensor, Tensor]:
+    if impl == "sm90":
+        from ioattn.dense import sm90_bwd
+        from ioattn.dense.sm90_common import tma_view_problem
+
+        launch = sm90_bwd.attn_bwd_sm90
+        reason = sm90_bwd.unsupported_reason(q.shape[-1], v.shape[-1], softcap,
+                                             alibi_slopes is not None, dropout_p)
+        if reason is not None:
+            raise ValueError(f"impl='sm90' cannot run this backward: {reason}")
+        if tma_view_problem("dout", dout, cu_seqlens_q is not None) is not None:
+            dout = dout.contiguous()  # an upstream transpose or expand: one copy, then TMA
+    elif impl == "triton":
+        launch = attn_bwd
+    else:
+        raise ValueError(f"impl={impl!r} is not 'triton' or 'sm90'")
     dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout, q, k, v, out))
     if dlse is not None:
         dlse = dlse.contiguous()
@@ -105,19 +122,20 @@ def dense_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     check_int32_rows(p.max_seqlen_q, q=q, out=out, dout=dout, dq=dq)
     check_int32_rows(p.max_seqlen_k, k=k, v=v, dk=dk, dv=dv)
     with _on_device(q):
-        attn_bwd(p, dout, q, k, v, out, lse, dlse, dq, dk, dv, delta)
+        launch(p, dout, q, k, v, out, lse, dlse, dq, dk, dv, delta)
     return dq, dk, dv
 
 
 @dense_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state):
+      softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
+      impl="triton"):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 _FWD_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
              "softmax_scale", "window_left", "window_right", "softcap", "alibi_slopes", "dropout_p",
-             "rng_state", "impl")
+             "rng_state", "impl", "bwd_impl")
 
 
 def _setup_context(ctx, inputs, output):
@@ -128,6 +146,7 @@ def _setup_context(ctx, inputs, output):
     ctx.scalars = tuple(args[n] for n in ("max_seqlen_q", "max_seqlen_k", "softmax_scale",
                                           "window_left", "window_right", "softcap"))
     ctx.dropout_p = args["dropout_p"]
+    ctx.bwd_impl = args.get("bwd_impl", "triton")
     ctx.set_materialize_grads(False)
 
 
@@ -137,7 +156,7 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     mq, mk, scale, wl, wr, cap = ctx.scalars
     dq, dk, dv = dense_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, mq, mk, scale, wl, wr, cap,
-                           alibi, ctx.dropout_p, rng)
+                           alibi, ctx.dropout_p, rng, ctx.bwd_impl)
     return (dq, dk, dv) + (None,) * (len(_FWD_ARGS) - 3)
 
 
@@ -167,16 +186,17 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tens
                     cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                     softmax_scale: float, window_left: int, window_right: int, softcap: float,
                     alibi_slopes: Optional[Tensor], dropout_p: float,
-                    rng_state: Optional[Tensor], impl: str = "triton") -> tuple[Tensor, Tensor]:
-    """Differentiable (out, lse); arguments as ``ioattn::dense_fwd``. The backward runs the
-    portable Triton kernels for either forward kernel (same LSE convention)."""
+                    rng_state: Optional[Tensor], impl: str = "triton",
+                    bwd_impl: str = "triton") -> tuple[Tensor, Tensor]:
+    """Differentiable (out, lse); arguments as ``ioattn::dense_fwd``. ``bwd_impl`` picks the
+    backward's kernels independently of the forward's (both keep the same LSE convention)."""
     # compiled graphs use the op's registered autograd (dynamo traces it without a break; it cannot
     # trace autograd.Function.apply with one tensor in two inputs, e.g. cu_seqlens_q is cu_seqlens_k)
     if torch.compiler.is_compiling() or not (
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return dense_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                         rng_state, impl)
+                         rng_state, impl, bwd_impl)
     return DenseAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                                dropout_p, rng_state, impl)
+                                dropout_p, rng_state, impl, bwd_impl)

@@ -14,9 +14,9 @@ so the backward stays deterministic, as the portable one is:
 Layouts and coverage are the forward's (``sm90_fwd``): [rows, heads * d] views through host TMA
 descriptors, d = d_v in {64, 128} here, causal/window, GQA, batched and varlen, fp16/bf16.
 
-Status: compiled for sm90 in CI (``python -m ioattn.dense.inspect --gluon``); not yet run on a GPU,
-so no entry point dispatches to it until ``tests/dense/test_sm90.py::test_sm90_bwd`` has passed on
-the H200.
+Compiled for sm90 in CI (``python -m ioattn.dense.inspect --gluon``); the dense suite runs through it
+on the H200 (``IOATTN_TEST_SM90=always``). The public functions pick it per call
+(``ioattn.dense.api._pick``), independently of the forward's kernel.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (barriers, invalidate, query_tile, query_tiles,
-                                      rows_descriptor, seq_bounds, tma_view_problem,
+                                      rows_descriptor, seq_bounds,
                                       wgmma_a_operand, wgmma_acc_layout)
 from ioattn.dense.triton_bwd import bwd_preprocess
 
@@ -341,13 +341,24 @@ def _bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, CU_Q, CU_K,
 
 
 # ------------------------------------------------------------------------------------- host
-def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                       varlen: bool) -> str | None:
-    """Why the sm90 backward does not cover this call (None when it does). Called on the tensors
-    the forward accepted (``sm90_fwd.unsupported_reason``), plus dout."""
-    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        return f"head dim {q.shape[-1]} is not covered by the sm90 backward ({SUPPORTED_HEAD_DIMS})"
-    return tma_view_problem("dout", dout, varlen)
+def unsupported_reason(head_dim: int, head_dim_v: int, softcap: float, has_alibi: bool,
+                       dropout_p: float) -> str | None:
+    """Why the sm90 backward does not cover a call whose forward the sm90 forward accepts (None
+    when it does): the layouts were checked there (dout is copied to a TMA view when needed)."""
+    if head_dim not in SUPPORTED_HEAD_DIMS or head_dim_v != head_dim:
+        return (f"head dims (d={head_dim}, d_v={head_dim_v}) are not covered by the sm90 backward "
+                f"(d = d_v in {SUPPORTED_HEAD_DIMS})")
+    if softcap > 0 or has_alibi or dropout_p > 0:
+        return "softcap, ALiBi and dropout are not covered by the sm90 kernels yet"
+    return None
+
+
+def preferred(head_dim: int, masked: bool, max_seqlen_k: int) -> bool:
+    """Whether 'auto' should take the sm90 backward over the portable one: where it measured
+    faster on the H200 (results/sm90_bwd_quick_nvidia-h200_2026-11-29.json): d=128 non-causal from
+    2k (1.04-1.07x). d=128 causal ties (0.98-1.03x) and d=64 is slower (0.81-0.95x): the two-kernel
+    design recomputes S and dP for dQ, 7 GEMMs where a fused backward needs 5."""
+    return head_dim == 128 and not masked and max_seqlen_k >= 2048
 
 
 def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
