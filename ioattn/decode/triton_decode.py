@@ -378,10 +378,21 @@ def _rope_store_kernel(SRC, DST, COS, SIN, POS_BASE, LEFTPAD, BT, CACHE_IDX,
     tl.store(dst + o_d, x.to(DST.dtype.element_ty), mask=m_pass)
 
 
-def _attn_warps(block_d: int) -> int:
-    # the gathered K/V tiles' addresses are [BLOCK_N, BLOCK_D] int64 blocks: 8 warps keep the
-    # tiles of paged_tiles spill-free (sm90 ptxas; 4 warps spill 400 B at d=128, 64 keys)
-    return 8
+def _attn_warps(block_m: int, block_d: int, extras: bool) -> int:
+    # plain decode tiles (at most 16 rows, d <= 128, no softcap/ALiBi/RoPE) run best with 4
+    # warps: more programs per SM, more loads in flight (benchmarks/tune_decode.py on the H200:
+    # 64x4k page 16 went from 3.09 to 4.05 TB/s, page 1 from 2.16 to 4.04), although the gathered
+    # K/V tiles' int64 address blocks spill 400 B there (sm90 ptxas). Everything else keeps 8
+    # warps, spill-free (4 warps spill up to 5 KB with softcap and ALiBi)
+    return 4 if block_m <= 16 and block_d <= 128 and not extras else 8
+
+
+def _attn_stages(on_gpu: bool, block_m: int) -> int:
+    # K/V tiles in flight per program (cp.async pipelining of the gathered loads): 4 measured
+    # best over the decode cells with 4 warps and 64-key tiles (benchmarks/tune_decode.py)
+    if not on_gpu:
+        return 1
+    return 4 if block_m <= 16 else 2
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -451,7 +462,7 @@ def kvcache_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
         PAGED=paged, HAS_CACHE_IDX=cache_batch_idx is not None, HAS_LEFTPAD=leftpad is not None,
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None, SPLIT=split, WORKLIST=False, CSR=False,
-        num_warps=_attn_warps(block_d), num_stages=2 if q.is_cuda else 1,
+        num_warps=_attn_warps(block_m, block_d, softcap > 0 or alibi_slopes is not None), num_stages=_attn_stages(q.is_cuda, block_m),
     )
     if split:
         _combine_kernel[(b * s_q,)](
@@ -530,7 +541,7 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=False, SPLIT=False, WORKLIST=True, CSR=True, LSE_BASE2=lse_base2,
         ROPE=rope is not None, BLOCK_HD=_pow2(d // 2, 16),
-        num_warps=_attn_warps(block_d), num_stages=2 if q.is_cuda else 1,
+        num_warps=_attn_warps(block_m, block_d, softcap > 0 or rope is not None), num_stages=_attn_stages(q.is_cuda, block_m),
     )
     if slot_start is not None:
         _combine_slots_kernel[(b,)](

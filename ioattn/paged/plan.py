@@ -45,8 +45,12 @@ def split_work(lengths: list[int], n_heads_k: int, sms: int, min_chunk: int = 25
         if pieces == 1:
             work.append((b, 0, 0, n, -1))
         else:
+            # even pieces (whole 64-key tiles) rather than full chunks and a short tail: the
+            # request's items then finish together
+            step = chunk if fixed_chunk else -(-n // (pieces * 64)) * 64
+            pieces = -(-n // step)
             for p in range(pieces):
-                work.append((b, 0, p * chunk, min((p + 1) * chunk, n), slot))
+                work.append((b, 0, p * step, min((p + 1) * step, n), slot))
                 slot += 1
         slot_start.append(slot)
     return DecodePlan(work, slot_start, chunk)

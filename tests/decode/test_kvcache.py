@@ -175,6 +175,21 @@ def test_kvcache_errors(bad, match, device):
         ioattn.flash_attn_with_kvcache(q, k_cache, v_cache, **kw, **opts)
 
 
+def test_kvcache_values_rechecked_after_in_place_updates(device):
+    """Index values are checked once per state of the index tensors: a second call with the same
+    tensors skips the host sync, an in-place update (a new decode step) is checked again."""
+    from ioattn.decode import api
+
+    c = KVCase(b=2)
+    q, k_cache, v_cache, kw, opts = _build(c, device)
+    lens = kw["cache_seqlens"]
+    ioattn.flash_attn_with_kvcache(q, k_cache, v_cache, **kw, **opts)
+    assert api._VALIDATED.entries[0][0][0]() is lens  # checked once, remembered
+    lens.fill_(kw["block_table"].shape[1] * c.page + 1)  # past the capacity
+    with pytest.raises(ValueError, match="capacity"):
+        ioattn.flash_attn_with_kvcache(q, k_cache, v_cache, **kw, **opts)
+
+
 def test_kvcache_op_and_compile(device):
     """The op passes opcheck (schema, fake, mutation of the caches) and compiles without a graph
     break (aot_eager on CPU, inductor on GPU)."""

@@ -1,4 +1,4 @@
-"""The serving kernels compile for Hopper (sm90) spill-free with tensor-core MMAs, in the tile
+"""The serving kernels compile for Hopper (sm90) with tensor-core MMAs and (almost) no spills, in the tile
 configurations their launchers pick (on any machine: Triton's wheel carries ptxas)."""
 import os
 import subprocess
@@ -27,7 +27,8 @@ for name, s_q, d, extra in [
                                              HAS_RIGHT=True))]:
     block_m, block_d, block_n = td.paged_tiles(4, d, s_q)
     ce = dict(base, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
-    r = kernel_report(name, td._kvcache_attn_kernel, ptrs, ce, td._attn_warps(block_d))
+    extras = any(extra.get(f) for f in ("HAS_SOFTCAP", "HAS_ALIBI", "ROPE"))
+    r = kernel_report(name, td._kvcache_attn_kernel, ptrs, ce, td._attn_warps(block_m, block_d, extras))
     out.append(r.__dict__)
 print(json.dumps(out))
 """
@@ -42,4 +43,7 @@ def test_serving_kernels_compile_for_sm90():
     assert res.returncode == 0, res.stderr[-3000:]
     for r in json.loads(res.stdout.strip().splitlines()[-1]):
         assert r["wgmma"], f"{r['name']}: no tensor-core MMA"
-        assert r["spill_stores"] == 0, f"{r['name']}: {r['spill_stores']} B of spills"
+        # plain decode tiles run 4 warps, which spill the gathered K/V address blocks (~400 B)
+        # and still measured 1.3-1.9x faster than 8 spill-free warps on the H200
+        limit = 512 if r["name"] in ("kvcache decode split", "paged decode") else 0
+        assert r["spill_stores"] <= limit, f"{r['name']}: {r['spill_stores']} B of spills"
