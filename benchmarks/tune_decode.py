@@ -1,6 +1,8 @@
 """Sweep of the paged decode kernel's launch choices on the GPU (K/V tile keys, warps, pipeline
 stages, work items per SM), on the decode acceptance cells; prints TB/s per config and the best.
-    python benchmarks/tune_decode.py [--json out.json]"""
+    python benchmarks/tune_decode.py [--json out.json]
+    python benchmarks/tune_decode.py --prefill   (chunked-prefill tiles, vs the dense forward)
+    python benchmarks/tune_decode.py --profile   (kernel and host microseconds per decode cell)"""
 from __future__ import annotations
 
 import argparse
@@ -53,6 +55,81 @@ def run(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16):
     return results
 
 
+def run_prefill(configs, b=8, ctx=4096, new=512, page=16, h=32, h_k=8, d=128, dtype=torch.bfloat16):
+    """Chunked prefill through flash_attn_with_kvcache (the bench's cell) per paged-tile config
+    (rows, keys, warps, stages), next to the dense forward on the same data."""
+    import ioattn
+
+    total = ctx + new
+    n_pages = b * (-(-total // page))
+    cache = torch.randn(n_pages, 2, page, h_k, d, device="cuda", dtype=dtype)
+    table = torch.randperm(n_pages, dtype=torch.int32).cuda().view(b, -1)
+    q = torch.randn(b, new, h, d, device="cuda", dtype=dtype)
+    k = torch.randn(b, total, h_k, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, total, h_k, d, device="cuda", dtype=dtype)
+    lens = torch.full((b,), total, dtype=torch.int32, device="cuda")
+    flops = 4.0 * b * h * d * sum(ctx + i + 1 for i in range(new))
+    # the same keys in the pages (token t of sequence i in page table[i, t // page])
+    cache[table.long().flatten(), 0] = k.view(b, -1, page, h_k, d).flatten(0, 1)
+    cache[table.long().flatten(), 1] = v.view(b, -1, page, h_k, d).flatten(0, 1)
+    ref = ioattn.flash_attn_func(q, k, v, causal=True).float()
+    ms = do_bench(lambda: ioattn.flash_attn_func(q, k, v, causal=True), warmup=10, rep=40,
+                  return_mode="median")
+    results = [dict(impl="dense", ms=ms, tflops=flops / ms * 1e-9)]
+    print(json.dumps(results[0]), flush=True)
+    orig = (triton_decode.paged_tiles, triton_decode._attn_warps, triton_decode._attn_stages)
+    for bm, bn, warps, stages in configs:
+        triton_decode.paged_tiles = lambda group, dd, rows=1, bm=bm, bn=bn: (bm, 128, bn)
+        triton_decode._attn_warps = lambda m, bd, x, w=warps: w
+        triton_decode._attn_stages = lambda g, m, s=stages: s
+        row = dict(impl="kvcache", block_m=bm, block_n=bn, warps=warps, stages=stages)
+        try:
+            fn = lambda: ioattn.flash_attn_with_kvcache(q, cache[:, 0], cache[:, 1],  # noqa: E731
+                                                       cache_seqlens=lens, block_table=table,
+                                                       causal=True)
+            err = (fn().float() - ref).abs().max().item()
+            ms = do_bench(fn, warmup=10, rep=40, return_mode="median")
+            row.update(ms=ms, tflops=flops / ms * 1e-9, max_abs_err=err)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    triton_decode.paged_tiles, triton_decode._attn_warps, triton_decode._attn_stages = orig
+    return results
+
+
+def profile_cell(b, ctx, page, h=32, h_k=8, d=128, dtype=torch.bfloat16):
+    """Kernel times (torch.profiler) and host time per run() of one decode cell."""
+    import time
+
+    n_pages = b * (-(-ctx // page))
+    cache = torch.randn(n_pages, 2, page, h_k, d, device="cuda", dtype=dtype)
+    indptr = torch.arange(0, n_pages + 1, n_pages // b, dtype=torch.int32)
+    indices = torch.randperm(n_pages, dtype=torch.int32).cuda()
+    last = torch.full((b,), page if ctx % page == 0 else ctx % page, dtype=torch.int32)
+    q = torch.randn(b, h, d, device="cuda", dtype=dtype)
+    out = torch.empty_like(q)
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+    w.plan(indptr, indices, last, h, h_k, d, page, q_data_type=dtype)
+    for _ in range(20):
+        w.run(q, cache, out=out)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        w.run(q, cache, out=out)
+    host_us = (time.perf_counter() - t0) / 200 * 1e6
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            w.run(q, cache, out=out)
+        torch.cuda.synchronize()
+    kernels = {e.key: round(e.device_time_total / e.count, 2) for e in prof.key_averages()
+               if e.device_time_total > 0}
+    row = dict(b=b, ctx=ctx, page=page, host_us_per_run=round(host_us, 2), kernel_us=kernels)
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -60,8 +137,24 @@ def main():
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--per-sm", default="2,4")
+    ap.add_argument("--prefill", action="store_true", help="sweep the chunked-prefill tiles instead")
+    ap.add_argument("--profile", action="store_true", help="kernel and host times of each cell")
     a = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    if a.profile:
+        res = [profile_cell(*cell) for cell in CELLS]
+        if a.json:
+            json.dump(res, open(a.json, "w"), indent=1)
+        return
+    if a.prefill:
+        configs = list(itertools.product((64, 128), ints(a.block_n), ints(a.warps), (2, 3)))
+        res = run_prefill(configs)
+        ok = sorted((r for r in res if "tflops" in r and r["impl"] == "kvcache"), key=lambda r: -r["tflops"])
+        print("== best prefill", [(r["block_m"], r["block_n"], r["warps"], r["stages"], round(r["tflops"], 1))
+                                  for r in ok[:5]], "dense", round(res[0]["tflops"], 1))
+        if a.json:
+            json.dump(res, open(a.json, "w"), indent=1)
+        return
     configs = list(itertools.product(ints(a.block_n), ints(a.warps), ints(a.stages), ints(a.per_sm)))
     res = run(CELLS, configs)
     ok = [r for r in res if "tb_s" in r]

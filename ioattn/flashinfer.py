@@ -613,7 +613,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
             _fail("each request's query count must not exceed its KV length (the queries are the "
                   f"last positions of the sequence); got qo {qo_lens[:8]} vs kv {lengths[:8]}")
         group = num_qo_heads // num_kv_heads
-        block_m = paged_tiles(group, head_dim_qk, rows_per_request=max(qo_lens + [1]))[0]
+        block_m = paged_tiles(group, head_dim_qk, rows_per_request=max(qo_lens + [1]),
+                              extras=rope is not None or bool(logits_soft_cap))[0]
         work = [(b, m, 0, n, -1) for b, (q_n, n) in enumerate(zip(qo_lens, lengths))
                 for m in range(-(-q_n * group // block_m))]
         dev = self._device

@@ -235,88 +235,82 @@ def _kvcache_attn_kernel(
 
 
 @triton.jit
-def _merge_start(BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    return (tl.full([BLOCK_H], float("-inf"), tl.float32), tl.zeros([BLOCK_H], tl.float32),
-            tl.zeros([BLOCK_H, BLOCK_D], tl.float32))
-
-
-@triton.jit
-def _merge(m_i, l_i, acc, lse2, o):
-    """Fold one partial (normalized output o, base-2 LSE lse2 per row) into the running merge
-    (max m_i, sum l_i, accumulator acc); rows whose partials are all empty keep -inf / 0."""
-    m_new = tl.maximum(m_i, lse2)
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    w = tl.exp2(lse2 - m_use)
-    alpha = tl.exp2(m_i - m_use)
-    return m_new, l_i * alpha + w, acc * alpha[:, None] + w[:, None] * o
-
-
-@triton.jit
-def _merged(m_i, l_i, acc):
-    """(output, base-2 LSE) of a finished merge; rows with nothing give 0 and -inf."""
+def _merge_slots(O_PART, LSE_PART, o_row0, l_row0, o_slot_stride, l_slot_stride, first, last,
+                 LSE_IN_BASE2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_S: tl.constexpr):
+    """Merge one head's partials s in [first, last) by their LSE: partial s's output row is
+    o_row0 + s * o_slot_stride of O_PART [rows, HEAD_DIM] (fp32, normalized) and its LSE
+    LSE_PART[l_row0 + s * l_slot_stride]. BLOCK_S partials per step, loaded together (a serial
+    walk over the partials made the merge latency-bound: 31 us for 33 splits at 1x32k).
+    Returns (output [BLOCK_D], base-2 LSE); a head with nothing gives 0 and -inf."""
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    m_i = tl.full([1], float("-inf"), tl.float32)
+    l_i = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(first, last, BLOCK_S):
+        o_s = s0 + tl.arange(0, BLOCK_S)
+        ok = o_s < last
+        lse = tl.load(LSE_PART + l_row0 + o_s.to(tl.int64) * l_slot_stride, mask=ok,
+                      other=float("-inf"))
+        if not LSE_IN_BASE2:
+            lse = lse * 1.4426950408889634
+        o = tl.load(O_PART + (o_row0 + o_s.to(tl.int64) * o_slot_stride)[:, None] * HEAD_DIM
+                    + o_d[None, :], mask=ok[:, None] & m_d[None, :], other=0.0)
+        m_new = tl.maximum(m_i, tl.max(lse, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(lse - m_use)  # empty partials (LSE -inf) weigh 0
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        m_i = m_new
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    out = acc / tl.where(empty, 1.0, l_i)
     return out, tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
 
 
 @triton.jit
 def _combine_kernel(O, LSE, O_PART, LSE_PART, stride_ob, stride_os, stride_oh,
                     seqlen_q, n_heads, n_splits, batch,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One (batch, token) row of every head: out = sum_s exp(lse_s - lse) * o_s."""
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One (batch, token, head): out = sum_s exp(lse_s - lse) * o_s over the splits of O_PART
+    [splits, batch, s_q, h, d] and LSE_PART [splits, batch, h, s_q] (natural log)."""
     i_bt = tl.program_id(0)
+    off_h = tl.program_id(1)
     off_b = i_bt // seqlen_q
     i_tok = i_bt % seqlen_q
-    o_h = tl.arange(0, BLOCK_H)
-    m_h = o_h < n_heads
+    acc, lse2 = _merge_slots(O_PART, LSE_PART, (i_bt * n_heads + off_h).to(tl.int64),
+                             ((off_b * n_heads + off_h) * seqlen_q + i_tok).to(tl.int64),
+                             batch * seqlen_q * n_heads, batch * n_heads * seqlen_q, 0, n_splits,
+                             False, HEAD_DIM, BLOCK_D, BLOCK_S)
     o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < HEAD_DIM
-    m_i, l_i, acc = _merge_start(BLOCK_H, BLOCK_D)
-    for s in range(n_splits):
-        l_row = ((s * batch + off_b) * n_heads + o_h).to(tl.int64) * seqlen_q + i_tok
-        lse_s = tl.load(LSE_PART + l_row, mask=m_h, other=float("-inf"))
-        row = ((s * batch + off_b) * seqlen_q + i_tok).to(tl.int64) * n_heads + o_h
-        o_s = tl.load(O_PART + row[:, None] * HEAD_DIM + o_d[None, :], mask=m_h[:, None] & m_d[None, :],
-                      other=0.0)
-        m_i, l_i, acc = _merge(m_i, l_i, acc, lse_s * 1.4426950408889634, o_s)
-    acc, lse = _merged(m_i, l_i, acc)
-    lse = lse * 0.6931471805599453
     p_o = (O + off_b.to(tl.int64) * stride_ob + i_tok.to(tl.int64) * stride_os
-           + o_h[:, None] * stride_oh + o_d[None, :])
-    tl.store(p_o, acc.to(O.dtype.element_ty), mask=m_h[:, None] & m_d[None, :])
-    tl.store(LSE + (off_b * n_heads + o_h).to(tl.int64) * seqlen_q + i_tok, lse, mask=m_h)
+           + off_h.to(tl.int64) * stride_oh + o_d)
+    tl.store(p_o, acc.to(O.dtype.element_ty), mask=o_d < HEAD_DIM)
+    tl.store(LSE + (off_b * n_heads + off_h).to(tl.int64) * seqlen_q + i_tok + tl.arange(0, 1),
+             lse2 * 0.6931471805599453)
 
 
 @triton.jit
 def _combine_slots_kernel(O, LSE, O_PART, LSE_PART, SLOT_START, stride_ob, stride_oh, n_heads,
-                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                           LSE_BASE2: tl.constexpr):
     """Decode request b split over slots [SLOT_START[b], SLOT_START[b + 1]) (none when the
-    request ran as one item and wrote its output itself): merge them by LSE."""
+    request ran as one item and wrote its output itself): merge one head's partials by LSE
+    (O_PART [slots, h, d], LSE_PART [slots, h])."""
     off_b = tl.program_id(0)
+    off_h = tl.program_id(1)
     first = tl.load(SLOT_START + off_b)
     last = tl.load(SLOT_START + off_b + 1)
     if last <= first:
         return
-    o_h = tl.arange(0, BLOCK_H)
-    m_h = o_h < n_heads
+    acc, lse2 = _merge_slots(O_PART, LSE_PART, off_h.to(tl.int64), off_h.to(tl.int64), n_heads,
+                             n_heads, first, last, LSE_BASE2, HEAD_DIM, BLOCK_D, BLOCK_S)
+    lse = lse2 if LSE_BASE2 else lse2 * 0.6931471805599453
     o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < HEAD_DIM
-    m_i, l_i, acc = _merge_start(BLOCK_H, BLOCK_D)
-    for slot in range(first, last):
-        row = o_h.to(tl.int64) + slot * n_heads  # slots x heads stays far below 2^31
-        lse_s = tl.load(LSE_PART + row, mask=m_h, other=float("-inf"))
-        if not LSE_BASE2:
-            lse_s = lse_s * 1.4426950408889634
-        o_s = tl.load(O_PART + row[:, None] * HEAD_DIM + o_d[None, :], mask=m_h[:, None] & m_d[None, :],
-                      other=0.0)
-        m_i, l_i, acc = _merge(m_i, l_i, acc, lse_s, o_s)
-    acc, lse = _merged(m_i, l_i, acc)
-    if not LSE_BASE2:
-        lse = lse * 0.6931471805599453
-    p_o = O + off_b.to(tl.int64) * stride_ob + o_h[:, None] * stride_oh + o_d[None, :]
-    tl.store(p_o, acc.to(O.dtype.element_ty), mask=m_h[:, None] & m_d[None, :])
-    tl.store(LSE + off_b.to(tl.int64) * n_heads + o_h, lse, mask=m_h)
+    tl.store(O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + o_d,
+             acc.to(O.dtype.element_ty), mask=o_d < HEAD_DIM)
+    tl.store(LSE + off_b.to(tl.int64) * n_heads + off_h + tl.arange(0, 1), lse)
 
 
 @triton.jit
@@ -378,6 +372,9 @@ def _rope_store_kernel(SRC, DST, COS, SIN, POS_BASE, LEFTPAD, BT, CACHE_IDX,
     tl.store(dst + o_d, x.to(DST.dtype.element_ty), mask=m_pass)
 
 
+COMBINE_SLOTS = 16  # partials merged per step by the combine kernels
+
+
 def _attn_warps(block_m: int, block_d: int, extras: bool) -> int:
     # plain decode tiles (at most 16 rows, d <= 128, no softcap/ALiBi/RoPE) run best with 4
     # warps: more programs per SM, more loads in flight (benchmarks/tune_decode.py on the H200:
@@ -389,10 +386,11 @@ def _attn_warps(block_m: int, block_d: int, extras: bool) -> int:
 
 def _attn_stages(on_gpu: bool, block_m: int) -> int:
     # K/V tiles in flight per program (cp.async pipelining of the gathered loads): 4 measured
-    # best over the decode cells with 4 warps and 64-key tiles (benchmarks/tune_decode.py)
+    # best over the decode cells with 4 warps and 64-key tiles, 3 for the 128 x 128 prefill tiles
+    # (benchmarks/tune_decode.py)
     if not on_gpu:
         return 1
-    return 4 if block_m <= 16 else 2
+    return 4 if block_m <= 16 else 3 if block_m >= 128 else 2
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -431,7 +429,7 @@ def kvcache_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
         out.zero_()
         lse.fill_(float("-inf"))
         return
-    block_m, block_d, block_n = paged_tiles(group, d, s_q)
+    block_m, block_d, block_n = paged_tiles(group, d, s_q, softcap > 0 or alibi_slopes is not None)
     m_blocks = triton.cdiv(s_q * group, block_m)
     if num_splits <= 0:
         num_splits = num_splits_for(b, h_k, m_blocks, capacity, block_n, q.device)
@@ -465,9 +463,9 @@ def kvcache_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
         num_warps=_attn_warps(block_m, block_d, softcap > 0 or alibi_slopes is not None), num_stages=_attn_stages(q.is_cuda, block_m),
     )
     if split:
-        _combine_kernel[(b * s_q,)](
+        _combine_kernel[(b * s_q, h)](
             out, lse, o_part, lse_part, out.stride(0), out.stride(1), out.stride(2),
-            s_q, h, num_splits, b, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=_pow2(h),
+            s_q, h, num_splits, b, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=COMBINE_SLOTS,
             num_warps=4,
         )
 
@@ -544,16 +542,24 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
         num_warps=_attn_warps(block_m, block_d, softcap > 0 or rope is not None), num_stages=_attn_stages(q.is_cuda, block_m),
     )
     if slot_start is not None:
-        _combine_slots_kernel[(b,)](
+        _combine_slots_kernel[(b, h)](
             out, lse, o_part, lse_part, slot_start, out.stride(0), out.stride(1), h,
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=_pow2(h), LSE_BASE2=lse_base2, num_warps=4,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=COMBINE_SLOTS, LSE_BASE2=lse_base2, num_warps=4,
         )
 
 
-def paged_tiles(group: int, d: int, rows_per_request: int = 1) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_D, BLOCK_N) of the paged kernels: rows = query tokens x GQA group."""
+def paged_tiles(group: int, d: int, rows_per_request: int = 1,
+                extras: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_D, BLOCK_N) of the paged kernels: rows = query tokens x GQA group.
+    ``extras``: softcap, ALiBi or RoPE in the kernel (their tall tiles have not been measured)."""
     block_d = _pow2(d, 16)
-    block_m = min(_pow2(rows_per_request * group, 16), 64 if block_d <= 128 else 32)
+    rows = _pow2(rows_per_request * group, 16)
+    if rows >= 128 and block_d <= 128 and not extras:
+        # chunked prefill: 128-row tiles of 64 keys, 8 warps, 3 stages (results/tune/
+        # tune_prefill.json on the H200: 8 x (4k + 512) went from 140 to 229 TFLOP/s; 128 keys
+        # gave 242, within the noise, with 2.7x the spills)
+        return 128, block_d, 64
+    block_m = min(rows, 64 if block_d <= 128 else 32)
     return block_m, block_d, _tile_n(block_m, block_d)
 
 
@@ -562,4 +568,6 @@ def _tile_n(block_m: int, block_d: int) -> int:
     # blocks); d=256 needs 16-key tiles and at most 32 rows (RoPE's rotated halves included)
     if block_d > 128:
         return 16
+    if block_m >= 128:
+        return 64
     return 64 if block_m < 64 else 32
