@@ -9,6 +9,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from ioattn.decode.op import eager as kvcache_eager
 from ioattn.decode.op import kvcache_fwd
 from ioattn.dense.api import _check_alibi, _check_common, _check_tensor, _fail
 from ioattn.dispatch import resolve_backend
@@ -225,8 +226,9 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         k_cache.copy_(k2)
         v_cache.copy_(v2)
     else:
-        out, lse = kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                               cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
-                               float(scale), left, right, float(softcap), bool(rotary_interleaved),
-                               int(num_splits))
+        # compiled graphs need the op; eager calls skip its dispatch (``op.eager``)
+        run = kvcache_fwd if torch.compiler.is_compiling() else kvcache_eager
+        out, lse = run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                       cache_batch_idx, cache_leftpad, block_table, alibi_slopes, float(scale),
+                       left, right, float(softcap), bool(rotary_interleaved), int(num_splits))
     return (out, lse) if return_softmax_lse else out

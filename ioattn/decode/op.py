@@ -11,15 +11,16 @@ from ioattn.decode.triton_decode import kvcache_attn, rope_store
 from ioattn.dense.op import _new_output, _on_device
 
 
-@torch.library.custom_op("ioattn::kvcache_fwd", mutates_args=("k_cache", "v_cache"))
-def kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor],
-                v: Optional[Tensor], rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor],
-                cache_seqlens: Tensor, cache_batch_idx: Optional[Tensor],
-                cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
-                alibi_slopes: Optional[Tensor], softmax_scale: float, window_left: int,
-                window_right: int, softcap: float, rotary_interleaved: bool,
-                num_splits: int) -> tuple[Tensor, Tensor]:
-    """Arguments as ``flash_attn_with_kvcache`` (validated there); cache_seqlens int32 [b].
+def kvcache_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor],
+                    v: Optional[Tensor], rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor],
+                    cache_seqlens: Tensor, cache_batch_idx: Optional[Tensor],
+                    cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
+                    alibi_slopes: Optional[Tensor], softmax_scale: float, window_left: int,
+                    window_right: int, softcap: float, rotary_interleaved: bool,
+                    num_splits: int) -> tuple[Tensor, Tensor]:
+    """The op's implementation, also called directly by eager callers (``eager``).
+
+    Arguments as ``flash_attn_with_kvcache`` (validated there); cache_seqlens int32 [b].
     Returns (out [b, s_q, h, d], lse [b, h, s_q] fp32, natural log)."""
     b, s_q, h, d = q.shape
     local = window_left >= 0 or window_right >= 0
@@ -50,6 +51,22 @@ def kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
             kvcache_attn(q, k_cache, v_cache, seqlens_k, cache_leftpad, block_table,
                          cache_batch_idx, alibi_slopes, softmax_scale, window_left, window_right,
                          softcap, num_splits, out, lse)
+    return out, lse
+
+
+kvcache_fwd = torch.library.custom_op("ioattn::kvcache_fwd", kvcache_forward,
+                                     mutates_args=("k_cache", "v_cache"))
+
+
+def eager(*args) -> tuple[Tensor, Tensor]:
+    """``kvcache_fwd`` outside torch.compile, without the custom-op dispatch: for a mutable op
+    with this many arguments, torch's eager bookkeeping (``fill_defaults`` in the
+    ADInplaceOrView kernel) cost ~150 us of host time per call, more than a decode step's
+    kernel. Same kernels; the mutated caches' version counters are bumped as the op would."""
+    out, lse = kvcache_forward(*args)
+    if args[3] is not None:  # k given: the new tokens were written into both caches
+        torch.autograd.graph.increment_version(args[1])
+        torch.autograd.graph.increment_version(args[2])
     return out, lse
 
 

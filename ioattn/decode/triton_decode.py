@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ioattn.dense.common import LOG2E, scores_log2
+from ioattn.dense.common import LOG2E, cdiv, scores_log2
 
 
 @triton.jit
@@ -430,11 +430,11 @@ def kvcache_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
         lse.fill_(float("-inf"))
         return
     block_m, block_d, block_n = paged_tiles(group, d, s_q, softcap > 0 or alibi_slopes is not None)
-    m_blocks = triton.cdiv(s_q * group, block_m)
+    m_blocks = cdiv(s_q * group, block_m)
     if num_splits <= 0:
         num_splits = num_splits_for(b, h_k, m_blocks, capacity, block_n, q.device)
-    split_len = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(capacity, split_len)
+    split_len = cdiv(cdiv(capacity, num_splits), block_n) * block_n
+    num_splits = cdiv(capacity, split_len)
     split = num_splits > 1
     if split:
         o_part = torch.empty(num_splits, b, s_q, h, d, device=q.device, dtype=torch.float32)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ioattn.dense import configs
-from ioattn.dense.common import (LOG2E, dropout_keep, ensure_tma_allocator, kv_block_range,
+from ioattn.dense.common import (LOG2E, cdiv, dropout_keep, ensure_tma_allocator, kv_block_range,
                                  kv_sources, load_kv_block, q_block_range, scores_log2, seq_bounds, tma_compatible,
                                  visible)
 from ioattn.dense.params import AttnParams
@@ -344,7 +344,7 @@ def bwd_preprocess(p: AttnParams, out: torch.Tensor, dout: torch.Tensor, lse: to
     n_heads = out.shape[-2]
     sb = p.batch_strides
     pre_block = 64
-    grid = (triton.cdiv(p.max_seqlen_q, pre_block), p.batch * n_heads)
+    grid = (cdiv(p.max_seqlen_q, pre_block), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
     _bwd_preprocess[grid](
@@ -375,9 +375,9 @@ def attn_bwd(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     if use_tma:
         ensure_tma_allocator()
     pre_block = 64
-    grid_q = (triton.cdiv(p.max_seqlen_q, pre_block), p.batch * n_heads)
-    grid_kv = (triton.cdiv(p.max_seqlen_k, cfg.block_n), p.batch * n_heads_k)
-    grid_dq = (triton.cdiv(p.max_seqlen_q, cfg.block_m_dq), p.batch * n_heads)
+    grid_q = (cdiv(p.max_seqlen_q, pre_block), p.batch * n_heads)
+    grid_kv = (cdiv(p.max_seqlen_k, cfg.block_n), p.batch * n_heads_k)
+    grid_dq = (cdiv(p.max_seqlen_q, cfg.block_m_dq), p.batch * n_heads)
     if grid_kv[0] * grid_kv[1] == 0:  # no keys: every dQ is 0, dK/dV are empty
         dq.zero_()
         return

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ioattn.dense import configs
-from ioattn.dense.common import (LOG2E, dropout_keep, ensure_tma_allocator, kv_block_range,
+from ioattn.dense.common import (LOG2E, cdiv, dropout_keep, ensure_tma_allocator, kv_block_range,
                                  kv_sources, load_kv_block, scores_log2, seq_bounds,
                                  tma_compatible, visible)
 from ioattn.dense.params import AttnParams
@@ -163,7 +163,7 @@ def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cfg = configs.fwd_config(q.device, p.head_dim, p.head_dim_v, q.dtype, p.causal_like,
                              p.max_seqlen_q)
     n_heads = q.shape[-2]
-    grid = (triton.cdiv(p.max_seqlen_q, cfg.block_m), p.batch * n_heads)
+    grid = (cdiv(p.max_seqlen_q, cfg.block_m), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
     sb = p.batch_strides
@@ -219,7 +219,7 @@ def dropout_keep_mask(p: AttnParams, n_heads: int, device: torch.device) -> torc
     """The forward's dropout keep-mask as bool [batch, heads, max_seqlen_q, max_seqlen_k] (for tests:
     varlen sequences occupy the top-left [s_q_i, s_k_i] corner of their slice)."""
     mask = torch.empty(p.batch, n_heads, p.max_seqlen_q, p.max_seqlen_k, dtype=torch.int8, device=device)
-    grid = (triton.cdiv(p.max_seqlen_q, 32), p.batch * n_heads)
+    grid = (cdiv(p.max_seqlen_q, 32), p.batch * n_heads)
     _dropout_mask_kernel[grid](mask, p.cu_q_arg(mask), p.rng_state, n_heads, p.rng_rows, p.max_seqlen_q,
                                p.max_seqlen_k, p.dropout_p, BLOCK_M=32, BLOCK_N=32,
                                IS_VARLEN=p.is_varlen)
