@@ -12,8 +12,11 @@ Covered: ``BatchDecodeWithPagedKVCacheWrapper`` (plan/run, CUDA-graph safe),
 captured in CUDA graphs yet), ``single_decode_with_kv_cache``, ``single_prefill_with_kv_cache``,
 ``append_paged_kv_cache``, ``get_batch_indices_positions``, ``get_seq_lens``.
 ``pos_encoding_mode`` 'NONE' and 'ROPE_LLAMA' (RoPE on q and k inside the paged kernels; the
-ragged and single-request calls rotate copies first). Custom masks are not supported yet and
-raise.
+ragged and single-request calls rotate copies first). Custom masks (``custom_mask`` /
+``packed_custom_mask``, FlashInfer's layout: each request's [qo_len, kv_len] booleans flattened,
+True = attend, replacing causal) run in the paged prefill kernel; the ragged and single-request
+calls then read their K/V rows as pages of one token. ``packbits`` / ``segment_packbits`` are here
+too.
 """
 from __future__ import annotations
 
@@ -432,9 +435,68 @@ def _prefill_window(causal: bool, window_left: int) -> tuple[int, int]:
     return (window_left if window_left is not None else -1), (0 if causal else -1)
 
 
-def _no_custom_mask(custom_mask, packed_custom_mask) -> None:
-    if custom_mask is not None or packed_custom_mask is not None:
-        _fail("custom masks are not supported by ioattn yet (causal and window_left are)")
+def packbits(x: Tensor, bitorder: str = "little") -> Tensor:
+    """FlashInfer's ``packbits``: the flattened booleans of ``x``, 8 per uint8 (the last byte
+    zero-padded); 'little': element 8i + j is bit j of byte i."""
+    if bitorder not in ("little", "big"):
+        _fail(f"bitorder={bitorder!r} must be 'little' or 'big'")
+    bits = (x.reshape(-1) != 0).to(torch.uint8)
+    bits = torch.cat([bits, bits.new_zeros((-bits.numel()) % 8)]).view(-1, 8)
+    shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
+    if bitorder == "big":
+        shifts = shifts.flip(0)
+    return (bits << shifts).sum(1, dtype=torch.uint8)
+
+
+def segment_packbits(x: Tensor, indptr: Tensor, bitorder: str = "little") -> tuple[Tensor, Tensor]:
+    """FlashInfer's ``segment_packbits``: each segment x[indptr[i]:indptr[i + 1]] packed on its own
+    (starting at a byte); returns (packed uint8, new_indptr int32 of byte offsets)."""
+    ip = _int32_cpu("indptr", indptr)
+    parts = [packbits(x[a:b], bitorder) for a, b in zip(ip, ip[1:])]
+    sizes = [0] + [t.numel() for t in parts]
+    new_ip = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    packed = torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.uint8)
+    return packed, new_ip.to(indptr.device)
+
+
+def _custom_mask(custom_mask, packed_custom_mask, qo_lens: list[int], kv_lens: list[int],
+                 device: torch.device) -> Optional[tuple[Tensor, Tensor]]:
+    """plan()'s custom mask as the kernels read it: (little-endian packed bits on ``device``,
+    int32 byte offset of each request's [qo_len, kv_len] block). None without a mask."""
+    if custom_mask is None and packed_custom_mask is None:
+        return None
+    sizes = [q * k for q, k in zip(qo_lens, kv_lens)]
+    if packed_custom_mask is None:
+        if not isinstance(custom_mask, Tensor) or custom_mask.dtype != torch.bool:
+            _fail("custom_mask must be a bool tensor (each request's [qo_len, kv_len] mask, "
+                  "flattened and concatenated; True = attend)", TypeError)
+        if custom_mask.numel() != sum(sizes):
+            _fail(f"custom_mask has {custom_mask.numel()} entries; the plan's requests need "
+                  f"sum(qo_len * kv_len) = {sum(sizes)}")
+        indptr = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+        packed, byte_ip = segment_packbits(custom_mask.reshape(-1), indptr)
+    else:
+        if not isinstance(packed_custom_mask, Tensor) or packed_custom_mask.dtype != torch.uint8 \
+                or packed_custom_mask.dim() != 1:
+            _fail("packed_custom_mask must be a 1-D uint8 tensor (segment_packbits of the mask, "
+                  "bitorder='little')", TypeError)
+        nbytes = [-(-n // 8) for n in sizes]
+        if packed_custom_mask.numel() != sum(nbytes):
+            _fail(f"packed_custom_mask has {packed_custom_mask.numel()} bytes; the plan's requests "
+                  f"need sum(ceil(qo_len * kv_len / 8)) = {sum(nbytes)} (segment_packbits)")
+        packed = packed_custom_mask
+        byte_ip = torch.tensor([0] + nbytes, dtype=torch.int64).cumsum(0).to(torch.int32)
+    if int(byte_ip[-1]) >= 2 ** 31 - 1:
+        _fail("the custom mask exceeds 2^31 bytes")
+    return packed.to(device).contiguous(), byte_ip.to(device)
+
+
+def _single_request_table(kv_len: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """A page table of one request whose kv_len rows are pages of one token (page_size 1):
+    how contiguous K/V reach the paged kernels."""
+    return (torch.tensor([0, kv_len], dtype=torch.int32),
+            torch.arange(kv_len, dtype=torch.int32, device=device),
+            torch.tensor([1 if kv_len else 0], dtype=torch.int32))
 
 
 def _base2(lse_natural_h_t: Tensor) -> Tensor:
@@ -451,18 +513,28 @@ def single_prefill_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, custom_mask=No
                                  rope_scale: Optional[float] = None,
                                  rope_theta: Optional[float] = None, return_lse: bool = False):
     """q [qo_len, H, D] over k, v [kv_len, H_kv, D] (NHD) / [H_kv, kv_len, D] (HND); causal is
-    aligned bottom-right (the queries are the last qo_len positions). Returns out [qo_len, H, D]
-    (and the base-2 LSE [qo_len, H])."""
+    aligned bottom-right (the queries are the last qo_len positions). custom_mask: bool
+    [qo_len, kv_len] (True = attend; replaces causal), or packed_custom_mask (``packbits`` of it,
+    little-endian). Returns out [qo_len, H, D] (and the base-2 LSE [qo_len, H])."""
     from ioattn.dense.api import flash_attn_func
 
     rope = _rope_args(pos_encoding_mode, rope_scale, rope_theta)
-    _no_custom_mask(custom_mask, packed_custom_mask)
     if kv_layout not in _LAYOUTS:
         _fail(f"kv_layout={kv_layout!r} must be one of {_LAYOUTS}")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         _fail("q must be [qo_len, H, D] and k, v [kv_len, H_kv, D] (NHD) or [H_kv, kv_len, D] (HND)")
     if kv_layout == "HND":
         k, v = k.transpose(0, 1), v.transpose(0, 1)
+    if custom_mask is not None or packed_custom_mask is not None:
+        # the masked paged kernel over K/V rows as pages of one token
+        w = BatchPrefillWithPagedKVCacheWrapper(q.new_empty(0))
+        w.plan(torch.tensor([0, q.shape[0]], dtype=torch.int32),
+               *_single_request_table(k.shape[0], q.device), q.shape[1], k.shape[1], q.shape[2], 1,
+               custom_mask=None if custom_mask is None else custom_mask.reshape(-1),
+               packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
+               sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
+               rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q.dtype)
+        return w.run(q, (k[:, None], v[:, None]), return_lse=return_lse)
     if rope is not None:
         kv_len, qo_len = k.shape[0], q.shape[0]
         k = _llama_rope(k, torch.arange(kv_len, device=q.device), rope)
@@ -487,6 +559,7 @@ class BatchPrefillWithRaggedKVCacheWrapper:
             _fail("use_cuda_graph: ioattn's ragged prefill wrapper does not capture yet (the "
                   "decode wrapper does); run it outside the graph")
         self._backend = backend
+        self._device = float_workspace_buffer.device
         self._planned = False
 
     def plan(self, qo_indptr: Tensor, kv_indptr: Tensor, num_qo_heads: int, num_kv_heads: int,
@@ -500,7 +573,21 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         rope = _rope_args(pos_encoding_mode, rope_scale, rope_theta)
         if rope is not None and head_dim_qk % 2:
             _fail(f"pos_encoding_mode='ROPE_LLAMA' needs an even head_dim_qk, got {head_dim_qk}")
-        _no_custom_mask(custom_mask, packed_custom_mask)
+        self._masked = None
+        if custom_mask is not None or packed_custom_mask is not None:
+            # the masked paged kernel, over the ragged K/V rows as pages of one token
+            ki = _int32_cpu("kv_indptr", kv_indptr)
+            self._masked = BatchPrefillWithPagedKVCacheWrapper(
+                torch.empty(0, device=self._device))
+            self._masked.plan(
+                qo_indptr, kv_indptr, torch.arange(ki[-1], dtype=torch.int32, device=self._device),
+                torch.tensor([min(1, b - a) for a, b in zip(ki, ki[1:])], dtype=torch.int32),
+                num_qo_heads, num_kv_heads, head_dim_qk, 1, head_dim_vo, custom_mask=custom_mask,
+                packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
+                sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type)
+            self._planned = True
+            return
         qi, ki = _int32_cpu("qo_indptr", qo_indptr), _int32_cpu("kv_indptr", kv_indptr)
         if len(qi) != len(ki) or len(qi) < 2:
             _fail(f"qo_indptr ({len(qi)}) and kv_indptr ({len(ki)}) need batch + 1 entries each")
@@ -531,6 +618,11 @@ class BatchPrefillWithRaggedKVCacheWrapper:
 
         if not self._planned:
             _fail("call plan() before run()", RuntimeError)
+        if self._masked is not None:
+            if k.dim() != 3 or v.dim() != 3:
+                _fail("k and v must be [total_kv, H_kv, D]")
+            return self._masked.run(q, (k[:, None], v[:, None]), out=out, lse=lse,
+                                    return_lse=return_lse)
         c = self._cfg
         dev = q.device
         if q.shape[0] < self._totals[0] or k.shape[0] < self._totals[1]:
@@ -592,7 +684,6 @@ class BatchPrefillWithPagedKVCacheWrapper:
              rope_theta: Optional[float] = None, q_data_type: Union[str, torch.dtype] = "float16",
              kv_data_type=None, non_blocking: bool = True, **_unused) -> None:
         rope = _rope_args(pos_encoding_mode, rope_scale, rope_theta)
-        _no_custom_mask(custom_mask, packed_custom_mask)
         if head_dim_vo not in (None, head_dim_qk):
             _fail("head_dim_vo must equal head_dim_qk for paged caches")
         ip, lp = _check_csr(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size,
@@ -612,12 +703,16 @@ class BatchPrefillWithPagedKVCacheWrapper:
         if any(n > m for n, m in zip(qo_lens, lengths)):
             _fail("each request's query count must not exceed its KV length (the queries are the "
                   f"last positions of the sequence); got qo {qo_lens[:8]} vs kv {lengths[:8]}")
+        dev = self._device
+        # a custom mask replaces causal (FlashInfer's rule); window_left still applies
+        self._mask = _custom_mask(custom_mask, packed_custom_mask, qo_lens, lengths, dev)
+        causal = causal and self._mask is None
         group = num_qo_heads // num_kv_heads
         block_m = paged_tiles(group, head_dim_qk, rows_per_request=max(qo_lens + [1]),
-                              extras=rope is not None or bool(logits_soft_cap))[0]
+                              extras=rope is not None or bool(logits_soft_cap)
+                              or self._mask is not None)[0]
         work = [(b, m, 0, n, -1) for b, (q_n, n) in enumerate(zip(qo_lens, lengths))
                 for m in range(-(-q_n * group // block_m))]
-        dev = self._device
         self._work = torch.tensor(work or [(0, 0, 0, 0, -1)], dtype=torch.int32, device=dev)
         self._n_work = torch.tensor([len(work)], dtype=torch.int32, device=dev)
         self._seqlens_indptr = torch.tensor(lengths + ip + qi, dtype=torch.int32, device=dev)
@@ -645,7 +740,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         wl, wr = _prefill_window(c["causal"], c["window_left"])
         paged_attn(q, k, v, self._indices, self._seqlens_indptr, self._work, self._n_work, None,
                    self._work.shape[0], 1, c["block_m"], lse_out, lse_out, c["scale"], wl, wr,
-                   c["softcap"], out, lse_out, lse_base2=True, rope=c["rope"])
+                   c["softcap"], out, lse_out, lse_base2=True, rope=c["rope"], mask=self._mask)
         return (out, lse_out) if return_lse else out
 
     forward = run

@@ -30,8 +30,12 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
                   alibi_slopes: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
                   dropout_p: float = 0.0, dropout_mask: Optional[torch.Tensor] = None,
                   upcast: bool = True, compute_dtype: torch.dtype = torch.float32,
+                  attn_mask: Optional[torch.Tensor] = None,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention. Returns (out [b, s_q, h, d_v] in q's dtype, lse [b, h, s_q] fp32).
+
+    attn_mask: bool, broadcastable to [b, h, s_q, s_k], True = attend (a custom mask, combined
+    with causal / window).
 
     upcast=True computes in ``compute_dtype`` (fp32, or fp64 to check the reference itself);
     upcast=False does the same math in the inputs' low precision (the baseline of the test rule).
@@ -53,6 +57,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     if causal:
         right = 0
     mask = visible_mask_ref(s_q, s_k, left, right, q.device)
+    if attn_mask is not None:
+        mask = mask & attn_mask.to(q.device)
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(scores.dtype)
         slopes = slopes[None, :] if slopes.dim() == 1 else slopes
@@ -65,7 +71,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
     lse = torch.logsumexp(scores, dim=-1)
     attn = torch.softmax(scores, dim=-1)
-    attn = attn.masked_fill(~mask.any(-1)[:, None], 0.0)  # no visible key: zeros, never NaN
+    attn = attn.masked_fill(~mask.any(-1)[..., None], 0.0)  # no visible key: zeros, never NaN
     if dropout_p > 0:
         assert dropout_mask is not None, "dropout_p > 0 needs the keep-mask"
         attn = attn.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)

@@ -70,12 +70,13 @@ def _kvcache_attn_kernel(
     stride_btb, stride_sb,
     seqlen_q, n_heads_k, kv_group, page_size, n_pages, capacity, split_len, n_splits, batch,
     qk_scale_log2, softcap_scale, softcap_log2, window_left, window_right,
-    rope_rcp_scale, rope_log2_theta,
+    rope_rcp_scale, rope_log2_theta, MASK, MASK_INDPTR,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, HAS_CACHE_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr, WORKLIST: tl.constexpr, CSR: tl.constexpr,
     LSE_BASE2: tl.constexpr = False, ROPE: tl.constexpr = False, BLOCK_HD: tl.constexpr = 16,
+    HAS_MASK: tl.constexpr = False,
 ):
     i_m = tl.program_id(1)
     if WORKLIST:
@@ -189,6 +190,13 @@ def _kvcache_attn_kernel(
         if HAS_LEFT:
             vis = vis & (o_p[None, :] >= o_tok[:, None] + off - window_left)
         s = tl.where(vis, s, float("-inf"))
+        if HAS_MASK:
+            # FlashInfer's packed custom mask: request b's [qo_len, kv_len] booleans, row-major,
+            # bits little-endian from byte MASK_INDPTR[b]
+            bit = o_tok[:, None].to(tl.int64) * seqlen_k + o_p[None, :]
+            mask_byte0 = tl.load(MASK_INDPTR + off_b).to(tl.int64)
+            byte = tl.load(MASK + mask_byte0 + (bit >> 3), mask=m_row[:, None] & m_p[None, :], other=0)
+            s = tl.where(((byte.to(tl.int32) >> (bit & 7).to(tl.int32)) & 1) != 0, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * c)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s * c - m_use[:, None])
@@ -455,7 +463,7 @@ def kvcache_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
         s_q, h_k, group, page_size, k_pages.shape[0], capacity, split_len, num_splits, b,
         softmax_scale * LOG2E, softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E,
-        window_left, window_right, 1.0, 0.0,
+        window_left, window_right, 1.0, 0.0, dummy, dummy,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGED=paged, HAS_CACHE_IDX=cache_batch_idx is not None, HAS_LEFTPAD=leftpad is not None,
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
@@ -507,7 +515,8 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
                o_part: torch.Tensor, lse_part: torch.Tensor, softmax_scale: float,
                window_left: int, window_right: int, softcap: float, out: torch.Tensor,
                lse: torch.Tensor, lse_base2: bool,
-               rope: Optional[tuple[float, float]] = None) -> None:
+               rope: Optional[tuple[float, float]] = None,
+               mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
     """Planned attention (plan()/run()) of ragged q [total_q, h, d] over pages [pages, page_size,
     h_k, d] (strided views serve NHD and HND) through the CSR page table ``indices``.
     ``seqlens_indptr`` holds the per-request kv lengths, kv indptr and qo indptr ([batch],
@@ -515,7 +524,8 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
     run for ``row_blocks`` consecutive row blocks of ``block_m`` rows (the plan's); ``slot_start`` [batch + 1] the split decode
     requests' partial slots (merged afterwards), or None when no item splits. out [total_q, h, d],
     lse [total_q, h]. rope=(rope_scale, rope_theta) rotates q and K inside the kernel (FlashInfer's
-    ROPE_LLAMA; the cache keeps unrotated keys). Launches a fixed grid, so CUDA graphs replay it under new plans; allocates
+    ROPE_LLAMA; the cache keeps unrotated keys). mask=(packed bits uint8, byte offsets int32
+    [batch + 1]) is FlashInfer's packed custom mask (True = attend). Launches a fixed grid, so CUDA graphs replay it under new plans; allocates
     nothing."""
     total_q, h, d = q.shape
     b = slot_start.shape[0] - 1 if slot_start is not None else (seqlens_indptr.shape[0] - 2) // 3
@@ -534,11 +544,12 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
         1, h_k, group, k_pages.shape[1], k_pages.shape[0], indices.shape[0] * k_pages.shape[1], 0, 0, b,
         softmax_scale * LOG2E, softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E,
         window_left, window_right, 1.0 / rope[0] if rope else 1.0, math.log2(rope[1]) if rope else 0.0,
+        mask[0] if mask is not None else seqlens_indptr, mask[1] if mask is not None else seqlens_indptr,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGED=True, HAS_CACHE_IDX=False, HAS_LEFTPAD=False,
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=False, SPLIT=False, WORKLIST=True, CSR=True, LSE_BASE2=lse_base2,
-        ROPE=rope is not None, BLOCK_HD=_pow2(d // 2, 16),
+        ROPE=rope is not None, BLOCK_HD=_pow2(d // 2, 16), HAS_MASK=mask is not None,
         num_warps=_attn_warps(block_m, block_d, softcap > 0 or rope is not None), num_stages=_attn_stages(q.is_cuda, block_m),
     )
     if slot_start is not None:

@@ -10,10 +10,10 @@ from ioattn.decode import triton_decode as td
 from ioattn.dense.inspect import kernel_report
 
 ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", LSE="*fp32", O_PART="*fp32",
-            LSE_PART="*fp32", SLOPES="*fp32")
+            LSE_PART="*fp32", SLOPES="*fp32", MASK="*u8")
 base = dict(HEAD_DIM=128, BLOCK_D=128, PAGED=True, HAS_CACHE_IDX=False, HAS_LEFTPAD=False,
             HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, SPLIT=False,
-            WORKLIST=False, CSR=False, LSE_BASE2=False, ROPE=False, BLOCK_HD=64)
+            WORKLIST=False, CSR=False, LSE_BASE2=False, ROPE=False, BLOCK_HD=64, HAS_MASK=False)
 out = []
 for name, s_q, d, extra in [
         ("kvcache decode split", 1, 128, dict(SPLIT=True)),
@@ -23,10 +23,12 @@ for name, s_q, d, extra in [
                                                 BLOCK_HD=128)),
         ("paged prefill causal", 16, 128, dict(WORKLIST=True, CSR=True, LSE_BASE2=True,
                                                HAS_RIGHT=True)),
+        ("paged prefill custom mask", 16, 128, dict(WORKLIST=True, CSR=True, LSE_BASE2=True,
+                                                    HAS_MASK=True)),
         ("kvcache chunked prefill", 512, 128, dict(HAS_RIGHT=True)),
         ("paged prefill d256", 16, 256, dict(WORKLIST=True, CSR=True, LSE_BASE2=True,
                                              HAS_RIGHT=True))]:
-    extras = any(extra.get(f) for f in ("HAS_SOFTCAP", "HAS_ALIBI", "ROPE"))
+    extras = any(extra.get(f) for f in ("HAS_SOFTCAP", "HAS_ALIBI", "ROPE", "HAS_MASK"))
     block_m, block_d, block_n = td.paged_tiles(4, d, s_q, extras)
     ce = dict(base, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
     r = kernel_report(name, td._kvcache_attn_kernel, ptrs, ce, td._attn_warps(block_m, block_d, extras))

@@ -264,6 +264,63 @@ def test_batch_prefill_ragged_and_single(device):
 
 
 
+def _masks(qo, kv, g):
+    """Random per-request [qo_len, kv_len] masks (True = attend), one row fully masked."""
+    masks = [torch.rand(a, b, generator=g) < 0.6 for a, b in zip(qo, kv)]
+    masks[0][0] = False  # a query that sees no key: out 0, LSE -inf
+    return masks
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bool", "packed"])
+def test_custom_mask(packed, device):
+    """FlashInfer's custom masks (each request's [qo_len, kv_len] booleans, flattened; True =
+    attend, replacing causal) in the paged, ragged and single-request prefill calls."""
+    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+    lens, indptr, indices, last, cache = _paged(3, 2, 64, 5, BF16, device, "NHD", 60, empty=False, g=g)
+    qo = [min(n, q) for n, q in zip(lens, (7, 1, 20))]
+    qo_indptr = torch.tensor([0] + torch.tensor(qo).cumsum(0).tolist(), dtype=torch.int32)
+    masks = _masks(qo, lens, g)
+    flat = torch.cat([m.flatten() for m in masks])
+    kw = dict(custom_mask=flat.to(device))
+    if packed:
+        seg = torch.tensor([0] + [m.numel() for m in masks], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        kw = dict(packed_custom_mask=fi.segment_packbits(flat.to(device), seg)[0])
+    q = torch.randn(sum(qo), 4, 64, device=device, dtype=BF16)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
+    w.plan(qo_indptr, indptr, indices.to(device), last, 4, 2, 64, 5, causal=True, q_data_type=BF16,
+           **kw)
+    out, lse = w.run(q, cache, return_lse=True)
+    ks, vs = zip(*(_gather(cache, "NHD", indices, indptr, b, n) for b, n in enumerate(lens)))
+    kv_indptr = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    wr = fi.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
+    wr.plan(qo_indptr, kv_indptr, 4, 2, 64, causal=True, q_data_type=BF16, **kw)
+    out_r = wr.run(q, torch.cat(ks), torch.cat(vs))
+    for b in range(3):
+        sl = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
+        lse_ref = _check_request(f"paged out[{b}]", out[sl], q[sl], ks[b], vs[b], attn_mask=masks[b])
+        _check_request(f"ragged out[{b}]", out_r[sl], q[sl], ks[b], vs[b], attn_mask=masks[b])
+        fin = torch.isfinite(lse_ref.t())
+        assert torch.equal(torch.isfinite(lse[sl]), fin)
+        torch.testing.assert_close(lse[sl][fin], (lse_ref.t() / math.log(2))[fin], atol=1e-3, rtol=1e-3)
+    o1 = fi.single_prefill_with_kv_cache(q[:qo[0]], ks[0], vs[0], custom_mask=masks[0].to(device))
+    _check_request("single out", o1, q[:qo[0]], ks[0], vs[0], attn_mask=masks[0])
+    with pytest.raises(ValueError, match="custom_mask has"):
+        w.plan(qo_indptr, indptr, indices.to(device), last, 4, 2, 64, 5, q_data_type=BF16,
+               custom_mask=flat[1:].to(device))
+
+
+def test_packbits_matches_numpy():
+    import numpy as np
+
+    x = torch.rand(37) < 0.5
+    for order in ("little", "big"):
+        want = np.packbits(x.numpy(), bitorder=order)
+        assert torch.equal(fi.packbits(x, order), torch.from_numpy(want))
+    packed, ip = fi.segment_packbits(x, torch.tensor([0, 9, 9, 37], dtype=torch.int32))
+    assert ip.tolist() == [0, 2, 2, 6]
+    assert torch.equal(packed[2:], fi.packbits(x[9:]))
+
+
 def _rope_tables(n: int, d: int, scale: float, theta: float, device):
     i = torch.arange(d // 2, dtype=torch.float32, device=device)
     inv_freq = (1.0 / scale) * torch.exp2(-(2.0 * i / d) * math.log2(theta))
