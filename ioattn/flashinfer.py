@@ -7,9 +7,9 @@ a paged cache is one tensor [pages, 2, page_size, H_kv, D] (NHD) / [pages, 2, H_
 base 2** here (log2 of the softmax denominator, FlashInfer's choice), unlike ``flash_attn_*``'s
 natural log.
 
-Covered: ``BatchDecodeWithPagedKVCacheWrapper`` (plan/run, CUDA-graph safe),
-``BatchPrefillWithPagedKVCacheWrapper``, ``BatchPrefillWithRaggedKVCacheWrapper`` (plan/run, not
-captured in CUDA graphs yet), ``single_decode_with_kv_cache``, ``single_prefill_with_kv_cache``,
+Covered: ``BatchDecodeWithPagedKVCacheWrapper`` and ``BatchPrefillWithPagedKVCacheWrapper``
+(plan/run, CUDA-graph safe with ``use_cuda_graph=True``), ``BatchPrefillWithRaggedKVCacheWrapper``
+(plan/run, not captured in CUDA graphs yet), ``single_decode_with_kv_cache``, ``single_prefill_with_kv_cache``,
 ``append_paged_kv_cache``, ``get_batch_indices_positions``, ``get_seq_lens``.
 ``pos_encoding_mode`` 'NONE' and 'ROPE_LLAMA' (RoPE on q and k inside the paged kernels; the
 ragged and single-request calls rotate copies first). Custom masks (``custom_mask`` /
@@ -662,16 +662,26 @@ class BatchPrefillWithPagedKVCacheWrapper:
     def __init__(self, float_workspace_buffer: Tensor, kv_layout: str = "NHD",
                  use_cuda_graph: bool = False, qo_indptr_buf=None, paged_kv_indptr_buf=None,
                  paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
+                 custom_mask_buf: Optional[Tensor] = None, mask_indptr_buf: Optional[Tensor] = None,
                  backend: str = "auto", **_unused) -> None:
+        """With ``use_cuda_graph=True`` a graph captured around run() replays under later plans
+        of the same batch size and query count (q's shape is part of the graph); plan() writes
+        into buffers whose addresses stay: paged_kv_indices_buf (required) and, for custom
+        masks, custom_mask_buf (uint8) and mask_indptr_buf (int32, batch + 1)."""
         if kv_layout not in _LAYOUTS:
             _fail(f"kv_layout={kv_layout!r} must be one of {_LAYOUTS}")
-        if use_cuda_graph:
-            _fail("use_cuda_graph: ioattn's paged prefill wrapper does not capture yet (the "
-                  "decode wrapper does); run it outside the graph")
+        if use_cuda_graph and paged_kv_indices_buf is None:
+            _fail("use_cuda_graph=True needs paged_kv_indices_buf (int32, as many entries as the "
+                  "largest plan's indices): a captured run() reads the page indices from a buffer "
+                  "whose address cannot change")
         if backend not in ("auto", "triton"):
             _fail(f"backend={backend!r}: ioattn's paged prefill is the portable Triton kernel")
         self._device = float_workspace_buffer.device
         self._kv_layout = kv_layout
+        self._use_cuda_graph = use_cuda_graph
+        self._bufs = dict(indices=paged_kv_indices_buf, mask=custom_mask_buf,
+                          mask_indptr=mask_indptr_buf)
+        self._fixed: Optional[tuple] = None  # graph mode: (batch, total_q, block_m) of the first plan
         self._planned = False
 
     def plan(self, qo_indptr: Tensor, paged_kv_indptr: Tensor, paged_kv_indices: Tensor,
@@ -705,18 +715,38 @@ class BatchPrefillWithPagedKVCacheWrapper:
                   f"last positions of the sequence); got qo {qo_lens[:8]} vs kv {lengths[:8]}")
         dev = self._device
         # a custom mask replaces causal (FlashInfer's rule); window_left still applies
-        self._mask = _custom_mask(custom_mask, packed_custom_mask, qo_lens, lengths, dev)
-        causal = causal and self._mask is None
+        mask = _custom_mask(custom_mask, packed_custom_mask, qo_lens, lengths, dev)
+        causal = causal and mask is None
         group = num_qo_heads // num_kv_heads
-        block_m = paged_tiles(group, head_dim_qk, rows_per_request=max(qo_lens + [1]),
-                              extras=rope is not None or bool(logits_soft_cap)
-                              or self._mask is not None)[0]
+        graph = self._use_cuda_graph
+        if graph and self._fixed is not None and (batch, qi[-1]) != self._fixed[:2]:
+            _fail(f"use_cuda_graph=True fixes the batch size and the query count at the first plan "
+                  f"{self._fixed[:2]}; got {(batch, qi[-1])}")
+        # graph mode: one tile shape for any split of the fixed query count
+        rows = qi[-1] if graph else max(qo_lens + [1])
+        block_m = paged_tiles(group, head_dim_qk, rows_per_request=max(rows, 1),
+                              extras=rope is not None or bool(logits_soft_cap) or mask is not None)[0]
+        if graph and self._fixed is not None:
+            block_m = self._fixed[2]
         work = [(b, m, 0, n, -1) for b, (q_n, n) in enumerate(zip(qo_lens, lengths))
                 for m in range(-(-q_n * group // block_m))]
-        self._work = torch.tensor(work or [(0, 0, 0, 0, -1)], dtype=torch.int32, device=dev)
-        self._n_work = torch.tensor([len(work)], dtype=torch.int32, device=dev)
-        self._seqlens_indptr = torch.tensor(lengths + ip + qi, dtype=torch.int32, device=dev)
-        self._indices = paged_kv_indices.to(dev).contiguous()
+        # every request's row blocks fit: sum ceil(q_n * group / block_m) <= this
+        max_items = -(-qi[-1] * group // block_m) + batch if graph else max(len(work), 1)
+        if not graph or self._fixed is None:
+            self._work = torch.zeros(max_items, 5, dtype=torch.int32, device=dev)
+            self._n_work = torch.zeros(1, dtype=torch.int32, device=dev)
+            self._seqlens_indptr = torch.zeros(3 * batch + 2, dtype=torch.int32, device=dev)
+            self._fixed = (batch, qi[-1], block_m)
+        if work:
+            self._work[:len(work)].copy_(torch.tensor(work, dtype=torch.int32), non_blocking=non_blocking)
+        self._n_work.fill_(len(work))
+        self._seqlens_indptr.copy_(torch.tensor(lengths + ip + qi, dtype=torch.int32),
+                                   non_blocking=non_blocking)
+        self._indices = self._into_buf("indices", paged_kv_indices, "paged_kv_indices_buf", non_blocking)
+        self._mask = None
+        if mask is not None:
+            self._mask = (self._into_buf("mask", mask[0], "custom_mask_buf", non_blocking),
+                          self._into_buf("mask_indptr", mask[1], "mask_indptr_buf", non_blocking))
         self._n_pages_needed = int(paged_kv_indices.max()) + 1 if paged_kv_indices.numel() else 0
         self._total_q = qi[-1]
         self._cfg = dict(h=num_qo_heads, h_k=num_kv_heads, d=head_dim_qk, page_size=page_size,
@@ -724,6 +754,21 @@ class BatchPrefillWithPagedKVCacheWrapper:
                          softcap=float(logits_soft_cap or 0.0), dtype=dt,
                          scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim_qk))
         self._planned = True
+
+    def _into_buf(self, key: str, t: Tensor, name: str, non_blocking: bool) -> Tensor:
+        """``t`` on the device: copied into the caller's fixed buffer when one was given (graph
+        mode needs one), else as is."""
+        buf = self._bufs[key]
+        if buf is None:
+            if self._use_cuda_graph:
+                _fail(f"use_cuda_graph=True with this plan needs {name} (its address must not "
+                      f"change between plans)")
+            return t.to(self._device).contiguous()
+        if buf.dtype != t.dtype or buf.dim() != 1 or buf.numel() < t.numel():
+            _fail(f"{name} must be a 1-D {t.dtype} tensor of at least {t.numel()} entries, got "
+                  f"{buf.dtype} {tuple(buf.shape)}")
+        buf[:t.numel()].copy_(t, non_blocking=non_blocking)
+        return buf
 
     def run(self, q: Tensor, paged_kv_cache, *args, out: Optional[Tensor] = None,
             lse: Optional[Tensor] = None, return_lse: bool = False, **_unused):
