@@ -7,9 +7,8 @@ a paged cache is one tensor [pages, 2, page_size, H_kv, D] (NHD) / [pages, 2, H_
 base 2** here (log2 of the softmax denominator, FlashInfer's choice), unlike ``flash_attn_*``'s
 natural log.
 
-Covered: ``BatchDecodeWithPagedKVCacheWrapper`` and ``BatchPrefillWithPagedKVCacheWrapper``
-(plan/run, CUDA-graph safe with ``use_cuda_graph=True``), ``BatchPrefillWithRaggedKVCacheWrapper``
-(plan/run, not captured in CUDA graphs yet), ``single_decode_with_kv_cache``, ``single_prefill_with_kv_cache``,
+Covered: ``BatchDecodeWithPagedKVCacheWrapper``, ``BatchPrefillWithPagedKVCacheWrapper`` and
+``BatchPrefillWithRaggedKVCacheWrapper`` (plan/run, CUDA-graph safe with ``use_cuda_graph=True``), ``single_decode_with_kv_cache``, ``single_prefill_with_kv_cache``,
 ``append_paged_kv_cache``, ``get_batch_indices_positions``, ``get_seq_lens``.
 ``pos_encoding_mode`` 'NONE' and 'ROPE_LLAMA' (RoPE on q and k inside the paged kernels; the
 ragged and single-request calls rotate copies first). Custom masks (``custom_mask`` /
@@ -552,14 +551,20 @@ class BatchPrefillWithRaggedKVCacheWrapper:
 
     def __init__(self, float_workspace_buffer: Tensor, kv_layout: str = "NHD",
                  use_cuda_graph: bool = False, qo_indptr_buf=None, kv_indptr_buf=None,
+                 custom_mask_buf: Optional[Tensor] = None, mask_indptr_buf: Optional[Tensor] = None,
                  backend: str = "auto", **_unused) -> None:
+        """With ``use_cuda_graph=True`` a graph captured around run() replays under later plans
+        of the same batch size and query / key counts (q's and k's shapes are in the graph):
+        plan() writes the indptrs into fixed device buffers, and the kernels' grid covers any
+        split of those counts (each request's longest possible length is the total). Custom
+        masks there need custom_mask_buf and mask_indptr_buf."""
         if kv_layout != "NHD":
             _fail("ragged K/V are [total_kv, H_kv, D] (kv_layout='NHD')")
-        if use_cuda_graph:
-            _fail("use_cuda_graph: ioattn's ragged prefill wrapper does not capture yet (the "
-                  "decode wrapper does); run it outside the graph")
         self._backend = backend
         self._device = float_workspace_buffer.device
+        self._use_cuda_graph = use_cuda_graph
+        self._mask_bufs = dict(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf)
+        self._fixed: Optional[tuple[int, int, int]] = None  # graph mode: (batch, total_q, total_kv)
         self._planned = False
 
     def plan(self, qo_indptr: Tensor, kv_indptr: Tensor, num_qo_heads: int, num_kv_heads: int,
@@ -573,21 +578,6 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         rope = _rope_args(pos_encoding_mode, rope_scale, rope_theta)
         if rope is not None and head_dim_qk % 2:
             _fail(f"pos_encoding_mode='ROPE_LLAMA' needs an even head_dim_qk, got {head_dim_qk}")
-        self._masked = None
-        if custom_mask is not None or packed_custom_mask is not None:
-            # the masked paged kernel, over the ragged K/V rows as pages of one token
-            ki = _int32_cpu("kv_indptr", kv_indptr)
-            self._masked = BatchPrefillWithPagedKVCacheWrapper(
-                torch.empty(0, device=self._device))
-            self._masked.plan(
-                qo_indptr, kv_indptr, torch.arange(ki[-1], dtype=torch.int32, device=self._device),
-                torch.tensor([min(1, b - a) for a, b in zip(ki, ki[1:])], dtype=torch.int32),
-                num_qo_heads, num_kv_heads, head_dim_qk, 1, head_dim_vo, custom_mask=custom_mask,
-                packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
-                sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
-                rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type)
-            self._planned = True
-            return
         qi, ki = _int32_cpu("qo_indptr", qo_indptr), _int32_cpu("kv_indptr", kv_indptr)
         if len(qi) != len(ki) or len(qi) < 2:
             _fail(f"qo_indptr ({len(qi)}) and kv_indptr ({len(ki)}) need batch + 1 entries each")
@@ -595,9 +585,42 @@ class BatchPrefillWithRaggedKVCacheWrapper:
             if ip[0] != 0 or any(b < a for a, b in zip(ip, ip[1:])):
                 _fail(f"{name} must start at 0 and be non-decreasing, got {ip[:8]}...")
         _check_heads(num_qo_heads, num_kv_heads, head_dim_qk)
-        self._cu_q, self._cu_k = qo_indptr, kv_indptr
-        self._max_q = max(b - a for a, b in zip(qi, qi[1:]))
-        self._max_k = max(b - a for a, b in zip(ki, ki[1:]))
+        shape = (len(qi) - 1, qi[-1], ki[-1])
+        graph = self._use_cuda_graph
+        if graph and self._fixed is not None and shape != self._fixed:
+            _fail(f"use_cuda_graph=True fixes (batch, query count, key count) at the first plan "
+                  f"{self._fixed}; got {shape}")
+        first = self._fixed is None or not graph
+        self._fixed = shape
+        dev = self._device
+        self._masked = None
+        if custom_mask is not None or packed_custom_mask is not None:
+            # the masked paged kernel, over the ragged K/V rows as pages of one token
+            if first or getattr(self, "_inner", None) is None:
+                self._inner = BatchPrefillWithPagedKVCacheWrapper(
+                    torch.empty(0, device=dev), use_cuda_graph=graph,
+                    paged_kv_indices_buf=torch.arange(ki[-1], dtype=torch.int32, device=dev),
+                    **self._mask_bufs)
+            self._masked = self._inner
+            self._masked.plan(
+                qo_indptr, kv_indptr, torch.arange(ki[-1], dtype=torch.int32),
+                torch.tensor([min(1, b - a) for a, b in zip(ki, ki[1:])], dtype=torch.int32),
+                num_qo_heads, num_kv_heads, head_dim_qk, 1, head_dim_vo, custom_mask=custom_mask,
+                packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
+                sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type)
+            self._planned = True
+            return
+        if first:
+            self._cu_q = torch.empty(len(qi), dtype=torch.int32, device=dev)
+            self._cu_k = torch.empty(len(ki), dtype=torch.int32, device=dev)
+        self._cu_q.copy_(torch.tensor(qi, dtype=torch.int32), non_blocking=non_blocking)
+        self._cu_k.copy_(torch.tensor(ki, dtype=torch.int32), non_blocking=non_blocking)
+        if graph:  # bounds that hold for every later plan of the same counts
+            self._max_q, self._max_k = max(qi[-1], 1), max(ki[-1], 1)
+        else:
+            self._max_q = max(b - a for a, b in zip(qi, qi[1:]))
+            self._max_k = max(b - a for a, b in zip(ki, ki[1:]))
         self._totals = (qi[-1], ki[-1])
         self._cfg = dict(h=num_qo_heads, h_k=num_kv_heads, causal=causal, window_left=window_left,
                          softcap=float(logits_soft_cap or 0.0), scale=sm_scale, rope=rope)
@@ -607,7 +630,11 @@ class BatchPrefillWithRaggedKVCacheWrapper:
             q_pos = [kv_lens[r] - (qi[r + 1] - qi[r]) + t for r in range(len(qi) - 1)
                      for t in range(qi[r + 1] - qi[r])]
             k_pos = [t for n in kv_lens for t in range(n)]
-            self._rope_pos = (torch.tensor(q_pos, dtype=torch.int32), torch.tensor(k_pos, dtype=torch.int32))
+            if first or getattr(self, "_rope_pos", None) is None:
+                self._rope_pos = (torch.empty(len(q_pos), dtype=torch.int32, device=dev),
+                                  torch.empty(len(k_pos), dtype=torch.int32, device=dev))
+            for buf, pos in zip(self._rope_pos, (q_pos, k_pos)):
+                buf.copy_(torch.tensor(pos, dtype=torch.int32), non_blocking=non_blocking)
         self._planned = True
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, *args, out: Optional[Tensor] = None,
@@ -629,11 +656,11 @@ class BatchPrefillWithRaggedKVCacheWrapper:
             _fail(f"q/k hold {q.shape[0]}/{k.shape[0]} rows; the plan's indptrs need "
                   f"{self._totals[0]}/{self._totals[1]}")
         if c["rope"] is not None:  # rotated copies (the dense kernels take rotated inputs)
-            q_pos, k_pos = (t.to(dev) for t in self._rope_pos)
+            q_pos, k_pos = self._rope_pos
             q = torch.cat([_llama_rope(q[:self._totals[0]], q_pos, c["rope"]), q[self._totals[0]:]])
             k = torch.cat([_llama_rope(k[:self._totals[1]], k_pos, c["rope"]), k[self._totals[1]:]])
         o, l_, _ = flash_attn_varlen_func(
-            q, k, v, self._cu_q.to(dev), self._cu_k.to(dev), self._max_q, self._max_k,
+            q, k, v, self._cu_q, self._cu_k, self._max_q, self._max_k,
             softmax_scale=c["scale"], causal=c["causal"],
             window_size=_prefill_window(False, c["window_left"]), softcap=c["softcap"],
             return_attn_probs=True, backend=self._backend)

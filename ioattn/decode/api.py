@@ -3,7 +3,6 @@ chunked prefill onto a cache), with any page size for paged caches."""
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Optional, Sequence, Union
 
 import torch
@@ -11,7 +10,8 @@ from torch import Tensor
 
 from ioattn.decode.op import eager as kvcache_eager
 from ioattn.decode.op import kvcache_fwd
-from ioattn.dense.api import _check_alibi, _check_common, _check_tensor, _fail
+from ioattn.dense.api import (VALIDATED, _check_alibi, _check_common, _check_tensor, _fail,
+                              skip_value_checks)
 from ioattn.dispatch import resolve_backend
 from ioattn.reference import kvcache_attention_ref
 
@@ -27,52 +27,21 @@ def _check_index(name: str, t, shape: tuple, device: torch.device) -> None:
         _fail(f"{name} is on {t.device} but q is on {device}")
 
 
-class _Validated:
-    """Index tensors whose values were checked, with their version counters: a decode loop's
-    layers pass the same cache_seqlens / block_table until the engine updates them in place
-    (which bumps the version), so the host sync of the check happens once per step, as with
-    FlashInfer's plan(), instead of once per layer. Weak references: a new tensor that reuses a
-    freed one's address is checked again."""
-
-    def __init__(self, size: int = 8):
-        self.size = size
-        self.entries: list[tuple] = []
-
-    @staticmethod
-    def _state(tensors, params):
-        return tuple(t._version if t is not None else None for t in tensors), params
-
-    def seen(self, tensors, params) -> bool:
-        state = self._state(tensors, params)
-        for refs, st in self.entries:
-            if st == state and all((r is None and t is None) or (r is not None and r() is t)
-                                   for r, t in zip(refs, tensors)):
-                return True
-        return False
-
-    def add(self, tensors, params) -> None:
-        refs = tuple(weakref.ref(t) if t is not None else None for t in tensors)
-        self.entries = [(refs, self._state(tensors, params))] + self.entries[:self.size - 1]
-
-
-_VALIDATED = _Validated()
 
 
 def _check_values(cache_seqlens: Tensor, s_new: int, capacity: int, cache_leftpad, block_table,
                   n_pages: int, cache_batch_idx, b_cache: int) -> None:
     """Index values against the cache's extent: one host sync per new state of the index tensors
-    (``_Validated``); skipped under CUDA graph capture and torch.compile. Writes that bypass
+    (``ioattn.dense.api.Validated``); skipped under CUDA graph capture and torch.compile. Writes that bypass
     torch's version counter (a custom kernel, a graph replay) are not seen; the kernels clamp
     every index into the cache, so memory stays safe whatever the values."""
-    if torch.compiler.is_compiling() or (cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return
     tensors = (cache_seqlens, cache_leftpad, block_table, cache_batch_idx)
-    params = (s_new, capacity, n_pages, b_cache)
-    if _VALIDATED.seen(tensors, params):
+    params = ("kvcache", s_new, capacity, n_pages, b_cache)
+    if skip_value_checks(cache_seqlens) or VALIDATED.seen(tensors, params):
         return
     _check_values_now(cache_seqlens, s_new, capacity, cache_leftpad, block_table, n_pages,
                       cache_batch_idx, b_cache)
-    _VALIDATED.add(tensors, params)
+    VALIDATED.add(tensors, params)
 
 
 def _check_values_now(cache_seqlens: Tensor, s_new: int, capacity: int, cache_leftpad, block_table,

@@ -187,7 +187,7 @@ def test_kvcache_values_rechecked_after_in_place_updates(device):
     q, k_cache, v_cache, kw, opts = _build(c, device)
     lens = kw["cache_seqlens"]
     ioattn.flash_attn_with_kvcache(q, k_cache, v_cache, **kw, **opts)
-    assert api._VALIDATED.entries[0][0][0]() is lens  # checked once, remembered
+    assert api.VALIDATED.entries[0][0][0]() is lens  # checked once, remembered
     lens.fill_(kw["block_table"].shape[1] * c.page + 1)  # past the capacity
     with pytest.raises(ValueError, match="capacity"):
         ioattn.flash_attn_with_kvcache(q, k_cache, v_cache, **kw, **opts)

@@ -94,6 +94,12 @@ def test_cu_seqlens_errors(device):
         ioattn.flash_attn_varlen_func(q, q, q, cu, cu, 10, 20)
     with pytest.raises(ValueError, match="q must have 3 dims"):
         ioattn.flash_attn_varlen_func(q[None], q, q, cu, cu, 20, 20)
+    # values are checked once per state of the tensor: an in-place update is checked again
+    ok = cu.clone()
+    ioattn.flash_attn_varlen_func(q, q, q, ok, ok, 20, 20)
+    ok[2] = 5
+    with pytest.raises(ValueError, match="non-decreasing"):
+        ioattn.flash_attn_varlen_func(q, q, q, ok, ok, 20, 20)
 
 
 def test_int32_row_extent_error():
