@@ -34,7 +34,9 @@ def _info() -> int:
     reason = triton_unavailable_reason(device)
     print(f"backend triton: {'available' if reason is None else 'unavailable: ' + reason}")
     reason = sm90_unavailable_reason(device)
-    print(f"backend sm90: {'available (Gluon FA3-design forward; auto picks it where it measured faster)' if reason is None else 'unavailable: ' + reason}")
+    print("backend sm90: " + ("available (Gluon FA3-design forward, d 64/128/256, and backward, d "
+                              "64/128; auto picks each where it measured faster)"
+                              if reason is None else "unavailable: " + reason))
     print("backend reference: available (plain PyTorch)")
     return 0
 
