@@ -34,6 +34,22 @@ from ioattn.paged.plan import kv_lengths, max_work_items, sm_count, split_work
 _LAYOUTS = ("NHD", "HND")
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, torch.float16: torch.float16,
            torch.bfloat16: torch.bfloat16}
+# KV caches may also be fp8 (FlashInfer's kv_data_type): K/V are upcast to q's dtype as they are
+# loaded; k_scale / v_scale (run()) dequantize
+_FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "e4m3": torch.float8_e4m3fn,
+        torch.float8_e4m3fn: torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+        "e5m2": torch.float8_e5m2, torch.float8_e5m2: torch.float8_e5m2}
+
+
+def _kv_dtype(kv_data_type, q_dtype: torch.dtype) -> torch.dtype:
+    """The cache dtype a plan accepts: q's (fp16/bf16) or fp8 e4m3 / e5m2."""
+    if kv_data_type is None:
+        return q_dtype
+    dt = _DTYPES.get(kv_data_type) or _FP8.get(kv_data_type)
+    if dt is None or (dt in (torch.float16, torch.bfloat16) and dt != q_dtype):
+        _fail(f"kv_data_type={kv_data_type!r} must be q's dtype ({q_dtype}) or "
+              f"torch.float8_e4m3fn / torch.float8_e5m2", TypeError)
+    return dt
 
 
 def _fail(msg: str, exc=ValueError):
@@ -121,9 +137,10 @@ def _check_run(q: Tensor, want: tuple, cfg: dict, k: Tensor, kv_layout: str, n_p
         _fail(f"q is on {q.device}: {reason}")
     if k.device != q.device:
         _fail(f"the cache is on {k.device}, q on {q.device}: put both on the same device")
-    if k.shape[1:] != (cfg["page_size"], cfg["h_k"], cfg["d"]) or k.dtype != q.dtype:
+    kv_dt = cfg.get("kv_dtype", q.dtype)
+    if k.shape[1:] != (cfg["page_size"], cfg["h_k"], cfg["d"]) or k.dtype != kv_dt:
         _fail(f"the cache must hold pages of ({cfg['page_size']}, {cfg['h_k']}, {cfg['d']}) in "
-              f"{q.dtype} ({kv_layout}), got {tuple(k.shape[1:])} {k.dtype}")
+              f"{kv_dt} ({kv_layout}; kv_data_type in plan()), got {tuple(k.shape[1:])} {k.dtype}")
     if n_pages_needed > k.shape[0]:
         _fail(f"the planned page indices reach page {n_pages_needed - 1}; the cache has "
               f"{k.shape[0]} pages")
@@ -266,9 +283,10 @@ def single_decode_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, kv_layout: str 
     k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
     h, d = q.shape
     kv_len, h_k = k.shape[0], k.shape[1]
-    if k.shape[2] != d or h % h_k or k.dtype != q.dtype or q.dtype not in (torch.float16, torch.bfloat16):
-        _fail(f"q [H={h}, D={d}] and k [.., H_kv={h_k}, D={k.shape[2]}] need equal D, H % H_kv == 0 "
-              f"and one fp16/bf16 dtype")
+    if k.shape[2] != d or h % h_k or q.dtype not in (torch.float16, torch.bfloat16) \
+            or k.dtype not in (q.dtype, torch.float8_e4m3fn, torch.float8_e5m2) or v.dtype != k.dtype:
+        _fail(f"q [H={h}, D={d}] and k [.., H_kv={h_k}, D={k.shape[2]}] need equal D, H % H_kv == 0, "
+              f"q fp16/bf16 and k, v in q's dtype or fp8 (e4m3 / e5m2, with k_scale / v_scale)")
     scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)) * (q_scale or 1.0) * (k_scale or 1.0)
     if rope is not None:
         k = _llama_rope(k, torch.arange(kv_len, device=q.device), rope)
@@ -341,6 +359,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         dt = _DTYPES.get(value)
         if dt is None:
             _fail(f"{name}={value!r} must be float16 or bfloat16", TypeError)
+        kv_dt = _kv_dtype(kv_data_type, dt)
         if rope is not None and head_dim % 2:
             _fail(f"pos_encoding_mode='ROPE_LLAMA' needs an even head_dim, got {head_dim}")
         if self._use_cuda_graph and self._batch is not None and batch != self._batch:
@@ -394,7 +413,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._cfg = dict(h=num_qo_heads, h_k=num_kv_heads, d=head_dim, page_size=page_size,
                          window_left=window_left, softcap=float(logits_soft_cap or 0.0),
                          scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
-                         dtype=dt, rope=rope)
+                         dtype=dt, kv_dtype=kv_dt, rope=rope)
         self._planned = True
 
     def run(self, q: Tensor, paged_kv_cache, *args, q_scale: Optional[float] = None,
@@ -735,6 +754,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         dt = _DTYPES.get(q_data_type)
         if dt is None:
             _fail(f"q_data_type={q_data_type!r} must be float16 or bfloat16", TypeError)
+        kv_dt = _kv_dtype(kv_data_type, dt)
         lengths = kv_lengths(ip, lp, page_size)
         qo_lens = [b - a for a, b in zip(qi, qi[1:])]
         if any(n > m for n, m in zip(qo_lens, lengths)):
@@ -778,7 +798,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         self._total_q = qi[-1]
         self._cfg = dict(h=num_qo_heads, h_k=num_kv_heads, d=head_dim_qk, page_size=page_size,
                          causal=causal, window_left=window_left, block_m=block_m, rope=rope,
-                         softcap=float(logits_soft_cap or 0.0), dtype=dt,
+                         softcap=float(logits_soft_cap or 0.0), dtype=dt, kv_dtype=kv_dt,
                          scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim_qk))
         self._planned = True
 
@@ -797,9 +817,12 @@ class BatchPrefillWithPagedKVCacheWrapper:
         buf[:t.numel()].copy_(t, non_blocking=non_blocking)
         return buf
 
-    def run(self, q: Tensor, paged_kv_cache, *args, out: Optional[Tensor] = None,
-            lse: Optional[Tensor] = None, return_lse: bool = False, **_unused):
-        """q [total_q, H, D] -> out [total_q, H, D] (and base-2 LSE [total_q, H])."""
+    def run(self, q: Tensor, paged_kv_cache, *args, q_scale: Optional[float] = None,
+            k_scale: Optional[float] = None, v_scale: Optional[float] = None,
+            out: Optional[Tensor] = None, lse: Optional[Tensor] = None, return_lse: bool = False,
+            **_unused):
+        """q [total_q, H, D] -> out [total_q, H, D] (and base-2 LSE [total_q, H]). q_scale /
+        k_scale multiply the softmax scale, v_scale the output (fp8 caches)."""
         if not self._planned:
             _fail("call plan() before run()", RuntimeError)
         c = self._cfg
@@ -810,9 +833,12 @@ class BatchPrefillWithPagedKVCacheWrapper:
         lse_out = lse if lse is not None else torch.empty(want[:2], device=q.device, dtype=torch.float32)
         q = q if q.stride(-1) == 1 else q.contiguous()
         wl, wr = _prefill_window(c["causal"], c["window_left"])
+        scale = c["scale"] * (q_scale or 1.0) * (k_scale or 1.0)
         paged_attn(q, k, v, self._indices, self._seqlens_indptr, self._work, self._n_work, None,
-                   self._work.shape[0], 1, c["block_m"], lse_out, lse_out, c["scale"], wl, wr,
+                   self._work.shape[0], 1, c["block_m"], lse_out, lse_out, scale, wl, wr,
                    c["softcap"], out, lse_out, lse_base2=True, rope=c["rope"], mask=self._mask)
+        if v_scale is not None:
+            out.mul_(v_scale)
         return (out, lse_out) if return_lse else out
 
     forward = run

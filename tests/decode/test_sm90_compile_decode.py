@@ -27,11 +27,16 @@ for name, s_q, d, extra in [
                                                     HAS_MASK=True)),
         ("kvcache chunked prefill", 512, 128, dict(HAS_RIGHT=True)),
         ("paged prefill d256", 16, 256, dict(WORKLIST=True, CSR=True, LSE_BASE2=True,
-                                             HAS_RIGHT=True))]:
+                                             HAS_RIGHT=True)),
+        ("paged decode fp8 kv", 1, 128, dict(WORKLIST=True, CSR=True, LSE_BASE2=True,
+                                             _KV="*fp8e4nv"))]:
+    kv = extra.pop("_KV", "*bf16")
     extras = any(extra.get(f) for f in ("HAS_SOFTCAP", "HAS_ALIBI", "ROPE", "HAS_MASK"))
     block_m, block_d, block_n = td.paged_tiles(4, d, s_q, extras)
+    extras = extras or "fp8" in kv  # the fp8 upcast: 8 warps (tile shape unchanged)
     ce = dict(base, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
-    r = kernel_report(name, td._kvcache_attn_kernel, ptrs, ce, td._attn_warps(block_m, block_d, extras))
+    r = kernel_report(name, td._kvcache_attn_kernel, dict(ptrs, K=kv, V=kv), ce,
+                      td._attn_warps(block_m, block_d, extras))
     out.append(r.__dict__)
 print(json.dumps(out))
 """
@@ -51,4 +56,5 @@ def test_serving_kernels_compile_for_sm90():
         # the H200 than the spill-free configurations
         limit = 512 if r["name"] in ("kvcache decode split", "paged decode",
                                      "kvcache chunked prefill") else 0
+        limit = 16 if r["name"] == "paged decode fp8 kv" else limit  # the fp8 upcast, 8 warps
         assert r["spill_stores"] <= limit, f"{r['name']}: {r['spill_stores']} B of spills"

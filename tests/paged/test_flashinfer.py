@@ -480,6 +480,45 @@ def test_custom_mask(packed, device):
                custom_mask=flat[1:].to(device))
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_kv_cache(fp8, device):
+    """An fp8 cache (kv_data_type) with k_scale / v_scale against attention over the dequantized
+    cache: decode and paged prefill wrappers, single decode."""
+    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+    h, h_k, d, page = 8, 2, 64, 4
+    lens, indptr, indices, last, cache = _paged(3, h_k, d, page, BF16, device, max_len=50,
+                                                empty=False, g=g)
+    k_scale, v_scale = 0.5, 2.0
+    cache8 = cache.to(fp8)  # quantized: real values = cache8 * scale
+    deq = torch.stack([cache8[:, 0].to(BF16) * k_scale, cache8[:, 1].to(BF16) * v_scale], 1)
+    ws = torch.empty(4 << 20, dtype=torch.uint8, device=device)
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(ws)
+    w.plan(indptr, indices.to(device), last, h, h_k, d, page, q_data_type=BF16, kv_data_type=fp8)
+    q = torch.randn(3, h, d, device=device, dtype=BF16)
+    out = w.run(q, cache8, k_scale=k_scale, v_scale=v_scale)
+    qo = [min(n, 5) for n in lens]
+    qo_indptr = torch.tensor([0] + torch.tensor(qo).cumsum(0).tolist(), dtype=torch.int32)
+    wp = fi.BatchPrefillWithPagedKVCacheWrapper(ws)
+    wp.plan(qo_indptr, indptr, indices.to(device), last, h, h_k, d, page, causal=True,
+            q_data_type=BF16, kv_data_type=fp8)
+    qp = torch.randn(sum(qo), h, d, device=device, dtype=BF16)
+    outp = wp.run(qp, cache8, k_scale=k_scale, v_scale=v_scale)
+    for b, n in enumerate(lens):
+        k, v = _gather(deq, "NHD", indices, indptr, b, n)
+        _check_request(f"decode out[{b}]", out[b:b + 1], q[b:b + 1], k, v)
+        sl = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
+        _check_request(f"prefill out[{b}]", outp[sl], qp[sl], k, v, causal=True)
+    k8, v8 = _gather(cache8, "NHD", indices, indptr, 0, lens[0])
+    o1 = fi.single_decode_with_kv_cache(q[0], k8, v8, k_scale=k_scale, v_scale=v_scale)
+    k, v = _gather(deq, "NHD", indices, indptr, 0, lens[0])
+    _check_request("single decode", o1[None], q[:1], k, v)
+    with pytest.raises(ValueError, match="kv_data_type"):
+        w.run(q, cache)  # planned for fp8, given bf16
+    with pytest.raises(TypeError, match="kv_data_type"):
+        w.plan(indptr, indices.to(device), last, h, h_k, d, page, q_data_type=BF16,
+               kv_data_type=torch.float16)
+
+
 def test_packbits_matches_numpy():
     import numpy as np
 
