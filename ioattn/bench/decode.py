@@ -54,8 +54,15 @@ def _impls_decode(q, k, v, page, g) -> dict[str, Callable[[], torch.Tensor]]:
     kc, vc = cache[:, 0], cache[:, 1]
     qt = q[:, :, None, :]  # [b, h, 1, d]
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+    # the same cache in fp8 (e4m3; FlashInfer's kv_data_type): half the bytes to read
+    wrapper8 = fi.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(256 << 20, dtype=torch.uint8, device=q.device))
+    wrapper8.plan(indptr, indices, last, h, h_k, d, page, q_data_type=q.dtype,
+                  kv_data_type=torch.float8_e4m3fn)
+    cache8 = cache.to(torch.float8_e4m3fn)
     fns = {
         "ioattn_paged": lambda: wrapper.run(q, cache, out=out),
+        "ioattn_paged_fp8": lambda: wrapper8.run(q, cache8, k_scale=1.0, v_scale=1.0, out=out),
         "ioattn_kvcache": lambda: ioattn.flash_attn_with_kvcache(q[:, None], kc, vc, cache_seqlens=lens,
                                                                  block_table=table)[:, 0],
     }
@@ -67,6 +74,9 @@ def _impls_decode(q, k, v, page, g) -> dict[str, Callable[[], torch.Tensor]]:
                 return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)[:, :, 0]
         fns[name] = sdpa
     return fns
+
+
+_NAMES = ("ioattn_paged", "ioattn_paged_fp8", "ioattn_kvcache", "sdpa_cudnn", "sdpa_flash")
 
 
 def run_decode(cells, device, warmup, rep, h=32, h_k=8, d=128, dtype=torch.bfloat16) -> list[dict]:
@@ -85,11 +95,12 @@ def run_decode(cells, device, warmup, rep, h=32, h_k=8, d=128, dtype=torch.bfloa
                 ref = o.float() if ref is None and name.startswith("sdpa") else ref
                 row["out"] = o
                 ms = time_ms(fn, device, warmup, rep, [])
-                row.update(ms=ms, tb_s=nbytes / ms * 1e-9)
+                nb = nbytes // 2 if name.endswith("_fp8") else nbytes  # bytes this impl reads
+                row.update(ms=ms, tb_s=nb / ms * 1e-9)
             except Exception as e:  # an anchor that cannot run this shape is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
             rows.append(row)
-        for row in rows[-4:]:
+        for row in rows[-len(_NAMES):]:
             o = row.pop("out", None)
             if o is not None and ref is not None:
                 row["max_abs_err"] = (o.float() - ref).abs().max().item()
@@ -154,7 +165,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     gpu = (env.get("gpu") or "cpu").lower().replace(" ", "-")
     path = Path(a.out) if a.out else (Path("benchmarks/results") / f"decode_{gpu}_{env['date'][:10]}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    method = {"decode": "effective bandwidth = K+V bytes of the context / time (q, out ignored)",
+    method = {"decode": "effective bandwidth = K+V bytes of the context / time (q, out ignored); "
+                        "the _fp8 rows read an fp8 e4m3 copy of the cache (half the bytes)",
               "chunked_prefill": "flops = 4*b*h*d*sum_i(ctx + i + 1) (causal over context + new)",
               "timer": "triton.testing.do_bench median" if device.type == "cuda" else "wall clock",
               "anchors": "SDPA on the same K/V in contiguous [b, h_k, s, d] form (enable_gqa)"}
