@@ -111,4 +111,7 @@ def test_decode_suite_cpu(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     paged = [r for r in rows if r["impl"] == "ioattn_paged"]
     assert paged and "tb_s" in paged[0] and paged[0]["max_abs_err"] < 0.05
+    fp8 = [r for r in rows if r["impl"] == "ioattn_paged_fp8"]
+    assert fp8 and "tb_s" in fp8[0] and fp8[0]["max_abs_err"] < 0.25  # the cache's e4m3 rounding
+    assert all(r["error"] == "RuntimeError: needs CUDA" for r in rows if r["impl"].endswith("_graph"))
     assert any(r["kind"] == "chunked_prefill" and "tflops" in r for r in rows)
