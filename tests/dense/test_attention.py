@@ -184,6 +184,27 @@ def test_varlen_matches_batched(device):
     torch.testing.assert_close(out_v.view(b, s, h, d), out, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_varlen_rows_outside_sequences_are_never_read_into_outputs(d, device):
+    """Rows past cu_seqlens[-1] belong to no sequence and may hold anything (torch.empty):
+    NaN / Inf there must not reach any output or gradient, whatever kernel runs (tiles that
+    cross a sequence end, TMA loads included)."""
+    lens, h = [100, 300, 203], 4
+    total = sum(lens)
+    cu = cu_seqlens(lens, device)
+    q, k, v = (torch.randn(total + 70, h, d, device=device, dtype=BF16) for _ in range(3))
+    for t, bad in ((q, float("nan")), (k, float("inf")), (v, float("nan"))):
+        t[total:] = bad
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = ioattn.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    assert torch.isfinite(out[:total]).all()
+    ref, _ = attention_varlen_ref(q[:total], k[:total], v[:total], cu, cu, causal=True)
+    pt, _ = attention_varlen_ref(q[:total], k[:total], v[:total], cu, cu, causal=True, upcast=False)
+    assert_close_rule("out", out[:total], ref, pt)
+    dq, dk, dv = torch.autograd.grad(out[:total], (q, k, v), torch.randn_like(ref))
+    assert all(torch.isfinite(g[:total]).all() for g in (dq, dk, dv))
+
+
 def test_lse_gradient(device):
     """Gradients flow through the returned LSE as well as the output."""
     c = Case(113, 150, d=64, causal=True)
