@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
+# Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
+# `git rev-parse` there names an older commit.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD IOATTN_GIT_COMMIT=${IOATTN_GIT_COMMIT:-unknown}
 OUT=${OUT:-/tmp/ioattn_out}; mkdir -p "$OUT"
@@ -27,6 +29,10 @@ for step in $steps; do
     decode) timeout 300 python -m ioattn bench --suite decode \
              --out "$OUT/decode_nvidia-h200_$(date +%F).json" > "$OUT/decode.log" 2>&1
            grep -vE "^/" "$OUT/decode.log" | tail -20 ;;
+    tune-decode) timeout 200 python benchmarks/tune_decode.py --json "$OUT/tune_decode.json" > "$OUT/tune_decode.log" 2>&1
+           grep "^==" "$OUT/tune_decode.log"
+           timeout 60 python benchmarks/tune_decode.py --profile --json "$OUT/profile_decode.json" \
+             > "$OUT/profile_decode.log" 2>&1; grep "^{" "$OUT/profile_decode.log" | cut -c1-220 ;;
     tests-sm90) IOATTN_TEST_SM90=always timeout 240 python -m pytest -q -n 8 -p no:cacheprovider tests/dense \
              > "$OUT/tests_sm90_forced.log" 2>&1; tail -1 "$OUT/tests_sm90_forced.log" ;;
     sanitize) for tool in memcheck racecheck; do
