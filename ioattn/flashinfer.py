@@ -328,6 +328,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
             _fail("use_cuda_graph=True needs paged_kv_indices_buffer (int32, as many entries as "
                   "the largest plan's indices): a captured run() reads the page indices from a "
                   "buffer whose address cannot change")
+        if paged_kv_indices_buffer is not None and (
+                not isinstance(paged_kv_indices_buffer, Tensor)
+                or paged_kv_indices_buffer.dtype != torch.int32 or paged_kv_indices_buffer.dim() != 1
+                or paged_kv_indices_buffer.device != float_workspace_buffer.device):
+            _fail(f"paged_kv_indices_buffer must be a 1-D int32 tensor on "
+                  f"{float_workspace_buffer.device} (the workspace's device)", TypeError)
         self._workspace = float_workspace_buffer
         self._device = float_workspace_buffer.device
         self._kv_layout = kv_layout
@@ -811,9 +817,10 @@ class BatchPrefillWithPagedKVCacheWrapper:
                 _fail(f"use_cuda_graph=True with this plan needs {name} (its address must not "
                       f"change between plans)")
             return t.to(self._device).contiguous()
-        if buf.dtype != t.dtype or buf.dim() != 1 or buf.numel() < t.numel():
-            _fail(f"{name} must be a 1-D {t.dtype} tensor of at least {t.numel()} entries, got "
-                  f"{buf.dtype} {tuple(buf.shape)}")
+        if buf.dtype != t.dtype or buf.dim() != 1 or buf.numel() < t.numel() \
+                or buf.device != self._device:
+            _fail(f"{name} must be a 1-D {t.dtype} tensor of at least {t.numel()} entries on "
+                  f"{self._device}, got {buf.dtype} {tuple(buf.shape)} on {buf.device}")
         buf[:t.numel()].copy_(t, non_blocking=non_blocking)
         return buf
 

@@ -190,6 +190,21 @@ def test_plan_errors(bad, match, device):
         w.plan(indptr, indices.to(device), last, h, 2, 64, 4, q_data_type=BF16, **kw)
 
 
+def test_graph_buffers_checked(device):
+    """Fixed buffers for CUDA-graph mode must be int32 and on the workspace's device."""
+    ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    with pytest.raises(TypeError, match="paged_kv_indices_buffer"):
+        fi.BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True,
+                                              paged_kv_indices_buffer=torch.empty(8, device=device))
+    lens, indptr, indices, last, cache = _paged(2, 2, 64, 4, BF16, device, empty=False)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, use_cuda_graph=True,
+                                               paged_kv_indices_buf=torch.empty(1, dtype=torch.int32,
+                                                                                device=device))
+    qo_indptr = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="paged_kv_indices_buf must be"):  # 1 entry, 2+ pages
+        w.plan(qo_indptr, indptr, indices.to(device), last, 4, 2, 64, 4, q_data_type=BF16)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 def test_cuda_graph_capture_short_replay_long():
     """Capture run() once at short lengths, then re-plan with long lengths and replay: the output
