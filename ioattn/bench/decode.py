@@ -148,9 +148,17 @@ def run_prefill(cells, device, warmup, rep, h=32, h_k=8, d=128, dtype=torch.bflo
         cache, table, *_ = _paged_copy(k, v, page, g)
         lens = torch.full((b,), total, dtype=torch.int32, device=device)
         flops = 4.0 * b * h * d * sum(ctx + i + 1 for i in range(new))
+        def gather_dense():
+            # a candidate design for long chunks: gather the pages into contiguous K/V (one copy,
+            # amortized over the new tokens), then the dense forward
+            kg = cache[table.long(), 0].flatten(1, 2)
+            vg = cache[table.long(), 1].flatten(1, 2)
+            return ioattn.flash_attn_func(q, kg, vg, causal=True)
+
         fns = {
             "ioattn_kvcache": lambda: ioattn.flash_attn_with_kvcache(
                 q, cache[:, 0], cache[:, 1], cache_seqlens=lens, block_table=table, causal=True),
+            "gather_dense": gather_dense,
             "ioattn_dense": lambda: ioattn.flash_attn_func(q, k, v, causal=True),
         }
         for name, fn in fns.items():
@@ -197,7 +205,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "the _fp8 rows read an fp8 e4m3 copy of the cache (half the bytes); the "
                         "_graph rows replay the call captured in a CUDA graph (no host time), "
                         "the others time eager calls",
-              "chunked_prefill": "flops = 4*b*h*d*sum_i(ctx + i + 1) (causal over context + new)",
+              "chunked_prefill": "flops = 4*b*h*d*sum_i(ctx + i + 1) (causal over context + new); "
+                                 "gather_dense: pages copied to contiguous K/V, then the dense "
+                                 "forward (the copy is timed)",
               "timer": "triton.testing.do_bench median" if device.type == "cuda" else "wall clock",
               "anchors": "SDPA on the same K/V in contiguous [b, h_k, s, d] form (enable_gqa)"}
     path.write_text(json.dumps({"env": env, "method": method, "rows": rows}, indent=1))
