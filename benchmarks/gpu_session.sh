@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -29,6 +29,15 @@ for step in $steps; do
     decode) timeout 300 python -m ioattn bench --suite decode \
              --out "$OUT/decode_nvidia-h200_$(date +%F).json" > "$OUT/decode.log" 2>&1
            grep -vE "^/" "$OUT/decode.log" | tail -20 ;;
+    sm90-bwd-fused) export IOATTN_SM90_FUSED_BWD=1
+           timeout 120 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py > "$OUT/tests_fused_bwd.log" 2>&1
+           tail -1 "$OUT/tests_fused_bwd.log"
+           IOATTN_TEST_SM90=always timeout 240 python -m pytest -q -n 8 -p no:cacheprovider tests/dense \
+             >> "$OUT/tests_fused_bwd.log" 2>&1; tail -1 "$OUT/tests_fused_bwd.log"
+           timeout 240 python -m ioattn bench --modes bwd --dims 64,128 --seqlens 2048,8192,16384 --dtypes bf16 \
+             --impls ioattn_sm90,ioattn_triton,sdpa_cudnn,flex --no-plots \
+             --out "$OUT/sm90_bwd_fused_quick_nvidia-h200_$(date +%F).json" > "$OUT/sm90_bwd_fused.log" 2>&1
+           grep -E "^bwd|geomean" "$OUT/sm90_bwd_fused.log"; unset IOATTN_SM90_FUSED_BWD ;;
     tune-decode) timeout 200 python benchmarks/tune_decode.py --json "$OUT/tune_decode.json" > "$OUT/tune_decode.log" 2>&1
            grep "^==" "$OUT/tune_decode.log"
            timeout 60 python benchmarks/tune_decode.py --profile --json "$OUT/profile_decode.json" \

@@ -204,8 +204,9 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
         window_size: (left, right) sliding window, -1 = unbounded side.
         softcap: if > 0, scores become softcap * tanh(scores / softcap).
         alibi_slopes: fp32 (nheads,) or (batch, nheads); adds -slope * |i + seqlen_k - seqlen_q - j|.
-        deterministic: accepted for FA2 compatibility; ioattn's backward uses no atomics and is
-            always deterministic (bitwise reproducible), and it is also the faster design here.
+        deterministic: a bitwise-reproducible backward. The backward kernels ioattn runs by
+            default have no atomics and always are; the experimental fused sm90 backward
+            (``IOATTN_SM90_FUSED_BWD=1``) adds dQ by reductions and is skipped when this is True.
         return_attn_probs: also return the LSE: (out, softmax_lse [b, nheads, seqlen_q] fp32,
             natural log, None).
         backend: 'auto' (default: 'sm90' on Hopper where it covers the call, else 'triton'),
@@ -240,7 +241,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
         return _finish(out, lse, return_attn_probs)
     rng = draw_rng_state(q.device) if dropout_p > 0 else None
     out, lse = dense_attention(q, k, v, None, None, s_q, k.shape[1], float(scale), left, right,
-                               float(softcap), alibi_slopes, float(dropout_p), rng, impl, bwd_impl)
+                               float(softcap), alibi_slopes, float(dropout_p), rng, impl, bwd_impl,
+                               bool(deterministic))
     return _finish(out, lse, return_attn_probs)
 
 
@@ -289,7 +291,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     rng = draw_rng_state(q.device) if dropout_p > 0 else None
     out, lse = dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                int(max_seqlen_k), float(scale), left, right, float(softcap),
-                               alibi_slopes, float(dropout_p), rng, impl, bwd_impl)
+                               alibi_slopes, float(dropout_p), rng, impl, bwd_impl,
+                               bool(deterministic))
     return _finish(out, lse, return_attn_probs)
 
 

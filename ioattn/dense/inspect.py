@@ -55,6 +55,7 @@ class KernelReport:
     mbarrier_waits: int = 0
     shared_bytes: int = 0
     sass: dict | None = None  # SASS opcode counts of interest (Gluon kernels), from cuobjdump
+    tma_reduce: bool = False  # cp.reduce.async.bulk.tensor (TMA reduce-add) in the PTX
 
     def row(self) -> str:
         return (f"{self.name:58s} regs {self.registers:3d}  spill st/ld {self.spill_stores:5d}/"
@@ -180,7 +181,9 @@ def _gluon_signature(fn, dtype: str, desc_rows: dict, d: int) -> dict:
     lay = _TMA_LAYOUT.format(bits=16)
     sig = {}
     for name in fn.arg_names:
-        if name.endswith("_desc"):
+        if name == "dqa_desc":  # the fp32 dQ accumulator (fused backward)
+            sig[name] = f"tensordesc<fp32[{desc_rows[name]}, {d}],{_TMA_LAYOUT.format(bits=32)}>"
+        elif name.endswith("_desc"):
             sig[name] = f"tensordesc<{dtype}[{desc_rows[name]}, {d}],{lay}>"
         elif name in ("O", "DQ", "DK", "DV"):
             sig[name] = f"*{dtype}"
@@ -214,9 +217,11 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                          dict(q_desc=64, o_desc=64, k_desc=bn, v_desc=bn), d,
                          dict(flags, STAGES=sm90_fwd._stages(d))))
             if d in sm90_bwd.SUPPORTED_HEAD_DIMS:
-                jobs.append((f"sm90 bwd dkdv d{d} {tag} 128 keys ws", sm90_bwd._bwd_dkdv_sm90,
-                             dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64), d,
-                             dict(flags, STAGES=sm90_bwd.DKDV_STAGES)))
+                for fused in (False, True):
+                    jobs.append((f"sm90 bwd dkdv{'+dq' if fused else ''} d{d} {tag} 128 keys ws",
+                                 sm90_bwd._bwd_dkdv_sm90,
+                                 dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64), d,
+                                 dict(flags, STAGES=sm90_bwd.DKDV_STAGES, FUSED_DQ=fused)))
                 jobs.append((f"sm90 bwd dq d{d} {tag} 128x{sm90_bwd.DQ_BLOCK_N} ws", sm90_bwd._bwd_dq_sm90,
                              dict(q_desc=64, do_desc=64, k_desc=sm90_bwd.DQ_BLOCK_N,
                                   v_desc=sm90_bwd.DQ_BLOCK_N), d,
@@ -231,7 +236,8 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
         out.append(KernelReport(
             name, regs_used, st, ld, wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
             warp_specialized="setmaxnreg" in ptx, mbarrier_waits=ptx.count("mbarrier.try_wait"),
-            shared_bytes=k.metadata.shared, sass=_sass_counts(k.asm["cubin"])))
+            shared_bytes=k.metadata.shared, sass=_sass_counts(k.asm["cubin"]),
+            tma_reduce="cp.reduce.async.bulk.tensor" in ptx))
     return out
 
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -52,11 +53,12 @@ def dense_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
               cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
               softmax_scale: float, window_left: int, window_right: int, softcap: float,
               alibi_slopes: Optional[Tensor], dropout_p: float,
-              rng_state: Optional[Tensor], impl: str = "triton",
-              bwd_impl: str = "triton") -> tuple[Tensor, Tensor]:
+              rng_state: Optional[Tensor], impl: str = "triton", bwd_impl: str = "triton",
+              deterministic: bool = False) -> tuple[Tensor, Tensor]:
     # impl: the kernel family, 'triton' (portable) or 'sm90' (Gluon, Hopper), from ioattn.dispatch
     # (not named "kernel": inductor's fallback lowering takes that keyword itself); bwd_impl: the
-    # family the registered autograd's backward runs (unused here)
+    # family the registered autograd's backward runs and whether it must be bitwise reproducible
+    # (both unused here)
     if impl == "sm90":
         from ioattn.dense.sm90_fwd import attn_fwd_sm90 as launch
         from ioattn.dense.sm90_fwd import unsupported_reason
@@ -83,7 +85,8 @@ def dense_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
 
 @dense_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-      window_right, softcap, alibi_slopes, dropout_p, rng_state, impl="triton", bwd_impl="triton"):
+      window_right, softcap, alibi_slopes, dropout_p, rng_state, impl="triton", bwd_impl="triton",
+      deterministic=False):
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
     return out, lse
@@ -94,12 +97,14 @@ def dense_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
               dlse: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
               max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int,
               window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float,
-              rng_state: Optional[Tensor], impl: str = "triton") -> tuple[Tensor, Tensor, Tensor]:
+              rng_state: Optional[Tensor], impl: str = "triton",
+              deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     if impl == "sm90":
         from ioattn.dense import sm90_bwd
         from ioattn.dense.sm90_common import tma_view_problem
 
-        launch = sm90_bwd.attn_bwd_sm90
+        # the fused form (opt-in, sm90_bwd.FUSED) adds dQ by reductions: not for deterministic
+        launch = functools.partial(sm90_bwd.attn_bwd_sm90, fused=sm90_bwd.FUSED and not deterministic)
         reason = sm90_bwd.unsupported_reason(q.shape[-1], v.shape[-1], softcap,
                                              alibi_slopes is not None, dropout_p)
         if reason is not None:
@@ -129,13 +134,13 @@ def dense_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
 @dense_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
-      impl="triton"):
+      impl="triton", deterministic=False):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 _FWD_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
              "softmax_scale", "window_left", "window_right", "softcap", "alibi_slopes", "dropout_p",
-             "rng_state", "impl", "bwd_impl")
+             "rng_state", "impl", "bwd_impl", "deterministic")
 
 
 def _setup_context(ctx, inputs, output):
@@ -147,6 +152,7 @@ def _setup_context(ctx, inputs, output):
                                           "window_left", "window_right", "softcap"))
     ctx.dropout_p = args["dropout_p"]
     ctx.bwd_impl = args.get("bwd_impl", "triton")
+    ctx.deterministic = args.get("deterministic", False)
     ctx.set_materialize_grads(False)
 
 
@@ -156,7 +162,7 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     mq, mk, scale, wl, wr, cap = ctx.scalars
     dq, dk, dv = dense_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, mq, mk, scale, wl, wr, cap,
-                           alibi, ctx.dropout_p, rng, ctx.bwd_impl)
+                           alibi, ctx.dropout_p, rng, ctx.bwd_impl, ctx.deterministic)
     return (dq, dk, dv) + (None,) * (len(_FWD_ARGS) - 3)
 
 
@@ -187,7 +193,7 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tens
                     softmax_scale: float, window_left: int, window_right: int, softcap: float,
                     alibi_slopes: Optional[Tensor], dropout_p: float,
                     rng_state: Optional[Tensor], impl: str = "triton",
-                    bwd_impl: str = "triton") -> tuple[Tensor, Tensor]:
+                    bwd_impl: str = "triton", deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """Differentiable (out, lse); arguments as ``ioattn::dense_fwd``. ``bwd_impl`` picks the
     backward's kernels independently of the forward's (both keep the same LSE convention)."""
     # compiled graphs use the op's registered autograd (dynamo traces it without a break; it cannot
@@ -196,7 +202,7 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tens
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return dense_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                         rng_state, impl, bwd_impl)
+                         rng_state, impl, bwd_impl, deterministic)
     return DenseAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                                dropout_p, rng_state, impl, bwd_impl)
+                                dropout_p, rng_state, impl, bwd_impl, deterministic)

@@ -17,9 +17,16 @@ descriptors, d = d_v in {64, 128} here, causal/window, GQA, batched and varlen, 
 Compiled for sm90 in CI (``python -m ioattn.dense.inspect --gluon``); the dense suite runs through it
 on the H200 (``IOATTN_TEST_SM90=always``). The public functions pick it per call
 (``ioattn.dense.api._pick``), independently of the forward's kernel.
+
+Fused form (``FUSED``, opt-in with ``IOATTN_SM90_FUSED_BWD=1``; compiled, not yet run on a GPU):
+the dK/dV kernel also forms this step's dQ partial dS·K (dSᵀ through shared memory, read
+transposed) and adds it to an fp32 buffer with a TMA reduction (``sm90_common.tma_reduce_add``):
+5 GEMMs per tile instead of 7, and no dQ kernel. The reductions' order varies, so
+``deterministic=True`` keeps the two-kernel form.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -31,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (barriers, invalidate, query_tile, query_tiles,
-                                      rows_descriptor, seq_bounds,
+                                      rows_descriptor, seq_bounds, tma_reduce_add,
                                       wgmma_a_operand, wgmma_acc_layout)
 from ioattn.dense.triton_bwd import bwd_preprocess
 
@@ -42,6 +49,11 @@ PRODUCER_REGS = 24
 DKDV_STAGES = 2
 DQ_BLOCK_N = 64
 DQ_STAGES = 2
+# The fused backward (dQ by TMA reductions in the dK/dV kernel) compiles for sm90 but has not run
+# on a GPU yet: off unless IOATTN_SM90_FUSED_BWD=1, until tests/dense/test_sm90.py::
+# test_sm90_fused_bwd passes on the H200 and it measures faster than the two-kernel form
+# (benchmarks/NOTES.md; `gpu_session.sh sm90-bwd-fused` does both)
+FUSED = os.environ.get("IOATTN_SM90_FUSED_BWD") == "1"
 
 
 @gluon.jit
@@ -96,12 +108,12 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
 
 
 @gluon.jit
-def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, kv_bar, qdo_full, qdo_empty,
-                   dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m,
-                   n_steps, start_n, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
-                   sm_scale,
+def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dqa_desc, kv_bar,
+                   qdo_full, qdo_empty, dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh,
+                   h0, lo_m, n_m, n_steps, start_n, q_start, seqlen_q, seqlen_k, window_left,
+                   window_right, qk_scale_log2, sm_scale,
                    WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                   HAS_RIGHT: gl.constexpr):
+                   HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr):
     HEAD_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     # Sᵀ / dPᵀ: [64 keys, 64 query rows]; dK / dV: [64 keys, d]
@@ -149,26 +161,43 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, kv_bar, 
         dp = warpgroup_mma_wait(0, deps=[dp_tok])
         dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do, dv, is_async=True)
         ds = p * (dp - delta[None, :])
-        dk_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), q, dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
-        mbarrier.arrive(qdo_empty.index(st), count=1)
+        if FUSED_DQ:
+            # dSᵀ (scaled, so dK and dQ come out scaled) through shared memory: the A operand of
+            # dK += dSᵀ·Q and, transposed, of this step's dQ partial dS·K, which a TMA reduction
+            # adds into the fp32 dQ buffer (rows past the sequence get dS = 0: harmless)
+            ds_s = ds_smem.index(WG)
+            ds_s.store((ds * sm_scale).to(dtype))
+            fence_async_shared()
+            dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
+            dq_tok = warpgroup_mma(ds_s.permute((1, 0)), k,
+                                   gl.zeros([HALF, HEAD_D], gl.float32, layout=a_layout),
+                                   use_acc=False, is_async=True)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
+            mbarrier.arrive(qdo_empty.index(st), count=1)
+            tma_reduce_add(dqa_desc, [q_start + m0, (h0 + g) * HEAD_D], dq)
+        else:
+            dk_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), q, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+            mbarrier.arrive(qdo_empty.index(st), count=1)
 
     d_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
     keys = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))
     ok = (keys < seqlen_k)[:, None]
+    if not FUSED_DQ:
+        dk = dk * sm_scale
     gl.store(DK + dk_off + keys[:, None].to(gl.int64) * stride_dkn + d_cols[None, :],
-             (dk * sm_scale).to(dtype), mask=ok)
+             dk.to(dtype), mask=ok)
     gl.store(DV + dv_off + keys[:, None].to(gl.int64) * stride_dvn + d_cols[None, :],
              dv.to(dtype), mask=ok)
 
 
 @gluon.jit
-def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE, DELTA, CU_Q, CU_K,
+def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA, CU_Q, CU_K,
                    stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lb, stride_lh,
                    n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
                    sm_scale, qk_scale_log2, window_left, window_right,
                    IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                   STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
+                   STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
                    PRODUCER_REGS_: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = 2 * HALF
@@ -189,6 +218,11 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE, DELTA, CU_Q, CU
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, HALF, HEAD_D], do_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, HALF, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, HALF, HEAD_D], v_desc.layout)
+    if FUSED_DQ:
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HALF], q_desc.dtype)
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HALF], ds_layout)
+    else:
+        ds_smem = k_smem  # unused
     kv_bar = barriers(1, 1)
     qdo_full = barriers(STAGES, 1)
     qdo_empty = barriers(STAGES, 2)  # one arrive per consumer warpgroup
@@ -199,14 +233,16 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE, DELTA, CU_Q, CU
     dv_off = k_start.to(gl.int64) * stride_dvn + off_hk.to(gl.int64) * stride_dvh
     lse_base = off_b.to(gl.int64) * stride_lb + lse_start
     gl.warp_specialize([
-        (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, kv_bar.index(0),
-                          qdo_full, qdo_empty, dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh, h0,
-                          lo_m, n_m, n_steps, start_n, seqlen_q, seqlen_k, window_left, window_right,
-                          qk_scale_log2, sm_scale, 0, STAGES, HAS_LEFT, HAS_RIGHT)),
-        (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, kv_bar.index(0),
-                          qdo_full, qdo_empty, dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh, h0,
-                          lo_m, n_m, n_steps, start_n, seqlen_q, seqlen_k, window_left, window_right,
-                          qk_scale_log2, sm_scale, 1, STAGES, HAS_LEFT, HAS_RIGHT)),
+        (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dqa_desc,
+                          kv_bar.index(0), qdo_full, qdo_empty, dk_off, dv_off, stride_dkn,
+                          stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps, start_n, q_start,
+                          seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
+                          0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ)),
+        (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dqa_desc,
+                          kv_bar.index(0), qdo_full, qdo_empty, dk_off, dv_off, stride_dkn,
+                          stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps, start_n, q_start,
+                          seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
+                          1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                           kv_bar.index(0), qdo_full, qdo_empty, q_start, k_start + start_n,
                           off_hk * HEAD_D, h0, lo_m, n_m, n_steps, STAGES)),
@@ -364,8 +400,13 @@ def preferred(head_dim: int, masked: bool, max_seqlen_k: int) -> bool:
 def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   dlse: Optional[torch.Tensor], dq: torch.Tensor, dk: torch.Tensor,
-                  dv: torch.Tensor, delta: torch.Tensor) -> None:
-    """The backward into preallocated dq/dk/dv (arguments as ``triton_bwd.attn_bwd``)."""
+                  dv: torch.Tensor, delta: torch.Tensor, fused: Optional[bool] = None) -> None:
+    """The backward into preallocated dq/dk/dv (arguments as ``triton_bwd.attn_bwd``).
+
+    fused (default ``FUSED``): one kernel, dQ's partials added to an fp32 buffer by TMA
+    reductions (5 GEMMs per tile; the order of the additions varies, so not bitwise
+    reproducible). Otherwise dK/dV and dQ in two kernels without atomics (7 GEMMs)."""
+    fused = FUSED if fused is None else fused
     if p.batch * q.shape[-2] == 0:
         return
     if p.max_seqlen_k == 0:  # no keys: every dQ is 0, dK/dV are empty
@@ -386,12 +427,18 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
                  CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
     scalars = (p.softmax_scale, p.softmax_scale * LOG2E, p.window_left, p.window_right)
     lse_strides = p.lse_strides(lse)
+    # fused: rows no key block reaches get no partial, so the buffer starts at 0
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else None
     _bwd_dkdv_sm90[(-(-p.max_seqlen_k // (2 * half)), p.batch * n_heads_k)](
         q_desc, do_desc, rows_descriptor(k, p.is_varlen, half), rows_descriptor(v, p.is_varlen, half),
+        rows_descriptor(dq_acc, p.is_varlen, half) if fused else q_desc,  # (unused when not fused)
         dk, dv, lse, delta, cu_q, cu_k,
         dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
         n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-        STAGES=DKDV_STAGES, **flags)
+        STAGES=DKDV_STAGES, FUSED_DQ=fused, **flags)
+    if fused:
+        dq.copy_(dq_acc)
+        return
     _bwd_dq_sm90[(-(-p.max_seqlen_q // (2 * half)), p.batch * n_heads)](
         q_desc, do_desc, rows_descriptor(k, p.is_varlen, DQ_BLOCK_N),
         rows_descriptor(v, p.is_varlen, DQ_BLOCK_N), dq, lse, delta, cu_q, cu_k,

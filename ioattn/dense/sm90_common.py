@@ -9,12 +9,26 @@ seqlen_q``, query row i sees key j iff i + off - left <= j <= i + off + right.
 from __future__ import annotations
 
 import torch
+import triton.language as tl
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.core import builtin
 
-GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
+@builtin
+def tma_reduce_add(desc, offsets, value, _semantic=None):
+    """desc[offsets] += value through a TMA reduction (``cp.reduce.async.bulk.tensor ... add``):
+    Gluon 3.6 has no wrapper for it, but its builder makes the descriptor reduce op, and Gluon's
+    TMA lowering stages ``value`` through shared memory and issues the bulk reduction."""
+    offs = _semantic._convert_to_ir_values(offsets, require_i64=False)
+    return tl.tensor(_semantic.builder.create_descriptor_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD,
+                                                                desc.handle, value.handle, offs),
+                     tl.void)
 
 
 @gluon.constexpr_function
