@@ -127,14 +127,13 @@ def _check_out(name: str, t: Optional[Tensor], shape: tuple, dtype: torch.dtype,
 
 
 def _check_run(q: Tensor, want: tuple, cfg: dict, k: Tensor, kv_layout: str, n_pages_needed: int,
-               out: Optional[Tensor], lse: Optional[Tensor]) -> None:
+               out: Optional[Tensor], lse: Optional[Tensor], device: torch.device) -> None:
     """run()'s inputs against the plan: q's shape and dtype, the cache's page shape and extent,
     and caller-supplied out / lse buffers."""
     if tuple(q.shape) != want or q.dtype != cfg["dtype"]:
         _fail(f"q must be {cfg['dtype']} of shape {want} (as planned), got {q.dtype} {tuple(q.shape)}")
-    reason = triton_unavailable_reason(q.device)
-    if reason is not None:
-        _fail(f"q is on {q.device}: {reason}")
+    if q.device != device:  # (plan() checked that the kernels run on the workspace's device)
+        _fail(f"q is on {q.device}; the plan's buffers are on {device}")
     if k.device != q.device:
         _fail(f"the cache is on {k.device}, q on {q.device}: put both on the same device")
     kv_dt = cfg.get("kv_dtype", q.dtype)
@@ -146,6 +145,32 @@ def _check_run(q: Tensor, want: tuple, cfg: dict, k: Tensor, kv_layout: str, n_p
               f"{k.shape[0]} pages")
     _check_out("out", out, want, q.dtype, q.device)
     _check_out("lse", lse, want[:2], torch.float32, q.device)
+
+
+def _check_device(device: torch.device) -> None:
+    """plan(): the kernels must run where the wrapper's buffers are."""
+    reason = triton_unavailable_reason(device)
+    if reason is not None:
+        _fail(f"the workspace is on {device}: {reason}")
+
+
+def _run_inputs(w, q: Tensor, paged_kv_cache, rows: int, out: Optional[Tensor],
+                lse: Optional[Tensor], need_lse: bool, q_scale: Optional[float],
+                k_scale: Optional[float]):
+    """run()'s shared prologue for the paged wrappers ``w``: inputs checked against the plan,
+    outputs allocated when not given. Returns (q, k, v, out, lse or None, softmax scale)."""
+    if not w._planned:
+        _fail("call plan() before run()", RuntimeError)
+    c = w._cfg
+    k, v = _kv_views(paged_kv_cache, w._kv_layout)
+    want = (rows, c["h"], c["d"])
+    _check_run(q, want, c, k, w._kv_layout, w._n_pages_needed, out, lse, w._device)
+    if out is None:
+        out = torch.empty(want, device=q.device, dtype=q.dtype)
+    if lse is None and need_lse:
+        lse = torch.empty(want[:2], device=q.device, dtype=torch.float32)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    return q, k, v, out, lse, c["scale"] * (q_scale or 1.0) * (k_scale or 1.0)
 
 
 def _check_heads(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -361,6 +386,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         idx = indices
         batch = len(ip) - 1
         _check_heads(num_qo_heads, num_kv_heads, head_dim)
+        _check_device(self._device)
         name, value = ("q_data_type", q_data_type) if data_type is None else ("data_type", data_type)
         dt = _DTYPES.get(value)
         if dt is None:
@@ -419,7 +445,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._cfg = dict(h=num_qo_heads, h_k=num_kv_heads, d=head_dim, page_size=page_size,
                          window_left=window_left, softcap=float(logits_soft_cap or 0.0),
                          scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
-                         dtype=dt, kv_dtype=kv_dt, rope=rope)
+                         dtype=dt, kv_dtype=kv_dt, rope=rope,
+                         block_m=paged_tiles(num_qo_heads // num_kv_heads, head_dim)[0])
         self._planned = True
 
     def run(self, q: Tensor, paged_kv_cache, *args, q_scale: Optional[float] = None,
@@ -428,23 +455,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
             enable_pdl=None, window_left: Optional[int] = None, **_unused):
         """Attention of q [batch, num_qo_heads, head_dim] over the planned pages. Returns out
         [batch, num_qo_heads, head_dim] (and the base-2 LSE [batch, num_qo_heads])."""
-        if not self._planned:
-            _fail("call plan() before run()", RuntimeError)
+        q, k, v, out, lse, scale = _run_inputs(self, q, paged_kv_cache, self._batch, out, lse,
+                                               return_lse, q_scale, k_scale)
         c = self._cfg
-        k, v = _kv_views(paged_kv_cache, self._kv_layout)
-        want = (self._batch, c["h"], c["d"])
-        _check_run(q, want, c, k, self._kv_layout, self._n_pages_needed, out, lse)
-        if out is None:
-            out = torch.empty(want, device=q.device, dtype=q.dtype)
-        if lse is None and return_lse:
-            lse = torch.empty(want[:2], device=q.device, dtype=torch.float32)
-        scale = c["scale"] * (q_scale or 1.0) * (k_scale or 1.0)
         wl = c["window_left"] if window_left is None else window_left
-        q = q if q.stride(-1) == 1 else q.contiguous()
-        group = c["h"] // c["h_k"]
-        block_m = paged_tiles(group, c["d"])[0]
+        block_m = c["block_m"]
         paged_attn(q, k, v, self._indices, self._seqlens_indptr, self._work, self._n_work,
-                   self._slot_start, self._max_items, -(-group // block_m), block_m,
+                   self._slot_start, self._max_items, -(-(c["h"] // c["h_k"]) // block_m), block_m,
                    self._o_part, self._lse_part, scale, wl, -1, c["softcap"], out,
                    lse if lse is not None else self._lse_keep, lse_base2=True, rope=c["rope"])
         if v_scale is not None:
@@ -755,6 +772,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         if len(qi) != batch + 1 or qi[0] != 0 or any(b < a for a, b in zip(qi, qi[1:])):
             _fail(f"qo_indptr must have batch + 1 = {batch + 1} non-decreasing entries from 0")
         _check_heads(num_qo_heads, num_kv_heads, head_dim_qk)
+        _check_device(self._device)
         if rope is not None and head_dim_qk % 2:
             _fail(f"pos_encoding_mode='ROPE_LLAMA' needs an even head_dim_qk, got {head_dim_qk}")
         dt = _DTYPES.get(q_data_type)
@@ -830,17 +848,10 @@ class BatchPrefillWithPagedKVCacheWrapper:
             **_unused):
         """q [total_q, H, D] -> out [total_q, H, D] (and base-2 LSE [total_q, H]). q_scale /
         k_scale multiply the softmax scale, v_scale the output (fp8 caches)."""
-        if not self._planned:
-            _fail("call plan() before run()", RuntimeError)
+        q, k, v, out, lse_out, scale = _run_inputs(self, q, paged_kv_cache, self._total_q, out, lse,
+                                                   True, q_scale, k_scale)
         c = self._cfg
-        k, v = _kv_views(paged_kv_cache, self._kv_layout)
-        want = (self._total_q, c["h"], c["d"])
-        _check_run(q, want, c, k, self._kv_layout, self._n_pages_needed, out, lse)
-        out = out if out is not None else torch.empty(want, device=q.device, dtype=q.dtype)
-        lse_out = lse if lse is not None else torch.empty(want[:2], device=q.device, dtype=torch.float32)
-        q = q if q.stride(-1) == 1 else q.contiguous()
         wl, wr = _prefill_window(c["causal"], c["window_left"])
-        scale = c["scale"] * (q_scale or 1.0) * (k_scale or 1.0)
         paged_attn(q, k, v, self._indices, self._seqlens_indptr, self._work, self._n_work, None,
                    self._work.shape[0], 1, c["block_m"], lse_out, lse_out, scale, wl, wr,
                    c["softcap"], out, lse_out, lse_base2=True, rope=c["rope"], mask=self._mask)
