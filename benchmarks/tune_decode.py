@@ -2,7 +2,8 @@
 stages, work items per SM), on the decode acceptance cells; prints TB/s per config and the best.
     python benchmarks/tune_decode.py [--json out.json]
     python benchmarks/tune_decode.py --prefill   (chunked-prefill tiles, vs the dense forward)
-    python benchmarks/tune_decode.py --profile   (kernel and host microseconds per decode cell)"""
+    python benchmarks/tune_decode.py --profile   (kernel and host microseconds per decode cell)
+    python benchmarks/tune_decode.py --fp8       (an fp8 e4m3 cache; TB/s of fp8 bytes)"""
 from __future__ import annotations
 
 import argparse
@@ -19,20 +20,23 @@ from ioattn.paged import plan
 CELLS = [(64, 4096, 16), (16, 8192, 16), (1, 32768, 16), (128, 2048, 16), (64, 4096, 1)]
 
 
-def run(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16):
+def run(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16, kv_dtype=None):
     results = []
     orig = (triton_decode._tile_n, triton_decode._attn_warps, triton_decode._attn_stages,
             plan.target_items)
     for b, ctx, page in cells:
         n_pages = b * (-(-ctx // page))
         cache = torch.randn(n_pages, 2, page, h_k, d, device="cuda", dtype=dtype)
+        if kv_dtype is not None:
+            cache = cache.to(kv_dtype)
         indptr = torch.arange(0, n_pages + 1, n_pages // b, dtype=torch.int32)
         indices = torch.randperm(n_pages, dtype=torch.int32).cuda()
         last = torch.full((b,), ctx - (ctx // page - 1) * page if ctx % page == 0 else ctx % page,
                           dtype=torch.int32)
         q = torch.randn(b, h, d, device="cuda", dtype=dtype)
         out = torch.empty_like(q)
-        nbytes = 2 * b * ctx * h_k * d * 2
+        nbytes = 2 * b * ctx * h_k * d * cache.element_size()
+        scales = dict(k_scale=1.0, v_scale=1.0) if kv_dtype is not None else {}
         for bn, warps, stages, per_sm in configs:
             triton_decode._tile_n = lambda bm, bd, bn=bn: bn
             triton_decode._attn_warps = lambda bm, bd, x, w=warps: w
@@ -43,8 +47,10 @@ def run(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16):
                                                                   device="cuda"))
             row = dict(b=b, ctx=ctx, page=page, block_n=bn, warps=warps, stages=stages, per_sm=per_sm)
             try:
-                w.plan(indptr, indices, last, h, h_k, d, page, q_data_type=dtype)
-                ms = do_bench(lambda: w.run(q, cache, out=out), warmup=10, rep=40, return_mode="median")
+                w.plan(indptr, indices, last, h, h_k, d, page, q_data_type=dtype,
+                       kv_data_type=kv_dtype or dtype)
+                ms = do_bench(lambda: w.run(q, cache, out=out, **scales), warmup=10, rep=40,
+                              return_mode="median")
                 row.update(ms=ms, tb_s=nbytes / ms * 1e-9)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
@@ -139,6 +145,7 @@ def main():
     ap.add_argument("--per-sm", default="2,4")
     ap.add_argument("--prefill", action="store_true", help="sweep the chunked-prefill tiles instead")
     ap.add_argument("--profile", action="store_true", help="kernel and host times of each cell")
+    ap.add_argument("--fp8", action="store_true", help="an fp8 (e4m3) cache")
     a = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     if a.profile:
@@ -156,7 +163,7 @@ def main():
             json.dump(res, open(a.json, "w"), indent=1)
         return
     configs = list(itertools.product(ints(a.block_n), ints(a.warps), ints(a.stages), ints(a.per_sm)))
-    res = run(CELLS, configs)
+    res = run(CELLS, configs, kv_dtype=torch.float8_e4m3fn if a.fp8 else None)
     ok = [r for r in res if "tb_s" in r]
     for cell in CELLS:
         rows = sorted((r for r in ok if (r["b"], r["ctx"], r["page"]) == cell), key=lambda r: -r["tb_s"])

@@ -210,9 +210,10 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
     jobs = []
     for d in head_dims:
         bn = sm90_fwd._block_n(d)
-        for causal in (False, True):
-            flags = dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=causal, **regs)
-            tag = "causal" if causal else "full"
+        # varlen adds the zeroing of tile rows past the last packed sequence
+        for tag, causal, varlen in (("full", False, False), ("causal", True, False),
+                                    ("varlen causal", True, True)):
+            flags = dict(IS_VARLEN=varlen, HAS_LEFT=False, HAS_RIGHT=causal, **regs)
             jobs.append((f"sm90 fwd d{d} {tag} 128x{bn} ws", sm90_fwd._attn_fwd_sm90,
                          dict(q_desc=64, o_desc=64, k_desc=bn, v_desc=bn), d,
                          dict(flags, STAGES=sm90_fwd._stages(d))))

@@ -12,7 +12,9 @@ so the backward stays deterministic, as the portable one is:
   K and V streamed; per key block S = Q·Kᵀ, dP = dO·Vᵀ, dS = P(dP - delta), dQ += dS·K.
 
 Layouts and coverage are the forward's (``sm90_fwd``): [rows, heads * d] views through host TMA
-descriptors, d = d_v in {64, 128} here, causal/window, GQA, batched and varlen, fp16/bf16.
+descriptors, d = d_v in {64, 128} here, causal/window, GQA, batched and varlen, fp16/bf16. As there,
+varlen tiles that run past the last sequence get those rows zeroed by the producer (Q and dO in
+dK/dV, K and V in dQ and in the fused form) before the consumers read them.
 
 Compiled for sm90 in CI (``python -m ioattn.dense.inspect --gluon``); the dense suite runs through it
 on the H200 (``IOATTN_TEST_SM90=always``). The public functions pick it per call
@@ -39,7 +41,8 @@ from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (barriers, invalidate, query_tile, query_tiles,
                                       rows_descriptor, seq_bounds, tma_reduce_add,
-                                      wgmma_a_operand, wgmma_acc_layout)
+                                      wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile,
+                                      zero_tail_rows)
 from ioattn.dense.triton_bwd import bwd_preprocess
 
 HALF = gl.constexpr(64)  # rows of one consumer warpgroup's wgmma (keys in dK/dV, queries in dQ)
@@ -85,8 +88,9 @@ def _tile_needs_mask(m0, n0, seqlen_q, seqlen_k, off, window_left, window_right,
 # ----------------------------------------------------------------------------------- dK / dV
 @gluon.jit
 def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
-                   qdo_full, qdo_empty, q_start, k_row, kv_col, h0, lo_m, n_m, n_steps,
-                   STAGES: gl.constexpr):
+                   qdo_full, qdo_empty, fixed, q_start, k_row, kv_col, h0, lo_m, n_m, n_steps,
+                   seqlen_q, n_keys, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
+                   FUSED_DQ: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     has_work = n_steps > 0
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes, pred=has_work)
@@ -96,6 +100,17 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
     tma.async_copy_global_to_shared(v_desc, [k_row, kv_col], kv_bar, v_smem.index(0), pred=has_work)
     tma.async_copy_global_to_shared(v_desc, [k_row + HALF, kv_col], kv_bar, v_smem.index(1),
                                     pred=has_work)
+    if IS_VARLEN and FUSED_DQ:
+        # keys past the last packed sequence (rows of no sequence, possibly NaN) would reach dQ
+        # through dS·K and dP = dO·Vᵀ even with dS masked to 0: zero them (fixed[STAGES])
+        if has_work & (n_keys < 2 * HALF):
+            mbarrier.wait(kv_bar, 0)
+            for i in gl.static_range(2):
+                zero_tail_rows(k_smem.index(i), n_keys - i * HALF)
+                zero_tail_rows(v_smem.index(i), n_keys - i * HALF)
+            fence_async_shared()
+            mbarrier.arrive(fixed.index(STAGES), count=1)
+    fixes = 0  # per-stage phase bits of fixed[st]
     for t in range(n_steps):
         st = t % STAGES
         g = t // n_m
@@ -105,15 +120,26 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
         mbarrier.expect(qdo_full.index(st), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [row, col], qdo_full.index(st), q_smem.index(st))
         tma.async_copy_global_to_shared(do_desc, [row, col], qdo_full.index(st), do_smem.index(st))
+        if IS_VARLEN:
+            # a query tile past the last packed sequence: zero those Q and dO rows (dSᵀ·Q and
+            # dPᵀ = V·dOᵀ would carry 0 * NaN into dK and dV), then release the tile
+            first = q_start + seqlen_q - row
+            if first < HALF:
+                mbarrier.wait(qdo_full.index(st), (t // STAGES) & 1)
+                zero_tail_rows(q_smem.index(st), first)
+                zero_tail_rows(do_smem.index(st), first)
+                fence_async_shared()
+                mbarrier.arrive(fixed.index(st), count=1)
+                fixes = fixes ^ (1 << st)
 
 
 @gluon.jit
 def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dqa_desc, kv_bar,
-                   qdo_full, qdo_empty, dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh,
+                   qdo_full, qdo_empty, fixed, dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh,
                    h0, lo_m, n_m, n_steps, start_n, q_start, seqlen_q, seqlen_k, window_left,
                    window_right, qk_scale_log2, sm_scale,
                    WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                   HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr):
+                   HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr):
     HEAD_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     # Sᵀ / dPᵀ: [64 keys, 64 query rows]; dK / dV: [64 keys, d]
@@ -133,6 +159,10 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
     s_zero = gl.zeros([HALF, HALF], gl.float32, layout=s_layout)
     if n_steps > 0:
         mbarrier.wait(kv_bar, 0)
+        if IS_VARLEN and FUSED_DQ:
+            if seqlen_k - start_n < 2 * HALF:  # the producer zeroes keys past the end
+                mbarrier.wait(fixed.index(STAGES), 0)
+    fixes = 0
     for t in range(n_steps):
         st = t % STAGES
         g = t // n_m
@@ -146,6 +176,10 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
         # fully masked rows carry LSE = -inf; +inf makes their P exactly 0 instead of NaN
         lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         mbarrier.wait(qdo_full.index(st), (t // STAGES) & 1)
+        if IS_VARLEN:
+            if q_start + m0 + HALF > q_start + seqlen_q:  # rows past the end are being zeroed
+                mbarrier.wait(fixed.index(st), (fixes >> st) & 1)
+                fixes = fixes ^ (1 << st)
         q = q_smem.index(st)
         do = do_smem.index(st)
         # Sᵀ and dPᵀ issued together; the exponentials run while dPᵀ is on the tensor cores, and
@@ -224,6 +258,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
     else:
         ds_smem = k_smem  # unused
     kv_bar = barriers(1, 1)
+    fixed = barriers(STAGES + 1, 1)  # zeroed tail rows: per Q/dO stage, then K/V
     qdo_full = barriers(STAGES, 1)
     qdo_empty = barriers(STAGES, 2)  # one arrive per consumer warpgroup
     fence_async_shared()
@@ -234,21 +269,23 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
     lse_base = off_b.to(gl.int64) * stride_lb + lse_start
     gl.warp_specialize([
         (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dqa_desc,
-                          kv_bar.index(0), qdo_full, qdo_empty, dk_off, dv_off, stride_dkn,
+                          kv_bar.index(0), qdo_full, qdo_empty, fixed, dk_off, dv_off, stride_dkn,
                           stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps, start_n, q_start,
                           seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                          0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ)),
+                          0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN)),
         (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dqa_desc,
-                          kv_bar.index(0), qdo_full, qdo_empty, dk_off, dv_off, stride_dkn,
+                          kv_bar.index(0), qdo_full, qdo_empty, fixed, dk_off, dv_off, stride_dkn,
                           stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps, start_n, q_start,
                           seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                          1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ)),
+                          1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                          kv_bar.index(0), qdo_full, qdo_empty, q_start, k_start + start_n,
-                          off_hk * HEAD_D, h0, lo_m, n_m, n_steps, STAGES)),
+                          kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
+                          off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
+                          STAGES, IS_VARLEN, FUSED_DQ)),
     ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
     invalidate(kv_bar, 1)
+    invalidate(fixed, STAGES + 1)
     invalidate(qdo_full, STAGES)
     invalidate(qdo_empty, STAGES)
 
@@ -256,7 +293,8 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
 # ----------------------------------------------------------------------------------------- dQ
 @gluon.jit
 def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, kv_full,
-                 kv_empty, q_row, q_col, k_row, kv_col, n_tiles, STAGES: gl.constexpr):
+                 kv_empty, kv_fixed, q_row, q_col, k_row, kv_col, n_tiles, n_keys,
+                 STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     has_work = n_tiles > 0
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes,
@@ -274,14 +312,18 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sme
                                         k_smem.index(st))
         tma.async_copy_global_to_shared(v_desc, [k_row + j * BLOCK_N, kv_col], kv_full.index(st),
                                         v_smem.index(st))
+    if IS_VARLEN:
+        # the last K/V tile may run past the last packed sequence: zero those rows (dS·K and
+        # dP = dO·Vᵀ would carry 0 * NaN into dQ) before the consumers read it
+        zero_last_key_tile(kv_full, kv_fixed, k_smem, v_smem, n_tiles, n_keys, STAGES, True)
 
 
 @gluon.jit
 def _dq_consumer(DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, kv_full, kv_empty,
-                 dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
+                 kv_fixed, dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                  window_left, window_right, qk_scale_log2, sm_scale,
                  WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr):
+                 HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
@@ -307,6 +349,9 @@ def _dq_consumer(DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, kv_full
     for j in range(n_tiles):
         st = j % STAGES
         mbarrier.wait(kv_full.index(st), (j // STAGES) & 1)
+        if IS_VARLEN:
+            if lo + (j + 1) * BLOCK_N > seqlen_k:  # the last tile: rows past the end zeroed
+                mbarrier.wait(kv_fixed, 0)
         k = k_smem.index(st)
         s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(do, v_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
@@ -350,6 +395,7 @@ def _bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, CU_Q, CU_K,
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
     q_bar = barriers(1, 1)
+    kv_fixed = barriers(1, 1)
     kv_full = barriers(STAGES, 1)
     kv_empty = barriers(STAGES, 2)  # one arrive per consumer warpgroup
     fence_async_shared()
@@ -359,19 +405,20 @@ def _bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, CU_Q, CU_K,
     lse_off = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + lse_start
     gl.warp_specialize([
         (_dq_consumer, (DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar.index(0), kv_full,
-                        kv_empty, dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
+                        kv_empty, kv_fixed.index(0), dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                         window_left, window_right, qk_scale_log2, sm_scale,
-                        0, STAGES, HAS_LEFT, HAS_RIGHT)),
+                        0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)),
         (_dq_consumer, (DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar.index(0), kv_full,
-                        kv_empty, dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
+                        kv_empty, kv_fixed.index(0), dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                         window_left, window_right, qk_scale_log2, sm_scale,
-                        1, STAGES, HAS_LEFT, HAS_RIGHT)),
+                        1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                        q_bar.index(0), kv_full, kv_empty, q_row, off_h * HEAD_D, k_start + lo, off_hk * HEAD_D,
-                        n_tiles, STAGES)),
+                        q_bar.index(0), kv_full, kv_empty, kv_fixed.index(0), q_row, off_h * HEAD_D,
+                        k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo, STAGES, IS_VARLEN)),
     ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
     invalidate(q_bar, 1)
+    invalidate(kv_fixed, 1)
     invalidate(kv_full, STAGES)
     invalidate(kv_empty, STAGES)
 

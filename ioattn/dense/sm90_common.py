@@ -13,7 +13,7 @@ import triton.language as tl
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import builtin
 
@@ -92,6 +92,46 @@ def query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, wi
                             HAS_LEFT, HAS_RIGHT)
     return (off_b, off_h, off_h // kv_group, q_start, seqlen_q, k_start, seqlen_k, lse_start,
             start_m, lo, n_tiles)
+
+
+@gluon.jit
+def zero_tail_rows(tile, first):
+    """Zero rows [first, ROWS) of a [ROWS, COLS] tile in shared memory, in 8-row slices (the
+    swizzle atom), from one warp: a TMA tile that crosses the end of the last packed sequence reads
+    rows that belong to no sequence (a varlen tensor may be longer than cu_seqlens[-1], and such
+    rows may hold NaN / Inf: torch.empty). Their scores are masked, but 0 * NaN in P·V, dS·K or
+    dSᵀ·Q would still reach real outputs; zeroed rows contribute exactly 0. The caller waits for
+    the TMA load first and fences (``fence_async_shared``) before wgmma reads the tile."""
+    ROWS: gl.constexpr = tile.shape[0]
+    COLS: gl.constexpr = tile.shape[1]
+    # [8, 64] pieces: 16 values per thread, within the producer's small register budget
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+    r = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
+    for c in gl.static_range(ROWS // 8):
+        if c * 8 + 8 > first:
+            for k in gl.static_range(COLS // 64):
+                piece = tile.slice(c * 8, 8, dim=0).slice(k * 64, 64, dim=1)
+                x = piece.load(layout)
+                piece.store(gl.where((c * 8 + r >= first)[:, None], gl.zeros_like(x), x))
+
+
+@gluon.jit
+def zero_last_key_tile(full, fixed, a_smem, b_smem, n_tiles, n_keys, STAGES: gl.constexpr,
+                       BOTH: gl.constexpr):
+    """Producer side of ``zero_tail_rows`` for a stream of key tiles whose last one may run past
+    the last packed sequence (n_keys keys from the stream's first): once that tile has landed
+    (``full``), zero its rows past the end in a_smem (and b_smem when BOTH), then arrive on
+    ``fixed``, which the consumers wait for before reading the last tile."""
+    BLOCK_N: gl.constexpr = a_smem.shape[1]
+    last = n_tiles - 1
+    first = n_keys - last * BLOCK_N
+    if (n_tiles > 0) & (first < BLOCK_N):
+        mbarrier.wait(full.index(last % STAGES), (last // STAGES) & 1)
+        zero_tail_rows(a_smem.index(last % STAGES), first)
+        if BOTH:
+            zero_tail_rows(b_smem.index(last % STAGES), first)
+        fence_async_shared()
+        mbarrier.arrive(fixed, count=1)
 
 
 @gluon.jit

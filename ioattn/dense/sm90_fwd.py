@@ -14,8 +14,10 @@ One CTA computes a 128-row query tile of one (sequence, head) with three warp-sp
 Layout: host-side TMA descriptors over the row-major views [rows, heads * head_dim] of q, k, v and
 out (batched [b, s, h, d] tensors are the varlen case with equal lengths, rows = b * s). Rows read
 past a sequence's end belong to the next sequence (or are zero past the tensor); their scores are
-masked and their outputs never stored. The epilogue stores O through TMA when the 64-row half lies
-inside the sequence, with masked stores otherwise.
+masked and their outputs never stored. A varlen tensor may be longer than cu_seqlens[-1], and rows
+of no sequence may hold NaN (torch.empty): the producer zeroes them in the last V tile, since a
+masked P of 0 times NaN is still NaN (``sm90_common.zero_tail_rows``). The epilogue stores O
+through TMA when the 64-row half lies inside the sequence, with masked stores otherwise.
 
 Semantics are the portable kernel's (``triton_fwd.py``): bottom-right causal/window masks, LSE in
 natural log, rows with no visible key give out 0 and LSE -inf. ``unsupported_reason`` lists what
@@ -31,8 +33,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
-from ioattn.dense.sm90_common import (GL_DTYPES, query_tile, rows_descriptor, tma_view_problem,
-                                      wgmma_a_operand, wgmma_acc_layout)
+from ioattn.dense.sm90_common import (GL_DTYPES, barriers, invalidate, query_tile, rows_descriptor,
+                                      tma_view_problem, wgmma_a_operand, wgmma_acc_layout,
+                                      zero_last_key_tile)
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M)
 BLOCK_M = gl.constexpr(128)  # two consumer warpgroups
@@ -54,7 +57,8 @@ def _stages(head_dim: int) -> int:
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty,
-              v_empty, q_row, q_col, k_row, kv_col, n_tiles, STAGES: gl.constexpr):
+              v_empty, v_fixed, q_row, q_col, k_row, kv_col, n_tiles, n_keys, STAGES: gl.constexpr,
+              IS_VARLEN: gl.constexpr):
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     # no key block: the consumers never wait for Q and reuse its buffers to stage O, so Q must not
     # be in flight then
@@ -74,6 +78,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_f
         mbarrier.expect(v_full.index(st), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [k_row + j * BLOCK_N, kv_col], v_full.index(st),
                                         v_smem.index(st))
+    if IS_VARLEN:
+        # the last V tile may run past the last packed sequence into rows of no sequence: zero
+        # them (their P is 0, but 0 * NaN is not) before the consumers' P·V reads the tile
+        zero_last_key_tile(v_full, v_fixed, v_smem, v_smem, n_tiles, n_keys, STAGES, False)
 
 
 @gluon.jit
@@ -114,9 +122,10 @@ def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_ri
 
 @gluon.jit
 def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
-              o_row, o_col, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
+              v_fixed, o_row, o_col, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
               window_left, window_right, qk_scale_log2,
-              WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+              WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+              IS_VARLEN: gl.constexpr):
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
@@ -165,6 +174,9 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_e
         # tail: PV of the last block
         last = (n_tiles - 1) % STAGES
         mbarrier.wait(v_full.index(last), ((n_tiles - 1) // STAGES) & 1)
+        if IS_VARLEN:
+            if lo + n_tiles * BLOCK_N > seqlen_k:  # the producer zeroes rows past the end
+                mbarrier.wait(v_fixed, 0)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc_tok])
@@ -210,6 +222,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K,
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    v_fixed = barriers(1, 1)
     k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -227,21 +240,23 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K,
     lse_off = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + lse_start
     gl.warp_specialize([
         (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0), k_full, v_full,
-                     k_empty, v_empty,
+                     k_empty, v_empty, v_fixed.index(0),
                      q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k,
                      lo, n_tiles, window_left, window_right, qk_scale_log2,
-                     0, STAGES, HAS_LEFT, HAS_RIGHT)),
+                     0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)),
         (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0), k_full, v_full,
-                     k_empty, v_empty,
+                     k_empty, v_empty, v_fixed.index(0),
                      q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k,
                      lo, n_tiles, window_left, window_right, qk_scale_log2,
-                     1, STAGES, HAS_LEFT, HAS_RIGHT)),
+                     1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0), k_full,
-                     v_full, k_empty, v_empty,
-                     q_row, off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles, STAGES)),
+                     v_full, k_empty, v_empty, v_fixed.index(0),
+                     q_row, off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo,
+                     STAGES, IS_VARLEN)),
     ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
     mbarrier.invalidate(q_bar.index(0))
+    invalidate(v_fixed, 1)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_full.index(i))
         mbarrier.invalidate(v_full.index(i))

@@ -108,7 +108,8 @@ def test_sm90_bwd_dispatch(monkeypatch):
 
     calls = []
     orig = sm90_bwd.attn_bwd_sm90
-    monkeypatch.setattr(sm90_bwd, "attn_bwd_sm90", lambda *a_: calls.append(1) or orig(*a_))
+    monkeypatch.setattr(sm90_bwd, "attn_bwd_sm90",
+                        lambda *a_, **kw: calls.append(1) or orig(*a_, **kw))
     c = Case(2048, 2048, d=128, b=1, h=2)
     q, k, v = _inputs(c, "cuda")
     out = ioattn.flash_attn_func(q, k, v)
@@ -155,7 +156,8 @@ def test_sm90_matches_triton_and_auto_picks_it(monkeypatch):
 
     calls = []
     orig = sm90_fwd.attn_fwd_sm90
-    monkeypatch.setattr(sm90_fwd, "attn_fwd_sm90", lambda *a_: calls.append(1) or orig(*a_))
+    monkeypatch.setattr(sm90_fwd, "attn_fwd_sm90",
+                        lambda *a_, **kw: calls.append(1) or orig(*a_, **kw))
     ioattn.flash_attn_func(q, k, v)
     assert calls, "backend='auto' should run the sm90 forward here (d=128, non-causal, s=2k)"
     if os.environ.get("IOATTN_TEST_SM90") != "always":  # that run prefers sm90 everywhere
@@ -200,12 +202,16 @@ def test_sm90_kernel_compiles_for_hopper():
     reports = json.loads(res.stdout)
     names = [r["name"] for r in reports]
     # fwd: d = 64, 128, 256; bwd dK/dV (also fused with dQ) and dQ: d = 64, 128
-    assert len(reports) == 18, names
+    assert len(reports) == 27, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
-        # together) spills a few hundred bytes, the others at most a few
-        assert r["spill_stores"] <= (512 if "dkdv" in r["name"] and "d128" in r["name"] else 16), r
+        # together) spills a few hundred bytes (more in its varlen and fused forms, whose
+        # 24-register producer also zeroes tile rows past the last sequence), the others a few
+        limit = 16
+        if "dkdv" in r["name"]:
+            limit = 1024 if "d128" in r["name"] else 128
+        assert r["spill_stores"] <= limit, r
         assert r["mbarrier_waits"] > 0, r
         # the fused backward adds dQ with TMA reductions (cp.reduce.async.bulk.tensor)
         assert r["tma_reduce"] == ("dkdv+dq" in r["name"]), r
