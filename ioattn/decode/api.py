@@ -99,8 +99,12 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         softmax_scale, causal, window_size, softcap, alibi_slopes: as ``flash_attn_func``.
         rotary_interleaved: rotate dim pairs (0, 1), (2, 3)... (GPT-J) instead of halves (NeoX).
         num_splits: key-range splits run in parallel and merged by LSE; 0 picks from the shape.
+            Long query chunks on a GPU (chunked prefill) run instead as a copy of the keys into
+            packed K/V plus the dense forward (``ioattn.decode.op.gathers``); an explicit
+            num_splits > 1 keeps the split-KV kernel.
         return_softmax_lse: also return the LSE [batch, nheads, seqlen_q] fp32 (natural log).
-        backend: 'auto' or 'triton' (the KV-cache kernels are portable Triton), or 'reference'.
+        backend: 'auto', 'triton' (portable Triton kernels only: the gathered path's dense
+            forward then never takes the sm90 Gluon kernel), or 'reference'.
 
     Returns:
         out [batch, seqlen_q, nheads, headdim], or (out, softmax_lse).
@@ -199,5 +203,6 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         run = kvcache_fwd if torch.compiler.is_compiling() else kvcache_eager
         out, lse = run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, float(scale),
-                       left, right, float(softcap), bool(rotary_interleaved), int(num_splits))
+                       left, right, float(softcap), bool(rotary_interleaved), int(num_splits),
+                       backend == "triton")
     return (out, lse) if return_softmax_lse else out

@@ -1,5 +1,7 @@
-"""torch.library op of the KV-cache family: append (rotary) + split-KV attention in one op that
-mutates the caches, with a fake impl so torch.compile traces it."""
+"""torch.library op of the KV-cache family: append (rotary) + attention in one op that mutates
+the caches, with a fake impl so torch.compile traces it. Attention runs in the split-KV kernel
+over the cache, or, for long query chunks (chunked prefill), in the dense varlen forward over K/V
+gathered out of the cache (``gathers``)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,8 +9,84 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ioattn.decode.triton_decode import kvcache_attn, rope_store
-from ioattn.dense.op import _new_output, _on_device
+from ioattn.decode.triton_decode import gather_kv, kvcache_attn, rope_store
+from ioattn.dense.api import _pick
+from ioattn.dense.op import _new_output, _on_device, dense_fwd
+
+# The gathered path's switch: None lets ``gathers`` decide; True / False take it always / never
+# (tests force it on CPU, where the rule never picks it, to run it under the interpreter).
+FORCE_GATHER: Optional[bool] = None
+# The rule's thresholds (``gathers`` explains them).
+GATHER_MIN_TOKENS = 128  # query tokens per sequence: a full query tile of the dense kernels
+GATHER_MIN_ROWS = 512  # query tokens x GQA group: the query rows that read each gathered key
+GATHER_MAX_BYTES = 1 << 30  # packed K and V together
+
+
+def gathers(q: Tensor, k_cache: Tensor, capacity: int, num_splits: int) -> bool:
+    """Whether attention runs as a gather of the keys into packed K/V plus the dense varlen
+    forward, instead of the split-KV kernel over the cache.
+
+    Measured on the H200 (chunked prefill, 8 sequences of 4096 cached + 512 new tokens, page 16,
+    32 / 8 heads, d=128, causal): the split-KV kernel 230 TFLOP/s, a torch gather then the dense
+    forward 410, the dense forward alone 451. The dense kernels stream contiguous K/V (TMA, deeper
+    pipelines); the paged kernel forms a gathered address per key row, which costs registers and
+    spills. The copy reads and writes each key once, amortized over the s_q * group query rows
+    that read it: relative to the attention it takes about elem_bytes * F / (B * s_q * group),
+    F ~450 TFLOP/s the dense rate and B ~3.5 TB/s the copy's bytes read and written per second,
+    i.e. 258 / (s_q * group) in 16-bit types: 13% at the measured cell (0.89x dense predicted,
+    0.91x measured), 50% at 512 rows, where the gathered path (~0.67x dense) still beats the
+    split kernel's 0.51x of the measured cell. The rule (estimates to re-measure):
+
+    - a CUDA device: under the interpreter nothing pays (``FORCE_GATHER`` runs it there);
+    - ``num_splits`` 0 or 1: an explicit split count asks for the split-KV kernel;
+    - s_q >= ``GATHER_MIN_TOKENS``: the dense kernels tile one head's tokens (64 or 128 rows), so
+      shorter chunks leave their tiles part empty, where the paged kernel fills its tiles with the
+      tokens times the GQA group;
+    - s_q * group >= ``GATHER_MIN_ROWS``: the copy's share above;
+    - packed K and V (b * capacity rows each) within ``GATHER_MAX_BYTES``: a transient allocation
+      beside caches that serving engines size to fill the memory; and since the lengths are on
+      the device, the buffers are sized (and written, zeros past the keys) by the capacity, so
+      this also bounds the copy (~0.3 ms per GiB moved) when the sequences are far shorter;
+    - q's rows of one sequence within int32 indexing (``check_int32_rows`` of the dense op).
+
+    Every feature of the call is covered by the portable dense kernel (softcap, ALiBi (h,) or
+    (b, h), windows, GQA, head dims to 256); the sm90 one runs where 'auto' would pick it."""
+    b, s_q, h, d = q.shape
+    if FORCE_GATHER is not None or q.numel() == 0 or capacity == 0:
+        return bool(FORCE_GATHER) and q.numel() > 0 and capacity > 0
+    group = h // k_cache.shape[2]
+    packed_bytes = 2 * b * capacity * k_cache.shape[2] * d * q.element_size()
+    return (q.is_cuda and num_splits <= 1 and s_q >= GATHER_MIN_TOKENS
+            and s_q * group >= GATHER_MIN_ROWS and packed_bytes <= GATHER_MAX_BYTES
+            and (s_q + 256) * max(q.stride(1), h * d) < 2**31)
+
+
+def _gathered_attn(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens_k: Tensor,
+                   cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
+                   cache_batch_idx: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                   softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                   capacity: int, portable_only: bool) -> tuple[Tensor, Tensor]:
+    """Attention as ``kvcache_attn`` through packed K/V and the dense varlen forward (op level:
+    the public function's value checks would sync). Dropping the left padding shifts key
+    positions and seqlen_k alike, so the bottom-right aligned masks and ALiBi distances, which
+    depend only on key position - seqlen_k, are unchanged."""
+    b, s_q, h, d = q.shape
+    k_packed = _new_output(q, (b * capacity, k_cache.shape[2], d))
+    v_packed = _new_output(q, k_packed.shape)
+    cu_k = seqlens_k.new_empty(b + 1)
+    gather_kv(k_cache, v_cache, seqlens_k, cache_leftpad, block_table, cache_batch_idx, k_packed,
+              v_packed, cu_k)
+    cu_q = torch.arange(0, (b + 1) * s_q, s_q, dtype=torch.int32, device=q.device)
+    q_packed = q.reshape(b * s_q, h, d)
+    impl, _ = _pick("triton" if portable_only else "auto", q_packed, k_packed, v_packed, softcap,
+                    alibi_slopes, 0.0, varlen=True, masked=window_left >= 0 or window_right >= 0,
+                    max_seqlen_q=s_q, max_seqlen_k=capacity)
+    with torch.no_grad():  # like the split kernel's, these outputs carry no autograd graph
+        out, lse = dense_fwd(q_packed, k_packed, v_packed, cu_q, cu_k, s_q, capacity,
+                             softmax_scale, window_left, window_right, softcap, alibi_slopes, 0.0,
+                             None, impl)
+    # the varlen LSE is [h, total_q]
+    return out.view(b, s_q, h, -1), lse.view(h, b, s_q).transpose(0, 1).contiguous()
 
 
 def kvcache_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor],
@@ -17,11 +95,12 @@ def kvcache_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Ten
                     cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
                     alibi_slopes: Optional[Tensor], softmax_scale: float, window_left: int,
                     window_right: int, softcap: float, rotary_interleaved: bool,
-                    num_splits: int) -> tuple[Tensor, Tensor]:
+                    num_splits: int, portable_only: bool = False) -> tuple[Tensor, Tensor]:
     """The op's implementation, also called directly by eager callers (``eager``).
 
     Arguments as ``flash_attn_with_kvcache`` (validated there); cache_seqlens int32 [b].
-    Returns (out [b, s_q, h, d], lse [b, h, s_q] fp32, natural log)."""
+    portable_only (backend='triton' asked for): the gathered path's dense forward stays on the
+    portable Triton kernel, never the sm90 Gluon one. Returns (out [b, s_q, h, d], lse [b, h, s_q] fp32, natural log)."""
     b, s_q, h, d = q.shape
     local = window_left >= 0 or window_right >= 0
     # the kernels read index vectors, slopes and table rows with unit stride, and token rows of
@@ -45,6 +124,11 @@ def kvcache_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Ten
                        leftpad=cache_leftpad, block_table=block_table,
                        cache_batch_idx=cache_batch_idx, to_cache=True)
             seqlens_k = cache_seqlens + k.shape[1]
+        capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+        if gathers(q, k_cache, capacity, num_splits):
+            return _gathered_attn(q, k_cache, v_cache, seqlens_k, cache_leftpad, block_table,
+                                  cache_batch_idx, alibi_slopes, softmax_scale, window_left,
+                                  window_right, softcap, capacity, portable_only)
         out = _new_output(q, (b, s_q, h, v_cache.shape[-1]))
         lse = _new_output(q, (b, h, s_q), dtype=torch.float32)
         if out.numel():
@@ -73,7 +157,7 @@ def eager(*args) -> tuple[Tensor, Tensor]:
 @kvcache_fwd.register_fake
 def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
       cache_leftpad, block_table, alibi_slopes, softmax_scale, window_left, window_right, softcap,
-      rotary_interleaved, num_splits):
+      rotary_interleaved, num_splits, portable_only=False):
     b, s_q, h, _ = q.shape
     return (q.new_empty((b, s_q, h, v_cache.shape[-1])),
             q.new_empty((b, h, s_q), dtype=torch.float32))

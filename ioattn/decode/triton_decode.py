@@ -11,6 +11,9 @@ prefill onto a cache) and their launchers.
 - ``_combine_kernel``: merges the splits' partial outputs by their LSEs.
 - ``_rope_store_kernel``: writes new k/v tokens into the cache (paged or contiguous), rotating k
   (and q, into a new tensor) with rotary embeddings, interleaved or not.
+- ``_pack_offsets_kernel`` and ``_gather_kv_kernel``: copy each sequence's keys out of the cache
+  into packed varlen K/V, for long query chunks that run in the dense forward instead
+  (``ioattn.decode.op.gathers``).
 
 Masks follow the dense kernels: with L keys in [leftpad, seqlen_k), query token i of s_q sees cache
 position p iff p in [leftpad, seqlen_k) and i + off - left <= p <= i + off + right, off = seqlen_k -
@@ -140,6 +143,16 @@ def _kvcache_attn_kernel(
                                   (off + o_tok).to(tl.float32), inv_freq)
     else:
         b_q = tl.load(p_q_row[:, None] + o_d[None, :], mask=m_row[:, None] & m_d[None, :], other=0.0)
+        if K.dtype.element_ty.is_fp8():
+            # an fp8 cache is multiplied in fp16: e4m3/e5m2 -> fp16 is one cvt per pair of values
+            # where bf16 takes three, and those conversions bound the kernel (sm90 PTX;
+            # benchmarks/NOTES.md). q is scaled by a power of two so that its largest |value|
+            # fits fp16 (<= 2^15), which the score scales undo exactly.
+            q_amax = tl.max(tl.max(tl.abs(b_q.to(tl.float32)), 1), 0)
+            q_exp = tl.maximum(tl.ceil(tl.log2(q_amax)) - 15.0, 0.0)
+            b_q = (b_q.to(tl.float32) * tl.exp2(-q_exp)).to(tl.float16)
+            qk_scale_log2 = qk_scale_log2 * tl.exp2(q_exp)
+            softcap_scale = softcap_scale * tl.exp2(q_exp)
 
     # this split's cache positions, cut to what some row of the tile may see
     if WORKLIST:
@@ -208,7 +221,9 @@ def _kvcache_attn_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         p_v = (V + page[:, None] * stride_vp + slot[:, None].to(tl.int64) * stride_vs
                + off_hk.to(tl.int64) * stride_vh + o_d[None, :])
-        b_v = tl.load(p_v, mask=m_p[:, None] & m_d[None, :], other=0.0).to(Q.dtype.element_ty)
+        # (fp16 products for an fp8 cache without RoPE, as QKᵀ: P in [0, 1] loses nothing)
+        b_v = tl.load(p_v, mask=m_p[:, None] & m_d[None, :], other=0.0).to(
+            tl.float16 if K.dtype.element_ty.is_fp8() and not ROPE else Q.dtype.element_ty)
         acc = tl.dot(p.to(b_v.dtype), b_v, acc * alpha[:, None])
         m_i = m_new
 
@@ -384,6 +399,76 @@ def _rope_store_kernel(SRC, DST, COS, SIN, POS_BASE, LEFTPAD, BT, CACHE_IDX,
     tl.store(dst + o_d, x.to(DST.dtype.element_ty), mask=m_pass)
 
 
+@triton.jit
+def _packed_span(SEQLENS_K, LEFTPAD, off_b, mask, capacity, HAS_LEFTPAD: tl.constexpr):
+    """(first cache position, key count) of sequences ``off_b`` in the packed K/V: the keys
+    [leftpad, min(seqlens_k, capacity)) that the attention kernel reads, clamped so that unchecked
+    values (CUDA graph replay) never give a negative count or a start before the cache."""
+    end = tl.minimum(tl.load(SEQLENS_K + off_b, mask=mask, other=0), capacity)
+    start = end * 0
+    if HAS_LEFTPAD:
+        start = tl.maximum(tl.load(LEFTPAD + off_b, mask=mask, other=0), 0)
+    return start, tl.maximum(end - start, 0)
+
+
+@triton.jit
+def _pack_offsets_kernel(SEQLENS_K, LEFTPAD, CU_K, batch, capacity,
+                         HAS_LEFTPAD: tl.constexpr, BLOCK_B: tl.constexpr):
+    """CU_K [batch + 1] int32: exclusive prefix sums of the sequences' key counts, the packed
+    K/V's cu_seqlens. One program, BLOCK_B sequences per step: the offsets never leave the device,
+    so the call needs no host sync and CUDA graphs capture it."""
+    tl.store(CU_K + tl.arange(0, 1), tl.zeros([1], tl.int32))
+    carry = tl.zeros([], tl.int32)
+    for b0 in range(0, batch, BLOCK_B):
+        o_b = b0 + tl.arange(0, BLOCK_B)
+        m_b = o_b < batch
+        _, n = _packed_span(SEQLENS_K, LEFTPAD, o_b, m_b, capacity, HAS_LEFTPAD)
+        tl.store(CU_K + 1 + o_b, carry + tl.cumsum(n, 0), mask=m_b)
+        carry += tl.sum(n, 0)
+
+
+@triton.jit
+def _gather_kv_kernel(K, V, K_OUT, V_OUT, SEQLENS_K, LEFTPAD, BT, CACHE_IDX, CU_K,
+                      stride_kp, stride_ks, stride_kh,
+                      stride_vp, stride_vs, stride_vh,
+                      stride_btb, page_size, n_pages, capacity, batch, n_heads_k,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                      PAGED: tl.constexpr, HAS_CACHE_IDX: tl.constexpr,
+                      HAS_LEFTPAD: tl.constexpr):
+    """Rows j in [i_r * BLOCK_R, (i_r + 1) * BLOCK_R) of sequence b's capacity, one KV head: key
+    j < n_b (cache position leftpad_b + j, paged or contiguous) goes to packed row cu_k[b] + j of
+    K_OUT / V_OUT [batch * capacity, h_k, d] (upcast to their dtype). Rows j >= n_b are zeroed at
+    row cu_k[batch] + b * capacity - cu_k[b + 1] + j: the sequences' unused capacities, laid end
+    to end, are exactly the rows past cu_k[batch], so every row is written once and none is left
+    uninitialized (the sm90 kernel's TMA tiles read past a sequence's end and mask only the
+    scores: NaN garbage in V there would survive the zero probabilities)."""
+    i_r = tl.program_id(0)
+    off_b = tl.program_id(1)
+    off_h = tl.program_id(2)
+    start, n = _packed_span(SEQLENS_K, LEFTPAD, off_b, True, capacity, HAS_LEFTPAD)
+    cu_b = tl.load(CU_K + off_b).to(tl.int64)
+    tail = tl.load(CU_K + batch).to(tl.int64) + off_b.to(tl.int64) * capacity - cu_b - n
+    o_j = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    m_key = o_j < n
+    row = tl.where(m_key, cu_b, tail) + o_j
+    page, slot = _cache_slots(BT, CACHE_IDX, off_b, off_b.to(tl.int64) * stride_btb, start + o_j,
+                              m_key, page_size, n_pages, PAGED, HAS_CACHE_IDX)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    m_load = m_key[:, None] & m_d[None, :]
+    slot = slot.to(tl.int64)
+    head = off_h.to(tl.int64)
+    # [BLOCK_R, BLOCK_D]
+    b_k = tl.load(K + (page * stride_kp + slot * stride_ks + head * stride_kh)[:, None]
+                  + o_d[None, :], mask=m_load, other=0.0)
+    b_v = tl.load(V + (page * stride_vp + slot * stride_vs + head * stride_vh)[:, None]
+                  + o_d[None, :], mask=m_load, other=0.0)
+    p_out = (row * n_heads_k + head)[:, None] * HEAD_DIM + o_d[None, :]
+    m_out = (o_j < capacity)[:, None] & m_d[None, :]
+    tl.store(K_OUT + p_out, b_k.to(K_OUT.dtype.element_ty), mask=m_out)
+    tl.store(V_OUT + p_out, b_v.to(V_OUT.dtype.element_ty), mask=m_out)
+
+
 COMBINE_SLOTS = 16  # partials merged per step by the combine kernels
 
 
@@ -473,13 +558,50 @@ def kvcache_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None, SPLIT=split, WORKLIST=False, CSR=False,
         num_warps=_attn_warps(block_m, block_d, softcap > 0 or alibi_slopes is not None
-                              or k_pages.element_size() == 1), num_stages=_attn_stages(q.is_cuda, block_m),
+                              or k_pages.element_size() == 1),
+        num_stages=_attn_stages(q.is_cuda, block_m),
     )
     if split:
         _combine_kernel[(b * s_q, h)](
             out, lse, o_part, lse_part, out.stride(0), out.stride(1), out.stride(2),
             s_q, h, num_splits, b, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=COMBINE_SLOTS,
             num_warps=4,
+        )
+
+
+def gather_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, seqlens_k: torch.Tensor,
+              leftpad: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+              cache_batch_idx: Optional[torch.Tensor], k_out: torch.Tensor, v_out: torch.Tensor,
+              cu_k: torch.Tensor) -> None:
+    """Each sequence's keys (cache positions [leftpad, seqlens_k)) copied out of the cache into
+    packed varlen K/V for the dense kernels. Caches as ``kvcache_attn``. k_out / v_out: contiguous
+    [b * capacity, h_k, d] (any dtype: the cache is converted) get the keys, zeros past the last
+    key; cu_k int32 [b + 1] their cu_seqlens, computed on the device: no host sync, so CUDA graphs
+    capture the call."""
+    b = seqlens_k.shape[0]
+    h_k, d = k_pages.shape[2], k_pages.shape[3]
+    page_size = k_pages.shape[1]
+    paged = block_table is not None
+    capacity = block_table.shape[1] * page_size if paged else page_size
+    dummy = seqlens_k
+    _pack_offsets_kernel[(1,)](seqlens_k, leftpad if leftpad is not None else dummy, cu_k, b,
+                               capacity, HAS_LEFTPAD=leftpad is not None,
+                               BLOCK_B=min(_pow2(b), 1024), num_warps=4)
+    block_d = _pow2(d, 16)
+    # 4096 elements per tile over 8 warps, 16 per thread: spill-free at every head dim (sm90
+    # ptxas, ioattn.dense.inspect); 8192 over 4 warps spilled 0.7 to 5 KB
+    block_r = max(1, 4096 // block_d)
+    if k_out.numel():
+        _gather_kv_kernel[(cdiv(capacity, block_r), b, h_k)](
+            k_pages, v_pages, k_out, v_out, seqlens_k, leftpad if leftpad is not None else dummy,
+            block_table if paged else dummy,
+            cache_batch_idx if cache_batch_idx is not None else dummy, cu_k,
+            k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+            v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+            block_table.stride(0) if paged else 0, page_size, k_pages.shape[0], capacity, b, h_k,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=block_r, PAGED=paged,
+            HAS_CACHE_IDX=cache_batch_idx is not None, HAS_LEFTPAD=leftpad is not None,
+            num_warps=8,
         )
 
 
@@ -537,7 +659,8 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
     h_k = k_pages.shape[2]
     group = h // h_k
     block_d = _pow2(d, 16)
-    block_n = _tile_n(block_m, block_d)
+    block_n, warps = worklist_launch(block_m, block_d, k_pages.element_size() == 1,
+                                     softcap > 0 or rope is not None)
     _kvcache_attn_kernel[(max_items, row_blocks, h_k)](
         q, k_pages, v_pages, out, lse, o_part, lse_part, seqlens_indptr, seqlens_indptr, indices,
         seqlens_indptr, seqlens_indptr, work, n_work,
@@ -555,10 +678,7 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=False, SPLIT=False, WORKLIST=True, CSR=True, LSE_BASE2=lse_base2,
         ROPE=rope is not None, BLOCK_HD=_pow2(d // 2, 16), HAS_MASK=mask is not None,
-        # fp8 caches keep 8 warps: the upcast spills 856 B with 4 (not measured on a GPU yet)
-        num_warps=_attn_warps(block_m, block_d, softcap > 0 or rope is not None
-                              or k_pages.element_size() == 1),
-        num_stages=_attn_stages(q.is_cuda, block_m),
+        num_warps=warps, num_stages=_attn_stages(q.is_cuda, block_m),
     )
     if slot_start is not None:
         _combine_slots_kernel[(b, h)](
@@ -580,6 +700,16 @@ def paged_tiles(group: int, d: int, rows_per_request: int = 1,
         return 128, block_d, 64
     block_m = min(rows, 64 if block_d <= 128 else 32)
     return block_m, block_d, _tile_n(block_m, block_d)
+
+
+def worklist_launch(block_m: int, block_d: int, fp8: bool, extras: bool) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of the planned (FlashInfer wrappers') attention launch. An fp8 cache's
+    plain decode tiles take 4 warps over 128-key tiles: measured best on the H200 despite 2.3 KB
+    of spills (results/tune/tune_decode_fp8_f16.json: 1.50 -> 1.81 TB/s of fp8 bytes at 64x4k,
+    2.22 with pages of 1); other fp8 tiles keep 8 warps (their fp16 upcast spills with 4)."""
+    if fp8 and block_m <= 16 and block_d <= 128 and not extras:
+        return 128, 4
+    return _tile_n(block_m, block_d), _attn_warps(block_m, block_d, extras or fp8)
 
 
 def _tile_n(block_m: int, block_d: int) -> int:

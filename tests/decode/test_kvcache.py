@@ -28,10 +28,12 @@ class KVCase:
     causal: bool = False
     window: tuple = (-1, -1)
     softcap: float = 0.0
-    alibi: bool = False
+    alibi: bool | str = False  # True: slopes (h,); "batch": (b, h)
     rotary: Optional[str] = None  # None | "interleaved" | "halves"
     leftpad: bool = False
     batch_idx: bool = False
+    empty_seq: bool = False  # the last sequence starts empty (cache_seqlens 0): no key at all
+    #                          unless new tokens are appended
     splits: int = 0
     dtype: torch.dtype = BF16
     capacity: int = 150
@@ -42,8 +44,9 @@ class KVCase:
                  f"page{self.page}" if self.page else "contig", f"new{self.s_new}",
                  "bf16" if self.dtype == BF16 else "fp16"]
         for flag, name in ((self.causal, "causal"), (self.softcap, f"cap{self.softcap}"),
-                           (self.alibi, "alibi"), (self.rotary, f"rope-{self.rotary}"),
-                           (self.leftpad, "leftpad"), (self.batch_idx, "batchidx")):
+                           (self.alibi, "alibi-batch" if self.alibi == "batch" else "alibi"),
+                           (self.rotary, f"rope-{self.rotary}"), (self.leftpad, "leftpad"),
+                           (self.batch_idx, "batchidx"), (self.empty_seq, "emptyseq")):
             if flag:
                 parts.append(name)
         if self.window != (-1, -1):
@@ -78,6 +81,8 @@ def _build(c: KVCase, device):
     cap = c.capacity
     lens = torch.randint(1, cap - c.s_new + 1, (c.b,), generator=g)
     lens[0] = cap - c.s_new  # one sequence at full capacity
+    if c.empty_seq:
+        lens[-1] = 0
     pads = torch.randint(0, 20, (c.b,), generator=g).minimum(lens) if c.leftpad else None
     if c.page:
         pages_per_seq = -(-cap // c.page)
@@ -111,12 +116,19 @@ def _build(c: KVCase, device):
               block_table=block_table)
     opts = dict(causal=c.causal, window_size=c.window, softcap=c.softcap,
                 rotary_interleaved=c.rotary == "interleaved",
-                alibi_slopes=alibi_slopes(None, c.h, device) if c.alibi else None)
+                alibi_slopes=(alibi_slopes(c.b if c.alibi == "batch" else None, c.h, device)
+                              if c.alibi else None))
     return q, k_cache, v_cache, kw, opts
 
 
 @pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
 def test_kvcache(c: KVCase, device):
+    check_against_ref(c, device)
+
+
+def check_against_ref(c: KVCase, device) -> None:
+    """flash_attn_with_kvcache on a fresh random case against ``kvcache_attention_ref``: out by
+    the tolerance rule, the LSE and the caches' new contents."""
     q, k_cache, v_cache, kw, opts = _build(c, device)
     ref, lse_ref, kc_ref, vc_ref = kvcache_attention_ref(q, k_cache, v_cache, **kw, **opts)
     pt, _, _, _ = kvcache_attention_ref(q, k_cache, v_cache, **kw, **opts, upcast=False)
