@@ -1,7 +1,8 @@
 """torch.library op of the KV-cache family: append (rotary) + attention in one op that mutates
 the caches, with a fake impl so torch.compile traces it. Attention runs in the split-KV kernel
-over the cache, or, for long query chunks (chunked prefill), in the dense varlen forward over K/V
-gathered out of the cache (``gathers``)."""
+over the cache, or, for long query chunks (chunked prefill): on Hopper in the sm90 forward reading
+the pages through TMA (``sm90_paged``), elsewhere (or where that kernel does not cover the call)
+in the dense varlen forward over K/V gathered out of the cache (``gathers``)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -20,6 +21,31 @@ FORCE_GATHER: Optional[bool] = None
 GATHER_MIN_TOKENS = 128  # query tokens per sequence: a full query tile of the dense kernels
 GATHER_MIN_ROWS = 512  # query tokens x GQA group: the query rows that read each gathered key
 GATHER_MAX_BYTES = 1 << 30  # packed K and V together
+# The sm90 paged forward's switch (``sm90_paged``): None lets the rule decide, False never.
+FORCE_SM90_PAGED: Optional[bool] = None
+
+
+def sm90_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Optional[Tensor],
+               cache_leftpad: Optional[Tensor], cache_batch_idx: Optional[Tensor],
+               alibi_slopes: Optional[Tensor], softcap: float, num_splits: int,
+               portable_only: bool) -> bool:
+    """Whether attention runs in the sm90 (Gluon) forward reading the pages directly: its
+    producer issues one TMA copy per page run, so long query chunks get the dense kernel's rate
+    without the gathered path's copy. Taken on Hopper for query chunks of at least
+    ``GATHER_MIN_TOKENS`` tokens (the kernel's 128-row tiles hold one head's tokens) when it
+    covers the call (``sm90_fwd.paged_unsupported_reason``: paged caches with pages of a
+    multiple of 8 keys, no softcap / ALiBi / leftpad); never for backend='triton' or an explicit
+    num_splits > 1."""
+    if FORCE_SM90_PAGED is False or portable_only or num_splits > 1 or not q.is_cuda:
+        return False
+    if q.shape[1] < GATHER_MIN_TOKENS and FORCE_SM90_PAGED is None:
+        return False
+    from ioattn.dense.sm90_fwd import paged_unsupported_reason
+    from ioattn.dispatch import sm90_unavailable_reason
+
+    return sm90_unavailable_reason(q.device) is None and paged_unsupported_reason(
+        q, k_cache, v_cache, block_table, softcap, alibi_slopes is not None,
+        cache_leftpad is not None, cache_batch_idx is not None) is None
 
 
 def gathers(q: Tensor, k_cache: Tensor, capacity: int, num_splits: int) -> bool:
@@ -125,6 +151,16 @@ def kvcache_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Ten
                        cache_batch_idx=cache_batch_idx, to_cache=True)
             seqlens_k = cache_seqlens + k.shape[1]
         capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+        if sm90_paged(q, k_cache, v_cache, block_table, cache_leftpad, cache_batch_idx,
+                      alibi_slopes, softcap, num_splits, portable_only):
+            from ioattn.dense.sm90_fwd import attn_fwd_sm90_paged
+
+            q = q.contiguous()
+            out = _new_output(q, (b, s_q, h, v_cache.shape[-1]))
+            lse = _new_output(q, (b, h, s_q), dtype=torch.float32)
+            attn_fwd_sm90_paged(q, k_cache, v_cache, block_table, seqlens_k, softmax_scale,
+                                window_left, window_right, out, lse)
+            return out, lse
         if gathers(q, k_cache, capacity, num_splits):
             return _gathered_attn(q, k_cache, v_cache, seqlens_k, cache_leftpad, block_table,
                                   cache_batch_idx, alibi_slopes, softmax_scale, window_left,

@@ -189,7 +189,7 @@ def _gluon_signature(fn, dtype: str, desc_rows: dict, d: int) -> dict:
             sig[name] = f"*{dtype}"
         elif name in ("LSE", "DELTA"):
             sig[name] = "*fp32"
-        elif name in ("CU_Q", "CU_K"):
+        elif name in ("CU_Q", "CU_K", "BT"):
             sig[name] = "*i32"
         elif name in ("qk_scale_log2", "sm_scale"):
             sig[name] = "fp32"
@@ -216,7 +216,7 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
             flags = dict(IS_VARLEN=varlen, HAS_LEFT=False, HAS_RIGHT=causal, **regs)
             jobs.append((f"sm90 fwd d{d} {tag} 128x{bn} ws", sm90_fwd._attn_fwd_sm90,
                          dict(q_desc=64, o_desc=64, k_desc=bn, v_desc=bn), d,
-                         dict(flags, STAGES=sm90_fwd._stages(d))))
+                         dict(flags, STAGES=sm90_fwd._stages(d), BLOCK_N=bn, PAGED=False, PAGE=1)))
             if d in sm90_bwd.SUPPORTED_HEAD_DIMS:
                 for fused in (False, True):
                     jobs.append((f"sm90 bwd dkdv{'+dq' if fused else ''} d{d} {tag} 128 keys ws",
@@ -227,6 +227,11 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                              dict(q_desc=64, do_desc=64, k_desc=sm90_bwd.DQ_BLOCK_N,
                                   v_desc=sm90_bwd.DQ_BLOCK_N), d,
                              dict(flags, STAGES=sm90_bwd.DQ_STAGES)))
+        # the KV-cache forward over pages of 16 (one TMA copy per page)
+        jobs.append((f"sm90 fwd paged16 d{d} causal 128x{bn} ws", sm90_fwd._attn_fwd_sm90,
+                     dict(q_desc=64, o_desc=64, k_desc=16, v_desc=16), d,
+                     dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True, **regs,
+                          STAGES=sm90_fwd._stages(d), BLOCK_N=bn, PAGED=True, PAGE=16)))
     out = []
     for name, fn, desc_rows, d, ce in jobs:
         k = triton.compile(GluonASTSource(fn=fn, signature=_gluon_signature(fn, dtype, desc_rows, d),

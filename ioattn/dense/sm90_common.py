@@ -55,11 +55,20 @@ def floor_div(a, b: gl.constexpr):
 
 
 @gluon.jit
-def seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed, seqlen_k_fixed, IS_VARLEN: gl.constexpr):
+def seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed, seqlen_k_fixed, IS_VARLEN: gl.constexpr,
+               PAGED: gl.constexpr = False):
     """(q_start, seqlen_q, k_start, seqlen_k, lse_start) of batch entry ``off_b``: first rows in
     the [rows, heads * d] views, lengths, and the first LSE column (varlen LSE is [h, total_q],
-    batched [b, h, s_q])."""
-    if IS_VARLEN:
+    batched [b, h, s_q]). PAGED: batched queries over a paged cache, CU_K holding the key counts
+    (keys are then addressed through the page table, k_start 0), clamped into [0,
+    seqlen_k_fixed], the cache's capacity per sequence (unchecked counts under CUDA graphs)."""
+    if PAGED:
+        q_start = off_b * seqlen_q_fixed
+        seqlen_q = seqlen_q_fixed
+        k_start = 0
+        seqlen_k = gl.minimum(gl.maximum(gl.load(CU_K + off_b), 0), seqlen_k_fixed)
+        lse_start = 0
+    elif IS_VARLEN:
         q_start = gl.load(CU_Q + off_b)
         seqlen_q = gl.load(CU_Q + off_b + 1) - q_start
         k_start = gl.load(CU_K + off_b)
@@ -77,7 +86,7 @@ def seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed, seqlen_k_fixed, IS_VARLEN: gl.
 @gluon.jit
 def query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, window_left,
                window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr,
-               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PAGED: gl.constexpr = False):
     """This program's query tile on a (query tiles, batch * heads) grid, heaviest tiles first (the
     last ones under a causal mask, which shortens the tail). Returns (off_b, off_h, off_hk,
     q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo, n_tiles); the caller returns
@@ -86,7 +95,7 @@ def query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, wi
     off_b = pid_bh // n_heads
     off_h = pid_bh % n_heads
     q_start, seqlen_q, k_start, seqlen_k, lse_start = seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed,
-                                                                 seqlen_k_fixed, IS_VARLEN)
+                                                                 seqlen_k_fixed, IS_VARLEN, PAGED)
     start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
     lo, n_tiles = key_tiles(start_m, BLOCK_M, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N,
                             HAS_LEFT, HAS_RIGHT)

@@ -25,11 +25,14 @@ this kernel does not cover; dispatch then uses the portable kernel ('auto') or r
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
@@ -56,10 +59,33 @@ def _stages(head_dim: int) -> int:
 
 
 @gluon.jit
+def _key_tile_load(desc, tile, bar, BT, bt_row, bt_width, key0, col, PAGED: gl.constexpr,
+                   PAGE: gl.constexpr):
+    """TMA loads of a K or V tile, keys [key0, key0 + rows of ``tile``): rows key0.. of ``desc``'s
+    view, or (PAGED) from a paged cache viewed as [pages * PAGE, heads * d] rows: one copy per
+    page run of ``desc``'s box (the page, or the whole tile when pages are larger), at row page *
+    PAGE + key % PAGE, page = BT[bt_row + key // PAGE]. Page-table entries past the row's width
+    read as page 0 (keys there are past the sequence, masked and zeroed); TMA zero-fills rows
+    outside the cache."""
+    if PAGED:
+        BOX: gl.constexpr = desc.block_type.shape[0]
+        for i in gl.static_range(tile.shape[0] // BOX):
+            key = key0 + i * BOX
+            idx = key // PAGE
+            page = gl.load(BT + bt_row + idx, mask=idx < bt_width, other=0)
+            tma.async_copy_global_to_shared(desc, [page * PAGE + key % PAGE, col], bar,
+                                            tile.slice(i * BOX, BOX, dim=0))
+    else:
+        tma.async_copy_global_to_shared(desc, [key0, col], bar, tile)
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty,
-              v_empty, v_fixed, q_row, q_col, k_row, kv_col, n_tiles, n_keys, STAGES: gl.constexpr,
-              IS_VARLEN: gl.constexpr):
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+              v_empty, v_fixed, BT, bt_row, bt_width, q_row, q_col, k_row, kv_col, n_tiles, n_keys,
+              STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, PAGED: gl.constexpr,
+              PAGE: gl.constexpr):
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    BOX: gl.constexpr = k_desc.block_type.shape[0]  # rows per TMA copy: BLOCK_N, or a page
     # no key block: the consumers never wait for Q and reuse its buffers to stage O, so Q must not
     # be in flight then
     has_work = n_tiles > 0
@@ -71,16 +97,17 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_f
         st = j % STAGES
         ph = ((j // STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(st), ph)
-        mbarrier.expect(k_full.index(st), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, kv_col], k_full.index(st),
-                                        k_smem.index(st))
+        mbarrier.expect(k_full.index(st), (BLOCK_N // BOX) * k_desc.block_type.nbytes)
+        _key_tile_load(k_desc, k_smem.index(st), k_full.index(st), BT, bt_row, bt_width,
+                       k_row + j * BLOCK_N, kv_col, PAGED, PAGE)
         mbarrier.wait(v_empty.index(st), ph)
-        mbarrier.expect(v_full.index(st), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [k_row + j * BLOCK_N, kv_col], v_full.index(st),
-                                        v_smem.index(st))
-    if IS_VARLEN:
-        # the last V tile may run past the last packed sequence into rows of no sequence: zero
-        # them (their P is 0, but 0 * NaN is not) before the consumers' P·V reads the tile
+        mbarrier.expect(v_full.index(st), (BLOCK_N // BOX) * v_desc.block_type.nbytes)
+        _key_tile_load(v_desc, v_smem.index(st), v_full.index(st), BT, bt_row, bt_width,
+                       k_row + j * BLOCK_N, kv_col, PAGED, PAGE)
+    if IS_VARLEN or PAGED:
+        # the last V tile may run past the last packed sequence into rows of no sequence (or, in
+        # a paged cache, into page slots past the sequence: stale entries): zero them (their P
+        # is 0, but 0 * NaN is not) before the consumers' P·V reads the tile
         zero_last_key_tile(v_full, v_fixed, v_smem, v_smem, n_tiles, n_keys, STAGES, False)
 
 
@@ -125,7 +152,7 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_e
               v_fixed, o_row, o_col, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
               window_left, window_right, qk_scale_log2,
               WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-              IS_VARLEN: gl.constexpr):
+              ZERO_TAIL: gl.constexpr):
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
@@ -174,7 +201,7 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_e
         # tail: PV of the last block
         last = (n_tiles - 1) % STAGES
         mbarrier.wait(v_full.index(last), ((n_tiles - 1) // STAGES) & 1)
-        if IS_VARLEN:
+        if ZERO_TAIL:
             if lo + n_tiles * BLOCK_N > seqlen_k:  # the producer zeroes rows past the end
                 mbarrier.wait(v_fixed, 0)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -203,18 +230,21 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_e
 
 
 @gluon.jit
-def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K,
-                   stride_om, stride_oh, stride_lb, stride_lh,
+def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
+                   stride_om, stride_oh, stride_lb, stride_lh, stride_btb, bt_width,
                    n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
                    qk_scale_log2, window_left, window_right,
                    IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                    STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
-                   PRODUCER_REGS_: gl.constexpr):
+                   PRODUCER_REGS_: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr,
+                   PAGE: gl.constexpr):
+    # PAGED: batched queries over a paged KV cache (``attn_fwd_sm90_paged``): CU_K holds the key
+    # counts, BT the page table [batch, bt_width] (row stride stride_btb), k_desc / v_desc view
+    # the cache as [pages * PAGE, heads * d] rows with boxes of min(PAGE, BLOCK_N) rows
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
      n_tiles) = query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, window_left,
-                           window_right, BLOCK_M, BLOCK_N, IS_VARLEN, HAS_LEFT, HAS_RIGHT)
+                           window_right, BLOCK_M, BLOCK_N, IS_VARLEN, HAS_LEFT, HAS_RIGHT, PAGED)
     if start_m >= seqlen_q:
         return
 
@@ -243,16 +273,17 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K,
                      k_empty, v_empty, v_fixed.index(0),
                      q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k,
                      lo, n_tiles, window_left, window_right, qk_scale_log2,
-                     0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)),
+                     0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED)),
         (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0), k_full, v_full,
                      k_empty, v_empty, v_fixed.index(0),
                      q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k,
                      lo, n_tiles, window_left, window_right, qk_scale_log2,
-                     1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)),
+                     1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0), k_full,
-                     v_full, k_empty, v_empty, v_fixed.index(0),
+                     v_full, k_empty, v_empty, v_fixed.index(0), BT,
+                     off_b.to(gl.int64) * stride_btb, bt_width,
                      q_row, off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo,
-                     STAGES, IS_VARLEN)),
+                     STAGES, IS_VARLEN, PAGED, PAGE)),
     ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
     mbarrier.invalidate(q_bar.index(0))
@@ -308,11 +339,79 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dummy = lse  # unused pointer arguments (batched layout)
     _attn_fwd_sm90[grid](
         q_desc, k_desc, v_desc, o_desc, out, lse,
-        p.cu_seqlens_q if p.is_varlen else dummy, p.cu_seqlens_k if p.is_varlen else dummy,
-        out.stride(-3), out.stride(-2), *p.lse_strides(lse),
+        p.cu_seqlens_q if p.is_varlen else dummy, p.cu_seqlens_k if p.is_varlen else dummy, dummy,
+        out.stride(-3), out.stride(-2), *p.lse_strides(lse), 0, 0,
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k,
         p.softmax_scale * LOG2E, p.window_left, p.window_right,
         IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
         STAGES=_stages(d), CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS,
-        num_warps=4,
+        BLOCK_N=block_n, PAGED=False, PAGE=1, num_warps=4,
+    )
+
+
+def paged_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             block_table: Optional[torch.Tensor], softcap: float, has_alibi: bool,
+                             has_leftpad: bool, has_cache_idx: bool) -> str | None:
+    """Why ``attn_fwd_sm90_paged`` does not cover a KV-cache call (None when it does): q [b, s_q,
+    h, d] over a paged cache [pages, page_size, h_k, d] through block_table [b, width] int32."""
+    d = q.shape[-1]
+    if block_table is None or has_cache_idx:
+        return "the sm90 KV-cache forward reads paged caches (block_table), not cache_batch_idx"
+    if d not in SUPPORTED_HEAD_DIMS or v_cache.shape[-1] != d:
+        return f"head dims (d={d}, d_v={v_cache.shape[-1]}) are not in {SUPPORTED_HEAD_DIMS}"
+    if softcap > 0 or has_alibi or has_leftpad:
+        return "softcap, ALiBi and cache_leftpad are not covered by the sm90 KV-cache forward"
+    if q.dtype not in GL_DTYPES or q.dtype == torch.float32 or k_cache.dtype != q.dtype \
+            or v_cache.dtype != q.dtype:
+        return "the sm90 KV-cache forward takes fp16/bf16 q and caches of the same dtype"
+    page, block_n = k_cache.shape[1], _block_n(d)
+    if page % 8 or (block_n % page and page % block_n):
+        return (f"page_size {page}: the sm90 KV-cache forward loads whole pages per TMA copy "
+                f"(a multiple of 8 that divides, or is a multiple of, {block_n} keys)")
+    problem = tma_view_problem("q", q, False)
+    if problem is not None:
+        return problem
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1 or t.stride(-2) != d or t.stride(1) != t.shape[2] * d \
+                or t.stride(0) != page * t.shape[2] * d:
+            return f"{name} is not a contiguous [pages, page_size, h_k, d] tensor"
+        if t.data_ptr() % 16 or (t.shape[2] * d * t.element_size()) % 16:
+            return f"{name} is not 16-byte aligned, as TMA requires"
+    if block_table.stride(-1) != 1:
+        return "block_table rows must be contiguous"
+    return None
+
+
+def attn_fwd_sm90_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_table: torch.Tensor, seqlens_k: torch.Tensor, softmax_scale: float,
+                        window_left: int, window_right: int, out: torch.Tensor,
+                        lse: torch.Tensor) -> None:
+    """The forward of q [b, s_q, h, d] over a paged KV cache, into out [b, s_q, h, d] (contiguous)
+    and lse [b, h, s_q] fp32 (natural log): sequence i's keys are cache positions [0,
+    seqlens_k[i]) (int32, on the device: no host sync), position p at page block_table[i, p //
+    page_size], slot p % page_size; masks bottom-right aligned as the dense kernels. The producer
+    issues one TMA copy per page run (``_key_tile_load``); the rest is the dense kernel.
+    Covered calls: ``paged_unsupported_reason``."""
+    b, s_q, h, d = q.shape
+    h_k, page = k_cache.shape[2], k_cache.shape[1]
+    grid = (-(-s_q // BLOCK_M.value), b * h)
+    if grid[0] * grid[1] == 0:
+        return
+    block_n = _block_n(d)
+    box = min(page, block_n)
+    gl_dtype = GL_DTYPES[q.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for([box, d], gl_dtype)
+    rows = k_cache.shape[0] * page
+    k_desc = TensorDescriptor(k_cache, [rows, h_k * d], [h_k * d, 1], [box, d], layout)
+    v_desc = TensorDescriptor(v_cache, [rows, h_k * d], [h_k * d, 1], [box, d], layout)
+    q_desc = rows_descriptor(q, False, HALF_M.value)
+    o_desc = rows_descriptor(out, False, HALF_M.value)
+    _attn_fwd_sm90[grid](
+        q_desc, k_desc, v_desc, o_desc, out, lse, seqlens_k, seqlens_k, block_table,
+        out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), block_table.stride(0),
+        block_table.shape[1], h, h // h_k, s_q, block_table.shape[1] * page,
+        softmax_scale * LOG2E, window_left, window_right,
+        IS_VARLEN=False, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0,
+        STAGES=_stages(d), CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS,
+        BLOCK_N=block_n, PAGED=True, PAGE=page, num_warps=4,
     )
