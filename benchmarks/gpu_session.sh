@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [racecheck-ws]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -51,6 +51,14 @@ for step in $steps; do
                 > "$OUT/tune_fwd.log" 2>&1; grep -E "^==|TFLOP|ERR" "$OUT/tune_fwd.log" ;;
     tune-bwd) timeout 300 python benchmarks/tune.py --mode bwd ${TUNE_BWD_ARGS:---seqlens 2048,8192} --json "$OUT/tune_bwd.json" \
                 > "$OUT/tune_bwd.log" 2>&1; grep -E "^==|TFLOP|ERR" "$OUT/tune_bwd.log" ;;
+    serving) timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/paged tests/decode \
+             > "$OUT/tests_serving.log" 2>&1; tail -1 "$OUT/tests_serving.log" ;;
+    chunked) timeout 150 python -m ioattn bench --suite decode --cells 128x2048x16 \
+             --prefill-cells 8x4096x512x16,8x4096x512x64,8x4096x128x16 \
+             --out "$OUT/chunked_nvidia-h200_$(date +%F).json" > "$OUT/chunked.log" 2>&1
+           grep chunked "$OUT/chunked.log" ;;
+    racecheck-ws) timeout 100 compute-sanitizer --tool racecheck python benchmarks/sanitize_ws_minimal.py \
+             > "$OUT/racecheck_ws.log" 2>&1; tail -3 "$OUT/racecheck_ws.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

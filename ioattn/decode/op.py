@@ -13,6 +13,7 @@ from torch import Tensor
 from ioattn.decode.triton_decode import gather_kv, kvcache_attn, rope_store
 from ioattn.dense.api import _pick
 from ioattn.dense.op import _new_output, _on_device, dense_fwd
+from ioattn.paged.plan import sm_count
 
 # The gathered path's switch: None lets ``gathers`` decide; True / False take it always / never
 # (tests force it on CPU, where the rule never picks it, to run it under the interpreter).
@@ -21,8 +22,22 @@ FORCE_GATHER: Optional[bool] = None
 GATHER_MIN_TOKENS = 128  # query tokens per sequence: a full query tile of the dense kernels
 GATHER_MIN_ROWS = 512  # query tokens x GQA group: the query rows that read each gathered key
 GATHER_MAX_BYTES = 1 << 30  # packed K and V together
-# The sm90 paged forward's switch (``sm90_paged``): None lets the rule decide, False never.
+# The sm90 paged forward's switch (``sm90_paged``): None lets the rule decide, False never,
+# True whenever it covers the call (tests, past the launch-shape guards).
 FORCE_SM90_PAGED: Optional[bool] = None
+
+
+def gpu_sms(q: Tensor) -> int:
+    return sm_count(q.device)
+
+
+def fills_gpu(q: Tensor) -> bool:
+    """Whether q's 128-row query tiles (one head's tokens each) are at least one per SM: the
+    dense kernels, which the long-chunk paths run, do not split the keys, so a short batch of
+    chunks (1 x 128 tokens x 32 heads: 32 tiles on 132 SMs) would leave most SMs idle where the
+    split-KV kernel spreads the keys over programs. A guard from the launch shape, not measured."""
+    b, s_q, h, _ = q.shape
+    return -(-s_q // 128) * b * h >= gpu_sms(q)
 
 
 def sm90_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Optional[Tensor],
@@ -32,13 +47,13 @@ def sm90_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Optiona
     """Whether attention runs in the sm90 (Gluon) forward reading the pages directly: its
     producer issues one TMA copy per page run, so long query chunks get the dense kernel's rate
     without the gathered path's copy. Taken on Hopper for query chunks of at least
-    ``GATHER_MIN_TOKENS`` tokens (the kernel's 128-row tiles hold one head's tokens) when it
-    covers the call (``sm90_fwd.paged_unsupported_reason``: paged caches with pages of a
+    ``GATHER_MIN_TOKENS`` tokens (the kernel's 128-row tiles hold one head's tokens) that give
+    every SM a tile (``fills_gpu``) when it covers the call (``sm90_fwd.paged_unsupported_reason``: paged caches with pages of a
     multiple of 8 keys, no softcap / ALiBi / leftpad); never for backend='triton' or an explicit
     num_splits > 1."""
     if FORCE_SM90_PAGED is False or portable_only or num_splits > 1 or not q.is_cuda:
         return False
-    if q.shape[1] < GATHER_MIN_TOKENS and FORCE_SM90_PAGED is None:
+    if FORCE_SM90_PAGED is None and (q.shape[1] < GATHER_MIN_TOKENS or not fills_gpu(q)):
         return False
     from ioattn.dense.sm90_fwd import paged_unsupported_reason
     from ioattn.dispatch import sm90_unavailable_reason
@@ -69,6 +84,7 @@ def gathers(q: Tensor, k_cache: Tensor, capacity: int, num_splits: int) -> bool:
       shorter chunks leave their tiles part empty, where the paged kernel fills its tiles with the
       tokens times the GQA group;
     - s_q * group >= ``GATHER_MIN_ROWS``: the copy's share above;
+    - a query tile per SM at least (``fills_gpu``): the dense forward does not split the keys;
     - packed K and V (b * capacity rows each) within ``GATHER_MAX_BYTES``: a transient allocation
       beside caches that serving engines size to fill the memory; and since the lengths are on
       the device, the buffers are sized (and written, zeros past the keys) by the capacity, so
@@ -84,7 +100,7 @@ def gathers(q: Tensor, k_cache: Tensor, capacity: int, num_splits: int) -> bool:
     packed_bytes = 2 * b * capacity * k_cache.shape[2] * d * q.element_size()
     return (q.is_cuda and num_splits <= 1 and s_q >= GATHER_MIN_TOKENS
             and s_q * group >= GATHER_MIN_ROWS and packed_bytes <= GATHER_MAX_BYTES
-            and (s_q + 256) * max(q.stride(1), h * d) < 2**31)
+            and (s_q + 256) * max(q.stride(1), h * d) < 2**31 and fills_gpu(q))
 
 
 def _gathered_attn(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens_k: Tensor,

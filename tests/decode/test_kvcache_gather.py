@@ -45,6 +45,7 @@ if ON_GPU:
 @pytest.mark.parametrize("c", GATHER_CASES, ids=lambda c: c.id)
 def test_gathered(c: KVCase, device, monkeypatch):
     monkeypatch.setattr(op, "FORCE_GATHER", True)
+    monkeypatch.setattr(op, "FORCE_SM90_PAGED", False)  # (on Hopper it would come first)
     check_against_ref(c, device)
 
 
@@ -90,8 +91,10 @@ def _meta_q(b, s_q, h, d=128, cuda=True):
 
 def test_gather_rule(monkeypatch):
     """``gathers``: the measured chunked-prefill cell on a GPU takes the gathered path; decode,
-    short chunks, small GQA rows, explicit splits, oversized buffers and the CPU do not;
+    short chunks, small GQA rows, fewer query tiles than SMs, explicit splits, oversized buffers
+    and the CPU do not;
     FORCE_GATHER overrides the rule both ways."""
+    monkeypatch.setattr(op, "gpu_sms", lambda q: 132)  # the H200's
     cache = torch.empty(1, 16, 8, 128, dtype=BF16, device="meta")  # [pages, page, h_k, d]
     cell = _meta_q(8, 512, 32)
     assert op.gathers(cell, cache, 4608, 0) and op.gathers(cell, cache, 4608, 1)
@@ -101,6 +104,8 @@ def test_gather_rule(monkeypatch):
     mha = torch.empty(1, 16, 32, 128, dtype=BF16, device="meta")
     assert not op.gathers(_meta_q(8, 256, 32), mha, 4608, 0)  # 256 rows per key
     assert op.gathers(_meta_q(8, 512, 32), mha, 4608, 0)
+    # 1 x 512 tokens x 32 heads: 128 query tiles for 132 SMs, so the split kernel keeps it
+    assert not op.gathers(_meta_q(1, 512, 32), cache, 4608, 0)
     assert not op.gathers(cell, cache, 131072, 0)  # 4 GiB of packed K/V
     assert not op.gathers(_meta_q(8, 512, 32, cuda=False), cache, 4608, 0)
     monkeypatch.setattr(op, "FORCE_GATHER", True)
@@ -135,12 +140,19 @@ def test_gathered_op_check(device, monkeypatch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
-def test_gathered_path_in_cuda_graph():
-    """The gathered path syncs nowhere (a sync fails the capture): captured once, a replay after
-    the cache lengths changed in place matches an eager call bitwise."""
+@pytest.mark.parametrize("sm90", [False, True], ids=["gathered", "sm90-paged"])
+def test_long_chunk_paths_in_cuda_graph(sm90, monkeypatch):
+    """The long-chunk paths (gathered; sm90 paged on Hopper) sync nowhere (a sync fails the
+    capture): captured once, a replay after the cache lengths changed in place matches an eager
+    call bitwise."""
+    from ioattn.dispatch import sm90_unavailable_reason
+
+    if sm90 and sm90_unavailable_reason(torch.device("cuda")) is not None:
+        pytest.skip("the sm90 paged forward needs a Hopper GPU")
+    monkeypatch.setattr(op, "FORCE_SM90_PAGED", sm90)
     c = KVCase(b=3, s_q=256, h=32, h_k=8, d=128, page=16, capacity=1024, causal=True)
     q, k_cache, v_cache, kw, opts = _build(c, "cuda")
-    assert op.gathers(q, k_cache, kw["block_table"].shape[1] * c.page, 0)
+    assert sm90 or op.gathers(q, k_cache, kw["block_table"].shape[1] * c.page, 0)
 
     def step():
         return ioattn.flash_attn_with_kvcache(q, k_cache, v_cache, **kw, **opts)

@@ -44,6 +44,7 @@ def _count_calls(monkeypatch) -> list:
 @needs_sm90
 @pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
 def test_sm90_paged(c: KVCase, monkeypatch):
+    monkeypatch.setattr(op, "FORCE_SM90_PAGED", True)  # past the launch-shape guards
     calls = _count_calls(monkeypatch)
     check_against_ref(c, "cuda")
     assert calls, "the sm90 paged forward was not taken"
@@ -53,6 +54,7 @@ def test_sm90_paged(c: KVCase, monkeypatch):
 def test_sm90_paged_ignores_stale_slots(monkeypatch):
     """Page slots past each sequence's keys (stale entries of a reused page: NaN here) never
     reach the outputs: the tile that crosses the end has those rows zeroed before P·V."""
+    monkeypatch.setattr(op, "FORCE_SM90_PAGED", True)
     calls = _count_calls(monkeypatch)
     c = KVCase(b=3, s_q=160, h=8, h_k=2, d=128, page=16, capacity=600, causal=True)
     q, k_cache, v_cache, kw, opts = _build(c, "cuda")
