@@ -181,8 +181,11 @@ def _gluon_signature(fn, dtype: str, desc_rows: dict, d: int) -> dict:
     lay = _TMA_LAYOUT.format(bits=16)
     sig = {}
     for name in fn.arg_names:
-        if name == "dqa_desc":  # the fp32 dQ accumulator (fused backward)
-            sig[name] = f"tensordesc<fp32[{desc_rows[name]}, {d}],{_TMA_LAYOUT.format(bits=32)}>"
+        if name == "dqa_desc":  # the fp32 dQ accumulator (fused backward: its column block)
+            from ioattn.dense.sm90_bwd import dq_cols
+
+            cols = dq_cols(d)
+            sig[name] = f"tensordesc<fp32[{desc_rows[name]}, {cols}],{_TMA_LAYOUT.format(bits=32)}>"
         elif name.endswith("_desc"):
             sig[name] = f"tensordesc<{dtype}[{desc_rows[name]}, {d}],{lay}>"
         elif name in ("O", "DQ", "DK", "DV"):

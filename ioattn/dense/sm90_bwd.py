@@ -20,11 +20,15 @@ Compiled for sm90 in CI (``python -m ioattn.dense.inspect --gluon``); the dense 
 on the H200 (``IOATTN_TEST_SM90=always``). The public functions pick it per call
 (``ioattn.dense.api._pick``), independently of the forward's kernel.
 
-Fused form (``FUSED``, opt-in with ``IOATTN_SM90_FUSED_BWD=1``; compiled, not yet run on a GPU):
-the dK/dV kernel also forms this step's dQ partial dS·K (dSᵀ through shared memory, read
-transposed) and adds it to an fp32 buffer with a TMA reduction (``sm90_common.tma_reduce_add``):
-5 GEMMs per tile instead of 7, and no dQ kernel. The reductions' order varies, so
-``deterministic=True`` keeps the two-kernel form.
+Fused form (``FUSED``, opt-in with ``IOATTN_SM90_FUSED_BWD=1``): the dK/dV kernel also forms
+each step's dQ partial dS·K and adds it to an fp32 buffer with a TMA reduction
+(``sm90_common.tma_reduce_add``): 5 GEMMs per tile instead of 7, and no dQ kernel. Both
+warpgroups' dSᵀ go to one [128 keys, 64 rows] shared buffer (two, alternating by step); from
+d = 128 each warpgroup then forms half of the partial's columns over all 128 keys, so one 64 x d
+partial per step leaves the CTA (``dq_cols``). The first version, one full partial per
+warpgroup, was correct on the H200 and measured 350 TFLOP/s at d=128 16k against 452 for the
+two-kernel form (benchmarks/NOTES.md); this one has not run on a GPU yet. The reductions' order
+varies, so ``deterministic=True`` keeps the two-kernel form.
 """
 from __future__ import annotations
 
@@ -52,10 +56,10 @@ PRODUCER_REGS = 24
 DKDV_STAGES = 2
 DQ_BLOCK_N = 64
 DQ_STAGES = 2
-# The fused backward (dQ by TMA reductions in the dK/dV kernel) compiles for sm90 but has not run
-# on a GPU yet: off unless IOATTN_SM90_FUSED_BWD=1, until tests/dense/test_sm90.py::
-# test_sm90_fused_bwd passes on the H200 and it measures faster than the two-kernel form
-# (benchmarks/NOTES.md; `gpu_session.sh sm90-bwd-fused` does both)
+# The fused backward (dQ by TMA reductions in the dK/dV kernel): off unless
+# IOATTN_SM90_FUSED_BWD=1, until it measures faster than the two-kernel form (its first version
+# did not; the column-split one has not run yet: `gpu_session.sh sm90-bwd-fused` tests and
+# times it)
 FUSED = os.environ.get("IOATTN_SM90_FUSED_BWD") == "1"
 
 
@@ -87,6 +91,17 @@ def _tile_needs_mask(m0, n0, seqlen_q, seqlen_k, off, window_left, window_right,
 
 # ----------------------------------------------------------------------------------- dK / dV
 @gluon.jit
+def _key_half(k_smem, i, FUSED_DQ: gl.constexpr):
+    # the block's keys [64 i, 64 i + 64): one [128, d] buffer in the fused form (its dQ product
+    # reads all 128 keys by column halves), two [64, d] tiles otherwise
+    if FUSED_DQ:
+        half = k_smem.slice(i * HALF, HALF, dim=0)
+    else:
+        half = k_smem.index(i)
+    return half
+
+
+@gluon.jit
 def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
                    qdo_full, qdo_empty, fixed, q_start, k_row, kv_col, h0, lo_m, n_m, n_steps,
                    seqlen_q, n_keys, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
@@ -94,9 +109,10 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     has_work = n_steps > 0
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes, pred=has_work)
-    tma.async_copy_global_to_shared(k_desc, [k_row, kv_col], kv_bar, k_smem.index(0), pred=has_work)
-    tma.async_copy_global_to_shared(k_desc, [k_row + HALF, kv_col], kv_bar, k_smem.index(1),
-                                    pred=has_work)
+    tma.async_copy_global_to_shared(k_desc, [k_row, kv_col], kv_bar,
+                                    _key_half(k_smem, 0, FUSED_DQ), pred=has_work)
+    tma.async_copy_global_to_shared(k_desc, [k_row + HALF, kv_col], kv_bar,
+                                    _key_half(k_smem, 1, FUSED_DQ), pred=has_work)
     tma.async_copy_global_to_shared(v_desc, [k_row, kv_col], kv_bar, v_smem.index(0), pred=has_work)
     tma.async_copy_global_to_shared(v_desc, [k_row + HALF, kv_col], kv_bar, v_smem.index(1),
                                     pred=has_work)
@@ -106,7 +122,7 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
         if has_work & (n_keys < 2 * HALF):
             mbarrier.wait(kv_bar, 0)
             for i in gl.static_range(2):
-                zero_tail_rows(k_smem.index(i), n_keys - i * HALF)
+                zero_tail_rows(_key_half(k_smem, i, FUSED_DQ), n_keys - i * HALF)
                 zero_tail_rows(v_smem.index(i), n_keys - i * HALF)
             fence_async_shared()
             mbarrier.arrive(fixed.index(STAGES), count=1)
@@ -135,7 +151,7 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
 
 @gluon.jit
 def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dqa_desc, kv_bar,
-                   qdo_full, qdo_empty, fixed, dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh,
+                   qdo_full, qdo_empty, fixed, ds_ready, dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh,
                    h0, lo_m, n_m, n_steps, start_n, q_start, seqlen_q, seqlen_k, window_left,
                    window_right, qk_scale_log2, sm_scale,
                    WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
@@ -145,11 +161,15 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
     # Sᵀ / dPᵀ: [64 keys, 64 query rows]; dK / dV: [64 keys, d]
     s_layout: gl.constexpr = wgmma_acc_layout(HALF)
     a_layout: gl.constexpr = wgmma_acc_layout(HEAD_D)
+    # (fused) dQ's columns per warpgroup: half of them from d = 128 (``_dq_cols``)
+    DQ_COLS: gl.constexpr = dqa_desc.block_type.shape[1]
+    SPLIT_DQ: gl.constexpr = DQ_COLS < HEAD_D
+    dq_layout: gl.constexpr = wgmma_acc_layout(DQ_COLS)
     op_layout: gl.constexpr = wgmma_a_operand(a_layout)
     key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_l: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    k = k_smem.index(WG)
+    k = _key_half(k_smem, WG, FUSED_DQ)
     v = v_smem.index(WG)
     n0 = start_n + WG * HALF
     off = seqlen_k - seqlen_q
@@ -196,19 +216,38 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
         dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do, dv, is_async=True)
         ds = p * (dp - delta[None, :])
         if FUSED_DQ:
-            # dSᵀ (scaled, so dK and dQ come out scaled) through shared memory: the A operand of
-            # dK += dSᵀ·Q and, transposed, of this step's dQ partial dS·K, which a TMA reduction
-            # adds into the fp32 dQ buffer (rows past the sequence get dS = 0: harmless)
-            ds_s = ds_smem.index(WG)
+            # dSᵀ (scaled, so dK and dQ come out scaled) through shared memory: this warpgroup's
+            # 64 keys of the step's [128 keys, 64 rows] buffer (two, alternating by step). It is
+            # the A operand of dK += dSᵀ·Q; once both warpgroups have written theirs (ds_ready),
+            # each forms half of the columns of the step's dQ partial dS·K over all 128 keys and
+            # adds it to the fp32 dQ buffer with one TMA reduction: one 64 x d partial per step
+            # leaves the CTA, not one per warpgroup (rows past the sequence get dS = 0)
+            # (d = 64: a half would cut the 128-byte swizzle rows, so each warpgroup forms the
+            # full-width partial over its own keys, as the unsplit form)
+            ds_all = ds_smem.index(t % 2)
+            ds_s = ds_all.slice(WG * HALF, HALF, dim=0)
             ds_s.store((ds * sm_scale).to(dtype))
             fence_async_shared()
+            if SPLIT_DQ:
+                gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
+                mbarrier.arrive(ds_ready.index(t % 2), count=1)
             dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
-            dq_tok = warpgroup_mma(ds_s.permute((1, 0)), k,
-                                   gl.zeros([HALF, HEAD_D], gl.float32, layout=a_layout),
-                                   use_acc=False, is_async=True)
+            if SPLIT_DQ:
+                mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
+                dq_tok = warpgroup_mma(ds_all.permute((1, 0)),
+                                       k_smem.slice(WG * DQ_COLS, DQ_COLS, dim=1),
+                                       gl.zeros([HALF, DQ_COLS], gl.float32, layout=dq_layout),
+                                       use_acc=False, is_async=True)
+            else:
+                dq_tok = warpgroup_mma(ds_s.permute((1, 0)), k,
+                                       gl.zeros([HALF, DQ_COLS], gl.float32, layout=dq_layout),
+                                       use_acc=False, is_async=True)
             dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
             mbarrier.arrive(qdo_empty.index(st), count=1)
-            tma_reduce_add(dqa_desc, [q_start + m0, (h0 + g) * HEAD_D], dq)
+            col0 = (h0 + g) * HEAD_D
+            if SPLIT_DQ:
+                col0 = col0 + WG * DQ_COLS
+            tma_reduce_add(dqa_desc, [q_start + m0, col0], dq)
         else:
             dk_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), q, dk, is_async=True)
             dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
@@ -250,15 +289,23 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, HALF, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, HALF, HEAD_D], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, HALF, HEAD_D], k_desc.layout)
+    if FUSED_DQ:
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2 * HALF, HEAD_D], k_desc.layout)
+    else:
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, HALF, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, HALF, HEAD_D], v_desc.layout)
     if FUSED_DQ:
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HALF], q_desc.dtype)
-        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HALF], ds_layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * HALF, HALF],
+                                                                       q_desc.dtype)
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 2 * HALF, HALF], ds_layout)
     else:
         ds_smem = k_smem  # unused
     kv_bar = barriers(1, 1)
     fixed = barriers(STAGES + 1, 1)  # zeroed tail rows: per Q/dO stage, then K/V
+    if FUSED_DQ:
+        ds_ready = barriers(2, 2)  # a step's dSᵀ buffer holds both warpgroups' keys
+    else:
+        ds_ready = fixed  # unused
     qdo_full = barriers(STAGES, 1)
     qdo_empty = barriers(STAGES, 2)  # one arrive per consumer warpgroup
     fence_async_shared()
@@ -269,14 +316,14 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
     lse_base = off_b.to(gl.int64) * stride_lb + lse_start
     gl.warp_specialize([
         (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dqa_desc,
-                          kv_bar.index(0), qdo_full, qdo_empty, fixed, dk_off, dv_off, stride_dkn,
-                          stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps, start_n, q_start,
-                          seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
+                          kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, dk_off, dv_off,
+                          stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
+                          start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
                           0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN)),
         (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dqa_desc,
-                          kv_bar.index(0), qdo_full, qdo_empty, fixed, dk_off, dv_off, stride_dkn,
-                          stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps, start_n, q_start,
-                          seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
+                          kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, dk_off, dv_off,
+                          stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
+                          start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
                           1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                           kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
@@ -286,6 +333,8 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
 
     invalidate(kv_bar, 1)
     invalidate(fixed, STAGES + 1)
+    if FUSED_DQ:
+        invalidate(ds_ready, 2)
     invalidate(qdo_full, STAGES)
     invalidate(qdo_empty, STAGES)
 
@@ -424,6 +473,14 @@ def _bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, CU_Q, CU_K,
 
 
 # ------------------------------------------------------------------------------------- host
+def dq_cols(head_dim: int) -> int:
+    """dQ's columns per consumer warpgroup in the fused backward: half from d = 128 (the two
+    warpgroups split one partial over all 128 keys), all at d = 64, where a half would cut the
+    128-byte swizzled rows of K in shared memory (each warpgroup then reduces a full-width
+    partial over its own 64 keys)."""
+    return head_dim // 2 if head_dim >= 128 else head_dim
+
+
 def unsupported_reason(head_dim: int, head_dim_v: int, softcap: float, has_alibi: bool,
                        dropout_p: float) -> str | None:
     """Why the sm90 backward does not cover a call whose forward the sm90 forward accepts (None
@@ -478,7 +535,8 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else None
     _bwd_dkdv_sm90[(-(-p.max_seqlen_k // (2 * half)), p.batch * n_heads_k)](
         q_desc, do_desc, rows_descriptor(k, p.is_varlen, half), rows_descriptor(v, p.is_varlen, half),
-        rows_descriptor(dq_acc, p.is_varlen, half) if fused else q_desc,  # (unused when not fused)
+        # (fused) each warpgroup reduces its columns of dQ
+        rows_descriptor(dq_acc, p.is_varlen, half, dq_cols(q.shape[-1])) if fused else q_desc,
         dk, dv, lse, delta, cu_q, cu_k,
         dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
         n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,

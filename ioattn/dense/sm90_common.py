@@ -217,9 +217,12 @@ def tma_view_problem(name: str, t: torch.Tensor, varlen: bool) -> str | None:
     return None
 
 
-def rows_descriptor(t: torch.Tensor, varlen: bool, block_rows: int) -> TensorDescriptor:
-    """Host TMA descriptor of ``t`` as [rows, heads * d] with [block_rows, d] boxes."""
+def rows_descriptor(t: torch.Tensor, varlen: bool, block_rows: int,
+                    block_cols: int | None = None) -> TensorDescriptor:
+    """Host TMA descriptor of ``t`` as [rows, heads * d] with [block_rows, block_cols] boxes
+    (block_cols d by default)."""
     d = t.shape[-1]
+    cols = block_cols or d
     rows, row_stride = rows_view(t, varlen)
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, d], GL_DTYPES[t.dtype])
-    return TensorDescriptor(t, [rows, t.shape[-2] * d], [row_stride, 1], [block_rows, d], layout)
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, cols], GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, [rows, t.shape[-2] * d], [row_stride, 1], [block_rows, cols], layout)
