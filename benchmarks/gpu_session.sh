@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [racecheck-ws]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -57,6 +57,10 @@ for step in $steps; do
              --prefill-cells 8x4096x512x16,8x4096x512x64,8x4096x128x16 \
              --out "$OUT/chunked_nvidia-h200_$(date +%F).json" > "$OUT/chunked.log" 2>&1
            grep chunked "$OUT/chunked.log" ;;
+    tune-decode-graph) timeout 240 python benchmarks/tune_decode.py --graph \
+             --cells 1x32768x16,16x8192x16,64x4096x16 --block-n 64,128 --warps 4 --stages 2,3,4 \
+             --per-sm 1,2,4 --json "$OUT/tune_decode_graph.json" > "$OUT/tune_decode_graph.log" 2>&1
+           grep "^==" "$OUT/tune_decode_graph.log" ;;
     racecheck-ws) timeout 100 compute-sanitizer --tool racecheck python benchmarks/sanitize_ws_minimal.py \
              > "$OUT/racecheck_ws.log" 2>&1; tail -3 "$OUT/racecheck_ws.log" ;;
     *) echo "unknown step $step" ;;

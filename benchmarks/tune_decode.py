@@ -3,7 +3,9 @@ stages, work items per SM), on the decode acceptance cells; prints TB/s per conf
     python benchmarks/tune_decode.py [--json out.json]
     python benchmarks/tune_decode.py --prefill   (chunked-prefill tiles, vs the dense forward)
     python benchmarks/tune_decode.py --profile   (kernel and host microseconds per decode cell)
-    python benchmarks/tune_decode.py --fp8       (an fp8 e4m3 cache; TB/s of fp8 bytes)"""
+    python benchmarks/tune_decode.py --fp8       (an fp8 e4m3 cache; TB/s of fp8 bytes)
+    python benchmarks/tune_decode.py --graph     (time CUDA-graph replays of run(): kernel speed
+                                                  without host time, which bounds the small cells)"""
 from __future__ import annotations
 
 import argparse
@@ -20,10 +22,23 @@ from ioattn.paged import plan
 CELLS = [(64, 4096, 16), (16, 8192, 16), (1, 32768, 16), (128, 2048, 16), (64, 4096, 1)]
 
 
-def run(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16, kv_dtype=None):
+def _replayed(fn):
+    """fn captured in a CUDA graph (after an eager warm-up call); returns the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def run(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16, kv_dtype=None, graph=False):
     results = []
     orig = (triton_decode._tile_n, triton_decode._attn_warps, triton_decode._attn_stages,
-            plan.target_items)
+            triton_decode.worklist_launch, plan.target_items)
     for b, ctx, page in cells:
         n_pages = b * (-(-ctx // page))
         cache = torch.randn(n_pages, 2, page, h_k, d, device="cuda", dtype=dtype)
@@ -41,15 +56,19 @@ def run(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16, kv_dtype=None)
             triton_decode._tile_n = lambda bm, bd, bn=bn: bn
             triton_decode._attn_warps = lambda bm, bd, x, w=warps: w
             triton_decode._attn_stages = lambda g, bm, s=stages: s
+            triton_decode.worklist_launch = lambda bm, bd, fp8, x, bn=bn, w=warps: (bn, w)
             plan.target_items = (lambda batch, n_heads_k, sms, k=per_sm:
                                  max(batch, -(-k * sms // max(n_heads_k, 1))))
-            w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8,
-                                                                  device="cuda"))
-            row = dict(b=b, ctx=ctx, page=page, block_n=bn, warps=warps, stages=stages, per_sm=per_sm)
+            w = fi.BatchDecodeWithPagedKVCacheWrapper(
+                torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=graph,
+                paged_kv_indices_buffer=torch.empty_like(indices) if graph else None)
+            row = dict(b=b, ctx=ctx, page=page, block_n=bn, warps=warps, stages=stages, per_sm=per_sm,
+                       graph=graph)
             try:
                 w.plan(indptr, indices, last, h, h_k, d, page, q_data_type=dtype,
                        kv_data_type=kv_dtype or dtype)
-                ms = do_bench(lambda: w.run(q, cache, out=out, **scales), warmup=10, rep=40,
+                call = lambda: w.run(q, cache, out=out, **scales)  # noqa: E731
+                ms = do_bench(_replayed(call) if graph else call, warmup=10, rep=40,
                               return_mode="median")
                 row.update(ms=ms, tb_s=nbytes / ms * 1e-9)
             except Exception as e:
@@ -57,7 +76,7 @@ def run(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16, kv_dtype=None)
             results.append(row)
             print(json.dumps(row), flush=True)
     (triton_decode._tile_n, triton_decode._attn_warps, triton_decode._attn_stages,
-     plan.target_items) = orig
+     triton_decode.worklist_launch, plan.target_items) = orig
     return results
 
 
@@ -146,6 +165,8 @@ def main():
     ap.add_argument("--prefill", action="store_true", help="sweep the chunked-prefill tiles instead")
     ap.add_argument("--profile", action="store_true", help="kernel and host times of each cell")
     ap.add_argument("--fp8", action="store_true", help="an fp8 (e4m3) cache")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays of run()")
+    ap.add_argument("--cells", default=None, help="b x ctx x page, e.g. 1x32768x16 (default: all)")
     a = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     if a.profile:
@@ -163,9 +184,11 @@ def main():
             json.dump(res, open(a.json, "w"), indent=1)
         return
     configs = list(itertools.product(ints(a.block_n), ints(a.warps), ints(a.stages), ints(a.per_sm)))
-    res = run(CELLS, configs, kv_dtype=torch.float8_e4m3fn if a.fp8 else None)
+    cells = ([tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")] if a.cells
+             else CELLS)
+    res = run(cells, configs, kv_dtype=torch.float8_e4m3fn if a.fp8 else None, graph=a.graph)
     ok = [r for r in res if "tb_s" in r]
-    for cell in CELLS:
+    for cell in cells:
         rows = sorted((r for r in ok if (r["b"], r["ctx"], r["page"]) == cell), key=lambda r: -r["tb_s"])
         print("== best", cell, [(r["block_n"], r["warps"], r["stages"], r["per_sm"], round(r["tb_s"], 2))
                                 for r in rows[:4]])
@@ -173,7 +196,7 @@ def main():
     geo = {}
     for k in keys:
         vals = [r["tb_s"] for r in ok if (r["block_n"], r["warps"], r["stages"], r["per_sm"]) == k]
-        if len(vals) == len(CELLS):
+        if len(vals) == len(cells):
             p = 1.0
             for v in vals:
                 p *= v
