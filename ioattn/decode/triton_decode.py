@@ -475,9 +475,10 @@ COMBINE_SLOTS = 16  # partials merged per step by the combine kernels
 def _attn_warps(block_m: int, block_d: int, extras: bool) -> int:
     # plain decode tiles (at most 16 rows, d <= 128, no softcap/ALiBi/RoPE) run best with 4
     # warps: more programs per SM, more loads in flight (benchmarks/tune_decode.py on the H200:
-    # 64x4k page 16 went from 3.09 to 4.05 TB/s, page 1 from 2.16 to 4.04), although the gathered
-    # K/V tiles' int64 address blocks spill 400 B there (sm90 ptxas). Everything else keeps 8
-    # warps, spill-free (4 warps spill up to 5 KB with softcap and ALiBi)
+    # 64x4k page 16 went from 3.09 to 4.05 TB/s, page 1 from 2.16 to 4.04). Everything else keeps
+    # 8 warps, as first chosen: 4 have not been measured there. (The spills once quoted against 4
+    # warps came from compiles without the launcher's divisibility specialization; compiled as
+    # the GPU runs them these tiles are spill-free with 4 warps too: dense/inspect.py)
     return 4 if block_m <= 16 and block_d <= 128 and not extras else 8
 
 
@@ -704,17 +705,18 @@ def paged_tiles(group: int, d: int, rows_per_request: int = 1,
 
 def worklist_launch(block_m: int, block_d: int, fp8: bool, extras: bool) -> tuple[int, int]:
     """(BLOCK_N, num_warps) of the planned (FlashInfer wrappers') attention launch. An fp8 cache's
-    plain decode tiles take 4 warps over 128-key tiles: measured best on the H200 despite 2.3 KB
-    of spills (results/tune/tune_decode_fp8_f16.json: 1.50 -> 1.81 TB/s of fp8 bytes at 64x4k,
-    2.22 with pages of 1); other fp8 tiles keep 8 warps (their fp16 upcast spills with 4)."""
+    plain decode tiles take 4 warps over 128-key tiles: measured best on the H200
+    (results/tune/tune_decode_fp8_f16.json: 1.50 -> 1.81 TB/s of fp8 bytes at 64x4k, 2.22 with
+    pages of 1); other fp8 tiles keep 8 warps (the 128-row prefill tile spills 312 B with 4)."""
     if fp8 and block_m <= 16 and block_d <= 128 and not extras:
         return 128, 4
     return _tile_n(block_m, block_d), _attn_warps(block_m, block_d, extras or fp8)
 
 
 def _tile_n(block_m: int, block_d: int) -> int:
-    # sm90 ptxas, 8 warps: 64-key tiles spill at 64 rows (the gathered [keys, d] int64 address
-    # blocks); d=256 needs 16-key tiles and at most 32 rows (RoPE's rotated halves included)
+    # chosen from sm90 compiles without the launcher's divisibility specialization, which
+    # overstated spills (64-key tiles at 64 rows; d=256 at 16-key tiles and at most 32 rows, RoPE's
+    # rotated halves included): kept as measured, not re-tuned since
     if block_d > 128:
         return 16
     if block_m >= 128:

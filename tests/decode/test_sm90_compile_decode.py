@@ -1,4 +1,4 @@
-"""The serving kernels compile for Hopper (sm90) with tensor-core MMAs and (almost) no spills, in the tile
+"""The serving kernels compile for Hopper (sm90) with tensor-core MMAs and no spills, in the tile
 configurations their launchers pick, and the K/V gather (a copy) without spills (on any machine:
 Triton's wheel carries ptxas)."""
 import os
@@ -59,15 +59,8 @@ def test_serving_kernels_compile_for_sm90():
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     for r in json.loads(res.stdout.strip().splitlines()[-1]):
-        if r["name"].startswith("gather kv"):  # a copy: no MMA, and no spills either
-            assert r["spill_stores"] == 0, f"{r['name']}: {r['spill_stores']} B of spills"
-            continue
-        assert r["wgmma"], f"{r['name']}: no tensor-core MMA"
-        # plain decode tiles run 4 warps and chunked prefill 128-row tiles: both spill a few
-        # hundred bytes (the gathered K/V address blocks) and still measured 1.3-1.9x faster on
-        # the H200 than the spill-free configurations
-        limit = 512 if r["name"] in ("kvcache decode split", "paged decode",
-                                     "kvcache chunked prefill") else 0
-        # the fp8 cache's decode tiles: 4 warps, 128 keys (td.worklist_launch), measured faster
-        limit = 2400 if r["name"] == "paged decode fp8 kv" else limit  # 2.3 KB
-        assert r["spill_stores"] <= limit, f"{r['name']}: {r['spill_stores']} B of spills"
+        # compiled as the launcher specializes them (16-byte aligned pointers, strides that are
+        # multiples of 16), every serving kernel in the configuration its launcher picks is
+        # spill-free; the attention tiles run on the tensor cores (the gather is a copy)
+        assert r["spill_stores"] == 0, f"{r['name']}: {r['spill_stores']} B of spills"
+        assert r["name"].startswith("gather kv") or r["wgmma"], f"{r['name']}: no tensor-core MMA"
