@@ -45,12 +45,13 @@ def sm90_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Optiona
                alibi_slopes: Optional[Tensor], softcap: float, num_splits: int,
                portable_only: bool) -> bool:
     """Whether attention runs in the sm90 (Gluon) forward reading the pages directly: its
-    producer issues one TMA copy per page run, so long query chunks get the dense kernel's rate
-    without the gathered path's copy. Taken on Hopper for query chunks of at least
-    ``GATHER_MIN_TOKENS`` tokens (the kernel's 128-row tiles hold one head's tokens) that give
-    every SM a tile (``fills_gpu``) when it covers the call (``sm90_fwd.paged_unsupported_reason``: paged caches with pages of a
-    multiple of 8 keys, no softcap / ALiBi / leftpad); never for backend='triton' or an explicit
-    num_splits > 1."""
+    producer issues one TMA copy per page run, so long query chunks get the dense kernel's tiles
+    without the gathered path's copy (tested on the H200; not yet timed: benchmarks/NOTES.md).
+    Taken on Hopper for query chunks of at least ``GATHER_MIN_TOKENS`` tokens (the kernel's
+    128-row tiles hold one head's tokens) that give every SM a tile (``fills_gpu``), when it
+    covers the call (``sm90_fwd.paged_unsupported_reason``: K and V each a contiguous pool of
+    pages of a multiple of 8 keys, no softcap / ALiBi / leftpad); never for backend='triton' or
+    an explicit num_splits > 1."""
     if FORCE_SM90_PAGED is False or portable_only or num_splits > 1 or not q.is_cuda:
         return False
     if FORCE_SM90_PAGED is None and (q.shape[1] < GATHER_MIN_TOKENS or not fills_gpu(q)):
@@ -70,12 +71,11 @@ def gathers(q: Tensor, k_cache: Tensor, capacity: int, num_splits: int) -> bool:
     Measured on the H200 (chunked prefill, 8 sequences of 4096 cached + 512 new tokens, page 16,
     32 / 8 heads, d=128, causal): the split-KV kernel 230 TFLOP/s, a torch gather then the dense
     forward 410, the dense forward alone 451. The dense kernels stream contiguous K/V (TMA, deeper
-    pipelines); the paged kernel forms a gathered address per key row, which costs registers and
-    spills. The copy reads and writes each key once, amortized over the s_q * group query rows
+    pipelines, larger tiles); the paged kernel forms a gathered address per key row. The copy reads and writes each key once, amortized over the s_q * group query rows
     that read it: relative to the attention it takes about elem_bytes * F / (B * s_q * group),
     F ~450 TFLOP/s the dense rate and B ~3.5 TB/s the copy's bytes read and written per second,
-    i.e. 258 / (s_q * group) in 16-bit types: 13% at the measured cell (0.89x dense predicted,
-    0.91x measured), 50% at 512 rows, where the gathered path (~0.67x dense) still beats the
+    i.e. 258 / (s_q * group) in 16-bit types: 13% at the measured cell (0.89x dense predicted;
+    0.73-0.93x measured over six runs), 50% at 512 rows, where the gathered path (~0.67x dense) still beats the
     split kernel's 0.51x of the measured cell. The rule (estimates to re-measure):
 
     - a CUDA device: under the interpreter nothing pays (``FORCE_GATHER`` runs it there);

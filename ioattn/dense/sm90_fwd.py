@@ -19,6 +19,10 @@ of no sequence may hold NaN (torch.empty): the producer zeroes them in the last 
 masked P of 0 times NaN is still NaN (``sm90_common.zero_tail_rows``). The epilogue stores O
 through TMA when the 64-row half lies inside the sequence, with masked stores otherwise.
 
+The same kernel reads paged KV caches (``attn_fwd_sm90_paged``, chunked prefill through
+``flash_attn_with_kvcache``): the producer looks pages up in the block table and issues one TMA
+copy per page run into row slices of the stage's tile.
+
 Semantics are the portable kernel's (``triton_fwd.py``): bottom-right causal/window masks, LSE in
 natural log, rows with no visible key give out 0 and LSE -inf. ``unsupported_reason`` lists what
 this kernel does not cover; dispatch then uses the portable kernel ('auto') or raises ('sm90').

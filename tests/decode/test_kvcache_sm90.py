@@ -90,3 +90,29 @@ def test_sm90_paged_not_taken_where_not_covered(monkeypatch):
     q, k_cache, v_cache, kw, opts = _build(c, "cuda")
     ioattn.flash_attn_with_kvcache(q, k_cache, v_cache, **kw, **opts)
     assert not calls
+
+
+def test_sm90_paged_coverage_rules():
+    """``paged_unsupported_reason`` (host-side, any machine): contiguous K and V page pools with
+    pages that are whole TMA boxes are covered; FlashInfer's interleaved cache, odd page sizes,
+    softcap / ALiBi / leftpad, contiguous caches and other head dims are not, each with a reason."""
+    bf16 = torch.bfloat16
+
+    def reason(page=16, d=128, interleaved=False, table=True, **kw):
+        q = torch.empty(2, 256, 8, d, dtype=bf16, device="meta")
+        if interleaved:
+            cache = torch.empty(40, 2, page, 2, d, dtype=bf16, device="meta")
+            k, v = cache[:, 0], cache[:, 1]
+        else:
+            k, v = (torch.empty(40, page, 2, d, dtype=bf16, device="meta") for _ in range(2))
+        bt = torch.empty(2, 8, dtype=torch.int32, device="meta") if table else None
+        args = dict(softcap=0.0, has_alibi=False, has_leftpad=False, has_cache_idx=False) | kw
+        return sm90_fwd.paged_unsupported_reason(q, k, v, bt, **args)
+
+    for page, d in ((8, 128), (16, 64), (64, 128), (256, 128), (32, 256)):
+        assert reason(page, d) is None, (page, d)
+    for why, r in (("page 5", reason(5)), ("page 12", reason(12)), ("d 96", reason(16, 96)),
+                   ("interleaved", reason(interleaved=True)), ("contiguous", reason(table=False)),
+                   ("softcap", reason(softcap=5.0)), ("alibi", reason(has_alibi=True)),
+                   ("leftpad", reason(has_leftpad=True))):
+        assert isinstance(r, str) and r, why
