@@ -58,7 +58,7 @@ for step in $steps; do
              --out "$OUT/chunked_nvidia-h200_$(date +%F).json" > "$OUT/chunked.log" 2>&1
            grep chunked "$OUT/chunked.log" ;;
     tune-decode-graph) timeout 240 python benchmarks/tune_decode.py --graph \
-             --cells 1x32768x16,16x8192x16,64x4096x16 --block-n 64,128 --warps 4 --stages 2,3,4 \
+             --cells 1x32768x16,16x8192x16,64x4096x16 --block-n 64,128 --warps 4 --stages 2,4,5 \
              --per-sm 1,2,4 --json "$OUT/tune_decode_graph.json" > "$OUT/tune_decode_graph.log" 2>&1
            grep "^==" "$OUT/tune_decode_graph.log" ;;
     racecheck-ws) timeout 100 compute-sanitizer --tool racecheck python benchmarks/sanitize_ws_minimal.py \
