@@ -27,17 +27,13 @@ GATHER_MAX_BYTES = 1 << 30  # packed K and V together
 FORCE_SM90_PAGED: Optional[bool] = None
 
 
-def gpu_sms(q: Tensor) -> int:
-    return sm_count(q.device)
-
-
 def fills_gpu(q: Tensor) -> bool:
     """Whether q's 128-row query tiles (one head's tokens each) are at least one per SM: the
     dense kernels, which the long-chunk paths run, do not split the keys, so a short batch of
     chunks (1 x 128 tokens x 32 heads: 32 tiles on 132 SMs) would leave most SMs idle where the
     split-KV kernel spreads the keys over programs. A guard from the launch shape, not measured."""
     b, s_q, h, _ = q.shape
-    return -(-s_q // 128) * b * h >= gpu_sms(q)
+    return -(-s_q // 128) * b * h >= sm_count(q.device)
 
 
 def sm90_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Optional[Tensor],
@@ -167,23 +163,20 @@ def kvcache_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Ten
                        cache_batch_idx=cache_batch_idx, to_cache=True)
             seqlens_k = cache_seqlens + k.shape[1]
         capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-        if sm90_paged(q, k_cache, v_cache, block_table, cache_leftpad, cache_batch_idx,
-                      alibi_slopes, softcap, num_splits, portable_only):
-            from ioattn.dense.sm90_fwd import attn_fwd_sm90_paged
-
-            q = q.contiguous()
-            out = _new_output(q, (b, s_q, h, v_cache.shape[-1]))
-            lse = _new_output(q, (b, h, s_q), dtype=torch.float32)
-            attn_fwd_sm90_paged(q, k_cache, v_cache, block_table, seqlens_k, softmax_scale,
-                                window_left, window_right, out, lse)
-            return out, lse
-        if gathers(q, k_cache, capacity, num_splits):
+        on_sm90 = sm90_paged(q, k_cache, v_cache, block_table, cache_leftpad, cache_batch_idx,
+                             alibi_slopes, softcap, num_splits, portable_only)
+        if not on_sm90 and gathers(q, k_cache, capacity, num_splits):
             return _gathered_attn(q, k_cache, v_cache, seqlens_k, cache_leftpad, block_table,
                                   cache_batch_idx, alibi_slopes, softmax_scale, window_left,
                                   window_right, softcap, capacity, portable_only)
         out = _new_output(q, (b, s_q, h, v_cache.shape[-1]))
         lse = _new_output(q, (b, h, s_q), dtype=torch.float32)
-        if out.numel():
+        if on_sm90:
+            from ioattn.dense.sm90_fwd import attn_fwd_sm90_paged
+
+            attn_fwd_sm90_paged(q, k_cache, v_cache, block_table, seqlens_k, softmax_scale,
+                                window_left, window_right, out, lse)
+        elif out.numel():
             kvcache_attn(q, k_cache, v_cache, seqlens_k, cache_leftpad, block_table,
                          cache_batch_idx, alibi_slopes, softmax_scale, window_left, window_right,
                          softcap, num_splits, out, lse)

@@ -17,7 +17,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import builtin
 
+# tensor dtypes the TMA descriptors lay out (fp32: the fused backward's dQ accumulator)
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+OPERAND_DTYPES = (torch.bfloat16, torch.float16)  # what the kernels' wgmma operands take
 
 
 @builtin

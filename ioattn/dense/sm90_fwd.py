@@ -36,13 +36,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
-from ioattn.dense.sm90_common import (GL_DTYPES, barriers, invalidate, query_tile, rows_descriptor,
-                                      tma_view_problem, wgmma_a_operand, wgmma_acc_layout,
-                                      zero_last_key_tile)
+from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, invalidate, query_tile,
+                                      rows_descriptor, tma_view_problem, wgmma_a_operand,
+                                      wgmma_acc_layout, zero_last_key_tile)
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M)
 BLOCK_M = gl.constexpr(128)  # two consumer warpgroups
@@ -308,7 +307,7 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_d
                 f"take d = d_v in {SUPPORTED_HEAD_DIMS}")
     if softcap > 0 or has_alibi or dropout_p > 0:
         return "softcap, ALiBi and dropout are not covered by the sm90 kernels yet"
-    if q.dtype not in GL_DTYPES:
+    if q.dtype not in OPERAND_DTYPES:
         return f"dtype {q.dtype} is not fp16/bf16"
     for name, t in (("q", q), ("k", k), ("v", v)):
         problem = tma_view_problem(name, t, varlen)
@@ -357,30 +356,23 @@ def paged_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              block_table: Optional[torch.Tensor], softcap: float, has_alibi: bool,
                              has_leftpad: bool, has_cache_idx: bool) -> str | None:
     """Why ``attn_fwd_sm90_paged`` does not cover a KV-cache call (None when it does): q [b, s_q,
-    h, d] over a paged cache [pages, page_size, h_k, d] through block_table [b, width] int32."""
-    d = q.shape[-1]
+    h, d] over a paged cache [pages, page_size, h_k, d] through block_table [b, width] int32.
+    Head dims, features, dtypes and TMA views are the dense forward's (``unsupported_reason``;
+    a page pool is TMA-readable as a batched [pages, page_size] tensor is)."""
     if block_table is None or has_cache_idx:
         return "the sm90 KV-cache forward reads paged caches (block_table), not cache_batch_idx"
-    if d not in SUPPORTED_HEAD_DIMS or v_cache.shape[-1] != d:
-        return f"head dims (d={d}, d_v={v_cache.shape[-1]}) are not in {SUPPORTED_HEAD_DIMS}"
-    if softcap > 0 or has_alibi or has_leftpad:
-        return "softcap, ALiBi and cache_leftpad are not covered by the sm90 KV-cache forward"
-    if q.dtype not in GL_DTYPES or q.dtype == torch.float32 or k_cache.dtype != q.dtype \
-            or v_cache.dtype != q.dtype:
-        return "the sm90 KV-cache forward takes fp16/bf16 q and caches of the same dtype"
-    page, block_n = k_cache.shape[1], _block_n(d)
+    if has_leftpad:
+        return "cache_leftpad is not covered by the sm90 KV-cache forward"
+    problem = unsupported_reason(q, k_cache, v_cache, q.shape[-1], v_cache.shape[-1], softcap,
+                                 has_alibi, 0.0, False)
+    if problem is not None:
+        return problem
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return "the sm90 KV-cache forward takes caches of q's dtype"
+    page, block_n = k_cache.shape[1], _block_n(q.shape[-1])
     if page % 8 or (block_n % page and page % block_n):
         return (f"page_size {page}: the sm90 KV-cache forward loads whole pages per TMA copy "
                 f"(a multiple of 8 that divides, or is a multiple of, {block_n} keys)")
-    problem = tma_view_problem("q", q, False)
-    if problem is not None:
-        return problem
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1 or t.stride(-2) != d or t.stride(1) != t.shape[2] * d \
-                or t.stride(0) != page * t.shape[2] * d:
-            return f"{name} is not a contiguous [pages, page_size, h_k, d] tensor"
-        if t.data_ptr() % 16 or (t.shape[2] * d * t.element_size()) % 16:
-            return f"{name} is not 16-byte aligned, as TMA requires"
     if block_table.stride(-1) != 1:
         return "block_table rows must be contiguous"
     return None
@@ -402,12 +394,9 @@ def attn_fwd_sm90_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if grid[0] * grid[1] == 0:
         return
     block_n = _block_n(d)
-    box = min(page, block_n)
-    gl_dtype = GL_DTYPES[q.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for([box, d], gl_dtype)
-    rows = k_cache.shape[0] * page
-    k_desc = TensorDescriptor(k_cache, [rows, h_k * d], [h_k * d, 1], [box, d], layout)
-    v_desc = TensorDescriptor(v_cache, [rows, h_k * d], [h_k * d, 1], [box, d], layout)
+    box = min(page, block_n)  # one TMA copy per page, or per tile when pages are larger
+    k_desc = rows_descriptor(k_cache, False, box)  # [pages * page_size, h_k * d] rows
+    v_desc = rows_descriptor(v_cache, False, box)
     q_desc = rows_descriptor(q, False, HALF_M.value)
     o_desc = rows_descriptor(out, False, HALF_M.value)
     _attn_fwd_sm90[grid](

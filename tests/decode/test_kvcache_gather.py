@@ -83,10 +83,11 @@ def test_gather_kv_packs_and_zero_fills(page, device):
 
 
 def _meta_q(b, s_q, h, d=128, cuda=True):
-    # the rule reads q's shape, strides, size, dtype width and device type
+    # the rule reads q's shape, strides, size, dtype width and device
     t = torch.empty(b, s_q, h, d, dtype=BF16, device="meta")
     return SimpleNamespace(shape=t.shape, is_cuda=cuda, numel=t.numel, stride=t.stride,
-                           element_size=t.element_size)
+                           element_size=t.element_size,
+                           device=torch.device("cuda" if cuda else "cpu"))
 
 
 def test_gather_rule(monkeypatch):
@@ -94,7 +95,7 @@ def test_gather_rule(monkeypatch):
     short chunks, small GQA rows, fewer query tiles than SMs, explicit splits, oversized buffers
     and the CPU do not;
     FORCE_GATHER overrides the rule both ways."""
-    monkeypatch.setattr(op, "gpu_sms", lambda q: 132)  # the H200's
+    monkeypatch.setattr(op, "sm_count", lambda device: 132)  # the H200's
     cache = torch.empty(1, 16, 8, 128, dtype=BF16, device="meta")  # [pages, page, h_k, d]
     cell = _meta_q(8, 512, 32)
     assert op.gathers(cell, cache, 4608, 0) and op.gathers(cell, cache, 4608, 1)
