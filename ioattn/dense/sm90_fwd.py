@@ -29,6 +29,7 @@ this kernel does not cover; dispatch then uses the portable kernel ('auto') or r
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -48,11 +49,20 @@ BLOCK_M = gl.constexpr(128)  # two consumer warpgroups
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
+# pingpong between the consumer warpgroups (``_take_turn``): IOATTN_SM90_PINGPONG=1 / 0 forces it
+# on / off; by default on where it measured faster (``_pingpong``)
+PINGPONG = os.environ.get("IOATTN_SM90_PINGPONG", "auto")
 
 
 def _block_n(head_dim: int) -> int:
     # d=256: the 64x256 fp32 accumulator takes 128 of a consumer's 240 registers
     return 64 if head_dim == 256 else 128
+
+
+def _pingpong(head_dim: int) -> bool:
+    # H200, pingpong on vs off in one session (results/sm90_fwd_pp{0,1_run1,1_run2}_*.json): d=256 non-causal
+    # +2-4% from 4k, d=128 within noise to -2% at 8k-16k, d=64 -1-2%
+    return head_dim == 256 if PINGPONG == "auto" else PINGPONG != "0"
 
 
 def _stages(head_dim: int) -> int:
@@ -151,11 +161,29 @@ def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_ri
 
 
 @gluon.jit
+def _take_turn(turn, WG: gl.constexpr, r, PINGPONG: gl.constexpr):
+    """Pingpong (FA3): the two consumer warpgroups issue their wgmmas in turns, so one's softmax
+    runs while the other's GEMMs keep the tensor cores busy (without an order both wait for the
+    same K tile, issue together and then do their softmax together, leaving the tensor cores
+    idle). Round r of warpgroup WG waits for phase r of its turn barrier: warpgroup 1 completes
+    warpgroup 0's phase 0 before its first round, and each warpgroup passes the turn once it has
+    issued a round's wgmmas."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), r & 1)
+
+
+@gluon.jit
+def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+
+
+@gluon.jit
 def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
-              v_fixed, o_row, o_col, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
+              v_fixed, turn, o_row, o_col, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
               window_left, window_right, qk_scale_log2,
               WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-              ZERO_TAIL: gl.constexpr):
+              ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr):
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
@@ -174,10 +202,14 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_e
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
 
     if n_tiles > 0:
+        if PINGPONG and WG == 1:
+            mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
         mbarrier.wait(q_bar, 0)
         # prologue: S_0 and its softmax
         mbarrier.wait(k_full.index(0), 0)
+        _take_turn(turn, WG, 0, PINGPONG)
         s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        _pass_turn(turn, WG, PINGPONG)
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(0), count=1)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo, row0, seqlen_k, off, window_left,
@@ -188,11 +220,13 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_e
             st = j % STAGES
             prev = (j - 1) % STAGES
             mbarrier.wait(k_full.index(st), (j // STAGES) & 1)
-            s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)
             mbarrier.wait(v_full.index(prev), ((j - 1) // STAGES) & 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
+            _take_turn(turn, WG, j, PINGPONG)
+            s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
             acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            _pass_turn(turn, WG, PINGPONG)
             s = warpgroup_mma_wait(1, deps=[s_tok])
             mbarrier.arrive(k_empty.index(st), count=1)  # K_j is consumed: the producer refills it
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo + j * BLOCK_N, row0, seqlen_k, off,
@@ -208,7 +242,9 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_e
             if lo + n_tiles * BLOCK_N > seqlen_k:  # the producer zeroes rows past the end
                 mbarrier.wait(v_fixed, 0)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
+        _take_turn(turn, WG, n_tiles, PINGPONG)
         acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        _pass_turn(turn, WG, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=[acc_tok])
         mbarrier.arrive(v_empty.index(last), count=1)
 
@@ -240,7 +276,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                    STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
                    PRODUCER_REGS_: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr,
-                   PAGE: gl.constexpr):
+                   PAGE: gl.constexpr, PINGPONG: gl.constexpr):
     # PAGED: batched queries over a paged KV cache (``attn_fwd_sm90_paged``): CU_K holds the key
     # counts, BT the page table [batch, bt_width] (row stride stride_btb), k_desc / v_desc view
     # the cache as [pages * PAGE, heads * d] rows with boxes of min(PAGE, BLOCK_N) rows
@@ -256,6 +292,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     v_fixed = barriers(1, 1)
+    turn = barriers(2, 1)  # pingpong: one per consumer warpgroup
     k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -273,15 +310,15 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     lse_off = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + lse_start
     gl.warp_specialize([
         (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0), k_full, v_full,
-                     k_empty, v_empty, v_fixed.index(0),
+                     k_empty, v_empty, v_fixed.index(0), turn,
                      q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k,
                      lo, n_tiles, window_left, window_right, qk_scale_log2,
-                     0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED)),
+                     0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED, PINGPONG)),
         (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0), k_full, v_full,
-                     k_empty, v_empty, v_fixed.index(0),
+                     k_empty, v_empty, v_fixed.index(0), turn,
                      q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k,
                      lo, n_tiles, window_left, window_right, qk_scale_log2,
-                     1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED)),
+                     1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED, PINGPONG)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0), k_full,
                      v_full, k_empty, v_empty, v_fixed.index(0), BT,
                      off_b.to(gl.int64) * stride_btb, bt_width,
@@ -291,6 +328,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
 
     mbarrier.invalidate(q_bar.index(0))
     invalidate(v_fixed, 1)
+    invalidate(turn, 2)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_full.index(i))
         mbarrier.invalidate(v_full.index(i))
@@ -316,14 +354,17 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_d
     return None
 
 
-def preferred(head_dim: int, masked: bool, max_seqlen_q: int) -> bool:
+def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int) -> bool:
     """Whether 'auto' should take this kernel over the portable one: where it measured faster on
     the H200 (benchmarks/NOTES.md, results/sm90_fwd_*quick_*.json): d=128 from s=2k (1.01-1.32x
     the portable kernel), d=256 from 2k (1.32-1.42x); d=64 only from 8k (1.06x; at 2k they tie
-    or the run was noisy). Shorter sequences were not measured: the portable kernel keeps them."""
-    if head_dim == 64:
-        return max_seqlen_q >= 8192
-    return max_seqlen_q >= 2048
+    or the run was noisy). The gain comes from the pipelined key loop, so a shorter query block
+    over as many keys gains too: 512 queries over 4608 keys (chunked prefill, d=128 causal GQA)
+    ran at 590 TFLOP/s through the paged form of this kernel against 454 through the portable
+    one (results/chunked_sm90_paged_nvidia-h200_2026-11-29.json). Shorter problems were not measured: the
+    portable kernel keeps them."""
+    min_len = 8192 if head_dim == 64 else 2048
+    return max_seqlen_q >= min_len or (max_seqlen_q >= 512 and max_seqlen_k >= min_len)
 
 
 def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -348,7 +389,7 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         p.softmax_scale * LOG2E, p.window_left, p.window_right,
         IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
         STAGES=_stages(d), CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS,
-        BLOCK_N=block_n, PAGED=False, PAGE=1, num_warps=4,
+        BLOCK_N=block_n, PAGED=False, PAGE=1, PINGPONG=_pingpong(d), num_warps=4,
     )
 
 
@@ -406,5 +447,5 @@ def attn_fwd_sm90_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         softmax_scale * LOG2E, window_left, window_right,
         IS_VARLEN=False, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0,
         STAGES=_stages(d), CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS,
-        BLOCK_N=block_n, PAGED=True, PAGE=page, num_warps=4,
+        BLOCK_N=block_n, PAGED=True, PAGE=page, PINGPONG=_pingpong(d), num_warps=4,
     )

@@ -179,6 +179,22 @@ def test_sm90_refuses_what_it_does_not_cover(kw):
     ioattn.flash_attn_func(q, k, v, **kw)  # auto runs it on the portable kernels
 
 
+def test_sm90_forward_preference_rule():
+    """'auto' takes the sm90 forward where it measured faster: long queries, or a chunk of >= 512
+    queries over long keys (chunked prefill: 1.3x the portable kernel); short problems stay
+    portable. Pingpong is on by default at d=256 only."""
+    from ioattn.dense import sm90_fwd
+
+    assert sm90_fwd.preferred(128, True, 2048, 2048)
+    assert sm90_fwd.preferred(128, True, 512, 4608)
+    assert not sm90_fwd.preferred(128, True, 256, 4608)
+    assert not sm90_fwd.preferred(128, False, 1024, 1024)
+    assert not sm90_fwd.preferred(64, False, 512, 4608)
+    assert sm90_fwd.preferred(64, False, 512, 8192)
+    if sm90_fwd.PINGPONG == "auto":
+        assert [sm90_fwd._pingpong(d) for d in (64, 128, 256)] == [False, False, True]
+
+
 @pytest.mark.skipif(SM90, reason="checks the refusal off Hopper")
 def test_sm90_refused_off_hopper(device):
     q, k, v = (torch.randn(1, 16, 2, 64, device=device, dtype=torch.float16) for _ in range(3))
