@@ -93,12 +93,23 @@ def query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, wi
     last ones under a causal mask, which shortens the tail). Returns (off_b, off_h, off_hk,
     q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo, n_tiles); the caller returns
     early when start_m >= seqlen_q. Key tiles of BLOCK_N from key lo, as ``key_tiles``."""
-    pid_bh = gl.program_id(1)
+    return query_tile_at(gl.num_programs(0) - 1 - gl.program_id(0), gl.program_id(1), CU_Q, CU_K,
+                         n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, window_left,
+                         window_right, BLOCK_M, BLOCK_N, IS_VARLEN, HAS_LEFT, HAS_RIGHT, PAGED)
+
+
+@gluon.jit
+def query_tile_at(tile_m, pid_bh, CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
+                  window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                  PAGED: gl.constexpr = False):
+    """``query_tile`` of query tile ``tile_m`` (rows from tile_m * BLOCK_M) of batch * head
+    ``pid_bh`` (a persistent kernel's tiles)."""
     off_b = pid_bh // n_heads
     off_h = pid_bh % n_heads
     q_start, seqlen_q, k_start, seqlen_k, lse_start = seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed,
                                                                  seqlen_k_fixed, IS_VARLEN, PAGED)
-    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    start_m = tile_m * BLOCK_M
     lo, n_tiles = key_tiles(start_m, BLOCK_M, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N,
                             HAS_LEFT, HAS_RIGHT)
     return (off_b, off_h, off_h // kv_group, q_start, seqlen_q, k_start, seqlen_k, lse_start,
@@ -228,3 +239,8 @@ def rows_descriptor(t: torch.Tensor, varlen: bool, block_rows: int,
     rows, row_stride = rows_view(t, varlen)
     layout = gl.NVMMASharedLayout.get_default_for([block_rows, cols], GL_DTYPES[t.dtype])
     return TensorDescriptor(t, [rows, t.shape[-2] * d], [row_stride, 1], [block_rows, cols], layout)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a persistent kernel's grid)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -41,8 +41,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, invalidate, query_tile,
-                                      rows_descriptor, tma_view_problem, wgmma_a_operand,
-                                      wgmma_acc_layout, zero_last_key_tile)
+                                      query_tile_at, key_tiles, rows_descriptor, sm_count,
+                                      tma_view_problem, wgmma_a_operand, wgmma_acc_layout,
+                                      zero_last_key_tile)
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M)
 BLOCK_M = gl.constexpr(128)  # two consumer warpgroups
@@ -52,6 +53,10 @@ PRODUCER_REGS = 24
 # pingpong between the consumer warpgroups (``_take_turn``): IOATTN_SM90_PINGPONG=1 / 0 forces it
 # on / off; by default on where it measured faster (``_pingpong``)
 PINGPONG = os.environ.get("IOATTN_SM90_PINGPONG", "auto")
+# persistent CTAs for batched problems (``_consumer_persistent``), opt-in with
+# IOATTN_SM90_PERSISTENT=1: on the H200 it measured no faster at d=128 and much slower under a
+# causal mask (static tile striding leaves heavy tiles for the end); benchmarks/NOTES.md
+PERSISTENT = os.environ.get("IOATTN_SM90_PERSISTENT", "0") == "1"
 
 
 def _block_n(head_dim: int) -> int:
@@ -93,22 +98,29 @@ def _key_tile_load(desc, tile, bar, BT, bt_row, bt_width, key0, col, PAGED: gl.c
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty,
-              v_empty, v_fixed, BT, bt_row, bt_width, q_row, q_col, k_row, kv_col, n_tiles, n_keys,
-              STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, PAGED: gl.constexpr,
-              PAGE: gl.constexpr):
+def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
+                  k_empty, v_empty, v_fixed, BT, bt_row, bt_width, q_row, q_col, k_row, kv_col,
+                  n_tiles, n_keys, it0, tc, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
+                  PAGED: gl.constexpr, PAGE: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The loads of one query tile: its Q halves, then its n_tiles K and V tiles through the ring
+    from ring position it0 (a persistent CTA's running count of key tiles); tc counts the CTA's
+    earlier tiles with work (q_empty's phase)."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     BOX: gl.constexpr = k_desc.block_type.shape[0]  # rows per TMA copy: BLOCK_N, or a page
-    # no key block: the consumers never wait for Q and reuse its buffers to stage O, so Q must not
-    # be in flight then
+    # no key block: the consumers never wait for Q (and, non-persistent, reuse its buffers to
+    # stage O), so Q must not be in flight then
     has_work = n_tiles > 0
+    if PERSISTENT:
+        # the consumers free Q once the previous tile's last QKᵀ has retired
+        mbarrier.wait(q_empty, (tc & 1) ^ 1, pred=has_work)
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes, pred=has_work)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0), pred=has_work)
     tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, q_col], q_bar, q_smem.index(1),
                                     pred=has_work)
     for j in range(n_tiles):
-        st = j % STAGES
-        ph = ((j // STAGES) & 1) ^ 1
+        it = it0 + j
+        st = it % STAGES
+        ph = ((it // STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(st), ph)
         mbarrier.expect(k_full.index(st), (BLOCK_N // BOX) * k_desc.block_type.nbytes)
         _key_tile_load(k_desc, k_smem.index(st), k_full.index(st), BT, bt_row, bt_width,
@@ -118,10 +130,44 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_f
         _key_tile_load(v_desc, v_smem.index(st), v_full.index(st), BT, bt_row, bt_width,
                        k_row + j * BLOCK_N, kv_col, PAGED, PAGE)
     if IS_VARLEN or PAGED:
-        # the last V tile may run past the last packed sequence into rows of no sequence (or, in
-        # a paged cache, into page slots past the sequence: stale entries): zero them (their P
-        # is 0, but 0 * NaN is not) before the consumers' P·V reads the tile
+        # (one tile per CTA: these modes do not run persistent) the last V tile may run past the
+        # last packed sequence into rows of no sequence (or, in a paged cache, into page slots
+        # past the sequence: stale entries): zero them (their P is 0, but 0 * NaN is not) before
+        # the consumers' P·V reads the tile
         zero_last_key_tile(v_full, v_fixed, v_smem, v_smem, n_tiles, n_keys, STAGES, False)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
+              k_empty, v_empty, v_fixed, BT, bt_row, bt_width, q_row, q_col, k_row, kv_col, n_tiles,
+              n_keys, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, PAGED: gl.constexpr,
+              PAGE: gl.constexpr):
+    _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
+                  k_empty, v_empty, v_fixed, BT, bt_row, bt_width, q_row, q_col, k_row, kv_col,
+                  n_tiles, n_keys, 0, 0, STAGES, IS_VARLEN, PAGED, PAGE, False)
+
+
+@gluon.jit
+def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full,
+                         v_full, k_empty, v_empty, v_fixed, BT, CU_Q, CU_K, n_heads, kv_group,
+                         seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
+                         STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    HEAD_D: gl.constexpr = q_smem.shape[2]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    n_m = gl.cdiv(seqlen_q_fixed, BLOCK_M)
+    it = n_bh * 0  # key tiles loaded so far (ring position)
+    tc = n_bh * 0  # tiles with work so far (q_empty's phase)
+    for t in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
+        (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
+         n_tiles) = query_tile_at(n_m - 1 - t % n_m, t // n_m, CU_Q, CU_K, n_heads, kv_group,
+                                  seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
+                                  BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT)
+        _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full,
+                      v_full, k_empty, v_empty, v_fixed, BT, 0, 0, q_start + start_m,
+                      off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo, it, tc,
+                      STAGES, False, False, 1, True)
+        it += n_tiles
+        tc += (n_tiles > 0).to(gl.int32)
 
 
 @gluon.jit
@@ -179,11 +225,24 @@ def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
-              v_fixed, turn, o_row, o_col, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
-              window_left, window_right, qk_scale_log2,
-              WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-              ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr):
+def _store_rows(O, out, o_base_off, stride_om, row0, seqlen_q):
+    """Masked stores of a warpgroup's [64, d] output rows from registers (rows < seqlen_q)."""
+    o_layout: gl.constexpr = out.type.layout
+    rows_o = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+    cols_o = gl.arange(0, out.shape[1], layout=gl.SliceLayout(0, o_layout))
+    ptrs = O + o_base_off + rows_o[:, None].to(gl.int64) * stride_om + cols_o[None, :]
+    gl.store(ptrs, out, mask=(rows_o < seqlen_q)[:, None])
+
+
+@gluon.jit
+def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty,
+                  v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles, window_left,
+                  window_right, qk_scale_log2, it0, rnd0, q_phase, WG: gl.constexpr,
+                  STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                  ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One warpgroup's 64 query rows of a tile: key tiles from ring position it0, pingpong rounds
+    from rnd0, Q's load completing phase q_phase of q_bar. Returns (out, lse): out normalized in
+    the input dtype, lse in natural log; rows that saw no key give out 0 and LSE -inf."""
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
@@ -202,27 +261,28 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_e
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
 
     if n_tiles > 0:
-        if PINGPONG and WG == 1:
-            mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
-        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(q_bar, q_phase)
         # prologue: S_0 and its softmax
-        mbarrier.wait(k_full.index(0), 0)
-        _take_turn(turn, WG, 0, PINGPONG)
-        s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st0 = it0 % STAGES
+        mbarrier.wait(k_full.index(st0), (it0 // STAGES) & 1)
+        _take_turn(turn, WG, rnd0, PINGPONG)
+        s_tok = warpgroup_mma(q, k_smem.index(st0).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
         _pass_turn(turn, WG, PINGPONG)
         s = warpgroup_mma_wait(0, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(0), count=1)
+        mbarrier.arrive(k_empty.index(st0), count=1)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo, row0, seqlen_k, off, window_left,
                                            window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT)
         # steady state: QK_j issued before PV_{j-1}; wait(1) retires QK_j, the softmax of block j
         # then overlaps PV_{j-1}
         for j in range(1, n_tiles):
-            st = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(k_full.index(st), (j // STAGES) & 1)
-            mbarrier.wait(v_full.index(prev), ((j - 1) // STAGES) & 1)
+            it = it0 + j
+            st = it % STAGES
+            prev = (it - 1) % STAGES
+            mbarrier.wait(k_full.index(st), (it // STAGES) & 1)
+            mbarrier.wait(v_full.index(prev), ((it - 1) // STAGES) & 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-            _take_turn(turn, WG, j, PINGPONG)
+            _take_turn(turn, WG, rnd0 + j, PINGPONG)
             s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
             acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
@@ -235,26 +295,50 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_e
             acc = warpgroup_mma_wait(0, deps=[acc_tok])
             mbarrier.arrive(v_empty.index(prev), count=1)  # V_{j-1} is consumed
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        if PERSISTENT:
+            # every QKᵀ of this tile has retired: the producer may load the next tile's Q
+            mbarrier.arrive(q_empty, count=1)
         # tail: PV of the last block
-        last = (n_tiles - 1) % STAGES
-        mbarrier.wait(v_full.index(last), ((n_tiles - 1) // STAGES) & 1)
+        last_it = it0 + n_tiles - 1
+        last = last_it % STAGES
+        mbarrier.wait(v_full.index(last), (last_it // STAGES) & 1)
         if ZERO_TAIL:
             if lo + n_tiles * BLOCK_N > seqlen_k:  # the producer zeroes rows past the end
                 mbarrier.wait(v_fixed, 0)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-        _take_turn(turn, WG, n_tiles, PINGPONG)
+        _take_turn(turn, WG, rnd0 + n_tiles, PINGPONG)
         acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         _pass_turn(turn, WG, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=[acc_tok])
         mbarrier.arrive(v_empty.index(last), count=1)
 
-    # epilogue: rows that saw no key (l = 0) give out 0 and LSE -inf
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
     out = (acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]).to(dtype)
-    rows_s = row0 + gl.arange(0, HALF_M, layout=row_s)
+    return out, lse
+
+
+@gluon.jit
+def _store_lse(LSE, lse, lse_off, row0, seqlen_q):
+    rows_s = row0 + gl.arange(0, HALF_M, layout=lse.type.layout)
     gl.store(LSE + lse_off + rows_s, lse, mask=rows_s < seqlen_q)
+
+
+@gluon.jit
+def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
+              v_empty, v_fixed, turn, o_row, o_col, o_base_off, stride_om, lse_off, start_m,
+              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right, qk_scale_log2,
+              WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+              ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG and WG == 1:
+        mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
+    out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
+                             v_empty, v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles,
+                             window_left, window_right, qk_scale_log2, 0, 0, 0, WG, STAGES,
+                             HAS_LEFT, HAS_RIGHT, ZERO_TAIL, PINGPONG, False)
+    row0 = start_m + WG * HALF_M
+    _store_lse(LSE, lse, lse_off, row0, seqlen_q)
     if row0 + HALF_M <= seqlen_q:
         o_smem = q_smem.index(WG)  # the Q half is dead: stage O there for the TMA store
         o_smem.store(out)
@@ -262,78 +346,141 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_e
         tma.async_copy_shared_to_global(o_desc, [o_row + WG * HALF_M, o_col], o_smem)
         tma.store_wait(0)
     else:
-        rows_o = row0 + gl.arange(0, HALF_M, layout=row_o)
-        cols_o = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-        ptrs = O + o_base_off + rows_o[:, None].to(gl.int64) * stride_om + cols_o[None, :]
-        gl.store(ptrs, out, mask=(rows_o < seqlen_q)[:, None])
+        _store_rows(O, out, o_base_off, stride_om, row0, seqlen_q)
+
+
+@gluon.jit
+def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
+                         k_empty, v_empty, v_fixed, turn, CU_Q, CU_K, stride_om, stride_oh,
+                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
+                         n_bh, window_left, window_right, qk_scale_log2, WG: gl.constexpr,
+                         STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                         PINGPONG: gl.constexpr):
+    """A persistent CTA's tiles: t = program_id, program_id + programs, ... over (query tile,
+    batch * head), query tiles fastest (a head's tiles run together, sharing K/V in L2) and
+    heaviest (last) first; the producer walks the same sequence."""
+    HEAD_D: gl.constexpr = q_smem.shape[2]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    n_m = gl.cdiv(seqlen_q_fixed, BLOCK_M)
+    if PINGPONG and WG == 1:
+        mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
+    it = n_bh * 0  # key tiles consumed so far (ring position)
+    tc = n_bh * 0  # tiles with work so far (q_bar's phase)
+    rnd = n_bh * 0  # pingpong rounds so far
+    for t in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
+        start_m = (n_m - 1 - t % n_m) * BLOCK_M
+        lo, n_tiles = key_tiles(start_m, BLOCK_M, seqlen_q_fixed, seqlen_k_fixed, window_left,
+                                window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
+                                 v_empty, v_fixed, turn, start_m, seqlen_q_fixed, seqlen_k_fixed,
+                                 lo, n_tiles, window_left, window_right, qk_scale_log2, it, rnd,
+                                 tc & 1, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG, True)
+        # the output offsets, recomputed here rather than kept live through the key loop; Q's
+        # buffer already holds the next tile's Q, so O is stored from registers
+        (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
+         n_tiles) = query_tile_at(n_m - 1 - t % n_m, t // n_m, CU_Q, CU_K, n_heads, kv_group,
+                                  seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
+                                  BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT)
+        row0 = start_m + WG * HALF_M
+        _store_lse(LSE, lse, off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
+                   + lse_start, row0, seqlen_q)
+        _store_rows(O, out, q_start.to(gl.int64) * stride_om + off_h.to(gl.int64) * stride_oh,
+                    stride_om, row0, seqlen_q)
+        it += n_tiles
+        has_work = (n_tiles > 0).to(gl.int32)
+        tc += has_work
+        rnd += has_work * (n_tiles + 1)
 
 
 @gluon.jit
 def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    stride_om, stride_oh, stride_lb, stride_lh, stride_btb, bt_width,
-                   n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
+                   n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_bh,
                    qk_scale_log2, window_left, window_right,
                    IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                    STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
                    PRODUCER_REGS_: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr,
-                   PAGE: gl.constexpr, PINGPONG: gl.constexpr):
+                   PAGE: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
     # PAGED: batched queries over a paged KV cache (``attn_fwd_sm90_paged``): CU_K holds the key
     # counts, BT the page table [batch, bt_width] (row stride stride_btb), k_desc / v_desc view
-    # the cache as [pages * PAGE, heads * d] rows with boxes of min(PAGE, BLOCK_N) rows
+    # the cache as [pages * PAGE, heads * d] rows with boxes of min(PAGE, BLOCK_N) rows.
+    # PERSISTENT (batched only): a grid of at most one CTA per SM, each walking query tiles
+    # (``_consumer_persistent``); n_bh = batch * heads. Otherwise one CTA per (query tile,
+    # batch * head) on a 2D grid.
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
-    (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
-     n_tiles) = query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, window_left,
-                           window_right, BLOCK_M, BLOCK_N, IS_VARLEN, HAS_LEFT, HAS_RIGHT, PAGED)
-    if start_m >= seqlen_q:
-        return
+    gl.static_assert(not (PERSISTENT and (IS_VARLEN or PAGED)),
+                     "the persistent form covers batched (not varlen or paged) problems")
+    if not PERSISTENT:
+        (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
+         n_tiles) = query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
+                               window_left, window_right, BLOCK_M, BLOCK_N, IS_VARLEN, HAS_LEFT,
+                               HAS_RIGHT, PAGED)
+        if start_m >= seqlen_q:
+            return
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF_M, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    q_bar = barriers(1, 1)
+    q_empty = barriers(1, 2)  # persistent: one arrive per consumer warpgroup
     v_fixed = barriers(1, 1)
     turn = barriers(2, 1)  # pingpong: one per consumer warpgroup
-    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar.index(0), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_full.index(i), count=1)
-        mbarrier.init(v_full.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
-        mbarrier.init(v_empty.index(i), count=2)
+    k_full = barriers(STAGES, 1)
+    v_full = barriers(STAGES, 1)
+    k_empty = barriers(STAGES, 2)  # one arrive per consumer warpgroup
+    v_empty = barriers(STAGES, 2)
     fence_async_shared()
 
-    q_row = q_start + start_m
-    o_base_off = q_start.to(gl.int64) * stride_om + off_h.to(gl.int64) * stride_oh
-    lse_off = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + lse_start
-    gl.warp_specialize([
-        (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0), k_full, v_full,
-                     k_empty, v_empty, v_fixed.index(0), turn,
-                     q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k,
-                     lo, n_tiles, window_left, window_right, qk_scale_log2,
-                     0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED, PINGPONG)),
-        (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0), k_full, v_full,
-                     k_empty, v_empty, v_fixed.index(0), turn,
-                     q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m, seqlen_q, seqlen_k,
-                     lo, n_tiles, window_left, window_right, qk_scale_log2,
-                     1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED, PINGPONG)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0), k_full,
-                     v_full, k_empty, v_empty, v_fixed.index(0), BT,
-                     off_b.to(gl.int64) * stride_btb, bt_width,
-                     q_row, off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo,
-                     STAGES, IS_VARLEN, PAGED, PAGE)),
-    ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
+    if PERSISTENT:
+        gl.warp_specialize([
+            (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
+                                    q_empty.index(0), k_full, v_full, k_empty, v_empty,
+                                    v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
+                                    stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
+                                    seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
+                                    0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG)),
+            (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
+                                    q_empty.index(0), k_full, v_full, k_empty, v_empty,
+                                    v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
+                                    stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
+                                    seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
+                                    1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG)),
+            (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
+                                    q_empty.index(0), k_full, v_full, k_empty, v_empty,
+                                    v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
+                                    seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
+                                    STAGES, HAS_LEFT, HAS_RIGHT)),
+        ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
+    else:
+        q_row = q_start + start_m
+        o_base_off = q_start.to(gl.int64) * stride_om + off_h.to(gl.int64) * stride_oh
+        lse_off = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + lse_start
+        gl.warp_specialize([
+            (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0), q_empty.index(0),
+                         k_full, v_full, k_empty, v_empty, v_fixed.index(0), turn,
+                         q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m, seqlen_q,
+                         seqlen_k, lo, n_tiles, window_left, window_right, qk_scale_log2,
+                         0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED, PINGPONG)),
+            (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0), q_empty.index(0),
+                         k_full, v_full, k_empty, v_empty, v_fixed.index(0), turn,
+                         q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m, seqlen_q,
+                         seqlen_k, lo, n_tiles, window_left, window_right, qk_scale_log2,
+                         1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED, PINGPONG)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
+                         q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0), BT,
+                         off_b.to(gl.int64) * stride_btb, bt_width,
+                         q_row, off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles,
+                         seqlen_k - lo, STAGES, IS_VARLEN, PAGED, PAGE)),
+        ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
-    mbarrier.invalidate(q_bar.index(0))
+    invalidate(q_bar, 1)
+    invalidate(q_empty, 1)
     invalidate(v_fixed, 1)
     invalidate(turn, 2)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_full.index(i))
-        mbarrier.invalidate(v_full.index(i))
-        mbarrier.invalidate(k_empty.index(i))
-        mbarrier.invalidate(v_empty.index(i))
+    invalidate(k_full, STAGES)
+    invalidate(v_full, STAGES)
+    invalidate(k_empty, STAGES)
+    invalidate(v_empty, STAGES)
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int,
@@ -367,6 +514,12 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int)
     return max_seqlen_q >= min_len or (max_seqlen_q >= 512 and max_seqlen_k >= min_len)
 
 
+def _persistent(varlen: bool) -> bool:
+    # batched problems only (varlen/paged tiles keep one CTA each: their last-tile zeroing is
+    # signalled once per CTA)
+    return not varlen and PERSISTENT
+
+
 def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor) -> None:
     """Launch the sm90 forward into ``out`` / ``lse`` (layouts as ``triton_fwd.attn_fwd``)."""
@@ -375,6 +528,9 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     grid = (-(-p.max_seqlen_q // BLOCK_M.value), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
+    persistent = _persistent(p.is_varlen)
+    if persistent:  # one CTA per SM (a CTA takes most of the shared memory)
+        grid = (min(grid[0] * grid[1], sm_count(q.device)),)
     block_n = _block_n(d)
     q_desc = rows_descriptor(q, p.is_varlen, HALF_M.value)
     k_desc = rows_descriptor(k, p.is_varlen, block_n)
@@ -385,11 +541,12 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         q_desc, k_desc, v_desc, o_desc, out, lse,
         p.cu_seqlens_q if p.is_varlen else dummy, p.cu_seqlens_k if p.is_varlen else dummy, dummy,
         out.stride(-3), out.stride(-2), *p.lse_strides(lse), 0, 0,
-        n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k,
+        n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, p.batch * n_heads,
         p.softmax_scale * LOG2E, p.window_left, p.window_right,
         IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
         STAGES=_stages(d), CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS,
-        BLOCK_N=block_n, PAGED=False, PAGE=1, PINGPONG=_pingpong(d), num_warps=4,
+        BLOCK_N=block_n, PAGED=False, PAGE=1, PINGPONG=_pingpong(d), PERSISTENT=persistent,
+        num_warps=4,
     )
 
 
@@ -443,9 +600,10 @@ def attn_fwd_sm90_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     _attn_fwd_sm90[grid](
         q_desc, k_desc, v_desc, o_desc, out, lse, seqlens_k, seqlens_k, block_table,
         out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), block_table.stride(0),
-        block_table.shape[1], h, h // h_k, s_q, block_table.shape[1] * page,
+        block_table.shape[1], h, h // h_k, s_q, block_table.shape[1] * page, b * h,
         softmax_scale * LOG2E, window_left, window_right,
         IS_VARLEN=False, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0,
         STAGES=_stages(d), CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS,
-        BLOCK_N=block_n, PAGED=True, PAGE=page, PINGPONG=_pingpong(d), num_warps=4,
+        BLOCK_N=block_n, PAGED=True, PAGE=page, PINGPONG=_pingpong(d), PERSISTENT=False,
+        num_warps=4,
     )

@@ -66,6 +66,30 @@ def test_sm90_fwd_bwd(c: Case):
         _check_grads(c.id, out, ref, pt, torch.randn_like(out), (q, k, v))
 
 
+PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
+                    Case(1023, 1024, d=128, causal=True, dtype=FP16, b=3, h=3),
+                    Case(777, 777, d=128, h=6, h_k=3, window=(100, -1)),
+                    Case(300, 300, d=256, h=4, h_k=2, window=(50, 20)),
+                    Case(2048, 2048, d=64, b=1, h=40)]  # 640 tiles on 132 SMs: CTAs loop
+
+
+@needs_sm90
+@pytest.mark.parametrize("c", PERSISTENT_CASES, ids=lambda c: "sm90-persistent-" + c.id)
+def test_sm90_persistent_fwd(c: Case, monkeypatch):
+    """The persistent form of the sm90 forward (opt-in, IOATTN_SM90_PERSISTENT=1): CTAs walk the
+    query tiles, the K/V ring and the barrier phases run on across tiles, O is stored from
+    registers while the next tile's Q loads."""
+    from ioattn.dense import sm90_fwd
+
+    monkeypatch.setattr(sm90_fwd, "PERSISTENT", True)
+    q, k, v = (t.detach() for t in _inputs(c, "cuda"))
+    kw = dict(causal=c.causal, window_size=c.window)
+    out, lse, _ = ioattn.flash_attn_func(q, k, v, return_attn_probs=True, backend="sm90", **kw)
+    ref, lse_ref = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    _check_fwd(c, out, lse, ref, lse_ref, pt)
+
+
 FUSED_CASES = [Case(113, 203, d=64), Case(113, 203, d=128, causal=True),
                Case(203, 113, d=128, causal=True, dtype=FP16),
                Case(256, 300, d=128, h=6, h_k=2, window=(40, 10)),
@@ -185,6 +209,8 @@ def test_sm90_forward_preference_rule():
     portable. Pingpong is on by default at d=256 only."""
     from ioattn.dense import sm90_fwd
 
+    if os.environ.get("IOATTN_TEST_SM90") == "always":
+        pytest.skip("the forced-sm90 suite replaces the rule (tests/conftest.py)")
     assert sm90_fwd.preferred(128, True, 2048, 2048)
     assert sm90_fwd.preferred(128, True, 512, 4608)
     assert not sm90_fwd.preferred(128, True, 256, 4608)

@@ -1,0 +1,34 @@
+"""One dense forward call on an FA-grid shape (16k tokens, hidden 2048), for profilers: run it
+under ``ncu`` to read the tensor-pipe utilization and the warp stall reasons of a kernel, e.g.
+
+    ncu --clock-control none -k regex:attn_fwd_sm90 --launch-skip 2 --launch-count 1 \\
+        --set full -o fwd python benchmarks/profile_fwd.py --d 128 --seqlen 8192
+
+(the first two calls compile and warm up; the third is the one profiled)."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import ioattn
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=8192)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--backend", default="sm90")
+    ap.add_argument("--calls", type=int, default=3)
+    a = ap.parse_args()
+    b, h = max(1, 16384 // a.seqlen), 2048 // a.d
+    q, k, v = (torch.randn(b, a.seqlen, h, a.d, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    for _ in range(a.calls):
+        ioattn.flash_attn_func(q, k, v, causal=a.causal, backend=a.backend)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
