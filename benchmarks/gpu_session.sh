@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -63,6 +63,16 @@ for step in $steps; do
            grep "^==" "$OUT/tune_decode_graph.log" ;;
     racecheck-ws) timeout 100 compute-sanitizer --tool racecheck python benchmarks/sanitize_ws_minimal.py \
              > "$OUT/racecheck_ws.log" 2>&1; tail -3 "$OUT/racecheck_ws.log" ;;
+    profile-fwd) # ncu on one sm90 forward (d=128 non-causal 8k): pipe utilization, stalls per SASS line
+           timeout 200 ncu --clock-control none -k regex:attn_fwd_sm90 --launch-skip 2 --launch-count 1 \
+             --set full --import-source no -o "$OUT/fwd128" python benchmarks/profile_fwd.py --d 128 \
+             --seqlen 8192 > "$OUT/ncu_run.log" 2>&1; tail -2 "$OUT/ncu_run.log"
+           ncu --import "$OUT/fwd128.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
+           ncu --import "$OUT/fwd128.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_sass.csv" 2>&1
+           grep -E "Duration|Tensor is|Issue Slots|No Eligible" "$OUT/ncu_details.txt" ;;
+    bench-fp16) timeout 400 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes fp16 \
+             --out "$OUT/dense_fp16_nvidia-h200_$(date +%F).json" > "$OUT/bench_fp16.log" 2>&1
+           grep -E "geomean" "$OUT/bench_fp16.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
