@@ -97,6 +97,23 @@ FUSED_CASES = [Case(113, 203, d=64), Case(113, 203, d=128, causal=True),
 
 
 @needs_sm90
+@pytest.mark.parametrize("c", FUSED_CASES[:4] + [Case(64, 64, d=128, h=2)],
+                         ids=lambda c: "sm90-dq-pipe-" + c.id)
+def test_sm90_dq_pipe(c: Case, monkeypatch):
+    """The dQ kernel with the next tile's S and dP queued behind dQ (opt-in, sm90_bwd.DQ_PIPE),
+    through backend='sm90' end to end; one case has a single key tile."""
+    from ioattn.dense import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "DQ_PIPE", True)
+    q, k, v = _inputs(c, "cuda")
+    kw = dict(causal=c.causal, window_size=c.window)
+    out = ioattn.flash_attn_func(q, k, v, backend="sm90", **kw)
+    ref, _ = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    _check_grads(c.id, out, ref, pt, torch.randn_like(out), (q, k, v))
+
+
+@needs_sm90
 @pytest.mark.parametrize("c", FUSED_CASES, ids=lambda c: "sm90-fused-bwd-" + c.id)
 def test_sm90_fused_bwd(c: Case):
     """The fused sm90 backward (dQ added by TMA reductions; opt-in, sm90_bwd.FUSED) against the
