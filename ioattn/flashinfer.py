@@ -463,7 +463,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         paged_attn(q, k, v, self._indices, self._seqlens_indptr, self._work, self._n_work,
                    self._slot_start, self._max_items, -(-(c["h"] // c["h_k"]) // block_m), block_m,
                    self._o_part, self._lse_part, scale, wl, -1, c["softcap"], out,
-                   lse if lse is not None else self._lse_keep, lse_base2=True, rope=c["rope"])
+                   lse if lse is not None else self._lse_keep, lse_base2=True, rope=c["rope"],
+                   decode=True)
         if v_scale is not None:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out

@@ -22,6 +22,7 @@ s_q (bottom-right aligned).
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -656,7 +657,8 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
                window_left: int, window_right: int, softcap: float, out: torch.Tensor,
                lse: torch.Tensor, lse_base2: bool,
                rope: Optional[tuple[float, float]] = None,
-               mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+               mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+               decode: bool = False) -> None:
     """Planned attention (plan()/run()) of ragged q [total_q, h, d] over pages [pages, page_size,
     h_k, d] (strided views serve NHD and HND) through the CSR page table ``indices``.
     ``seqlens_indptr`` holds the per-request kv lengths, kv indptr and qo indptr ([batch],
@@ -666,12 +668,27 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
     lse [total_q, h]. rope=(rope_scale, rope_theta) rotates q and K inside the kernel (FlashInfer's
     ROPE_LLAMA; the cache keeps unrotated keys). mask=(packed bits uint8, byte offsets int32
     [batch + 1]) is FlashInfer's packed custom mask (True = attend). Launches a fixed grid, so CUDA graphs replay it under new plans; allocates
-    nothing."""
+    nothing. decode: one query row per request (the decode wrapper); on Hopper with
+    IOATTN_SM90_DECODE=1 such calls run the sm90 decode kernel where it covers them
+    (``ioattn.decode.sm90_decode``)."""
     total_q, h, d = q.shape
     b = slot_start.shape[0] - 1 if slot_start is not None else (seqlens_indptr.shape[0] - 2) // 3
     h_k = k_pages.shape[2]
     group = h // h_k
     block_d = _pow2(d, 16)
+    extras = softcap > 0 or rope is not None or mask is not None or window_right >= 0
+    if decode and _sm90_decode(q, k_pages, v_pages, extras):
+        from ioattn.decode.sm90_decode import paged_decode_sm90
+
+        paged_decode_sm90(q, k_pages, v_pages, indices, seqlens_indptr, work, n_work, max_items,
+                          o_part, lse_part, softmax_scale, window_left, out, lse, lse_base2)
+        if slot_start is not None:
+            _combine_slots_kernel[(b, h)](
+                out, lse, o_part, lse_part, slot_start, out.stride(0), out.stride(1), h,
+                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=COMBINE_SLOTS, LSE_BASE2=lse_base2,
+                num_warps=4,
+            )
+        return
     block_n, warps = worklist_launch(block_m, block_d, k_pages.element_size() == 1,
                                      softcap > 0 or rope is not None)
     _kvcache_attn_kernel[(max_items, row_blocks, h_k)](
@@ -698,6 +715,17 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
             out, lse, o_part, lse_part, slot_start, out.stride(0), out.stride(1), h,
             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=COMBINE_SLOTS, LSE_BASE2=lse_base2, num_warps=4,
         )
+
+
+def _sm90_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                 extras: bool) -> bool:
+    """Whether a planned decode call runs the sm90 decode kernel: opt-in (it has not been timed
+    on the H200 yet) and only where ``sm90_decode.unsupported_reason`` has nothing against it."""
+    if not q.is_cuda or os.environ.get("IOATTN_SM90_DECODE") != "1":
+        return False
+    from ioattn.decode import sm90_decode
+
+    return sm90_decode.unsupported_reason(q, k_pages, v_pages, 1, extras) is None
 
 
 def paged_tiles(group: int, d: int, rows_per_request: int = 1,

@@ -217,8 +217,6 @@ def _gluon_signature(fn, dtype: str, desc_rows: dict, d: int) -> dict:
 
 def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16") -> list[KernelReport]:
     """The sm90 Gluon kernels (sm90_fwd.py, sm90_bwd.py) compiled as their launchers configure them."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from ioattn.dense import sm90_bwd, sm90_fwd
 
     regs = dict(CONSUMER_REGS_=sm90_fwd.CONSUMER_REGS, PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS)
@@ -251,20 +249,46 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                      dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True, **regs,
                           STAGES=sm90_fwd._stages(d), BLOCK_N=bn, PAGED=True, PAGE=16,
                           PINGPONG=sm90_fwd._pingpong(d), PERSISTENT=False)))
-    out = []
-    for name, fn, desc_rows, d, ce in jobs:
-        sig = _gluon_signature(fn, dtype, desc_rows, d)
-        k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=ce,
-                                          attrs=_launch_attrs(fn, sig)),
-                           target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
-        ptx = k.asm["ptx"]
-        regs_used, st, ld = _ptxas_usage(ptx, arch)
-        out.append(KernelReport(
-            name, regs_used, st, ld, wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
-            warp_specialized="setmaxnreg" in ptx, mbarrier_waits=ptx.count("mbarrier.try_wait"),
-            shared_bytes=k.metadata.shared, sass=_sass_counts(k.asm["cubin"]),
-            tma_reduce="cp.reduce.async.bulk.tensor" in ptx))
-    return out
+    return [gluon_report(name, fn, _gluon_signature(fn, dtype, desc_rows, d), ce, arch)
+            for name, fn, desc_rows, d, ce in jobs]
+
+
+def gluon_report(name: str, fn, sig: dict, constexprs: dict, arch: int = 90,
+                 **options) -> KernelReport:
+    """Compile one Gluon kernel for sm_{arch} (signature and constexprs as ``triton.compile``
+    takes them, with the launcher's divisibility hints) and report what it compiled to."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=constexprs,
+                                      attrs=_launch_attrs(fn, sig)),
+                       target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4, **options))
+    ptx = k.asm["ptx"]
+    regs_used, st, ld = _ptxas_usage(ptx, arch)
+    return KernelReport(
+        name, regs_used, st, ld, wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
+        warp_specialized="setmaxnreg" in ptx, mbarrier_waits=ptx.count("mbarrier.try_wait"),
+        shared_bytes=k.metadata.shared, sass=_sass_counts(k.asm["cubin"]),
+        tma_reduce="cp.reduce.async.bulk.tensor" in ptx)
+
+
+def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
+                        arch: int = 90) -> KernelReport:
+    """The sm90 paged decode kernel (``ioattn.decode.sm90_decode``) as its launcher specializes it."""
+    from ioattn.decode import sm90_decode as sd
+
+    fn = sd._decode_sm90
+    box = min(page, sd.BLOCK_N)
+    desc = f"tensordesc<{dtype}[{box}, {d}],{_TMA_LAYOUT.format(bits=16)}>"
+    ptrs = dict(Q=f"*{dtype}", O=f"*{dtype}", LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32",
+                SEQ="*i32", INDICES="*i32", WORK="*i32", N_WORK="*i32")
+    sig = {n: desc if n.endswith("_desc") else ptrs.get(n, "constexpr" if n.isupper() or
+                                                        n.endswith("_") else "i32")
+           for n in fn.arg_names}
+    sig["qk_scale_log2"] = "fp32"
+    ce = dict(PAGE=page, HEAD_D=d, BLOCK_N_=sd.BLOCK_N, STAGES_=sd.STAGES, HAS_LEFT=False,
+              LSE_BASE2=True, PRODUCER_REGS_=sd.PRODUCER_REGS)
+    return gluon_report(f"sm90 paged decode d{d} page{page} ws", fn, sig, ce, arch,
+                        maxnreg=sd.MAXNREG)
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,7 @@
 """The serving kernels compile for Hopper (sm90) with tensor-core MMAs and no spills, in the tile
 configurations their launchers pick, and the K/V gather (a copy) without spills (on any machine:
-Triton's wheel carries ptxas)."""
+Triton's wheel carries ptxas); the sm90 decode kernel (Gluon) with TMA loads, warp
+specialization and at most 128 registers a thread."""
 import os
 import subprocess
 import sys
@@ -46,6 +47,11 @@ for name, kv, d, paged in [("gather kv paged", "*bf16", 128, True),
     r = kernel_report(name, td._gather_kv_kernel, dict(K=kv, V=kv, K_OUT="*bf16", V_OUT="*bf16"),
                       dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=4096 // block_d, PAGED=paged,
                            HAS_CACHE_IDX=not paged, HAS_LEFTPAD=True), 8, num_stages=1)
+    out.append(r.__dict__)
+from ioattn.dense.inspect import decode_gluon_report
+for d, page in ((128, 16), (64, 8), (128, 128)):  # the sm90 decode kernel (Gluon, TMA per page run)
+    r = decode_gluon_report(d, page)
+    assert r.tma and r.warp_specialized and r.registers <= 128, r  # two CTAs per SM
     out.append(r.__dict__)
 print(json.dumps(out))
 """

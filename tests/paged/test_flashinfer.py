@@ -226,12 +226,19 @@ def test_cuda_graph_capture_short_replay_long():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         wrapper.run(q, big, out=out)
+    replay_long_and_check(wrapper, graph, g, q, out, big, h_k, page)
+
+
+def replay_long_and_check(wrapper, graph, g, q, out, big, h_k, page):
+    """Re-plan a captured decode wrapper with 2000-3000 keys per request over the 4000 pages of
+    ``big``, replay the graph and check every request's output."""
+    b, h, d = q.shape
     lens2 = torch.randint(2000, 3000, (b,), generator=g).tolist()
     pages = [(n + page - 1) // page for n in lens2]
     perm = torch.randperm(4000, generator=g)[:sum(pages)].to(torch.int32)
     indptr2 = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
     last2 = torch.tensor([n - (p - 1) * page for n, p in zip(lens2, pages)], dtype=torch.int32)
-    wrapper.plan(indptr2, perm.to(device), last2, h, h_k, d, page, q_data_type=BF16)
+    wrapper.plan(indptr2, perm.to(q.device), last2, h, h_k, d, page, q_data_type=q.dtype)
     graph.replay()
     torch.cuda.synchronize()
     for i, n in enumerate(lens2):

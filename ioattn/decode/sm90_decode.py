@@ -1,0 +1,292 @@
+"""Hopper (sm90) paged decode in Gluon, for the planned decode (``BatchDecodeWithPagedKVCacheWrapper``).
+
+Why a second decode kernel: the portable one (``triton_decode._kvcache_attn_kernel``) computes each
+K/V tile's addresses from a page-table load in the same iteration, and Triton's pipeliner then
+keeps one K and one V buffer per program (benchmarks/NOTES.md, session 4): the loads in flight
+come only from programs per SM, which few-request cells (1 x 32k: two per SM) cannot supply.
+Here a 1-warp producer walks the page table ahead of the math and issues one TMA copy per page
+run of each key tile into a ring of ``STAGES`` shared-memory stages, so every CTA keeps several
+K/V tiles in flight whatever the page size (a multiple of 8 keys).
+
+One CTA runs one work item of the plan (request, key range, partial slot) for one KV head: the
+GQA group's query heads are the rows of a 64-row wgmma tile (rows past the group are zero and
+never stored), S = Q·Kᵀ and O += P·V on the tensor cores, online softmax in registers (one
+consumer warpgroup). Items of a split request write fp32 partials to their slots, merged by the
+portable combine kernel; the others write out and the LSE directly, as the portable kernel does.
+
+The cache is read through 2-D TMA views whose rows are key slots: NHD pages [pages, page_size,
+H_kv, D] (a row holds every head; the head is a column offset) or HND [pages, H_kv, page_size, D]
+(a row holds one head; the head is a row offset), interleaved K/V pages or separate pools.
+Slots past a request's last key are masked; the producer zeroes them in the last V tile (stale
+cache slots may hold NaN, and a masked P of 0 times NaN is NaN).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ioattn.dense.common import LOG2E
+from ioattn.dense.sm90_common import (GL_DTYPES, OPERAND_DTYPES, barriers, invalidate,
+                                      wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile)
+
+ROWS = gl.constexpr(64)  # wgmma's M: the GQA group's query heads, zero-padded
+BLOCK_N = 64  # keys per tile
+# K/V tiles in flight per CTA (32 KB each at d=128): 3 stages take 112 KB of shared memory and
+# 128 registers a thread (MAXNREG, spill-free), so two CTAs fit on an SM: six tiles in flight
+STAGES = 3
+MAXNREG = 128
+SUPPORTED_HEAD_DIMS = (64, 128)
+PRODUCER_REGS = 24
+
+
+@gluon.jit
+def _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, bt_row,
+                     n_pages_b, start, n_tiles, n_keys, row_off, page_rows, col,
+                     PAGE: gl.constexpr, STAGES_: gl.constexpr):
+    """TMA loads of the item's key tiles [start + j * BLOCK_N, ...) into the ring: per tile one
+    copy per page run (``PAGE`` keys, or the whole tile when pages are larger), at row page *
+    page_rows + row_off (the head's, HND) + key % PAGE of the views. Page-table entries past the request's
+    pages read as page 0 (those keys are masked; their V rows zeroed)."""
+    BLOCK_N_: gl.constexpr = k_smem.shape[1]
+    BOX: gl.constexpr = k_desc.block_type.shape[0]
+    for j in range(n_tiles):
+        st = j % STAGES_
+        mbarrier.wait(empty.index(st), ((j // STAGES_) & 1) ^ 1)
+        mbarrier.expect(full.index(st), 2 * (BLOCK_N_ // BOX) * k_desc.block_type.nbytes)
+        for i in gl.static_range(BLOCK_N_ // BOX):
+            key = start + j * BLOCK_N_ + i * BOX
+            idx = key // PAGE
+            page = gl.load(INDICES + bt_row + idx, mask=idx < n_pages_b, other=0)
+            row = (page.to(gl.int64) * page_rows + row_off + key % PAGE).to(gl.int32)
+            tma.async_copy_global_to_shared(k_desc, [row, col], full.index(st),
+                                            k_smem.index(st).slice(i * BOX, BOX, dim=0))
+            tma.async_copy_global_to_shared(v_desc, [row, col], full.index(st),
+                                            v_smem.index(st).slice(i * BOX, BOX, dim=0))
+    # the last tile's slots past the request's keys: zero their V rows before P·V reads them
+    zero_last_key_tile(full, v_fixed, v_smem, v_smem, n_tiles, n_keys, STAGES_, False)
+
+
+@gluon.jit
+def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, full, empty, v_fixed,
+                     q_row, stride_qs, stride_qh, stride_os, stride_oh, h0, group, n_heads, part,
+                     start, lo, hi, n_tiles, qk_scale_log2, HEAD_D: gl.constexpr,
+                     STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr):
+    BLOCK_N_: gl.constexpr = k_smem.shape[1]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N_)
+    o_layout: gl.constexpr = wgmma_acc_layout(HEAD_D)
+    p_layout: gl.constexpr = wgmma_a_operand(o_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    # the group's query heads as rows of a zero-padded [64, d] tile, staged for wgmma
+    rows_o = gl.arange(0, ROWS, layout=row_o)
+    cols_o = gl.arange(0, HEAD_D, layout=col_o)
+    live = rows_o < group
+    q_ptrs = (Q + q_row * stride_qs + (h0 + rows_o)[:, None].to(gl.int64) * stride_qh
+              + cols_o[None, :])
+    q_smem.store(gl.load(q_ptrs, mask=live[:, None], other=0.0))
+    fence_async_shared()
+
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
+    acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N_], gl.float32, layout=s_layout)
+    for j in range(n_tiles):
+        st = j % STAGES_
+        mbarrier.wait(full.index(st), (j // STAGES_) & 1)
+        key0 = start + j * BLOCK_N_
+        s_tok = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        if (key0 < lo) | (key0 + BLOCK_N_ > hi):
+            keys = key0 + gl.arange(0, BLOCK_N_, layout=col_s)
+            s = gl.where(((keys >= lo) & (keys < hi))[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s * qk_scale_log2 - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        if j == n_tiles - 1:
+            if key0 + BLOCK_N_ > hi:  # the producer zeroes V rows past the request's keys
+                mbarrier.wait(v_fixed, 0)
+        acc_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(st), acc,
+                                is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc_tok])
+        mbarrier.arrive(empty.index(st), count=1)
+
+    empty_row = l_i == 0.0
+    l_safe = gl.where(empty_row, 1.0, l_i)
+    lse = gl.where(empty_row, float("-inf"), m_i + gl.log2(l_safe))
+    if not LSE_BASE2:
+        lse = lse * 0.6931471805599453
+    acc = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
+    rows_l = gl.arange(0, ROWS, layout=row_s)
+    heads_l = (h0 + rows_l).to(gl.int64)
+    heads_o = (h0 + rows_o).to(gl.int64)
+    if part >= 0:
+        # a split request: fp32 partials in slot ``part`` (O_PART [slots, h, d], LSE_PART
+        # [slots, h]), merged afterwards
+        base = part.to(gl.int64) * n_heads
+        gl.store(O_PART + (base + heads_o)[:, None] * HEAD_D + cols_o[None, :], acc,
+                 mask=live[:, None])
+        gl.store(LSE_PART + base + heads_l, lse, mask=rows_l < group)
+    else:
+        gl.store(O + q_row * stride_os + heads_o[:, None] * stride_oh + cols_o[None, :],
+                 acc.to(dtype), mask=live[:, None])
+        gl.store(LSE + q_row * n_heads + heads_l, lse, mask=rows_l < group)
+
+
+@gluon.jit
+def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK, N_WORK,
+                 stride_qs, stride_qh, stride_os, stride_oh, batch, n_heads, group, capacity,
+                 page_rows, head_rows, head_cols, window_left, qk_scale_log2,
+                 PAGE: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N_: gl.constexpr,
+                 STAGES_: gl.constexpr, HAS_LEFT: gl.constexpr, LSE_BASE2: gl.constexpr,
+                 PRODUCER_REGS_: gl.constexpr):
+    # work item w = (request, row block, first key, end key, partial slot or -1) of the plan
+    # (``ioattn.paged.plan``); SEQ holds the kv lengths [batch], kv indptr [batch + 1] and qo
+    # indptr [batch + 1]; the grid is (items a plan may produce, KV heads)
+    w = gl.program_id(0)
+    off_hk = gl.program_id(1)
+    if w >= gl.load(N_WORK):
+        return
+    off_b = gl.load(WORK + 5 * w)
+    w_lo = gl.load(WORK + 5 * w + 2)
+    w_hi = gl.load(WORK + 5 * w + 3)
+    part = gl.load(WORK + 5 * w + 4)
+    seqlen_k = gl.minimum(gl.maximum(gl.load(SEQ + off_b), 0), capacity)
+    bt_row = gl.load(SEQ + batch + off_b)
+    n_pages_b = gl.load(SEQ + batch + off_b + 1) - bt_row
+    q_row = gl.load(SEQ + 2 * batch + 1 + off_b).to(gl.int64)
+    lo = w_lo
+    hi = gl.minimum(w_hi, seqlen_k)
+    if HAS_LEFT:  # the decode query sits at position seqlen_k - 1
+        lo = gl.maximum(lo, seqlen_k - 1 - window_left)
+    start = lo - lo % BLOCK_N_  # tiles aligned to BLOCK_N keys (so page runs never straddle)
+    n_tiles = gl.cdiv(gl.maximum(hi - start, 0), BLOCK_N_)
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], k_desc.dtype)
+    q_smem = gl.allocate_shared_memory(k_desc.dtype, [ROWS, HEAD_D], q_layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES_, BLOCK_N_, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES_, BLOCK_N_, HEAD_D], v_desc.layout)
+    full = barriers(STAGES_, 1)
+    empty = barriers(STAGES_, 1)
+    v_fixed = barriers(1, 1)
+    fence_async_shared()
+
+    h0 = off_hk * group
+    gl.warp_specialize([
+        (_decode_consumer, (Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, full, empty,
+                            v_fixed.index(0), q_row, stride_qs, stride_qh, stride_os, stride_oh,
+                            h0, group, n_heads, part, start, lo, hi, n_tiles, qk_scale_log2,
+                            HEAD_D, STAGES_, LSE_BASE2)),
+        (_decode_producer, (k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed.index(0),
+                            INDICES, bt_row, n_pages_b, start, n_tiles, hi - start,
+                            off_hk.to(gl.int64) * head_rows, page_rows, off_hk * head_cols, PAGE,
+                            STAGES_)),
+    ], [1], [PRODUCER_REGS_])
+
+    invalidate(full, STAGES_)
+    invalidate(empty, STAGES_)
+    invalidate(v_fixed, 1)
+
+
+def _row_view(t: torch.Tensor):
+    """(page_rows, head_rows, head_cols, row_elems, row_stride) of a [pages, page_size, H_kv, D]
+    cache view as 2-D rows of key slots (see the module doc), or None when its strides do not
+    allow one: NHD (heads within a row) or HND (one head per row, heads page_size rows apart)."""
+    pages, page, h_k, d = t.shape
+    sp, ss, sh, sd = t.stride()
+    if sd != 1 or ss <= 0 or sp % ss:
+        return None
+    if sh == d and ss >= h_k * d:  # NHD: a row holds every head
+        return sp // ss, 0, d, h_k * d, ss
+    if ss == d and sh % ss == 0:  # HND: a row holds one head
+        return sp // ss, sh // ss, 0, d, ss
+    return None
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows_per_request: int,
+                       extras: bool) -> Optional[str]:
+    """Why ``paged_decode_sm90`` does not cover a planned call (None when it does): q [total_q,
+    h, d] with one row per request, k / v [pages, page_size, H_kv, D] views of one cache."""
+    from ioattn.dispatch import sm90_unavailable_reason
+
+    return sm90_unavailable_reason(q.device) or coverage_problem(q, k, v, rows_per_request, extras)
+
+
+def coverage_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows_per_request: int,
+                     extras: bool) -> Optional[str]:
+    """``unsupported_reason`` without the platform check: what about the call itself (features,
+    head dim, dtypes, page size, cache layout) the kernel does not cover."""
+    d = q.shape[-1]
+    group = q.shape[-2] // k.shape[2]
+    if rows_per_request != 1 or extras:
+        return "the sm90 decode kernel takes one query row per request, no RoPE, softcap or mask"
+    if d not in SUPPORTED_HEAD_DIMS or v.shape[-1] != d:
+        return f"head_dim {d}: the sm90 decode kernel takes {SUPPORTED_HEAD_DIMS}"
+    if q.dtype not in OPERAND_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return "the sm90 decode kernel takes fp16/bf16 caches of q's dtype (not fp8)"
+    if group > ROWS.value:
+        return f"a GQA group of {group} query heads is more than the {ROWS.value} rows of a tile"
+    page = k.shape[1]
+    if page % 8 or (BLOCK_N % page and page % BLOCK_N):
+        return (f"page_size {page}: TMA copies whole page runs (a multiple of 8 that divides, or "
+                f"is a multiple of, {BLOCK_N} keys)")
+    for name, t in (("k", k), ("v", v)):
+        view = _row_view(t)
+        if view is None:
+            return f"the {name} cache's strides {tuple(t.stride())} do not form rows of key slots"
+        if t.data_ptr() % 16 or (view[4] * t.element_size()) % 16:
+            return f"the {name} cache is not 16-byte aligned (base or row stride), as TMA requires"
+    if _row_view(k)[:4] != _row_view(v)[:4]:
+        return "the k and v caches must have the same layout"
+    return None
+
+
+def _descriptor(t: torch.Tensor, box: int) -> TensorDescriptor:
+    page_rows, head_rows, head_cols, row_elems, row_stride = _row_view(t)
+    pages, page, h_k, _ = t.shape
+    rows = (pages - 1) * page_rows + (h_k - 1) * head_rows + page  # the view's last row + 1
+    layout = gl.NVMMASharedLayout.get_default_for([box, t.shape[-1]], GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, [rows, row_elems], [row_stride, 1], [box, t.shape[-1]], layout)
+
+
+def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
+                      seqlens_indptr: torch.Tensor, work: torch.Tensor, n_work: torch.Tensor,
+                      max_items: int, o_part: torch.Tensor, lse_part: torch.Tensor,
+                      softmax_scale: float, window_left: int, out: torch.Tensor, lse: torch.Tensor,
+                      lse_base2: bool) -> None:
+    """The planned decode's attention launch (``triton_decode.paged_attn``'s arguments) on the
+    sm90 kernel; the caller merges split requests' partials. Covered calls:
+    ``unsupported_reason``."""
+    total_q, h, d = q.shape
+    h_k, page = k.shape[2], k.shape[1]
+    batch = (seqlens_indptr.shape[0] - 2) // 3
+    if max_items * h_k == 0:
+        return
+    box = min(page, BLOCK_N)
+    # one descriptor per view, each from its own base (interleaved pages or separate pools)
+    k_desc = _descriptor(k, box)
+    v_desc = _descriptor(v, box)
+    page_rows, head_rows, head_cols = _row_view(k)[:3]
+    _decode_sm90[(max_items, h_k)](
+        k_desc, v_desc, q, out, lse, o_part, lse_part, seqlens_indptr, indices, work, n_work,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), batch, h, h // h_k,
+        indices.shape[0] * page, page_rows, head_rows, head_cols, window_left,
+        softmax_scale * LOG2E,
+        PAGE=page, HEAD_D=d, BLOCK_N_=BLOCK_N, STAGES_=STAGES, HAS_LEFT=window_left >= 0,
+        LSE_BASE2=lse_base2,
+        PRODUCER_REGS_=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
+    )

@@ -1,0 +1,143 @@
+"""The sm90 paged decode kernel (``ioattn.decode.sm90_decode``, opt-in with IOATTN_SM90_DECODE=1)
+behind ``BatchDecodeWithPagedKVCacheWrapper``: its coverage rules and cache row views (anywhere),
+and on Hopper its outputs against per-request references, split requests, empty requests, NaN in
+stale cache slots and CUDA-graph replay."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ioattn.flashinfer as fi
+from ioattn.decode import sm90_decode
+from ioattn.dispatch import sm90_unavailable_reason
+from tests.paged.test_flashinfer import _check_request, _gather, _paged, replay_long_and_check
+
+BF16, FP16 = torch.bfloat16, torch.float16
+SM90 = torch.cuda.is_available() and sm90_unavailable_reason(torch.device("cuda")) is None
+needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200) with Triton 3.6.x")
+
+
+def _views(layout="NHD", pages=6, page=16, h_k=2, d=128, dtype=BF16, pools=False):
+    if pools:
+        shape = (pages, page, h_k, d) if layout == "NHD" else (pages, h_k, page, d)
+        k, v = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    else:
+        shape = (pages, 2, page, h_k, d) if layout == "NHD" else (pages, 2, h_k, page, d)
+        cache = torch.randn(shape, dtype=dtype)
+        k, v = cache[:, 0], cache[:, 1]
+    if layout == "HND":
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    return k, v
+
+
+def test_row_views_of_cache_layouts():
+    """Key slots as 2-D rows: NHD rows hold every head (the head is a column offset), HND rows
+    one head (the head is a row offset); pages are page_rows apart."""
+    k, _ = _views("NHD")
+    assert sm90_decode._row_view(k) == (32, 0, 128, 256, 256)
+    k, _ = _views("HND")
+    assert sm90_decode._row_view(k) == (64, 16, 0, 128, 128)
+    k, _ = _views("NHD", pools=True)
+    assert sm90_decode._row_view(k) == (16, 0, 128, 256, 256)
+    k, _ = _views("HND", pools=True)
+    assert sm90_decode._row_view(k) == (32, 16, 0, 128, 128)
+    assert sm90_decode._row_view(k[..., ::2]) is None  # strided head dim
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(), None), (dict(layout="HND"), None), (dict(pools=True), None), (dict(page=128), None),
+    (dict(page=8, d=64, dtype=FP16), None),
+    (dict(page=3), "page_size 3"), (dict(page=24), "page_size 24"), (dict(d=96), "head_dim 96"),
+    (dict(fp8=True), "fp8"), (dict(group=65), "GQA group"), (dict(extras=True), "RoPE"),
+    (dict(rows=2), "one query row")])
+def test_coverage_rules(kw, match):
+    kw = dict(kw)
+    fp8, group, extras, rows = (kw.pop(n, dflt) for n, dflt in
+                                (("fp8", False), ("group", 4), ("extras", False), ("rows", 1)))
+    k, v = _views(**kw)
+    q = torch.randn(3, group * k.shape[2], k.shape[-1], dtype=k.dtype)
+    if fp8:
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    problem = sm90_decode.coverage_problem(q, k, v, rows, extras)
+    if match is None:
+        assert problem is None
+    else:
+        assert problem is not None and match in problem, problem
+
+
+CASES = [
+    dict(batch=4, h=8, h_k=2, d=64, page=16, layout="NHD"),
+    dict(batch=3, h=32, h_k=8, d=128, page=16, layout="NHD", split=64, max_len=900),
+    dict(batch=5, h=4, h_k=4, d=128, page=8, layout="HND", dtype=FP16, window_left=40),
+    dict(batch=2, h=16, h_k=1, d=64, page=64, layout="HND", max_len=700),
+    dict(batch=3, h=32, h_k=8, d=128, page=128, layout="NHD", max_len=1000),
+    dict(batch=64, h=32, h_k=8, d=128, page=16, layout="NHD", max_len=4096),
+    dict(batch=1, h=32, h_k=8, d=128, page=16, layout="NHD", max_len=32768),
+]
+
+
+@needs_sm90
+@pytest.mark.parametrize("c", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_sm90_decode(c, monkeypatch):
+    """Outputs and base-2 LSE against per-request references; slots past each request's last key
+    hold NaN (stale cache entries) and must not reach the outputs."""
+    monkeypatch.setenv("IOATTN_SM90_DECODE", "1")
+    calls = []
+    orig = sm90_decode.paged_decode_sm90
+    monkeypatch.setattr(sm90_decode, "paged_decode_sm90",
+                        lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    c = dict(c)
+    dtype = c.pop("dtype", BF16)
+    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+    lens, indptr, indices, last, cache = _paged(c["batch"], c["h_k"], c["d"], c["page"], dtype,
+                                                "cuda", c["layout"], c.get("max_len", 120), g=g)
+    for b, n in enumerate(lens):  # stale slots of each request's last page
+        if n % c["page"]:
+            p = indices[indptr[b + 1] - 1].item()
+            if c["layout"] == "NHD":
+                cache[p, :, n % c["page"]:] = float("nan")
+            else:
+                cache[p, :, :, n % c["page"]:] = float("nan")
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), kv_layout=c["layout"])
+    wl = c.get("window_left", -1)
+    wrapper.plan(indptr, indices.cuda(), last, c["h"], c["h_k"], c["d"], c["page"],
+                 window_left=wl, q_data_type=dtype, fixed_split_size=c.get("split"))
+    q = torch.randn(c["batch"], c["h"], c["d"], device="cuda", dtype=dtype)
+    out, lse = wrapper.run(q, cache, return_lse=True)
+    assert calls, "the sm90 decode kernel did not run"
+    for b, n in enumerate(lens):
+        k, v = _gather(cache, c["layout"], indices, indptr, b, n)
+        lse_ref = _check_request(f"out[{b}]", out[b:b + 1], q[b:b + 1], k, v,
+                                 window_size=(wl, -1))
+        if n == 0:
+            assert (out[b] == 0).all() and torch.isinf(lse[b]).all()
+        else:
+            torch.testing.assert_close(lse[b], lse_ref[:, 0] / math.log(2), atol=1e-3, rtol=1e-3)
+
+
+@needs_sm90
+def test_sm90_decode_graph_capture_short_replay_long(monkeypatch):
+    """run() through the sm90 decode kernel captured at short lengths, replayed after a plan with
+    long ones (split requests): the fixed grid covers any plan."""
+    monkeypatch.setenv("IOATTN_SM90_DECODE", "1")
+    g = torch.Generator().manual_seed(5)
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
+        paged_kv_indices_buffer=torch.empty(4000, dtype=torch.int32, device="cuda"))
+    b, h, h_k, d, page = 8, 32, 8, 128, 16
+    q = torch.randn(b, h, d, device="cuda", dtype=BF16)
+    out = torch.empty_like(q)
+    lens, indptr, indices, last, cache = _paged(b, h_k, d, page, BF16, "cuda", max_len=40,
+                                                empty=False, g=g)
+    big = torch.randn(4000, 2, page, h_k, d, device="cuda", dtype=BF16)
+    big[:cache.shape[0]] = cache
+    wrapper.plan(indptr, indices.cuda(), last, h, h_k, d, page, q_data_type=BF16)
+    wrapper.run(q, big, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q, big, out=out)
+    replay_long_and_check(wrapper, graph, g, q, out, big, h_k, page)
