@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-dq-pipe]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-dq-pipe] [sm90-decode]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -80,6 +80,13 @@ for step in $steps; do
              --dims 64,128 --seqlens 2048,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
              --out "$OUT/sm90_bwd_dqpipe${pipe}_nvidia-h200_$(date +%F).json" > "$OUT/dqpipe$pipe.log" 2>&1
              echo "dq pipe=$pipe"; grep -E "^bwd" "$OUT/dqpipe$pipe.log"; done ;;
+    sm90-decode) # the Gluon decode kernel (opt-in): its tests, then the decode suite with it on and off
+           IOATTN_SM90_DECODE=1 timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
+             tests/decode/test_decode_sm90.py > "$OUT/tests_sm90_decode.log" 2>&1
+           tail -1 "$OUT/tests_sm90_decode.log"
+           for dec in 1 0; do IOATTN_SM90_DECODE=$dec timeout 200 python -m ioattn bench --suite decode \
+             --out "$OUT/decode_sm90dec${dec}_nvidia-h200_$(date +%F).json" > "$OUT/decode_sm90dec$dec.log" 2>&1
+             echo "sm90 decode=$dec"; grep -vE "^/" "$OUT/decode_sm90dec$dec.log" | grep -E "x4096|x8192|x32768" | head -12; done ;;
     *) echo "unknown step $step" ;;
   esac
 done
