@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-dq-pipe] [sm90-decode]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-dq-pipe] [sm90-decode] [sm90-fwd-wg3]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -87,6 +87,13 @@ for step in $steps; do
            for dec in 1 0; do IOATTN_SM90_DECODE=$dec timeout 200 python -m ioattn bench --suite decode \
              --out "$OUT/decode_sm90dec${dec}_nvidia-h200_$(date +%F).json" > "$OUT/decode_sm90dec$dec.log" 2>&1
              echo "sm90 decode=$dec"; grep -vE "^/" "$OUT/decode_sm90dec$dec.log" | grep -E "x4096|x8192|x32768" | head -12; done ;;
+    sm90-fwd-wg3) # d=64 forward with three consumer warpgroups: tests, then off / 64 / 128 timed
+           timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py -k wg3 \
+             > "$OUT/tests_wg3.log" 2>&1; tail -1 "$OUT/tests_wg3.log"
+           for wg3 in "" 64 128; do IOATTN_SM90_FWD_WG3=$wg3 timeout 120 python -m ioattn bench --modes fwd \
+             --dims 64 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
+             --out "$OUT/sm90_fwd_wg3${wg3:-off}_nvidia-h200_$(date +%F).json" > "$OUT/wg3${wg3:-off}.log" 2>&1
+             echo "wg3=${wg3:-off}"; grep -E "^fwd" "$OUT/wg3${wg3:-off}.log"; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -231,7 +231,7 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                          dict(q_desc=64, o_desc=64, k_desc=bn, v_desc=bn), d,
                          dict(flags, STAGES=sm90_fwd._stages(d), BLOCK_N=bn, PAGED=False, PAGE=1,
                               PINGPONG=sm90_fwd._pingpong(d),
-                              PERSISTENT=sm90_fwd._persistent(varlen))))
+                              PERSISTENT=sm90_fwd._persistent(varlen), WGS=2)))
             if d in sm90_bwd.SUPPORTED_HEAD_DIMS:
                 for fused in (False, True):
                     jobs.append((f"sm90 bwd dkdv{'+dq' if fused else ''} d{d} {tag} 128 keys ws",
@@ -248,7 +248,7 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                      dict(q_desc=64, o_desc=64, k_desc=16, v_desc=16), d,
                      dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True, **regs,
                           STAGES=sm90_fwd._stages(d), BLOCK_N=bn, PAGED=True, PAGE=16,
-                          PINGPONG=sm90_fwd._pingpong(d), PERSISTENT=False)))
+                          PINGPONG=sm90_fwd._pingpong(d), PERSISTENT=False, WGS=2)))
     return [gluon_report(name, fn, _gluon_signature(fn, dtype, desc_rows, d), ce, arch)
             for name, fn, desc_rows, d, ce in jobs]
 

@@ -57,6 +57,10 @@ PINGPONG = os.environ.get("IOATTN_SM90_PINGPONG", "auto")
 # IOATTN_SM90_PERSISTENT=1: on the H200 it measured no faster at d=128 and much slower under a
 # causal mask (static tile striding leaves heavy tiles for the end); benchmarks/NOTES.md
 PERSISTENT = os.environ.get("IOATTN_SM90_PERSISTENT", "0") == "1"
+# three consumer warpgroups at d=64 (192-row tiles, FA3's shape there), opt-in until measured:
+# IOATTN_SM90_FWD_WG3=64 or =128 picks the key tile (64: spill-free at 160 registers a
+# consumer, 4 stages; 128: 168 registers, 24 B of spills)
+WG3 = os.environ.get("IOATTN_SM90_FWD_WG3", "")
 
 
 def _block_n(head_dim: int) -> int:
@@ -68,6 +72,21 @@ def _pingpong(head_dim: int) -> bool:
     # H200, pingpong on vs off in one session (results/sm90_fwd_pp{0,1_run1,1_run2}_*.json): d=256 non-causal
     # +2-4% from 4k, d=128 within noise to -2% at 8k-16k, d=64 -1-2%
     return head_dim == 256 if PINGPONG == "auto" else PINGPONG != "0"
+
+
+def _wgs(head_dim: int, varlen: bool, paged: bool = False) -> int:
+    # consumer warpgroups: 3 at d=64 when WG3 asks for it, else 2
+    if head_dim == 64 and not paged and not _persistent(varlen) and WG3 in ("64", "128"):
+        return 3
+    return 2
+
+
+def _tile(head_dim: int, wgs: int) -> tuple[int, int, int]:
+    """(BLOCK_N, STAGES, consumer registers) of the forward: three 4-warp consumers and the
+    producer's warpgroup share 64K registers (3 x 128 x 160 + 128 x 24 = 64512)."""
+    if wgs == 3:
+        return (64, 4, 160) if WG3 == "64" else (128, 3, 168)
+    return _block_n(head_dim), _stages(head_dim), CONSUMER_REGS
 
 
 def _stages(head_dim: int) -> int:
@@ -113,10 +132,11 @@ def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty
     if PERSISTENT:
         # the consumers free Q once the previous tile's last QKᵀ has retired
         mbarrier.wait(q_empty, (tc & 1) ^ 1, pred=has_work)
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes, pred=has_work)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0), pred=has_work)
-    tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, q_col], q_bar, q_smem.index(1),
-                                    pred=has_work)
+    WGS: gl.constexpr = q_smem.shape[0]  # consumer warpgroups: one 64-row Q piece each
+    mbarrier.expect(q_bar, WGS * q_desc.block_type.nbytes, pred=has_work)
+    for i in gl.static_range(WGS):
+        tma.async_copy_global_to_shared(q_desc, [q_row + i * HALF_M, q_col], q_bar,
+                                        q_smem.index(i), pred=has_work)
     for j in range(n_tiles):
         it = it0 + j
         st = it % STAGES
@@ -400,7 +420,9 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                    STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
                    PRODUCER_REGS_: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr,
-                   PAGE: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
+                   PAGE: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+                   WGS: gl.constexpr = 2):
+    # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # PAGED: batched queries over a paged KV cache (``attn_fwd_sm90_paged``): CU_K holds the key
     # counts, BT the page table [batch, bt_width] (row stride stride_btb), k_desc / v_desc view
     # the cache as [pages * PAGE, heads * d] rows with boxes of min(PAGE, BLOCK_N) rows.
@@ -410,25 +432,27 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     gl.static_assert(not (PERSISTENT and (IS_VARLEN or PAGED)),
                      "the persistent form covers batched (not varlen or paged) problems")
+    gl.static_assert(WGS == 2 or (WGS == 3 and not PERSISTENT and not PINGPONG),
+                     "three consumer warpgroups: non-persistent, no pingpong")
     if not PERSISTENT:
         (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
          n_tiles) = query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
-                               window_left, window_right, BLOCK_M, BLOCK_N, IS_VARLEN, HAS_LEFT,
-                               HAS_RIGHT, PAGED)
+                               window_left, window_right, WGS * HALF_M, BLOCK_N, IS_VARLEN,
+                               HAS_LEFT, HAS_RIGHT, PAGED)
         if start_m >= seqlen_q:
             return
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF_M, HEAD_D], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [WGS, HALF_M, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
     q_bar = barriers(1, 1)
-    q_empty = barriers(1, 2)  # persistent: one arrive per consumer warpgroup
+    q_empty = barriers(1, WGS)  # persistent: one arrive per consumer warpgroup
     v_fixed = barriers(1, 1)
     turn = barriers(2, 1)  # pingpong: one per consumer warpgroup
     k_full = barriers(STAGES, 1)
     v_full = barriers(STAGES, 1)
-    k_empty = barriers(STAGES, 2)  # one arrive per consumer warpgroup
-    v_empty = barriers(STAGES, 2)
+    k_empty = barriers(STAGES, WGS)  # one arrive per consumer warpgroup
+    v_empty = barriers(STAGES, WGS)
     fence_async_shared()
 
     if PERSISTENT:
@@ -455,23 +479,52 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
         q_row = q_start + start_m
         o_base_off = q_start.to(gl.int64) * stride_om + off_h.to(gl.int64) * stride_oh
         lse_off = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + lse_start
-        gl.warp_specialize([
-            (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0), q_empty.index(0),
-                         k_full, v_full, k_empty, v_empty, v_fixed.index(0), turn,
-                         q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m, seqlen_q,
-                         seqlen_k, lo, n_tiles, window_left, window_right, qk_scale_log2,
-                         0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED, PINGPONG)),
-            (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0), q_empty.index(0),
-                         k_full, v_full, k_empty, v_empty, v_fixed.index(0), turn,
-                         q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m, seqlen_q,
-                         seqlen_k, lo, n_tiles, window_left, window_right, qk_scale_log2,
-                         1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED, PINGPONG)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
-                         q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0), BT,
-                         off_b.to(gl.int64) * stride_btb, bt_width,
-                         q_row, off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles,
-                         seqlen_k - lo, STAGES, IS_VARLEN, PAGED, PAGE)),
-        ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
+        if WGS == 3:
+            gl.warp_specialize([
+                (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
+                             q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
+                             turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
+                             seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
+                             qk_scale_log2, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
+                             PINGPONG)),
+                (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
+                             q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
+                             turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
+                             seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
+                             qk_scale_log2, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
+                             PINGPONG)),
+                (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
+                             q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
+                             turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
+                             seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
+                             qk_scale_log2, 2, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
+                             PINGPONG)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
+                             q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
+                             BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
+                             k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo, STAGES,
+                             IS_VARLEN, PAGED, PAGE)),
+            ], [4, 4, 1], [CONSUMER_REGS_, CONSUMER_REGS_, PRODUCER_REGS_])
+        else:
+            gl.warp_specialize([
+                (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
+                             q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
+                             turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
+                             seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
+                             qk_scale_log2, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
+                             PINGPONG)),
+                (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
+                             q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
+                             turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
+                             seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
+                             qk_scale_log2, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
+                             PINGPONG)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
+                             q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
+                             BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
+                             k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo, STAGES,
+                             IS_VARLEN, PAGED, PAGE)),
+            ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
     invalidate(q_bar, 1)
     invalidate(q_empty, 1)
@@ -525,13 +578,14 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """Launch the sm90 forward into ``out`` / ``lse`` (layouts as ``triton_fwd.attn_fwd``)."""
     d = p.head_dim
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
-    grid = (-(-p.max_seqlen_q // BLOCK_M.value), p.batch * n_heads)
+    wgs = _wgs(d, p.is_varlen)
+    grid = (-(-p.max_seqlen_q // (wgs * HALF_M.value)), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
     persistent = _persistent(p.is_varlen)
     if persistent:  # one CTA per SM (a CTA takes most of the shared memory)
         grid = (min(grid[0] * grid[1], sm_count(q.device)),)
-    block_n = _block_n(d)
+    block_n, stages, regs = _tile(d, wgs)
     q_desc = rows_descriptor(q, p.is_varlen, HALF_M.value)
     k_desc = rows_descriptor(k, p.is_varlen, block_n)
     v_desc = rows_descriptor(v, p.is_varlen, block_n)
@@ -544,9 +598,9 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, p.batch * n_heads,
         p.softmax_scale * LOG2E, p.window_left, p.window_right,
         IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
-        STAGES=_stages(d), CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS,
-        BLOCK_N=block_n, PAGED=False, PAGE=1, PINGPONG=_pingpong(d), PERSISTENT=persistent,
-        num_warps=4,
+        STAGES=stages, CONSUMER_REGS_=regs, PRODUCER_REGS_=PRODUCER_REGS,
+        BLOCK_N=block_n, PAGED=False, PAGE=1, PINGPONG=_pingpong(d) and wgs == 2,
+        PERSISTENT=persistent, WGS=wgs, num_warps=4,
     )
 
 

@@ -66,6 +66,41 @@ def test_sm90_fwd_bwd(c: Case):
         _check_grads(c.id, out, ref, pt, torch.randn_like(out), (q, k, v))
 
 
+def _forward_only(c: Case):
+    """backend='sm90' forward of a case, checked against the reference (output and LSE);
+    returns (q, k, v, mask kwargs, out)."""
+    q, k, v = (t.detach() for t in _inputs(c, "cuda"))
+    kw = dict(causal=c.causal, window_size=c.window)
+    out, lse, _ = ioattn.flash_attn_func(q, k, v, return_attn_probs=True, backend="sm90", **kw)
+    ref, lse_ref = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    _check_fwd(c, out, lse, ref, lse_ref, pt)
+    return q, k, v, kw, out
+
+
+WG3_CASES = [Case(113, 203, d=64), Case(203, 113, d=64, causal=True),
+             Case(1023, 1024, d=64, causal=True, dtype=FP16, b=3, h=3),
+             Case(777, 777, d=64, h=6, h_k=3, window=(100, -1)), Case(192, 192, d=64, h=2),
+             Case(128, 217, d=64, window=(33, 0), dtype=FP16)]
+
+
+@needs_sm90
+@pytest.mark.parametrize("block_n", ["64", "128"])
+@pytest.mark.parametrize("c", WG3_CASES, ids=lambda c: "sm90-wg3-" + c.id)
+def test_sm90_fwd_three_warpgroups(c: Case, block_n: str, monkeypatch):
+    """d=64 forward with three consumer warpgroups (192-row tiles; opt-in,
+    IOATTN_SM90_FWD_WG3=64|128), batched and varlen."""
+    from ioattn.dense import sm90_fwd
+
+    monkeypatch.setattr(sm90_fwd, "WG3", block_n)
+    q, k, v, kw, out = _forward_only(c)
+    if c.s_q == c.s_k and c.window[0] < 0:  # the same rows packed as varlen
+        cu = cu_seqlens([c.s_q] * c.b, "cuda")
+        flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
+        out_v = ioattn.flash_attn_varlen_func(*flat, cu, cu, c.s_q, c.s_k, backend="sm90", **kw)
+        torch.testing.assert_close(out_v.view_as(out).float(), out.float(), atol=1e-2, rtol=0)
+
+
 PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
                     Case(1023, 1024, d=128, causal=True, dtype=FP16, b=3, h=3),
                     Case(777, 777, d=128, h=6, h_k=3, window=(100, -1)),
@@ -82,12 +117,7 @@ def test_sm90_persistent_fwd(c: Case, monkeypatch):
     from ioattn.dense import sm90_fwd
 
     monkeypatch.setattr(sm90_fwd, "PERSISTENT", True)
-    q, k, v = (t.detach() for t in _inputs(c, "cuda"))
-    kw = dict(causal=c.causal, window_size=c.window)
-    out, lse, _ = ioattn.flash_attn_func(q, k, v, return_attn_probs=True, backend="sm90", **kw)
-    ref, lse_ref = attention_ref(q, k, v, **kw)
-    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
-    _check_fwd(c, out, lse, ref, lse_ref, pt)
+    _forward_only(c)
 
 
 FUSED_CASES = [Case(113, 203, d=64), Case(113, 203, d=128, causal=True),
