@@ -38,6 +38,11 @@ def _info() -> int:
                               "64/128; auto picks each where it measured faster)"
                               if reason is None else "unavailable: " + reason))
     print("backend reference: available (plain PyTorch)")
+    from ioattn.dispatch import ENV_SWITCHES
+
+    print("kernel variant switches (environment; benchmarks/NOTES.md has their measurements):")
+    for name, default, what in ENV_SWITCHES:
+        print(f"  {name + '=' + os.environ.get(name, default):30s} {what}")
     return 0
 
 
