@@ -87,13 +87,13 @@ for step in $steps; do
            for dec in 1 0; do IOATTN_SM90_DECODE=$dec timeout 200 python -m ioattn bench --suite decode \
              --out "$OUT/decode_sm90dec${dec}_nvidia-h200_$(date +%F).json" > "$OUT/decode_sm90dec$dec.log" 2>&1
              echo "sm90 decode=$dec"; grep -vE "^/" "$OUT/decode_sm90dec$dec.log" | grep -E "x4096|x8192|x32768" | head -12; done ;;
-    sm90-fwd-wg3) # d=64 forward with three consumer warpgroups: tests, then off / 64 / 128 timed
+    sm90-fwd-wg3) # d=64 forward with three consumer warpgroups: tests, then on / off timed
            timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py -k wg3 \
              > "$OUT/tests_wg3.log" 2>&1; tail -1 "$OUT/tests_wg3.log"
-           for wg3 in "" 64 128; do IOATTN_SM90_FWD_WG3=$wg3 timeout 120 python -m ioattn bench --modes fwd \
+           for wg3 in 1 0; do IOATTN_SM90_FWD_WG3=$wg3 timeout 120 python -m ioattn bench --modes fwd \
              --dims 64 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
-             --out "$OUT/sm90_fwd_wg3${wg3:-off}_nvidia-h200_$(date +%F).json" > "$OUT/wg3${wg3:-off}.log" 2>&1
-             echo "wg3=${wg3:-off}"; grep -E "^fwd" "$OUT/wg3${wg3:-off}.log"; done ;;
+             --out "$OUT/sm90_fwd_wg3_${wg3}_nvidia-h200_$(date +%F).json" > "$OUT/wg3_$wg3.log" 2>&1
+             echo "wg3=$wg3"; grep -E "^fwd" "$OUT/wg3_$wg3.log"; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -37,8 +37,10 @@ from ioattn.dense.sm90_common import (GL_DTYPES, OPERAND_DTYPES, barriers, inval
 
 ROWS = gl.constexpr(64)  # wgmma's M: the GQA group's query heads, zero-padded
 BLOCK_N = 64  # keys per tile
-# K/V tiles in flight per CTA (32 KB each at d=128): 3 stages take 112 KB of shared memory and
-# 128 registers a thread (MAXNREG, spill-free), so two CTAs fit on an SM: six tiles in flight
+# K/V tiles in flight per CTA (32 KB each at d=128): 3 stages take 112 KB of shared memory
+# (114,908 B with Q and barriers: two CTAs and their 1 KB reservations fit the SM's 228 KB) and
+# 128 registers a thread at launch (MAXNREG; the consumer warpgroup grows to 232 through
+# setmaxnreg, spill-free), so two CTAs fit on an SM: six tiles in flight
 STAGES = 3
 MAXNREG = 128
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -150,10 +152,9 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, full, 
 @gluon.jit
 def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK, N_WORK,
                  stride_qs, stride_qh, stride_os, stride_oh, batch, n_heads, group, capacity,
-                 page_rows, head_rows, head_cols, window_left, qk_scale_log2,
+                 page_rows, head_rows, head_cols, qk_scale_log2,
                  PAGE: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N_: gl.constexpr,
-                 STAGES_: gl.constexpr, HAS_LEFT: gl.constexpr, LSE_BASE2: gl.constexpr,
-                 PRODUCER_REGS_: gl.constexpr):
+                 STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr, PRODUCER_REGS_: gl.constexpr):
     # work item w = (request, row block, first key, end key, partial slot or -1) of the plan
     # (``ioattn.paged.plan``); SEQ holds the kv lengths [batch], kv indptr [batch + 1] and qo
     # indptr [batch + 1]; the grid is (items a plan may produce, KV heads)
@@ -171,9 +172,9 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
     q_row = gl.load(SEQ + 2 * batch + 1 + off_b).to(gl.int64)
     lo = w_lo
     hi = gl.minimum(w_hi, seqlen_k)
-    if HAS_LEFT:  # the decode query sits at position seqlen_k - 1
-        lo = gl.maximum(lo, seqlen_k - 1 - window_left)
-    start = lo - lo % BLOCK_N_  # tiles aligned to BLOCK_N keys (so page runs never straddle)
+    # tiles aligned to BLOCK_N keys (so page runs never straddle pages); keys [start, lo) are
+    # the request's own earlier keys (written, finite), masked
+    start = lo - lo % BLOCK_N_
     n_tiles = gl.cdiv(gl.maximum(hi - start, 0), BLOCK_N_)
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], k_desc.dtype)
@@ -233,7 +234,8 @@ def coverage_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows_per
     d = q.shape[-1]
     group = q.shape[-2] // k.shape[2]
     if rows_per_request != 1 or extras:
-        return "the sm90 decode kernel takes one query row per request, no RoPE, softcap or mask"
+        return ("the sm90 decode kernel takes one query row per request, no RoPE, softcap, mask "
+                "or window")
     if d not in SUPPORTED_HEAD_DIMS or v.shape[-1] != d:
         return f"head_dim {d}: the sm90 decode kernel takes {SUPPORTED_HEAD_DIMS}"
     if q.dtype not in OPERAND_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -266,7 +268,7 @@ def _descriptor(t: torch.Tensor, box: int) -> TensorDescriptor:
 def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
                       seqlens_indptr: torch.Tensor, work: torch.Tensor, n_work: torch.Tensor,
                       max_items: int, o_part: torch.Tensor, lse_part: torch.Tensor,
-                      softmax_scale: float, window_left: int, out: torch.Tensor, lse: torch.Tensor,
+                      softmax_scale: float, out: torch.Tensor, lse: torch.Tensor,
                       lse_base2: bool) -> None:
     """The planned decode's attention launch (``triton_decode.paged_attn``'s arguments) on the
     sm90 kernel; the caller merges split requests' partials. Covered calls:
@@ -284,9 +286,7 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     _decode_sm90[(max_items, h_k)](
         k_desc, v_desc, q, out, lse, o_part, lse_part, seqlens_indptr, indices, work, n_work,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), batch, h, h // h_k,
-        indices.shape[0] * page, page_rows, head_rows, head_cols, window_left,
-        softmax_scale * LOG2E,
-        PAGE=page, HEAD_D=d, BLOCK_N_=BLOCK_N, STAGES_=STAGES, HAS_LEFT=window_left >= 0,
-        LSE_BASE2=lse_base2,
+        indices.shape[0] * page, page_rows, head_rows, head_cols, softmax_scale * LOG2E,
+        PAGE=page, HEAD_D=d, BLOCK_N_=BLOCK_N, STAGES_=STAGES, LSE_BASE2=lse_base2,
         PRODUCER_REGS_=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
     )

@@ -492,13 +492,14 @@ def _attn_stages(on_gpu: bool, block_m: int) -> int:
     return 4 if block_m <= 16 else 3 if block_m >= 128 else 2
 
 
-def _worklist_stages(on_gpu: bool, block_m: int, fp8: bool) -> int:
+def _worklist_stages(on_gpu: bool, block_m: int, fp8: bool, decode: bool = True) -> int:
     # the planned launch's bf16/fp16 decode tiles: 2 stages measured best under CUDA graphs
     # (results/tune/tune_decode_graph.json, H200: geomean over 1x32k, 16x8k, 64x4k 3.13 vs 3.04
     # TB/s with 4; 64x4k 4.03 vs 3.98, 16x8k 3.54 vs 3.44); with the page-table chain Triton
     # gives 2 and 4 the same single K/V buffer, and 2 leaves more shared memory for co-resident
-    # programs. fp8 and taller tiles were not swept this way: ``_attn_stages``
-    if on_gpu and block_m <= 16 and not fp8:
+    # programs. Only plain decode was swept this way (not fp8, prefill, RoPE/softcap/masks):
+    # the rest keep ``_attn_stages``
+    if on_gpu and block_m <= 16 and not fp8 and decode:
         return 2
     return _attn_stages(on_gpu, block_m)
 
@@ -677,11 +678,11 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
     group = h // h_k
     block_d = _pow2(d, 16)
     extras = softcap > 0 or rope is not None or mask is not None or window_right >= 0
-    if decode and _sm90_decode(q, k_pages, v_pages, extras):
+    if decode and _sm90_decode(q, k_pages, v_pages, extras or window_left >= 0):
         from ioattn.decode.sm90_decode import paged_decode_sm90
 
         paged_decode_sm90(q, k_pages, v_pages, indices, seqlens_indptr, work, n_work, max_items,
-                          o_part, lse_part, softmax_scale, window_left, out, lse, lse_base2)
+                          o_part, lse_part, softmax_scale, out, lse, lse_base2)
         if slot_start is not None:
             _combine_slots_kernel[(b, h)](
                 out, lse, o_part, lse_part, slot_start, out.stride(0), out.stride(1), h,
@@ -708,7 +709,8 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=False, SPLIT=False, WORKLIST=True, CSR=True, LSE_BASE2=lse_base2,
         ROPE=rope is not None, BLOCK_HD=_pow2(d // 2, 16), HAS_MASK=mask is not None,
-        num_warps=warps, num_stages=_worklist_stages(q.is_cuda, block_m, k_pages.element_size() == 1),
+        num_warps=warps, num_stages=_worklist_stages(q.is_cuda, block_m, k_pages.element_size() == 1,
+                                                     decode and not extras),
     )
     if slot_start is not None:
         _combine_slots_kernel[(b, h)](

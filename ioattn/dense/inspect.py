@@ -285,8 +285,8 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
                                                         n.endswith("_") else "i32")
            for n in fn.arg_names}
     sig["qk_scale_log2"] = "fp32"
-    ce = dict(PAGE=page, HEAD_D=d, BLOCK_N_=sd.BLOCK_N, STAGES_=sd.STAGES, HAS_LEFT=False,
-              LSE_BASE2=True, PRODUCER_REGS_=sd.PRODUCER_REGS)
+    ce = dict(PAGE=page, HEAD_D=d, BLOCK_N_=sd.BLOCK_N, STAGES_=sd.STAGES, LSE_BASE2=True,
+              PRODUCER_REGS_=sd.PRODUCER_REGS)
     return gluon_report(f"sm90 paged decode d{d} page{page} ws", fn, sig, ce, arch,
                         maxnreg=sd.MAXNREG)
 

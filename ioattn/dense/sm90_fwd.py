@@ -57,10 +57,9 @@ PINGPONG = os.environ.get("IOATTN_SM90_PINGPONG", "auto")
 # IOATTN_SM90_PERSISTENT=1: on the H200 it measured no faster at d=128 and much slower under a
 # causal mask (static tile striding leaves heavy tiles for the end); benchmarks/NOTES.md
 PERSISTENT = os.environ.get("IOATTN_SM90_PERSISTENT", "0") == "1"
-# three consumer warpgroups at d=64 (192-row tiles, FA3's shape there), opt-in until measured:
-# IOATTN_SM90_FWD_WG3=64 or =128 picks the key tile (64: spill-free at 160 registers a
-# consumer, 4 stages; 128: 168 registers, 24 B of spills)
-WG3 = os.environ.get("IOATTN_SM90_FWD_WG3", "")
+# three consumer warpgroups at d=64 (192-row tiles, FA3's shape there), opt-in until measured
+# (IOATTN_SM90_FWD_WG3=1). Environment switches are read at import (``dispatch.ENV_SWITCHES``)
+WG3 = os.environ.get("IOATTN_SM90_FWD_WG3") == "1"
 
 
 def _block_n(head_dim: int) -> int:
@@ -76,16 +75,19 @@ def _pingpong(head_dim: int) -> bool:
 
 def _wgs(head_dim: int, varlen: bool, paged: bool = False) -> int:
     # consumer warpgroups: 3 at d=64 when WG3 asks for it, else 2
-    if head_dim == 64 and not paged and not _persistent(varlen) and WG3 in ("64", "128"):
+    if head_dim == 64 and not paged and not _persistent(varlen) and WG3:
         return 3
     return 2
 
 
 def _tile(head_dim: int, wgs: int) -> tuple[int, int, int]:
-    """(BLOCK_N, STAGES, consumer registers) of the forward: three 4-warp consumers and the
-    producer's warpgroup share 64K registers (3 x 128 x 160 + 128 x 24 = 64512)."""
+    """(BLOCK_N, STAGES, consumer registers) of the forward. Three 4-warp consumers and the
+    producer's warpgroup share 64K registers: 3 x 128 x 160 + 128 x 24 = 64512 (the default
+    partition, consumer 0, gets what the workers leave), so at 160 registers the 64x128 S tile
+    of 128-key tiles spills ~400 B: three warpgroups take 64-key tiles (spill-free) and 4
+    stages (90 KB of shared memory)."""
     if wgs == 3:
-        return (64, 4, 160) if WG3 == "64" else (128, 3, 168)
+        return 64, 4, 160
     return _block_n(head_dim), _stages(head_dim), CONSUMER_REGS
 
 
@@ -561,10 +563,11 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int)
     or the run was noisy). The gain comes from the pipelined key loop, so a shorter query block
     over as many keys gains too: 512 queries over 4608 keys (chunked prefill, d=128 causal GQA)
     ran at 590 TFLOP/s through the paged form of this kernel against 454 through the portable
-    one (results/chunked_sm90_paged_nvidia-h200_2026-11-29.json). Shorter problems were not measured: the
-    portable kernel keeps them."""
-    min_len = 8192 if head_dim == 64 else 2048
-    return max_seqlen_q >= min_len or (max_seqlen_q >= 512 and max_seqlen_k >= min_len)
+    one (results/chunked_sm90_paged_nvidia-h200_2026-11-29.json); that rule is kept to d >= 128,
+    where it was measured. Shorter problems were not measured: the portable kernel keeps them."""
+    if head_dim == 64:
+        return max_seqlen_q >= 8192
+    return max_seqlen_q >= 2048 or (max_seqlen_q >= 512 and max_seqlen_k >= 2048)
 
 
 def _persistent(varlen: bool) -> bool:

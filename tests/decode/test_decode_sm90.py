@@ -1,7 +1,8 @@
 """The sm90 paged decode kernel (``ioattn.decode.sm90_decode``, opt-in with IOATTN_SM90_DECODE=1)
 behind ``BatchDecodeWithPagedKVCacheWrapper``: its coverage rules and cache row views (anywhere),
 and on Hopper its outputs against per-request references, split requests, empty requests, NaN in
-stale cache slots and CUDA-graph replay."""
+stale cache slots and CUDA-graph replay. Windows, RoPE, softcap and fp8 stay on the portable
+kernel."""
 from __future__ import annotations
 
 import math
@@ -70,7 +71,7 @@ def test_coverage_rules(kw, match):
 CASES = [
     dict(batch=4, h=8, h_k=2, d=64, page=16, layout="NHD"),
     dict(batch=3, h=32, h_k=8, d=128, page=16, layout="NHD", split=64, max_len=900),
-    dict(batch=5, h=4, h_k=4, d=128, page=8, layout="HND", dtype=FP16, window_left=40),
+    dict(batch=5, h=4, h_k=4, d=128, page=8, layout="HND", dtype=FP16),
     dict(batch=2, h=16, h_k=1, d=64, page=64, layout="HND", max_len=700),
     dict(batch=3, h=32, h_k=8, d=128, page=128, layout="NHD", max_len=1000),
     dict(batch=64, h=32, h_k=8, d=128, page=16, layout="NHD", max_len=4096),
@@ -102,16 +103,14 @@ def test_sm90_decode(c, monkeypatch):
                 cache[p, :, :, n % c["page"]:] = float("nan")
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
         torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), kv_layout=c["layout"])
-    wl = c.get("window_left", -1)
     wrapper.plan(indptr, indices.cuda(), last, c["h"], c["h_k"], c["d"], c["page"],
-                 window_left=wl, q_data_type=dtype, fixed_split_size=c.get("split"))
+                 q_data_type=dtype, fixed_split_size=c.get("split"))
     q = torch.randn(c["batch"], c["h"], c["d"], device="cuda", dtype=dtype)
     out, lse = wrapper.run(q, cache, return_lse=True)
     assert calls, "the sm90 decode kernel did not run"
     for b, n in enumerate(lens):
         k, v = _gather(cache, c["layout"], indices, indptr, b, n)
-        lse_ref = _check_request(f"out[{b}]", out[b:b + 1], q[b:b + 1], k, v,
-                                 window_size=(wl, -1))
+        lse_ref = _check_request(f"out[{b}]", out[b:b + 1], q[b:b + 1], k, v)
         if n == 0:
             assert (out[b] == 0).all() and torch.isinf(lse[b]).all()
         else:
@@ -141,3 +140,26 @@ def test_sm90_decode_graph_capture_short_replay_long(monkeypatch):
     with torch.cuda.graph(graph):
         wrapper.run(q, big, out=out)
     replay_long_and_check(wrapper, graph, g, q, out, big, h_k, page)
+
+
+@needs_sm90
+def test_sm90_decode_leaves_windows_to_the_portable_kernel(monkeypatch):
+    """A sliding window is outside the sm90 decode kernel's coverage (the aligned first tile
+    would read slots before the window): with the switch on, such a plan runs the portable
+    kernel, correctly."""
+    monkeypatch.setenv("IOATTN_SM90_DECODE", "1")
+    calls = []
+    orig = sm90_decode.paged_decode_sm90
+    monkeypatch.setattr(sm90_decode, "paged_decode_sm90",
+                        lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    g = torch.Generator().manual_seed(7)
+    lens, indptr, indices, last, cache = _paged(4, 2, 128, 16, BF16, "cuda", "NHD", 300, g=g)
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(32 << 20, dtype=torch.uint8, device="cuda"))
+    wrapper.plan(indptr, indices.cuda(), last, 8, 2, 128, 16, window_left=40, q_data_type=BF16)
+    q = torch.randn(4, 8, 128, device="cuda", dtype=BF16)
+    out = wrapper.run(q, cache)
+    assert not calls
+    for b, n in enumerate(lens):
+        k, v = _gather(cache, "NHD", indices, indptr, b, n)
+        _check_request(f"out[{b}]", out[b:b + 1], q[b:b + 1], k, v, window_size=(40, -1))

@@ -85,14 +85,13 @@ WG3_CASES = [Case(113, 203, d=64), Case(203, 113, d=64, causal=True),
 
 
 @needs_sm90
-@pytest.mark.parametrize("block_n", ["64", "128"])
 @pytest.mark.parametrize("c", WG3_CASES, ids=lambda c: "sm90-wg3-" + c.id)
-def test_sm90_fwd_three_warpgroups(c: Case, block_n: str, monkeypatch):
+def test_sm90_fwd_three_warpgroups(c: Case, monkeypatch):
     """d=64 forward with three consumer warpgroups (192-row tiles; opt-in,
-    IOATTN_SM90_FWD_WG3=64|128), batched and varlen."""
+    IOATTN_SM90_FWD_WG3=1), batched and varlen."""
     from ioattn.dense import sm90_fwd
 
-    monkeypatch.setattr(sm90_fwd, "WG3", block_n)
+    monkeypatch.setattr(sm90_fwd, "WG3", True)
     q, k, v, kw, out = _forward_only(c)
     if c.s_q == c.s_k and c.window[0] < 0:  # the same rows packed as varlen
         cu = cu_seqlens([c.s_q] * c.b, "cuda")
@@ -263,7 +262,8 @@ def test_sm90_forward_preference_rule():
     assert not sm90_fwd.preferred(128, True, 256, 4608)
     assert not sm90_fwd.preferred(128, False, 1024, 1024)
     assert not sm90_fwd.preferred(64, False, 512, 4608)
-    assert sm90_fwd.preferred(64, False, 512, 8192)
+    assert not sm90_fwd.preferred(64, False, 512, 8192)
+    assert sm90_fwd.preferred(64, False, 8192, 8192)
     if sm90_fwd.PINGPONG == "auto":
         assert [sm90_fwd._pingpong(d) for d in (64, 128, 256)] == [False, False, True]
 
