@@ -15,7 +15,8 @@ ragged and single-request calls rotate copies first). Custom masks (``custom_mas
 ``packed_custom_mask``, FlashInfer's layout: each request's [qo_len, kv_len] booleans flattened,
 True = attend, replacing causal) run in the paged prefill kernel; the ragged and single-request
 calls then read their K/V rows as pages of one token. ``packbits`` / ``segment_packbits`` are here
-too.
+too, and cascade attention's merges of attention states by their (base-2) LSE: ``merge_state``,
+``merge_state_in_place``, ``merge_states`` (``ioattn.decode.merge``).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ioattn.dispatch import triton_unavailable_reason
+from ioattn.decode.merge import merge_state, merge_state_in_place, merge_states  # noqa: F401
 from ioattn.decode.triton_decode import kvcache_attn, paged_attn, paged_tiles
 from ioattn.paged.plan import kv_lengths, max_work_items, sm_count, split_work
 
