@@ -15,8 +15,9 @@ ragged and single-request calls rotate copies first). Custom masks (``custom_mas
 ``packed_custom_mask``, FlashInfer's layout: each request's [qo_len, kv_len] booleans flattened,
 True = attend, replacing causal) run in the paged prefill kernel; the ragged and single-request
 calls then read their K/V rows as pages of one token. ``packbits`` / ``segment_packbits`` are here
-too, and cascade attention's merges of attention states by their (base-2) LSE: ``merge_state``,
-``merge_state_in_place``, ``merge_states`` (``ioattn.decode.merge``).
+too, and cascade attention: ``MultiLevelCascadeAttentionWrapper`` and the merges of attention
+states by their (base-2) LSE, ``merge_state``, ``merge_state_in_place``, ``merge_states``
+(``ioattn.decode.merge``).
 """
 from __future__ import annotations
 
@@ -784,9 +785,13 @@ class BatchPrefillWithPagedKVCacheWrapper:
         kv_dt = _kv_dtype(kv_data_type, dt)
         lengths = kv_lengths(ip, lp, page_size)
         qo_lens = [b - a for a, b in zip(qi, qi[1:])]
-        if any(n > m for n, m in zip(qo_lens, lengths)):
-            _fail("each request's query count must not exceed its KV length (the queries are the "
-                  f"last positions of the sequence); got qo {qo_lens[:8]} vs kv {lengths[:8]}")
+        if causal and custom_mask is None and packed_custom_mask is None \
+                and any(n > m for n, m in zip(qo_lens, lengths)):
+            # (without a causal mask, e.g. a cascade level of keys that precede every query,
+            # any count is fine: a request with no keys gives out 0 and LSE -inf)
+            _fail("with causal=True each request's query count must not exceed its KV length (the "
+                  f"queries are the last positions of the sequence); got qo {qo_lens[:8]} vs kv "
+                  f"{lengths[:8]}")
         dev = self._device
         # a custom mask replaces causal (FlashInfer's rule); window_left still applies
         mask = _custom_mask(custom_mask, packed_custom_mask, qo_lens, lengths, dev)
@@ -861,6 +866,66 @@ class BatchPrefillWithPagedKVCacheWrapper:
         if v_scale is not None:
             out.mul_(v_scale)
         return (out, lse_out) if return_lse else out
+
+    forward = run
+    begin_forward = plan
+
+
+class MultiLevelCascadeAttentionWrapper:
+    """Cascade attention over a paged cache in levels (FlashInfer's wrapper): level 0 is e.g. a
+    prefix shared by every request, attended once by all their queries as one request; the last
+    level is each request's own pages. Each level runs as a ``BatchPrefillWithPagedKVCacheWrapper``
+    over its own CSR table (the pages may sit in one cache), and the levels' outputs are merged by
+    their base-2 LSE (``merge_state_in_place``). ``causal`` applies to the last level only; the
+    levels above hold keys that precede every query."""
+
+    def __init__(self, num_levels: int, float_workspace_buffer: Tensor, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, qo_indptr_buf_arr=None,
+                 paged_kv_indptr_buf_arr=None, paged_kv_indices_buf_arr=None,
+                 paged_kv_last_page_len_buf_arr=None) -> None:
+        """``use_cuda_graph=True`` needs one paged_kv_indices buffer per level
+        (``paged_kv_indices_buf_arr``); the other buffer arrays are accepted as FlashInfer's."""
+        if not isinstance(num_levels, int) or num_levels < 1:
+            _fail(f"num_levels must be an int >= 1, got {num_levels!r}")
+        if use_cuda_graph and (paged_kv_indices_buf_arr is None
+                               or len(paged_kv_indices_buf_arr) != num_levels):
+            _fail("use_cuda_graph=True needs paged_kv_indices_buf_arr with one buffer per level")
+        bufs = paged_kv_indices_buf_arr or [None] * num_levels
+        self._levels = [BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout,
+                                                            use_cuda_graph=use_cuda_graph,
+                                                            paged_kv_indices_buf=buf)
+                        for buf in bufs]
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._levels[0]._use_cuda_graph
+
+    def plan(self, qo_indptr_arr: list, paged_kv_indptr_arr: list, paged_kv_indices_arr: list,
+             paged_kv_last_page_len: list, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+             page_size: int, causal: bool = False, **kwargs) -> None:
+        """One CSR table per level (lists of num_levels tensors); the remaining arguments are
+        ``BatchPrefillWithPagedKVCacheWrapper.plan``'s, for every level."""
+        arrays = (qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len)
+        if any(not isinstance(a, (list, tuple)) or len(a) != len(self._levels) for a in arrays):
+            _fail(f"qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr and "
+                  f"paged_kv_last_page_len must be lists of {len(self._levels)} tensors (one per "
+                  f"level)")
+        totals = {int(qo[-1]) for qo in qo_indptr_arr}
+        if len(totals) != 1:
+            _fail(f"every level's qo_indptr must end at the same query count, got {sorted(totals)}")
+        last = len(self._levels) - 1
+        for i, (w, qo, ip, idx, lp) in enumerate(zip(self._levels, *arrays)):
+            w.plan(qo, ip, idx, lp, num_qo_heads, num_kv_heads, head_dim, page_size,
+                   causal=causal and i == last, **kwargs)
+
+    def run(self, q: Tensor, paged_kv_cache) -> Tensor:
+        """Attention of q [total_q, num_qo_heads, head_dim] over every level, merged. Returns out
+        [total_q, num_qo_heads, head_dim]."""
+        out, lse = self._levels[-1].run(q, paged_kv_cache, return_lse=True)
+        for w in self._levels[:-1]:
+            out_i, lse_i = w.run(q, paged_kv_cache, return_lse=True)
+            merge_state_in_place(out, lse, out_i, lse_i)
+        return out
 
     forward = run
     begin_forward = plan

@@ -100,3 +100,74 @@ def test_merge_errors(call, match, device):
     t = dict(v=torch.randn(6, 3, 64, device=device), s=torch.randn(6, 3, device=device))
     with pytest.raises((ValueError, TypeError), match=match):
         call(t)
+
+
+def _csr(page_lists, page, lens):
+    indptr = torch.tensor([0] + torch.tensor([len(p) for p in page_lists]).cumsum(0).tolist(),
+                          dtype=torch.int32)
+    indices = torch.tensor([p for ps in page_lists for p in ps], dtype=torch.int32)
+    last = torch.tensor([n - (len(ps) - 1) * page for n, ps in zip(lens, page_lists)],
+                        dtype=torch.int32)
+    return indptr, indices, last
+
+
+@pytest.mark.parametrize("qo_lens, causal", [([1, 1, 1], False), ([3, 1, 4], True)],
+                         ids=["decode", "append-causal"])
+def test_multi_level_cascade(qo_lens, causal, device):
+    """Three levels over one cache: a prefix shared by all requests, one shared by the first two,
+    each request's own pages; against attention over each request's whole key sequence."""
+    from ioattn.reference import attention_ref
+
+    page, h, h_k, d, dtype = 4, 4, 2, 64, torch.float16
+    cache = torch.randn(40, 2, page, h_k, d, device=device, dtype=dtype)
+    perm = torch.randperm(40).tolist()
+    shared = perm[:3]  # 12 keys
+    pair = perm[3:5]  # 7 keys (its last page holds 3)
+    own = [perm[5:8], perm[8:10], perm[10:11]]
+    own_lens = [10, 5, 4]
+    b, total_q = len(qo_lens), sum(qo_lens)
+    qo = torch.tensor([0] + torch.tensor(qo_lens).cumsum(0).tolist(), dtype=torch.int32)
+    # level 0: every query, as one request, over `shared`; level 1: requests 0 and 1 (as one
+    # request) over `pair`, request 2 over nothing; level 2: each request over its own pages
+    qo_arr = [torch.tensor([0, total_q], dtype=torch.int32),
+              torch.tensor([0, qo_lens[0] + qo_lens[1], total_q], dtype=torch.int32), qo]
+    tables = [_csr([shared], page, [12]),
+              (torch.tensor([0, 2, 2], dtype=torch.int32), torch.tensor(pair, dtype=torch.int32),
+               torch.tensor([3, 0], dtype=torch.int32)),
+              _csr(own, page, own_lens)]
+    w = fi.MultiLevelCascadeAttentionWrapper(3, torch.empty(32 << 20, dtype=torch.uint8, device=device))
+    w.plan(qo_arr, [t[0] for t in tables], [t[1].to(device) for t in tables],
+           [t[2] for t in tables], h, h_k, d, page, causal=causal, q_data_type=dtype)
+    q = torch.randn(total_q, h, d, device=device, dtype=dtype)
+    out = w.run(q, cache)
+    k_all, v_all = cache[:, 0], cache[:, 1]
+    for r in range(b):
+        parts = [shared] + ([pair] if r < 2 else []) + [own[r]]
+        counts = [12] + ([7] if r < 2 else []) + [own_lens[r]]
+        keys = torch.cat([k_all[p].flatten(0, 1)[:n] for p, n in zip(parts, counts)])
+        vals = torch.cat([v_all[p].flatten(0, 1)[:n] for p, n in zip(parts, counts)])
+        rows = slice(int(qo[r]), int(qo[r + 1]))
+        ref, _ = attention_ref(q[rows][None], keys[None], vals[None], causal=causal)
+        torch.testing.assert_close(out[rows].float(), ref[0].float(), atol=4e-3, rtol=4e-3)
+
+
+def test_prefill_more_queries_than_keys(device):
+    """Without a causal mask (a cascade level) a request may have more queries than keys, or no
+    key at all (out 0, LSE -inf); with causal=True that is refused with a clear error."""
+    page, h, d = 4, 2, 64
+    cache = torch.randn(6, 2, page, h, d, device=device, dtype=torch.float16)
+    qo = torch.tensor([0, 5, 8], dtype=torch.int32)
+    indptr = torch.tensor([0, 1, 1], dtype=torch.int32)
+    indices = torch.tensor([3], dtype=torch.int32, device=device)
+    last = torch.tensor([2, 0], dtype=torch.int32)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=device))
+    with pytest.raises(ValueError, match="causal=True"):
+        w.plan(qo, indptr, indices, last, h, h, d, page, causal=True, q_data_type=torch.float16)
+    w.plan(qo, indptr, indices, last, h, h, d, page, causal=False, q_data_type=torch.float16)
+    q = torch.randn(8, h, d, device=device, dtype=torch.float16)
+    out, lse = w.run(q, cache, return_lse=True)
+    from ioattn.reference import attention_ref
+
+    ref, _ = attention_ref(q[None, :5], cache[3, 0, :2][None], cache[3, 1, :2][None])
+    torch.testing.assert_close(out[:5].float(), ref[0].float(), atol=4e-3, rtol=4e-3)
+    assert (out[5:] == 0).all() and torch.isinf(lse[5:]).all()
