@@ -8,7 +8,8 @@ base 2** here (log2 of the softmax denominator, FlashInfer's choice), unlike ``f
 natural log.
 
 Covered: ``BatchDecodeWithPagedKVCacheWrapper``, ``BatchPrefillWithPagedKVCacheWrapper`` and
-``BatchPrefillWithRaggedKVCacheWrapper`` (plan/run, CUDA-graph safe with ``use_cuda_graph=True``), ``single_decode_with_kv_cache``, ``single_prefill_with_kv_cache``,
+``BatchPrefillWithRaggedKVCacheWrapper`` (plan/run, CUDA-graph safe with ``use_cuda_graph=True``), ``single_decode_with_kv_cache``, ``single_prefill_with_kv_cache`` (and
+``single_prefill_with_kv_cache_return_lse``),
 ``append_paged_kv_cache``, ``get_batch_indices_positions``, ``get_seq_lens``.
 ``pos_encoding_mode`` 'NONE' and 'ROPE_LLAMA' (RoPE on q and k inside the paged kernels; the
 ragged and single-request calls rotate copies first). Custom masks (``custom_mask`` /
@@ -589,6 +590,12 @@ def single_prefill_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, custom_mask=No
                                   softcap=float(logits_soft_cap or 0.0), return_attn_probs=True)
     return (out[0], _base2(lse[0])) if return_lse else out[0]
 
+
+
+def single_prefill_with_kv_cache_return_lse(q: Tensor, k: Tensor, v: Tensor, **kwargs):
+    """``single_prefill_with_kv_cache(..., return_lse=True)``: (out, base-2 LSE [qo_len, H]),
+    FlashInfer's name for it."""
+    return single_prefill_with_kv_cache(q, k, v, return_lse=True, **kwargs)
 
 class BatchPrefillWithRaggedKVCacheWrapper:
     """Prefill over ragged (packed) K/V: request b's queries are q[qo_indptr[b]:qo_indptr[b + 1]]

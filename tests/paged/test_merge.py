@@ -81,6 +81,8 @@ def test_cascade_identity(device):
     got_v, got_s = fi.merge_state(o1, s1, o2, s2)
     torch.testing.assert_close(got_v.float(), whole.float(), atol=4e-3, rtol=4e-3)
     torch.testing.assert_close(got_s, s_whole, atol=1e-3, rtol=1e-3)
+    o2_again, s2_again = fi.single_prefill_with_kv_cache_return_lse(q, k[30:], v[30:])
+    assert torch.equal(o2_again, o2) and torch.equal(s2_again, s2)
     stacked_v, stacked_s = fi.merge_states(torch.stack([o1, o2], 1), torch.stack([s1, s2], 1))
     torch.testing.assert_close(stacked_v.float(), got_v.float(), atol=1e-3, rtol=1e-3)
 
