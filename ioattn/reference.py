@@ -31,8 +31,12 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
                   dropout_p: float = 0.0, dropout_mask: Optional[torch.Tensor] = None,
                   upcast: bool = True, compute_dtype: torch.dtype = torch.float32,
                   attn_mask: Optional[torch.Tensor] = None,
+                  learnable_sink: Optional[torch.Tensor] = None,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention. Returns (out [b, s_q, h, d_v] in q's dtype, lse [b, h, s_q] fp32).
+
+    learnable_sink [h]: one extra logit per head in every row's softmax (no value, never
+    masked; gpt-oss's attention sinks); the LSE then includes it.
 
     attn_mask: bool, broadcastable to [b, h, s_q, s_k], True = attend (a custom mask, combined
     with causal / window).
@@ -69,8 +73,13 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     scores = scores.masked_fill(~mask, float("-inf"))
     # softmax in at least fp32 (fp64 when checking the reference itself)
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    if learnable_sink is not None:  # a sink column, softmaxed with the scores, then dropped
+        sink = learnable_sink.to(scores.dtype).view(1, h, 1, 1).expand(b, h, s_q, 1)
+        scores = torch.cat([scores, sink], dim=-1)
     lse = torch.logsumexp(scores, dim=-1)
     attn = torch.softmax(scores, dim=-1)
+    if learnable_sink is not None:
+        attn = attn[..., :s_k]
     attn = attn.masked_fill(~mask.any(-1)[..., None], 0.0)  # no visible key: zeros, never NaN
     if dropout_p > 0:
         assert dropout_mask is not None, "dropout_p > 0 needs the keep-mask"

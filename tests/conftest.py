@@ -39,8 +39,33 @@ def _patch_interpreter_bf16_dot() -> None:
     interpreter.InterpreterBuilder.create_dot = create_dot
 
 
+def _patch_interpreter_bf16_rounding() -> None:
+    """Triton 3.6's interpreter converts fp32 to bf16 by truncation (``x.to(tl.bfloat16)``,
+    no rounding mode), where the GPU rounds to nearest even: in attention the truncated P
+    biases every output slightly low, coherently across rows (the attention sink's gradient,
+    a sum over rows, showed it). Tests round to nearest even, as the hardware does; kernels are
+    left untouched."""
+    from triton.runtime import interpreter
+
+    orig = interpreter.InterpreterBuilder.cast_impl
+    if getattr(orig, "_ioattn_patched", False):
+        return
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+            rne = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            out = np.where(np.isnan(src.data), np.uint32(0x7FC0), rne).astype(np.uint16)
+            return interpreter.TensorHandle(out, tl.bfloat16)
+        return orig(self, src, dst_type)
+
+    cast_impl._ioattn_patched = True
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_bf16_dot()
+    _patch_interpreter_bf16_rounding()
 
 from ioattn.dense import op as _dense_op  # noqa: E402
 

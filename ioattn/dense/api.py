@@ -183,7 +183,37 @@ def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
     return fwd, "triton"
 
 
-def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool):
+def _check_sink(sink, h: int, device: torch.device) -> None:
+    if sink is None:
+        return
+    if not isinstance(sink, Tensor):
+        _fail(f"learnable_sink must be a tensor [nheads={h}], got {type(sink).__name__}", TypeError)
+    if tuple(sink.shape) != (h,):
+        _fail(f"learnable_sink must be [nheads={h}] (one logit per query head), got "
+              f"{tuple(sink.shape)}")
+    if not sink.is_floating_point():
+        _fail(f"learnable_sink must be a float tensor, got {sink.dtype}", TypeError)
+    if sink.device != device:
+        _fail(f"learnable_sink is on {sink.device} but q is on {device}")
+
+
+def _with_sink(out: Tensor, lse: Tensor, sink: Optional[Tensor], varlen: bool):
+    """Attention sinks (gpt-oss): one extra logit per head in each row's softmax, with no value.
+    From the attention over the keys (out, natural-log lse): lse' = log(e^lse + e^sink) and out'
+    = out * e^(lse - lse'). Plain differentiable ops on top of the kernels' (out, lse), so every
+    backend and the backward (through the LSE) carry it, and the sink gets its gradient."""
+    if sink is None:
+        return out, lse
+    s = sink.float().view(-1, 1) if varlen else sink.float().view(1, -1, 1)  # lse's layout
+    lse_s = torch.logaddexp(lse, s)
+    r = torch.exp(lse - lse_s)  # the keys' share of the softmax
+    r = r.t() if varlen else r.transpose(1, 2)  # out's layout: [.., seqlen, nheads]
+    return (out.float() * r[..., None]).to(out.dtype), lse_s
+
+
+def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool, sink: Optional[Tensor] = None,
+            varlen: bool = False):
+    out, lse = _with_sink(out, lse, sink, varlen)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -191,7 +221,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
                     softmax_scale: Optional[float] = None, causal: bool = False,
                     window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
-                    return_attn_probs: bool = False, *, backend: str = "auto"):
+                    return_attn_probs: bool = False, *, learnable_sink: Optional[Tensor] = None,
+                    backend: str = "auto"):
     """Attention over batched sequences (FlashAttention-2 semantics).
 
     Args:
@@ -209,6 +240,9 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
             (``IOATTN_SM90_FUSED_BWD=1``) adds dQ by reductions and is skipped when this is True.
         return_attn_probs: also return the LSE: (out, softmax_lse [b, nheads, seqlen_q] fp32,
             natural log, None).
+        learnable_sink: [nheads] float, attention sinks (gpt-oss; FlashAttention's name): one
+            extra logit per head in every row's softmax, with no value and no mask; the LSE
+            includes it, and it gets a gradient when it requires one.
         backend: 'auto' (default: 'sm90' on Hopper where it covers the call, else 'triton'),
             'sm90' (the Gluon FA3-design kernels, forward and backward; head dim 256 has an sm90
             forward only, so it raises when a gradient is needed), 'triton' (portable Triton
@@ -227,6 +261,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
     if v.shape[1] != k.shape[1]:
         _fail(f"k has seqlen {k.shape[1]} but v has {v.shape[1]}; they must match")
     _check_alibi(alibi_slopes, b, h, q.device)
+    _check_sink(learnable_sink, h, q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     left, right = _window(causal, window_size)
     impl, bwd_impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=False,
@@ -238,12 +273,12 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
         out, lse = attention_ref(q, k, v, window_size=(left, right), softcap=softcap,
                                  alibi_slopes=alibi_slopes, softmax_scale=scale,
                                  dropout_p=dropout_p, dropout_mask=mask)
-        return _finish(out, lse, return_attn_probs)
+        return _finish(out, lse, return_attn_probs, learnable_sink)
     rng = draw_rng_state(q.device) if dropout_p > 0 else None
     out, lse = dense_attention(q, k, v, None, None, s_q, k.shape[1], float(scale), left, right,
                                float(softcap), alibi_slopes, float(dropout_p), rng, impl, bwd_impl,
                                bool(deterministic))
-    return _finish(out, lse, return_attn_probs)
+    return _finish(out, lse, return_attn_probs, learnable_sink)
 
 
 def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
@@ -252,7 +287,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            causal: bool = False, window_size: Sequence[int] = (-1, -1),
                            softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
                            deterministic: bool = False, return_attn_probs: bool = False, *,
-                           backend: str = "auto"):
+                           learnable_sink: Optional[Tensor] = None, backend: str = "auto"):
     """Attention over packed variable-length sequences (FlashAttention-2 semantics).
 
     q [total_q, nheads, headdim], k [total_k, nheads_k, headdim], v [total_k, nheads_k, headdim_v];
@@ -270,6 +305,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, batch, q.device)
     h, d = q.shape[1], q.shape[2]
     _check_alibi(alibi_slopes, batch, h, q.device)
+    _check_sink(learnable_sink, h, q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     left, right = _window(causal, window_size)
     impl, bwd_impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=True,
@@ -287,13 +323,13 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         if out.shape[0] < q.shape[0]:  # rows past cu_seqlens_q[-1] are outside every sequence
             out = torch.cat([out, out.new_zeros((q.shape[0] - out.shape[0],) + out.shape[1:])])
             lse = torch.cat([lse, lse.new_full((h, q.shape[0] - lse.shape[1]), float("-inf"))], 1)
-        return _finish(out, lse, return_attn_probs)
+        return _finish(out, lse, return_attn_probs, learnable_sink, varlen=True)
     rng = draw_rng_state(q.device) if dropout_p > 0 else None
     out, lse = dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                int(max_seqlen_k), float(scale), left, right, float(softcap),
                                alibi_slopes, float(dropout_p), rng, impl, bwd_impl,
                                bool(deterministic))
-    return _finish(out, lse, return_attn_probs)
+    return _finish(out, lse, return_attn_probs, learnable_sink, varlen=True)
 
 
 def _unpack(packed: Tensor, name: str, axis: int, n: int) -> tuple[Tensor, ...]:
@@ -308,22 +344,26 @@ def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0,
                               softmax_scale: Optional[float] = None, causal: bool = False,
                               window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                               alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
-                              return_attn_probs: bool = False, *, backend: str = "auto"):
+                              return_attn_probs: bool = False, *,
+                              learnable_sink: Optional[Tensor] = None, backend: str = "auto"):
     """``flash_attn_func`` on qkv [batch, seqlen, 3, nheads, headdim]."""
     q, k, v = _unpack(qkv, "qkv", 2, 3)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_attn_probs, backend=backend)
+                           alibi_slopes, deterministic, return_attn_probs,
+                           learnable_sink=learnable_sink, backend=backend)
 
 
 def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = 0.0,
                              softmax_scale: Optional[float] = None, causal: bool = False,
                              window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                              alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
-                             return_attn_probs: bool = False, *, backend: str = "auto"):
+                             return_attn_probs: bool = False, *,
+                             learnable_sink: Optional[Tensor] = None, backend: str = "auto"):
     """``flash_attn_func`` on q and kv [batch, seqlen_k, 2, nheads_k, headdim]."""
     k, v = _unpack(kv, "kv", 2, 2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_attn_probs, backend=backend)
+                           alibi_slopes, deterministic, return_attn_probs,
+                           learnable_sink=learnable_sink, backend=backend)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int,
@@ -331,12 +371,14 @@ def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen
                                      causal: bool = False, window_size: Sequence[int] = (-1, -1),
                                      softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
                                      deterministic: bool = False, return_attn_probs: bool = False,
-                                     *, backend: str = "auto"):
+                                     *, learnable_sink: Optional[Tensor] = None,
+                                     backend: str = "auto"):
     """``flash_attn_varlen_func`` on qkv [total, 3, nheads, headdim]."""
     q, k, v = _unpack(qkv, "qkv", 1, 3)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs, backend=backend)
+                                  deterministic, return_attn_probs,
+                                  learnable_sink=learnable_sink, backend=backend)
 
 
 def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -344,9 +386,11 @@ def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor,
                                     softmax_scale: Optional[float] = None, causal: bool = False,
                                     window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                                     alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
-                                    return_attn_probs: bool = False, *, backend: str = "auto"):
+                                    return_attn_probs: bool = False, *,
+                                    learnable_sink: Optional[Tensor] = None, backend: str = "auto"):
     """``flash_attn_varlen_func`` on q and kv [total_k, 2, nheads_k, headdim]."""
     k, v = _unpack(kv, "kv", 1, 2)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs, backend=backend)
+                                  deterministic, return_attn_probs,
+                                  learnable_sink=learnable_sink, backend=backend)
