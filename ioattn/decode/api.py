@@ -10,7 +10,8 @@ from torch import Tensor
 
 from ioattn.decode.op import eager as kvcache_eager
 from ioattn.decode.op import kvcache_fwd
-from ioattn.dense.api import (VALIDATED, _check_alibi, _check_common, _check_tensor, _fail,
+from ioattn.dense.api import (VALIDATED, _check_alibi, _check_common, _check_sink,
+                              _check_tensor, _fail, _with_sink,
                               skip_value_checks)
 from ioattn.dispatch import resolve_backend
 from ioattn.reference import kvcache_attention_ref
@@ -77,7 +78,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                             window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True,
                             alibi_slopes: Optional[Tensor] = None, num_splits: int = 0,
-                            return_softmax_lse: bool = False, *, backend: str = "auto"):
+                            return_softmax_lse: bool = False, *,
+                            learnable_sink: Optional[Tensor] = None, backend: str = "auto"):
     """Attention of new query tokens over a KV cache (FlashAttention-2 semantics).
 
     If k and v are given, they are first written into the caches in place at cache_seqlens (k
@@ -103,6 +105,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
             packed K/V plus the dense forward (``ioattn.decode.op.gathers``); an explicit
             num_splits > 1 keeps the split-KV kernel.
         return_softmax_lse: also return the LSE [batch, nheads, seqlen_q] fp32 (natural log).
+        learnable_sink: [nheads] float, attention sinks as ``flash_attn_func`` (gpt-oss decode):
+            one extra logit per head in each row's softmax, no value; the LSE includes it.
         backend: 'auto', 'triton' (portable Triton kernels only: the gathered path's dense
             forward then never takes the sm90 Gluon kernel), or 'reference'.
 
@@ -183,6 +187,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
             _fail(f"rotary_cos/sin have {rotary_cos.shape[0]} positions; the cache holds up to "
                   f"{capacity}, so they need at least that many rows")
     _check_alibi(alibi_slopes, b, h, q.device)
+    _check_sink(learnable_sink, h, q.device)
     if not isinstance(num_splits, int) or num_splits < 0:
         _fail(f"num_splits={num_splits!r} must be an int >= 0 (0: automatic)")
     _check_values(cache_seqlens, s_new, capacity, cache_leftpad, block_table, k_cache.shape[0],
@@ -205,4 +210,5 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, float(scale),
                        left, right, float(softcap), bool(rotary_interleaved), int(num_splits),
                        backend == "triton")
+    out, lse = _with_sink(out, lse, learnable_sink, False)
     return (out, lse) if return_softmax_lse else out

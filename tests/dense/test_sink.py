@@ -117,3 +117,25 @@ def test_sink_compiles_fullgraph(device):
     (g_eager,) = torch.autograd.grad(y_eager, (sink,))
     torch.testing.assert_close(y, y_eager, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(g, g_eager, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("s_q, causal", [(1, False), (5, True)], ids=["decode", "verify-causal"])
+def test_sink_with_kvcache(s_q, causal, device):
+    """Attention sinks at decode time (``flash_attn_with_kvcache``, gpt-oss serving): each
+    sequence against the reference over its cache prefix, with the sink."""
+    b, h, h_k, d, cap = 3, 4, 2, 64, 96
+    q = torch.randn(b, s_q, h, d, device=device, dtype=FP16)
+    k_cache = torch.randn(b, cap, h_k, d, device=device, dtype=FP16)
+    v_cache = torch.randn(b, cap, h_k, d, device=device, dtype=FP16)
+    lens = torch.tensor([96, 40, 7], dtype=torch.int32, device=device)
+    sink = torch.randn(h, device=device) * 2
+    out, lse = ioattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                              causal=causal, return_softmax_lse=True,
+                                              learnable_sink=sink)
+    for i, n in enumerate(lens.tolist()):
+        kw = dict(causal=causal, learnable_sink=sink)
+        ref, lse_ref = attention_ref(q[i:i + 1], k_cache[i:i + 1, :n], v_cache[i:i + 1, :n], **kw)
+        pt, _ = attention_ref(q[i:i + 1], k_cache[i:i + 1, :n], v_cache[i:i + 1, :n],
+                              upcast=False, **kw)
+        assert_close_rule(f"out[{i}]", out[i:i + 1], ref, pt)
+        torch.testing.assert_close(lse[i:i + 1], lse_ref, atol=1e-3, rtol=1e-3)
