@@ -85,11 +85,16 @@ def resolve_backend(backend: str, device: torch.device,
     return "triton"
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 off CUDA: the interpreter's stand-in), the unit
+    of the launch-shape rules (split counts, work items, persistent grids)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 # Environment switches of kernel variants, for measurement (``python -m ioattn info`` lists them
 # with their values): what each does and its default. Variants that have not measured faster
-# stay off by default; benchmarks/NOTES.md records each one's measurements. The sm90 forward's
-# and backward's switches are read when those modules are imported, IOATTN_SM90_DECODE at each
-# call.
+# stay off by default; benchmarks/NOTES.md records each one's measurements. Each is read once,
+# when the module that uses it is imported.
 ENV_SWITCHES = (
     ("IOATTN_SM90_PINGPONG", "auto", "sm90 forward: consumer warpgroups issue GEMMs in turns "
      "(auto: d=256 only; 1/0 force)"),

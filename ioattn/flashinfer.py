@@ -30,10 +30,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ioattn.dispatch import triton_unavailable_reason
+from ioattn.dispatch import sm_count, triton_unavailable_reason
 from ioattn.decode.merge import merge_state, merge_state_in_place, merge_states  # noqa: F401
 from ioattn.decode.triton_decode import kvcache_attn, paged_attn, paged_tiles
-from ioattn.paged.plan import kv_lengths, max_work_items, sm_count, split_work
+from ioattn.paged.plan import kv_lengths, max_work_items, split_work
 
 _LAYOUTS = ("NHD", "HND")
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, torch.float16: torch.float16,
@@ -591,11 +591,11 @@ def single_prefill_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, custom_mask=No
     return (out[0], _base2(lse[0])) if return_lse else out[0]
 
 
-
 def single_prefill_with_kv_cache_return_lse(q: Tensor, k: Tensor, v: Tensor, **kwargs):
     """``single_prefill_with_kv_cache(..., return_lse=True)``: (out, base-2 LSE [qo_len, H]),
     FlashInfer's name for it."""
     return single_prefill_with_kv_cache(q, k, v, return_lse=True, **kwargs)
+
 
 class BatchPrefillWithRaggedKVCacheWrapper:
     """Prefill over ragged (packed) K/V: request b's queries are q[qo_indptr[b]:qo_indptr[b + 1]]

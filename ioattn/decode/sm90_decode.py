@@ -246,19 +246,21 @@ def coverage_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows_per
     if page % 8 or (BLOCK_N % page and page % BLOCK_N):
         return (f"page_size {page}: TMA copies whole page runs (a multiple of 8 that divides, or "
                 f"is a multiple of, {BLOCK_N} keys)")
+    views = []
     for name, t in (("k", k), ("v", v)):
         view = _row_view(t)
         if view is None:
             return f"the {name} cache's strides {tuple(t.stride())} do not form rows of key slots"
         if t.data_ptr() % 16 or (view[4] * t.element_size()) % 16:
             return f"the {name} cache is not 16-byte aligned (base or row stride), as TMA requires"
-    if _row_view(k)[:4] != _row_view(v)[:4]:
+        views.append(view)
+    if views[0][:4] != views[1][:4]:
         return "the k and v caches must have the same layout"
     return None
 
 
-def _descriptor(t: torch.Tensor, box: int) -> TensorDescriptor:
-    page_rows, head_rows, head_cols, row_elems, row_stride = _row_view(t)
+def _descriptor(t: torch.Tensor, view: tuple, box: int) -> TensorDescriptor:
+    page_rows, head_rows, head_cols, row_elems, row_stride = view
     pages, page, h_k, _ = t.shape
     rows = (pages - 1) * page_rows + (h_k - 1) * head_rows + page  # the view's last row + 1
     layout = gl.NVMMASharedLayout.get_default_for([box, t.shape[-1]], GL_DTYPES[t.dtype])
@@ -279,10 +281,12 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     if max_items * h_k == 0:
         return
     box = min(page, BLOCK_N)
-    # one descriptor per view, each from its own base (interleaved pages or separate pools)
-    k_desc = _descriptor(k, box)
-    v_desc = _descriptor(v, box)
-    page_rows, head_rows, head_cols = _row_view(k)[:3]
+    # one descriptor per view, each from its own base (interleaved pages or separate pools,
+    # the same layout: ``coverage_problem``)
+    view = _row_view(k)
+    k_desc = _descriptor(k, view, box)
+    v_desc = _descriptor(v, _row_view(v), box)
+    page_rows, head_rows, head_cols = view[:3]
     _decode_sm90[(max_items, h_k)](
         k_desc, v_desc, q, out, lse, o_part, lse_part, seqlens_indptr, indices, work, n_work,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), batch, h, h // h_k,

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ioattn.dense.common import LOG2E, cdiv, scores_log2
+from ioattn.dispatch import sm_count
 
 
 @triton.jit
@@ -512,7 +513,7 @@ def num_splits_for(batch: int, n_heads_k: int, m_blocks: int, max_keys: int, blo
                    device: torch.device) -> int:
     """Splits of the key range so that about two programs per SM run (FlashAttention's rule of
     thumb), each with at least 4 key tiles."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = sm_count(device)
     programs = batch * n_heads_k * m_blocks
     by_sms = -(-2 * sms // max(programs, 1))
     by_len = max(1, max_keys // (4 * block_n))
@@ -683,35 +684,29 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
 
         paged_decode_sm90(q, k_pages, v_pages, indices, seqlens_indptr, work, n_work, max_items,
                           o_part, lse_part, softmax_scale, out, lse, lse_base2)
-        if slot_start is not None:
-            _combine_slots_kernel[(b, h)](
-                out, lse, o_part, lse_part, slot_start, out.stride(0), out.stride(1), h,
-                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=COMBINE_SLOTS, LSE_BASE2=lse_base2,
-                num_warps=4,
-            )
-        return
-    block_n, warps = worklist_launch(block_m, block_d, k_pages.element_size() == 1,
-                                     softcap > 0 or rope is not None)
-    _kvcache_attn_kernel[(max_items, row_blocks, h_k)](
-        q, k_pages, v_pages, out, lse, o_part, lse_part, seqlens_indptr, seqlens_indptr, indices,
-        seqlens_indptr, seqlens_indptr, work, n_work,
-        0, q.stride(0), q.stride(1),
-        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
-        0, out.stride(0), out.stride(1),
-        0, 0,
-        1, h_k, group, k_pages.shape[1], k_pages.shape[0], indices.shape[0] * k_pages.shape[1], 0, 0, b,
-        softmax_scale * LOG2E, softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E,
-        window_left, window_right, 1.0 / rope[0] if rope else 1.0, math.log2(rope[1]) if rope else 0.0,
-        mask[0] if mask is not None else seqlens_indptr, mask[1] if mask is not None else seqlens_indptr,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PAGED=True, HAS_CACHE_IDX=False, HAS_LEFTPAD=False,
-        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
-        HAS_ALIBI=False, SPLIT=False, WORKLIST=True, CSR=True, LSE_BASE2=lse_base2,
-        ROPE=rope is not None, BLOCK_HD=_pow2(d // 2, 16), HAS_MASK=mask is not None,
-        num_warps=warps, num_stages=_worklist_stages(q.is_cuda, block_m, k_pages.element_size() == 1,
-                                                     decode and not extras),
-    )
+    else:
+        block_n, warps = worklist_launch(block_m, block_d, k_pages.element_size() == 1,
+                                         softcap > 0 or rope is not None)
+        _kvcache_attn_kernel[(max_items, row_blocks, h_k)](
+            q, k_pages, v_pages, out, lse, o_part, lse_part, seqlens_indptr, seqlens_indptr, indices,
+            seqlens_indptr, seqlens_indptr, work, n_work,
+            0, q.stride(0), q.stride(1),
+            k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+            v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+            0, out.stride(0), out.stride(1),
+            0, 0,
+            1, h_k, group, k_pages.shape[1], k_pages.shape[0], indices.shape[0] * k_pages.shape[1], 0, 0, b,
+            softmax_scale * LOG2E, softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E,
+            window_left, window_right, 1.0 / rope[0] if rope else 1.0, math.log2(rope[1]) if rope else 0.0,
+            mask[0] if mask is not None else seqlens_indptr, mask[1] if mask is not None else seqlens_indptr,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+            PAGED=True, HAS_CACHE_IDX=False, HAS_LEFTPAD=False,
+            HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
+            HAS_ALIBI=False, SPLIT=False, WORKLIST=True, CSR=True, LSE_BASE2=lse_base2,
+            ROPE=rope is not None, BLOCK_HD=_pow2(d // 2, 16), HAS_MASK=mask is not None,
+            num_warps=warps, num_stages=_worklist_stages(q.is_cuda, block_m, k_pages.element_size() == 1,
+                                                         decode and not extras),
+        )
     if slot_start is not None:
         _combine_slots_kernel[(b, h)](
             out, lse, o_part, lse_part, slot_start, out.stride(0), out.stride(1), h,
@@ -719,11 +714,16 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
         )
 
 
+# the planned decode on the sm90 Gluon kernel (``_sm90_decode``): opt-in with
+# IOATTN_SM90_DECODE=1 until timed on the H200; read at import, as the other switches
+SM90_DECODE = os.environ.get("IOATTN_SM90_DECODE") == "1"
+
+
 def _sm90_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                  extras: bool) -> bool:
-    """Whether a planned decode call runs the sm90 decode kernel: opt-in (it has not been timed
-    on the H200 yet) and only where ``sm90_decode.unsupported_reason`` has nothing against it."""
-    if not q.is_cuda or os.environ.get("IOATTN_SM90_DECODE") != "1":
+    """Whether a planned decode call runs the sm90 decode kernel: opt-in (``SM90_DECODE``) and
+    only where ``sm90_decode.unsupported_reason`` has nothing against it."""
+    if not SM90_DECODE or not q.is_cuda:
         return False
     from ioattn.decode import sm90_decode
 

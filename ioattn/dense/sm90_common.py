@@ -239,8 +239,3 @@ def rows_descriptor(t: torch.Tensor, varlen: bool, block_rows: int,
     rows, row_stride = rows_view(t, varlen)
     layout = gl.NVMMASharedLayout.get_default_for([block_rows, cols], GL_DTYPES[t.dtype])
     return TensorDescriptor(t, [rows, t.shape[-2] * d], [row_stride, 1], [block_rows, cols], layout)
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (a persistent kernel's grid)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -41,9 +41,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, invalidate, query_tile,
-                                      query_tile_at, key_tiles, rows_descriptor, sm_count,
+                                      query_tile_at, key_tiles, rows_descriptor,
                                       tma_view_problem, wgmma_a_operand, wgmma_acc_layout,
                                       zero_last_key_tile)
+from ioattn.dispatch import sm_count
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M)
 BLOCK_M = gl.constexpr(128)  # two consumer warpgroups

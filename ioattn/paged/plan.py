@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 
 def kv_lengths(indptr: list[int], last_page_len: list[int], page_size: int) -> list[int]:
     """Tokens per request: full pages plus the last page's fill (0 for a request with no page)."""
@@ -56,5 +54,3 @@ def split_work(lengths: list[int], n_heads_k: int, sms: int, min_chunk: int = 25
     return DecodePlan(work, slot_start, chunk)
 
 
-def sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4

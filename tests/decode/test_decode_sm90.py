@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ioattn.flashinfer as fi
-from ioattn.decode import sm90_decode
+from ioattn.decode import sm90_decode, triton_decode
 from ioattn.dispatch import sm90_unavailable_reason
 from tests.paged.test_flashinfer import _check_request, _gather, _paged, replay_long_and_check
 
@@ -84,7 +84,7 @@ CASES = [
 def test_sm90_decode(c, monkeypatch):
     """Outputs and base-2 LSE against per-request references; slots past each request's last key
     hold NaN (stale cache entries) and must not reach the outputs."""
-    monkeypatch.setenv("IOATTN_SM90_DECODE", "1")
+    monkeypatch.setattr(triton_decode, "SM90_DECODE", True)
     calls = []
     orig = sm90_decode.paged_decode_sm90
     monkeypatch.setattr(sm90_decode, "paged_decode_sm90",
@@ -121,7 +121,7 @@ def test_sm90_decode(c, monkeypatch):
 def test_sm90_decode_graph_capture_short_replay_long(monkeypatch):
     """run() through the sm90 decode kernel captured at short lengths, replayed after a plan with
     long ones (split requests): the fixed grid covers any plan."""
-    monkeypatch.setenv("IOATTN_SM90_DECODE", "1")
+    monkeypatch.setattr(triton_decode, "SM90_DECODE", True)
     g = torch.Generator().manual_seed(5)
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
         torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
@@ -147,7 +147,7 @@ def test_sm90_decode_leaves_windows_to_the_portable_kernel(monkeypatch):
     """A sliding window is outside the sm90 decode kernel's coverage (the aligned first tile
     would read slots before the window): with the switch on, such a plan runs the portable
     kernel, correctly."""
-    monkeypatch.setenv("IOATTN_SM90_DECODE", "1")
+    monkeypatch.setattr(triton_decode, "SM90_DECODE", True)
     calls = []
     orig = sm90_decode.paged_decode_sm90
     monkeypatch.setattr(sm90_decode, "paged_decode_sm90",
