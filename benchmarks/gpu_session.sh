@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-dq-pipe] [sm90-decode] [sm90-fwd-wg3]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [sm90-fwd-wg3]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -73,13 +73,6 @@ for step in $steps; do
     bench-fp16) timeout 400 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes fp16 \
              --out "$OUT/dense_fp16_nvidia-h200_$(date +%F).json" > "$OUT/bench_fp16.log" 2>&1
            grep -E "geomean" "$OUT/bench_fp16.log" ;;
-    sm90-dq-pipe) # the dQ kernel with S/dP queued behind dQ: its tests, then on / off timed back to back
-           timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py -k dq_pipe \
-             > "$OUT/tests_dq_pipe.log" 2>&1; tail -1 "$OUT/tests_dq_pipe.log"
-           for pipe in 1 0; do IOATTN_SM90_DQ_PIPE=$pipe timeout 150 python -m ioattn bench --modes bwd \
-             --dims 64,128 --seqlens 2048,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
-             --out "$OUT/sm90_bwd_dqpipe${pipe}_nvidia-h200_$(date +%F).json" > "$OUT/dqpipe$pipe.log" 2>&1
-             echo "dq pipe=$pipe"; grep -E "^bwd" "$OUT/dqpipe$pipe.log"; done ;;
     sm90-decode) # the Gluon decode kernel (opt-in): its tests, then the decode suite with it on and off
            IOATTN_SM90_DECODE=1 timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
              tests/decode/test_decode_sm90.py > "$OUT/tests_sm90_decode.log" 2>&1

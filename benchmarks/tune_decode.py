@@ -56,7 +56,7 @@ def run(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16, kv_dtype=None,
             triton_decode._tile_n = lambda bm, bd, bn=bn: bn
             triton_decode._attn_warps = lambda bm, bd, x, w=warps: w
             triton_decode._attn_stages = lambda g, bm, s=stages: s
-            triton_decode._worklist_stages = lambda g, bm, fp8, dec=True, s=stages: s
+            triton_decode._worklist_stages = lambda g, bm, fp8, dec=True, page=16, s=stages: s
             triton_decode.worklist_launch = lambda bm, bd, fp8, x, bn=bn, w=warps: (bn, w)
             plan.target_items = (lambda batch, n_heads_k, sms, k=per_sm:
                                  max(batch, -(-k * sms // max(n_heads_k, 1))))

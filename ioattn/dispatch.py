@@ -99,10 +99,9 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_PINGPONG", "auto", "sm90 forward: consumer warpgroups issue GEMMs in turns "
      "(auto: d=256 only; 1/0 force)"),
     ("IOATTN_SM90_PERSISTENT", "0", "sm90 forward: persistent CTAs over query tiles (batched)"),
-    ("IOATTN_SM90_FWD_WG3", "0", "sm90 forward at d=64: three consumer warpgroups (192-row "
+    ("IOATTN_SM90_FWD_WG3", "1", "sm90 forward at d=64: three consumer warpgroups (192-row "
      "tiles)"),
     ("IOATTN_SM90_FUSED_BWD", "0", "sm90 backward: one kernel, dQ by TMA reduce-add"),
-    ("IOATTN_SM90_DQ_PIPE", "0", "sm90 dQ kernel: next tile's S and dP queued behind dQ"),
     ("IOATTN_SM90_DECODE", "0", "planned paged decode on the sm90 Gluon kernel"),
 )
 

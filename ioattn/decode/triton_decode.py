@@ -493,14 +493,17 @@ def _attn_stages(on_gpu: bool, block_m: int) -> int:
     return 4 if block_m <= 16 else 3 if block_m >= 128 else 2
 
 
-def _worklist_stages(on_gpu: bool, block_m: int, fp8: bool, decode: bool = True) -> int:
-    # the planned launch's bf16/fp16 decode tiles: 2 stages measured best under CUDA graphs
-    # (results/tune/tune_decode_graph.json, H200: geomean over 1x32k, 16x8k, 64x4k 3.13 vs 3.04
-    # TB/s with 4; 64x4k 4.03 vs 3.98, 16x8k 3.54 vs 3.44); with the page-table chain Triton
-    # gives 2 and 4 the same single K/V buffer, and 2 leaves more shared memory for co-resident
-    # programs. Only plain decode was swept this way (not fp8, prefill, RoPE/softcap/masks):
-    # the rest keep ``_attn_stages``
-    if on_gpu and block_m <= 16 and not fp8 and decode:
+def _worklist_stages(on_gpu: bool, block_m: int, fp8: bool, decode: bool = True,
+                     page_size: int = 16) -> int:
+    # the planned launch's bf16/fp16 decode tiles over pages of >= 16: 2 stages measured best
+    # under CUDA graphs (results/tune/tune_decode_graph.json, H200: geomean over 1x32k, 16x8k,
+    # 64x4k 3.13 vs 3.04 TB/s with 4; 64x4k 4.03 vs 3.98, 16x8k 3.54 vs 3.44); with the
+    # page-table chain Triton gives 2 and 4 the same single K/V buffer, and 2 leaves more shared
+    # memory for co-resident programs. Only plain decode over pages of 16 was swept this way (not
+    # fp8, prefill, RoPE/softcap/masks): the rest keep ``_attn_stages``. Pages of 1 need the 4
+    # stages: with 2, 64x4k ran at 3.36 TB/s against 4.11 through flash_attn_with_kvcache's 4
+    # (results/decode_sm90dec0_nvidia-h200_2026-11-29.json)
+    if on_gpu and block_m <= 16 and not fp8 and decode and page_size >= 16:
         return 2
     return _attn_stages(on_gpu, block_m)
 
@@ -705,7 +708,7 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
             HAS_ALIBI=False, SPLIT=False, WORKLIST=True, CSR=True, LSE_BASE2=lse_base2,
             ROPE=rope is not None, BLOCK_HD=_pow2(d // 2, 16), HAS_MASK=mask is not None,
             num_warps=warps, num_stages=_worklist_stages(q.is_cuda, block_m, k_pages.element_size() == 1,
-                                                         decode and not extras),
+                                                         decode and not extras, k_pages.shape[1]),
         )
     if slot_start is not None:
         _combine_slots_kernel[(b, h)](

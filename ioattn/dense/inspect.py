@@ -241,8 +241,7 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                 jobs.append((f"sm90 bwd dq d{d} {tag} 128x{sm90_bwd.DQ_BLOCK_N} ws", sm90_bwd._bwd_dq_sm90,
                              dict(q_desc=64, do_desc=64, k_desc=sm90_bwd.DQ_BLOCK_N,
                                   v_desc=sm90_bwd.DQ_BLOCK_N), d,
-                             dict(flags, STAGES=sm90_bwd._dq_stages(sm90_bwd.DQ_PIPE),
-                                  PIPE=sm90_bwd.DQ_PIPE)))
+                             dict(flags, STAGES=sm90_bwd.DQ_STAGES)))
         # the KV-cache forward over pages of 16 (one TMA copy per page)
         jobs.append((f"sm90 fwd paged16 d{d} causal 128x{bn} ws", sm90_fwd._attn_fwd_sm90,
                      dict(q_desc=64, o_desc=64, k_desc=16, v_desc=16), d,

@@ -61,8 +61,10 @@ def dense_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
     # (both unused here)
     if impl == "sm90":
         from ioattn.dense.sm90_fwd import attn_fwd_sm90 as launch
+        from ioattn.dense.sm90_common import aligned_base
         from ioattn.dense.sm90_fwd import unsupported_reason
 
+        q, k, v = (aligned_base(t) for t in (q, k, v))
         reason = unsupported_reason(q, k, v, q.shape[-1], v.shape[-1], softcap,
                                     alibi_slopes is not None, dropout_p, cu_seqlens_q is not None)
         if reason is not None:
@@ -101,7 +103,7 @@ def dense_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
               deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     if impl == "sm90":
         from ioattn.dense import sm90_bwd
-        from ioattn.dense.sm90_common import tma_view_problem
+        from ioattn.dense.sm90_common import aligned_base, tma_view_problem
 
         # the fused form (opt-in, sm90_bwd.FUSED) adds dQ by reductions: not for deterministic
         launch = functools.partial(sm90_bwd.attn_bwd_sm90, fused=sm90_bwd.FUSED and not deterministic)
@@ -111,6 +113,7 @@ def dense_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             raise ValueError(f"impl='sm90' cannot run this backward: {reason}")
         if tma_view_problem("dout", dout, cu_seqlens_q is not None) is not None:
             dout = dout.contiguous()  # an upstream transpose or expand: one copy, then TMA
+        dout, q, k, v = (aligned_base(t) for t in (dout, q, k, v))
     elif impl == "triton":
         launch = attn_bwd
     else:

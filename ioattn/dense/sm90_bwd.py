@@ -9,8 +9,9 @@ so the backward stays deterministic, as the portable one is:
   operands), Pᵀ = exp2(Sᵀ - LSE), dSᵀ = Pᵀ(dPᵀ - delta), then dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ
   and dSᵀ as register operands.
 - dQ: one CTA per 128 query rows of one head, the forward's shape: Q and dO halves loaded once,
-  K and V streamed; per key block S = Q·Kᵀ, dP = dO·Vᵀ, dS = P(dP - delta), dQ += dS·K. Opt-in
-  (``DQ_PIPE``, not yet run on a GPU): the next block's S and dP are queued behind dQ.
+  K and V streamed; per key block S = Q·Kᵀ, dP = dO·Vᵀ, dS = P(dP - delta), dQ += dS·K. (Queueing
+  the next block's S and dP behind dQ, with one more K/V stage, measured 0.87-0.96x: removed,
+  benchmarks/NOTES.md.)
 
 Layouts and coverage are the forward's (``sm90_fwd``): [rows, heads * d] views through host TMA
 descriptors, d = d_v in {64, 128} here, causal/window, GQA, batched and varlen, fp16/bf16. As there,
@@ -57,17 +58,9 @@ PRODUCER_REGS = 24
 DKDV_STAGES = 2
 DQ_BLOCK_N = 64
 DQ_STAGES = 2
-# dQ kernel: queue the next tile's S and dP behind dQ (``_dq_consumer``'s PIPE form, with one
-# more K/V stage): opt-in with IOATTN_SM90_DQ_PIPE=1 until measured on the H200
-DQ_PIPE = os.environ.get("IOATTN_SM90_DQ_PIPE") == "1"
-
-
-def _dq_stages(pipe: bool) -> int:
-    return DQ_STAGES + 1 if pipe else DQ_STAGES
 # The fused backward (dQ by TMA reductions in the dK/dV kernel): off unless
-# IOATTN_SM90_FUSED_BWD=1, until it measures faster than the two-kernel form (its first version
-# did not; the column-split one has not run yet: `gpu_session.sh sm90-bwd-fused` tests and
-# times it)
+# IOATTN_SM90_FUSED_BWD=1; its column-split form measured 395 TFLOP/s at d=128 16k against 452
+# for the two-kernel form (results/sm90_bwd_fused_colsplit_*.json)
 FUSED = os.environ.get("IOATTN_SM90_FUSED_BWD") == "1"
 
 
@@ -412,7 +405,7 @@ def _dq_consumer(DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, kv_full
                  kv_fixed, dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                  window_left, window_right, qk_scale_log2, sm_scale,
                  WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, PIPE: gl.constexpr):
+                 HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
@@ -434,46 +427,17 @@ def _dq_consumer(DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, kv_full
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
     if n_tiles > 0:
         mbarrier.wait(q_bar, 0)
-    if PIPE:
-        # S_{j+1} and dP_{j+1} are queued on the tensor cores right behind dQ_j, so they run
-        # without waiting for this warpgroup to see dQ_j retire; tile j's K/V stage is released
-        # one iteration later (after dQ_j), hence one more stage (``_dq_stages``)
-        if n_tiles > 0:
-            s_tok, dp_tok = _dq_issue_sdp(q, do, k_smem, v_smem, kv_full, kv_fixed, s_zero, 0, lo,
-                                          seqlen_k, STAGES, IS_VARLEN)
-            s, dp = warpgroup_mma_wait(0, deps=[s_tok, dp_tok])
-            ds = _dq_scores(s, dp, rows, row0, lo, lse2, delta, seqlen_q, seqlen_k, off,
-                            window_left, window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT)
-            dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_smem.index(0),
-                                   dq, is_async=True)
-            if n_tiles > 1:
-                s_tok, dp_tok = _dq_issue_sdp(q, do, k_smem, v_smem, kv_full, kv_fixed, s_zero, 1,
-                                              lo, seqlen_k, STAGES, IS_VARLEN)
-            for j in range(1, n_tiles):
-                dq, s, dp = warpgroup_mma_wait(0, deps=[dq_tok, s_tok, dp_tok])
-                mbarrier.arrive(kv_empty.index((j - 1) % STAGES), count=1)  # dQ_{j-1} retired
-                ds = _dq_scores(s, dp, rows, row0, lo + j * BLOCK_N, lse2, delta, seqlen_q,
-                                seqlen_k, off, window_left, window_right, qk_scale_log2,
-                                HAS_LEFT, HAS_RIGHT)
-                dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout),
-                                       k_smem.index(j % STAGES), dq, is_async=True)
-                if j + 1 < n_tiles:
-                    s_tok, dp_tok = _dq_issue_sdp(q, do, k_smem, v_smem, kv_full, kv_fixed, s_zero,
-                                                  j + 1, lo, seqlen_k, STAGES, IS_VARLEN)
-            dq = warpgroup_mma_wait(0, deps=[dq_tok])
-            mbarrier.arrive(kv_empty.index((n_tiles - 1) % STAGES), count=1)
-    else:
-        for j in range(n_tiles):
-            st = j % STAGES
-            s_tok, dp_tok = _dq_issue_sdp(q, do, k_smem, v_smem, kv_full, kv_fixed, s_zero, j, lo,
-                                          seqlen_k, STAGES, IS_VARLEN)
-            s, dp = warpgroup_mma_wait(0, deps=[s_tok, dp_tok])
-            ds = _dq_scores(s, dp, rows, row0, lo + j * BLOCK_N, lse2, delta, seqlen_q, seqlen_k,
-                            off, window_left, window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT)
-            dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_smem.index(st),
-                                   dq, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=[dq_tok])
-            mbarrier.arrive(kv_empty.index(st), count=1)
+    for j in range(n_tiles):
+        st = j % STAGES
+        s_tok, dp_tok = _dq_issue_sdp(q, do, k_smem, v_smem, kv_full, kv_fixed, s_zero, j, lo,
+                                      seqlen_k, STAGES, IS_VARLEN)
+        s, dp = warpgroup_mma_wait(0, deps=[s_tok, dp_tok])
+        ds = _dq_scores(s, dp, rows, row0, lo + j * BLOCK_N, lse2, delta, seqlen_q, seqlen_k,
+                        off, window_left, window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT)
+        dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_smem.index(st),
+                               dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=[dq_tok])
+        mbarrier.arrive(kv_empty.index(st), count=1)
 
     d_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
     out_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))
@@ -487,8 +451,7 @@ def _bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, CU_Q, CU_K,
                  n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
                  sm_scale, qk_scale_log2, window_left, window_right,
                  IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                 STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
-                 PIPE: gl.constexpr):
+                 STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = 2 * HALF
@@ -515,11 +478,11 @@ def _bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, CU_Q, CU_K,
         (_dq_consumer, (DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar.index(0), kv_full,
                         kv_empty, kv_fixed.index(0), dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                         window_left, window_right, qk_scale_log2, sm_scale,
-                        0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, PIPE)),
+                        0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)),
         (_dq_consumer, (DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar.index(0), kv_full,
                         kv_empty, kv_fixed.index(0), dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                         window_left, window_right, qk_scale_log2, sm_scale,
-                        1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, PIPE)),
+                        1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                         q_bar.index(0), kv_full, kv_empty, kv_fixed.index(0), q_row, off_h * HEAD_D,
                         k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo, STAGES, IS_VARLEN)),
@@ -608,4 +571,4 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         rows_descriptor(v, p.is_varlen, DQ_BLOCK_N), dq, lse, delta, cu_q, cu_k,
         dq.stride(-3), dq.stride(-2), *lse_strides,
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-        STAGES=_dq_stages(DQ_PIPE), PIPE=DQ_PIPE, **flags)
+        STAGES=DQ_STAGES, **flags)

@@ -220,14 +220,30 @@ def rows_view(t: torch.Tensor, varlen: bool) -> tuple[int, int] | None:
 
 
 def tma_view_problem(name: str, t: torch.Tensor, varlen: bool) -> str | None:
-    """Why ``t`` cannot be read through a [rows, heads * d] TMA descriptor (None when it can)."""
+    """Why ``t``'s layout cannot be read through a [rows, heads * d] TMA descriptor (None when
+    it can). Shapes and strides only: the base address is unknown while torch.compile traces
+    the dispatch, so a misaligned base is mended where the kernel is launched
+    (``aligned_base``)."""
     view = rows_view(t, varlen)
     if view is None:
         return (f"{name}'s strides {tuple(t.stride())} do not form a row-major [rows, heads * "
                 f"head_dim] matrix (TMA needs heads packed in a row)")
-    if t.data_ptr() % 16 or (view[1] * t.element_size()) % 16:
-        return f"{name} is not 16-byte aligned (base or row stride), as TMA requires"
+    if (view[1] * t.element_size()) % 16:
+        return f"{name}'s row stride is not a multiple of 16 bytes, as TMA requires"
     return None
+
+
+def base_problem(name: str, t: torch.Tensor) -> str | None:
+    """Why ``t``'s base address cannot start a TMA descriptor (None when it can)."""
+    if t.data_ptr() % 16:
+        return f"{name}'s base address is not 16-byte aligned, as TMA requires"
+    return None
+
+
+def aligned_base(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy when its base is not 16-byte aligned (a view that starts
+    mid-row): for read-only kernel inputs, whose layout ``tma_view_problem`` has accepted."""
+    return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
 def rows_descriptor(t: torch.Tensor, varlen: bool, block_rows: int,

@@ -40,8 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
-from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, invalidate, query_tile,
-                                      query_tile_at, key_tiles, rows_descriptor,
+from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, base_problem, invalidate,
+                                      query_tile, query_tile_at, key_tiles, rows_descriptor,
                                       tma_view_problem, wgmma_a_operand, wgmma_acc_layout,
                                       zero_last_key_tile)
 from ioattn.dispatch import sm_count
@@ -58,9 +58,11 @@ PINGPONG = os.environ.get("IOATTN_SM90_PINGPONG", "auto")
 # IOATTN_SM90_PERSISTENT=1: on the H200 it measured no faster at d=128 and much slower under a
 # causal mask (static tile striding leaves heavy tiles for the end); benchmarks/NOTES.md
 PERSISTENT = os.environ.get("IOATTN_SM90_PERSISTENT", "0") == "1"
-# three consumer warpgroups at d=64 (192-row tiles, FA3's shape there), opt-in until measured
-# (IOATTN_SM90_FWD_WG3=1). Environment switches are read at import (``dispatch.ENV_SWITCHES``)
-WG3 = os.environ.get("IOATTN_SM90_FWD_WG3") == "1"
+# three consumer warpgroups at d=64 (192-row tiles, FA3's shape there); on by default since it
+# measured 1.03-1.05x the two-warpgroup form non-causal from 2k and 1.23x causal at 2k on the
+# H200 (results/sm90_fwd_wg3_{1,0}_*.json; causal 4k-16k within 3%), IOATTN_SM90_FWD_WG3=0 turns
+# it off. Environment switches are read at import (``dispatch.ENV_SWITCHES``)
+WG3 = os.environ.get("IOATTN_SM90_FWD_WG3", "1") != "0"
 
 
 def _block_n(head_dim: int) -> int:
@@ -560,14 +562,16 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_d
 def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int) -> bool:
     """Whether 'auto' should take this kernel over the portable one: where it measured faster on
     the H200 (benchmarks/NOTES.md, results/sm90_fwd_*quick_*.json): d=128 from s=2k (1.01-1.32x
-    the portable kernel), d=256 from 2k (1.32-1.42x); d=64 only from 8k (1.06x; at 2k they tie
-    or the run was noisy). The gain comes from the pipelined key loop, so a shorter query block
+    the portable kernel), d=256 from 2k (1.32-1.42x); d=64 from 4k with three consumer
+    warpgroups (428 / 353 TFLOP/s non-causal / causal at 4k, results/sm90_fwd_wg3_1_*.json,
+    against 390 / 339 for the portable kernel in the run of record; at 2k non-causal they tie),
+    else from 8k (1.06x). The gain comes from the pipelined key loop, so a shorter query block
     over as many keys gains too: 512 queries over 4608 keys (chunked prefill, d=128 causal GQA)
     ran at 590 TFLOP/s through the paged form of this kernel against 454 through the portable
     one (results/chunked_sm90_paged_nvidia-h200_2026-11-29.json); that rule is kept to d >= 128,
     where it was measured. Shorter problems were not measured: the portable kernel keeps them."""
     if head_dim == 64:
-        return max_seqlen_q >= 8192
+        return max_seqlen_q >= (4096 if WG3 else 8192)
     return max_seqlen_q >= 2048 or (max_seqlen_q >= 512 and max_seqlen_k >= 2048)
 
 
@@ -621,6 +625,8 @@ def paged_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return "cache_leftpad is not covered by the sm90 KV-cache forward"
     problem = unsupported_reason(q, k_cache, v_cache, q.shape[-1], v_cache.shape[-1], softcap,
                                  has_alibi, 0.0, False)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        problem = problem or base_problem(name, t)  # (caches are not copied to mend it)
     if problem is not None:
         return problem
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:

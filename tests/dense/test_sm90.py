@@ -126,23 +126,6 @@ FUSED_CASES = [Case(113, 203, d=64), Case(113, 203, d=128, causal=True),
 
 
 @needs_sm90
-@pytest.mark.parametrize("c", FUSED_CASES[:4] + [Case(64, 64, d=128, h=2)],
-                         ids=lambda c: "sm90-dq-pipe-" + c.id)
-def test_sm90_dq_pipe(c: Case, monkeypatch):
-    """The dQ kernel with the next tile's S and dP queued behind dQ (opt-in, sm90_bwd.DQ_PIPE),
-    through backend='sm90' end to end; one case has a single key tile."""
-    from ioattn.dense import sm90_bwd
-
-    monkeypatch.setattr(sm90_bwd, "DQ_PIPE", True)
-    q, k, v = _inputs(c, "cuda")
-    kw = dict(causal=c.causal, window_size=c.window)
-    out = ioattn.flash_attn_func(q, k, v, backend="sm90", **kw)
-    ref, _ = attention_ref(q, k, v, **kw)
-    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
-    _check_grads(c.id, out, ref, pt, torch.randn_like(out), (q, k, v))
-
-
-@needs_sm90
 @pytest.mark.parametrize("c", FUSED_CASES, ids=lambda c: "sm90-fused-bwd-" + c.id)
 def test_sm90_fused_bwd(c: Case):
     """The fused sm90 backward (dQ added by TMA reductions; opt-in, sm90_bwd.FUSED) against the
@@ -249,6 +232,37 @@ def test_sm90_refuses_what_it_does_not_cover(kw):
     ioattn.flash_attn_func(q, k, v, **kw)  # auto runs it on the portable kernels
 
 
+@needs_sm90
+def test_sm90_misaligned_base_is_copied():
+    """Inputs that start mid-row (a base 8 bytes past alignment) run on the sm90 kernels
+    through one copy: TMA needs 16-byte bases, and the check cannot run while torch.compile
+    traces the dispatch, so the op mends it at launch."""
+    c = Case(203, 203, d=64, causal=True, h=2)
+    q, k, v = (torch.randn(t.numel() + 4, device="cuda", dtype=t.dtype)[4:].view(t.shape)
+               .copy_(t).requires_grad_() for t in (x.detach() for x in _inputs(c, "cuda")))
+    assert all(t.data_ptr() % 16 for t in (q, k, v))
+    out = ioattn.flash_attn_func(q, k, v, causal=True, backend="sm90")
+    ref, _ = attention_ref(q, k, v, causal=True)
+    pt, _ = attention_ref(q, k, v, causal=True, upcast=False)
+    assert_close_rule("out", out, ref, pt)
+    _check_grads(c.id, out, ref, pt, torch.randn_like(out), (q, k, v))
+
+
+def test_sm90_dispatch_check_traces_under_compile(device):
+    """The sm90 coverage check looks at shapes and strides only (no data_ptr), so torch.compile
+    traces flash_attn_func's dispatch on Hopper without a graph break."""
+    from ioattn.dense.sm90_fwd import unsupported_reason
+
+    q, k, v = (torch.randn(1, 33, 2, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
+
+    def f(q, k, v):
+        covered = unsupported_reason(q, k, v, 64, 64, 0.0, False, 0.0, False) is None
+        return q * (2.0 if covered else 3.0)
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(q, k, v), q * 2.0)
+
+
 def test_sm90_forward_preference_rule():
     """'auto' takes the sm90 forward where it measured faster: long queries, or a chunk of >= 512
     queries over long keys (chunked prefill: 1.3x the portable kernel); short problems stay
@@ -264,6 +278,7 @@ def test_sm90_forward_preference_rule():
     assert not sm90_fwd.preferred(64, False, 512, 4608)
     assert not sm90_fwd.preferred(64, False, 512, 8192)
     assert sm90_fwd.preferred(64, False, 8192, 8192)
+    assert sm90_fwd.preferred(64, True, 4096, 4096) == sm90_fwd.WG3
     if sm90_fwd.PINGPONG == "auto":
         assert [sm90_fwd._pingpong(d) for d in (64, 128, 256)] == [False, False, True]
 
