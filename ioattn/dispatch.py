@@ -102,6 +102,6 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_FWD_WG3", "1", "sm90 forward at d=64: three consumer warpgroups (192-row "
      "tiles)"),
     ("IOATTN_SM90_FUSED_BWD", "0", "sm90 backward: one kernel, dQ by TMA reduce-add"),
-    ("IOATTN_SM90_DECODE", "0", "planned paged decode on the sm90 Gluon kernel"),
+    ("IOATTN_SM90_DECODE", "1", "planned paged decode on the sm90 Gluon kernel"),
 )
 

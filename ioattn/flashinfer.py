@@ -437,6 +437,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._seqlens_indptr.copy_(torch.tensor(lengths + ip + list(range(batch + 1)), dtype=torch.int32),
                                    non_blocking=non_blocking)
         self._slot_start.copy_(torch.tensor(plan.slot_start, dtype=torch.int32), non_blocking=non_blocking)
+        # no request split: run() skips the merge launch, unless a captured graph must keep it
+        # for later plans
+        self._merge = self._use_cuda_graph or plan.slot_start[-1] > 0
         if self._indices_buf is not None:
             if self._indices_buf.numel() < idx.numel():
                 _fail(f"paged_kv_indices_buffer has {self._indices_buf.numel()} entries; this plan "
@@ -465,7 +468,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         wl = c["window_left"] if window_left is None else window_left
         block_m = c["block_m"]
         paged_attn(q, k, v, self._indices, self._seqlens_indptr, self._work, self._n_work,
-                   self._slot_start, self._max_items, -(-(c["h"] // c["h_k"]) // block_m), block_m,
+                   self._slot_start if self._merge else None, self._max_items,
+                   -(-(c["h"] // c["h_k"]) // block_m), block_m,
                    self._o_part, self._lse_part, scale, wl, -1, c["softcap"], out,
                    lse if lse is not None else self._lse_keep, lse_base2=True, rope=c["rope"],
                    decode=True)

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ioattn.dense.common import LOG2E
-from ioattn.dense.sm90_common import (GL_DTYPES, OPERAND_DTYPES, barriers, invalidate,
+from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, invalidate, shared_layout,
                                       wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile)
 
 ROWS = gl.constexpr(64)  # wgmma's M: the GQA group's query heads, zero-padded
@@ -263,8 +263,8 @@ def _descriptor(t: torch.Tensor, view: tuple, box: int) -> TensorDescriptor:
     page_rows, head_rows, head_cols, row_elems, row_stride = view
     pages, page, h_k, _ = t.shape
     rows = (pages - 1) * page_rows + (h_k - 1) * head_rows + page  # the view's last row + 1
-    layout = gl.NVMMASharedLayout.get_default_for([box, t.shape[-1]], GL_DTYPES[t.dtype])
-    return TensorDescriptor(t, [rows, row_elems], [row_stride, 1], [box, t.shape[-1]], layout)
+    return TensorDescriptor(t, [rows, row_elems], [row_stride, 1], [box, t.shape[-1]],
+                            shared_layout(box, t.shape[-1], t.dtype))
 
 
 def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,

@@ -673,8 +673,8 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
     lse [total_q, h]. rope=(rope_scale, rope_theta) rotates q and K inside the kernel (FlashInfer's
     ROPE_LLAMA; the cache keeps unrotated keys). mask=(packed bits uint8, byte offsets int32
     [batch + 1]) is FlashInfer's packed custom mask (True = attend). Launches a fixed grid, so CUDA graphs replay it under new plans; allocates
-    nothing. decode: one query row per request (the decode wrapper); on Hopper with
-    IOATTN_SM90_DECODE=1 such calls run the sm90 decode kernel where it covers them
+    nothing. decode: one query row per request (the decode wrapper); on Hopper such calls run
+    the sm90 decode kernel where it covers them
     (``ioattn.decode.sm90_decode``)."""
     total_q, h, d = q.shape
     b = slot_start.shape[0] - 1 if slot_start is not None else (seqlens_indptr.shape[0] - 2) // 3
@@ -717,15 +717,18 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
         )
 
 
-# the planned decode on the sm90 Gluon kernel (``_sm90_decode``): opt-in with
-# IOATTN_SM90_DECODE=1 until timed on the H200; read at import, as the other switches
-SM90_DECODE = os.environ.get("IOATTN_SM90_DECODE") == "1"
+# the planned decode on the sm90 Gluon kernel (``_sm90_decode``), on by default: on the H200 it
+# ran 1.2x the portable kernel at 1 x 32k under CUDA-graph replay (2.58 vs 2.16 TB/s; 35.7 vs
+# 52.6 us in the kernel) and level or ahead at 16 x 8k, 64 x 4k and 128 x 2k
+# (results/decode_sm90dec{1,0}_*.json); IOATTN_SM90_DECODE=0 turns it off. Read at import, as
+# the other switches
+SM90_DECODE = os.environ.get("IOATTN_SM90_DECODE", "1") != "0"
 
 
 def _sm90_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                  extras: bool) -> bool:
-    """Whether a planned decode call runs the sm90 decode kernel: opt-in (``SM90_DECODE``) and
-    only where ``sm90_decode.unsupported_reason`` has nothing against it."""
+    """Whether a planned decode call runs the sm90 decode kernel: on Hopper (``SM90_DECODE``)
+    where ``sm90_decode.unsupported_reason`` has nothing against it."""
     if not SM90_DECODE or not q.is_cuda:
         return False
     from ioattn.decode import sm90_decode

@@ -8,6 +8,8 @@ seqlen_q``, query row i sees key j iff i + off - left <= j <= i + off + right.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton.language as tl
 from triton._C.libtriton import ir
@@ -246,6 +248,13 @@ def aligned_base(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
+@functools.lru_cache(maxsize=64)
+def shared_layout(rows: int, cols: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The NVMMA shared layout of a [rows, cols] TMA box: built once per shape (its Python
+    construction was the largest ioattn-side host cost of a decode launch, benchmarks/NOTES.md)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], GL_DTYPES[dtype])
+
+
 def rows_descriptor(t: torch.Tensor, varlen: bool, block_rows: int,
                     block_cols: int | None = None) -> TensorDescriptor:
     """Host TMA descriptor of ``t`` as [rows, heads * d] with [block_rows, block_cols] boxes
@@ -253,5 +262,5 @@ def rows_descriptor(t: torch.Tensor, varlen: bool, block_rows: int,
     d = t.shape[-1]
     cols = block_cols or d
     rows, row_stride = rows_view(t, varlen)
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, cols], GL_DTYPES[t.dtype])
+    layout = shared_layout(block_rows, cols, t.dtype)
     return TensorDescriptor(t, [rows, t.shape[-2] * d], [row_stride, 1], [block_rows, cols], layout)

@@ -1,4 +1,4 @@
-"""The sm90 paged decode kernel (``ioattn.decode.sm90_decode``, opt-in with IOATTN_SM90_DECODE=1)
+"""The sm90 paged decode kernel (``ioattn.decode.sm90_decode``, on by default on Hopper)
 behind ``BatchDecodeWithPagedKVCacheWrapper``: its coverage rules and cache row views (anywhere),
 and on Hopper its outputs against per-request references, split requests, empty requests, NaN in
 stale cache slots and CUDA-graph replay. Windows, RoPE, softcap and fp8 stay on the portable
