@@ -35,8 +35,24 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     return f"device type {device.type!r} is not supported (use CUDA tensors)"
 
 
+_SM90_REASONS: dict = {}  # (device, interpreting) -> sm90_unavailable_reason's answer
+
+
 def sm90_unavailable_reason(device: torch.device) -> str | None:
-    """Why the Gluon Hopper kernels cannot run on ``device`` at all (None when they can)."""
+    """Why the Gluon Hopper kernels cannot run on ``device`` at all (None when they can).
+    Answered once per device (every call's dispatch asks), except while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return _sm90_unavailable_reason(device)
+    index = device.index
+    if index is None and device.type == "cuda":
+        index = torch.cuda.current_device()
+    key = (device.type, index, interpreting())
+    if key not in _SM90_REASONS:
+        _SM90_REASONS[key] = _sm90_unavailable_reason(device)
+    return _SM90_REASONS[key]
+
+
+def _sm90_unavailable_reason(device: torch.device) -> str | None:
     import triton
 
     if device.type != "cuda":

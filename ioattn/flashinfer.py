@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ioattn.dispatch import sm_count, triton_unavailable_reason
 from ioattn.decode.merge import merge_state, merge_state_in_place, merge_states  # noqa: F401
+from ioattn.decode import triton_decode
 from ioattn.decode.triton_decode import kvcache_attn, paged_attn, paged_tiles
 from ioattn.paged.plan import kv_lengths, max_work_items, split_work
 
@@ -440,6 +441,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # no request split: run() skips the merge launch, unless a captured graph must keep it
         # for later plans
         self._merge = self._use_cuda_graph or plan.slot_start[-1] > 0
+        kv_bytes = 2 * sum(lengths) * num_kv_heads * head_dim * kv_dt.itemsize
+        self._small = kv_bytes < triton_decode.SM90_DECODE_MIN_BYTES
         if self._indices_buf is not None:
             if self._indices_buf.numel() < idx.numel():
                 _fail(f"paged_kv_indices_buffer has {self._indices_buf.numel()} entries; this plan "
@@ -472,7 +475,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                    -(-(c["h"] // c["h_k"]) // block_m), block_m,
                    self._o_part, self._lse_part, scale, wl, -1, c["softcap"], out,
                    lse if lse is not None else self._lse_keep, lse_base2=True, rope=c["rope"],
-                   decode=True)
+                   decode=True, small=self._small)
         if v_scale is not None:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ioattn.decode.triton_decode import gather_kv, kvcache_attn, rope_store
 from ioattn.dense.api import _pick
-from ioattn.dense.op import _new_output, _on_device, dense_fwd
+from ioattn.dense.op import _new_output, _on_device, fwd_impl
 from ioattn.dispatch import sm_count
 
 # The gathered path's switch: None lets ``gathers`` decide; True / False take it always / never
@@ -121,9 +121,9 @@ def _gathered_attn(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens_k: Tenso
                     alibi_slopes, 0.0, varlen=True, masked=window_left >= 0 or window_right >= 0,
                     max_seqlen_q=s_q, max_seqlen_k=capacity)
     with torch.no_grad():  # like the split kernel's, these outputs carry no autograd graph
-        out, lse = dense_fwd(q_packed, k_packed, v_packed, cu_q, cu_k, s_q, capacity,
-                             softmax_scale, window_left, window_right, softcap, alibi_slopes, 0.0,
-                             None, impl)
+        out, lse = fwd_impl(q_packed, k_packed, v_packed, cu_q, cu_k, s_q, capacity,
+                            softmax_scale, window_left, window_right, softcap, alibi_slopes, 0.0,
+                            None, impl)
     # the varlen LSE is [h, total_q]
     return out.view(b, s_q, h, -1), lse.view(h, b, s_q).transpose(0, 1).contiguous()
 

@@ -663,7 +663,7 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
                lse: torch.Tensor, lse_base2: bool,
                rope: Optional[tuple[float, float]] = None,
                mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-               decode: bool = False) -> None:
+               decode: bool = False, small: bool = False) -> None:
     """Planned attention (plan()/run()) of ragged q [total_q, h, d] over pages [pages, page_size,
     h_k, d] (strided views serve NHD and HND) through the CSR page table ``indices``.
     ``seqlens_indptr`` holds the per-request kv lengths, kv indptr and qo indptr ([batch],
@@ -682,7 +682,11 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
     group = h // h_k
     block_d = _pow2(d, 16)
     extras = softcap > 0 or rope is not None or mask is not None or window_right >= 0
-    if decode and _sm90_decode(q, k_pages, v_pages, extras or window_left >= 0):
+    # small: the plan reads few bytes (``SM90_DECODE_MIN_BYTES``), so an eager call's host time
+    # outweighs the kernel: the portable launch, ~70 us cheaper on the host, is then faster
+    # unless the call is being captured into a CUDA graph (host time paid once)
+    if decode and (not small or (q.is_cuda and torch.cuda.is_current_stream_capturing())) \
+            and _sm90_decode(q, k_pages, v_pages, extras or window_left >= 0):
         from ioattn.decode.sm90_decode import paged_decode_sm90
 
         paged_decode_sm90(q, k_pages, v_pages, indices, seqlens_indptr, work, n_work, max_items,
@@ -723,6 +727,13 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
 # (results/decode_sm90dec{1,0}_*.json); IOATTN_SM90_DECODE=0 turns it off. Read at import, as
 # the other switches
 SM90_DECODE = os.environ.get("IOATTN_SM90_DECODE", "1") != "0"
+
+
+# K+V bytes of a plan below which eager decode calls keep the portable kernel: at 1 x 32k (134 MB)
+# the sm90 kernel runs 36 us on the GPU against 53, but run() costs 150 us of host time against
+# 90, and eager timing went from 2.03 to 1.27 TB/s; at 16 x 8k (268 MB) eager gained (3.42 ->
+# 3.61). results/tune/profile_decode_sm90dec{1,0}.json, results/decode_8ca8970_*.json
+SM90_DECODE_MIN_BYTES = 200 << 20
 
 
 def _sm90_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,

@@ -156,11 +156,15 @@ def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
     """The kernel families of this call's forward and backward: 'sm90', 'triton' or 'reference'
     (ioattn.dispatch). 'auto' picks each direction where it measured faster; an explicit 'sm90'
     raises when either direction it would have to run is not covered."""
-    def sm90_problem():
-        from ioattn.dense.sm90_fwd import unsupported_reason
+    problem = []  # sm90_problem's answer, asked at most once
 
-        return unsupported_reason(q, k, v, q.shape[-1], v.shape[-1], softcap,
-                                  alibi_slopes is not None, dropout_p, varlen)
+    def sm90_problem():
+        if not problem:
+            from ioattn.dense.sm90_fwd import unsupported_reason
+
+            problem.append(unsupported_reason(q, k, v, q.shape[-1], v.shape[-1], softcap,
+                                              alibi_slopes is not None, dropout_p, varlen))
+        return problem[0]
 
     def sm90_preferred():
         from ioattn.dense import sm90_fwd

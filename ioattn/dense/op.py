@@ -36,8 +36,11 @@ def _last_dim_contiguous(t: Tensor) -> Tensor:
 
 
 def _on_device(t: Tensor):
-    # Triton launches on the current CUDA device, which need not be the inputs' device
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    # Triton launches on the current CUDA device, which need not be the inputs' device (the
+    # device switch is skipped when it already is: entering it costs host time per call)
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def draw_rng_state(device: torch.device) -> Tensor:
@@ -48,8 +51,7 @@ def draw_rng_state(device: torch.device) -> Tensor:
     return torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=device)
 
 
-@torch.library.custom_op("ioattn::dense_fwd", mutates_args=())
-def dense_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
+def fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
               cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
               softmax_scale: float, window_left: int, window_right: int, softcap: float,
               alibi_slopes: Optional[Tensor], dropout_p: float,
@@ -85,6 +87,12 @@ def dense_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
     return out, lse
 
 
+# the registered op (torch.compile graphs, opcheck, torch.ops.ioattn.dense_fwd); eager callers
+# run ``fwd_impl`` itself: the dispatcher's per-call bookkeeping cost ~75 us of host time on the
+# H200 machine (benchmarks/host_overhead.py), more than a short sequence's kernel
+dense_fwd = torch.library.custom_op("ioattn::dense_fwd", fwd_impl, mutates_args=())
+
+
 @dense_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
       window_right, softcap, alibi_slopes, dropout_p, rng_state, impl="triton", bwd_impl="triton",
@@ -94,8 +102,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
     return out, lse
 
 
-@torch.library.custom_op("ioattn::dense_bwd", mutates_args=())
-def dense_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+def bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               dlse: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
               max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int,
               window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float,
@@ -134,6 +141,9 @@ def dense_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     return dq, dk, dv
 
 
+dense_bwd = torch.library.custom_op("ioattn::dense_bwd", bwd_impl, mutates_args=())
+
+
 @dense_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
@@ -159,12 +169,13 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout, dlse):
+def _backward(ctx, dout, dlse, bwd=None):
+    # bwd: the backward's entry, the registered op unless the eager path passes ``bwd_impl``
     q, k, v, out, lse, cu_q, cu_k, alibi, rng = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     mq, mk, scale, wl, wr, cap = ctx.scalars
-    dq, dk, dv = dense_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, mq, mk, scale, wl, wr, cap,
+    dq, dk, dv = (bwd or dense_bwd)(dout, q, k, v, out, lse, dlse, cu_q, cu_k, mq, mk, scale, wl, wr, cap,
                            alibi, ctx.dropout_p, rng, ctx.bwd_impl, ctx.deterministic)
     return (dq, dk, dv) + (None,) * (len(_FWD_ARGS) - 3)
 
@@ -173,14 +184,14 @@ dense_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 class DenseAttention(torch.autograd.Function):
-    """The public functions' entry when a gradient is needed: the same ops and backward as the
-    registered autograd, without the custom-op autograd wrapper's per-call argument handling
-    (host time per call on the CI CPU, kernels stubbed out: 125 -> 87 us; short sequences cannot
-    hide it behind the kernel)."""
+    """The public functions' eager entry when a gradient is needed: the registered op's
+    implementations and backward, without the custom-op autograd wrapper's per-call argument
+    handling or the dispatcher (host time per call on the CI CPU, kernels stubbed out: 125 -> 87
+    us for the wrapper; the dispatcher another ~75 us on the H200 machine, each direction)."""
 
     @staticmethod
     def forward(*inputs):
-        return dense_fwd(*inputs)
+        return fwd_impl(*inputs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -188,7 +199,7 @@ class DenseAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse)
+        return _backward(ctx, dout, dlse, bwd_impl)
 
 
 def dense_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
@@ -199,13 +210,14 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tens
                     bwd_impl: str = "triton", deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """Differentiable (out, lse); arguments as ``ioattn::dense_fwd``. ``bwd_impl`` picks the
     backward's kernels independently of the forward's (both keep the same LSE convention)."""
-    # compiled graphs use the op's registered autograd (dynamo traces it without a break; it cannot
-    # trace autograd.Function.apply with one tensor in two inputs, e.g. cu_seqlens_q is cu_seqlens_k)
-    if torch.compiler.is_compiling() or not (
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        return dense_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                         rng_state, impl, bwd_impl, deterministic)
-    return DenseAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                                dropout_p, rng_state, impl, bwd_impl, deterministic)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, impl, bwd_impl,
+            deterministic)
+    # compiled graphs, and tracers' tensor subclasses (make_fx, FakeTensor), use the registered
+    # op and its autograd (dynamo traces it without a break; it cannot trace
+    # autograd.Function.apply with one tensor in two inputs, e.g. cu_seqlens_q is cu_seqlens_k)
+    if torch.compiler.is_compiling() or type(q) not in (Tensor, torch.nn.Parameter):
+        return dense_fwd(*args)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return fwd_impl(*args)
+    return DenseAttention.apply(*args)

@@ -68,6 +68,24 @@ def test_coverage_rules(kw, match):
         assert problem is not None and match in problem, problem
 
 
+def test_small_plans_stay_portable_in_eager_calls():
+    """Plans that read few bytes keep the portable kernel in eager run() calls (the Gluon
+    launch's host time outweighs its kernel there); large plans, and any captured call, take the
+    sm90 kernel. The rule is the plan's K+V bytes (``SM90_DECODE_MIN_BYTES``)."""
+    import ioattn.flashinfer as fi
+
+    def planned(pages, page=16, h_k=8, d=128):
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8))
+        w.plan(torch.tensor([0, pages], dtype=torch.int32), torch.arange(pages, dtype=torch.int32),
+               torch.tensor([page], dtype=torch.int32), 4 * h_k, h_k, d, page, q_data_type=BF16)
+        return w
+
+    limit = triton_decode.SM90_DECODE_MIN_BYTES
+    per_page = 2 * 16 * 8 * 128 * 2
+    assert planned(limit // per_page - 1)._small
+    assert not planned(limit // per_page + 1)._small
+
+
 CASES = [
     dict(batch=4, h=8, h_k=2, d=64, page=16, layout="NHD"),
     dict(batch=3, h=32, h_k=8, d=128, page=16, layout="NHD", split=64, max_len=900),
@@ -85,6 +103,7 @@ def test_sm90_decode(c, monkeypatch):
     """Outputs and base-2 LSE against per-request references; slots past each request's last key
     hold NaN (stale cache entries) and must not reach the outputs."""
     monkeypatch.setattr(triton_decode, "SM90_DECODE", True)
+    monkeypatch.setattr(triton_decode, "SM90_DECODE_MIN_BYTES", 0)  # small plans too
     calls = []
     orig = sm90_decode.paged_decode_sm90
     monkeypatch.setattr(sm90_decode, "paged_decode_sm90",
@@ -122,6 +141,7 @@ def test_sm90_decode_graph_capture_short_replay_long(monkeypatch):
     """run() through the sm90 decode kernel captured at short lengths, replayed after a plan with
     long ones (split requests): the fixed grid covers any plan."""
     monkeypatch.setattr(triton_decode, "SM90_DECODE", True)
+    monkeypatch.setattr(triton_decode, "SM90_DECODE_MIN_BYTES", 0)  # small plans too
     g = torch.Generator().manual_seed(5)
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
         torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
@@ -148,6 +168,7 @@ def test_sm90_decode_leaves_windows_to_the_portable_kernel(monkeypatch):
     would read slots before the window): with the switch on, such a plan runs the portable
     kernel, correctly."""
     monkeypatch.setattr(triton_decode, "SM90_DECODE", True)
+    monkeypatch.setattr(triton_decode, "SM90_DECODE_MIN_BYTES", 0)  # small plans too
     calls = []
     orig = sm90_decode.paged_decode_sm90
     monkeypatch.setattr(sm90_decode, "paged_decode_sm90",

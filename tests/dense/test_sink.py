@@ -109,14 +109,17 @@ def test_sink_compiles_fullgraph(device):
     sink = torch.nn.Parameter(torch.randn(2, device=device))
 
     def f(q, k, v, sink):
-        return ioattn.flash_attn_func(q, k, v, causal=True, learnable_sink=sink).float().sum()
+        return ioattn.flash_attn_func(q, k, v, causal=True, learnable_sink=sink)
 
-    y = torch.compile(f, fullgraph=True, backend=BACKEND)(q, k, v, sink)
-    (g,) = torch.autograd.grad(y, (sink,))
-    y_eager = f(q, k, v, sink)
-    (g_eager,) = torch.autograd.grad(y_eager, (sink,))
-    torch.testing.assert_close(y, y_eager, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(g, g_eager, atol=2e-2, rtol=2e-2)
+    # elementwise checks: a sum over the bf16 output cancels to ~0.3 while its rounding noise is
+    # ~0.05, so comparing sums compared noise (inductor rounds the fused sink scaling once)
+    out = torch.compile(f, fullgraph=True, backend=BACKEND)(q, k, v, sink)
+    out_eager = f(q, k, v, sink)
+    torch.testing.assert_close(out, out_eager, atol=2e-2, rtol=2e-2)
+    grad_out = torch.randn_like(out)
+    (g,) = torch.autograd.grad(out, (sink,), grad_out)
+    (g_eager,) = torch.autograd.grad(out_eager, (sink,), grad_out)
+    torch.testing.assert_close(g, g_eager, atol=5e-2 * g_eager.abs().max().item(), rtol=5e-2)
 
 
 @pytest.mark.parametrize("s_q, causal", [(1, False), (5, True)], ids=["decode", "verify-causal"])

@@ -1,0 +1,96 @@
+"""Host time of one attention call (what an eager caller pays before the kernel runs): tiny
+shapes so the GPU never holds the host back; per-call microseconds for the forward, the forward
++ backward, and the planned decode run(), plus a cProfile of the forward's Python.
+    python benchmarks/host_overhead.py [--json out.json]"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+
+import torch
+
+import ioattn
+import ioattn.flashinfer as fi
+
+
+def _per_call_us(fn, n=300):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return round(us, 1)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    dev, dt = "cuda", torch.bfloat16
+    q, k, v = (torch.randn(1, 128, 16, 128, device=dev, dtype=dt) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    res = {}
+    for backend in ("auto", "triton", "sm90"):
+        res[f"fwd_{backend}"] = _per_call_us(lambda: ioattn.flash_attn_func(q, k, v, backend=backend))
+        res[f"fwd_causal_{backend}"] = _per_call_us(
+            lambda: ioattn.flash_attn_func(q, k, v, causal=True, backend=backend))
+        res[f"fwd_bwd_{backend}"] = _per_call_us(
+            lambda: ioattn.flash_attn_func(qg, kg, vg, backend=backend).sum().backward())
+    # where the forward's host time goes: the public call, the registered op through the
+    # dispatcher, the op's body called directly, and the portable launcher alone
+    from ioattn.dense import op as dense_op
+    from ioattn.dense.params import make_params
+    from ioattn.dense.triton_fwd import attn_fwd
+
+    args = (q, k, v, None, None, 128, 128, 0.088, -1, -1, 0.0, None, 0.0, None, "triton", "triton",
+            False)
+    res["op_dispatcher"] = _per_call_us(lambda: torch.ops.ioattn.dense_fwd(*args))
+    res["op_body"] = _per_call_us(lambda: dense_op.dense_fwd._init_fn(*args))
+    prm = make_params(q, k, v, None, None, 128, 128, 0.088, -1, -1, 0.0, None, 0.0, None)
+    o, lse = torch.empty_like(q), torch.empty(1, 16, 128, device=dev)
+    res["launch_only"] = _per_call_us(lambda: attn_fwd(prm, q, k, v, o, lse))
+    res["sdpa_fwd"] = _per_call_us(lambda: torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)))
+    # planned decode, 4 requests of 256 keys, pages of 16, GQA 32/8
+    n_pages, page = 64, 16
+    cache = torch.randn(n_pages, 2, page, 8, 128, device=dev, dtype=dt)
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device=dev))
+    w.plan(torch.arange(0, 65, 16, dtype=torch.int32), torch.arange(64, dtype=torch.int32).to(dev),
+           torch.full((4,), page, dtype=torch.int32), 32, 8, 128, page, q_data_type=dt)
+    qd = torch.randn(4, 32, 128, device=dev, dtype=dt)
+    res["decode_run"] = _per_call_us(lambda: w.run(qd, cache))
+    res["kvcache_decode"] = _per_call_us(lambda: ioattn.flash_attn_with_kvcache(
+        qd[:, None], cache[:, 0], cache[:, 1], cache_seqlens=torch.full((4,), 256, dtype=torch.int32,
+                                                                           device=dev),
+        block_table=torch.arange(64, dtype=torch.int32, device=dev).view(4, 16)))
+    print(json.dumps(res, indent=1))
+    for name, fn in (("fwd_auto", lambda: ioattn.flash_attn_func(q, k, v)),
+                     ("fwd_bwd_triton", lambda: ioattn.flash_attn_func(
+                         qg, kg, vg, backend="triton").sum().backward()),
+                     ("decode_run", lambda: w.run(qd, cache))):
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(200):
+            fn()
+        pr.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("cumtime").print_stats(30)
+        print(f"== cProfile {name} (200 calls)\n" + s.getvalue())
+    if a.json:
+        env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                   triton=__import__("triton").__version__,
+                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        with open(a.json, "w") as f:
+            json.dump({"env": env, "host_us_per_call": res}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
