@@ -27,10 +27,12 @@ each step's dQ partial dS·K and adds it to an fp32 buffer with a TMA reduction
 (``sm90_common.tma_reduce_add``): 5 GEMMs per tile instead of 7, and no dQ kernel. Both
 warpgroups' dSᵀ go to one [128 keys, 64 rows] shared buffer (two, alternating by step); from
 d = 128 each warpgroup then forms half of the partial's columns over all 128 keys, so one 64 x d
-partial per step leaves the CTA (``dq_cols``). The first version, one full partial per
-warpgroup, was correct on the H200 and measured 350 TFLOP/s at d=128 16k against 452 for the
-two-kernel form (benchmarks/NOTES.md); this one has not run on a GPU yet. The reductions' order
-varies, so ``deterministic=True`` keeps the two-kernel form.
+partial per step leaves the CTA (``dq_cols``). As in FA3, a 1-warp dQ writer (``_dq_writer``)
+issues the reductions from shared memory, so the consumers hand over a partial and go on. On the
+H200: one full partial per warpgroup 350 TFLOP/s at d=128 16k, the column split (reductions
+issued by the consumers) 395, against 452 for the two-kernel form (benchmarks/NOTES.md); the
+writer-warp form has not run on a GPU yet. The reductions' order varies, so
+``deterministic=True`` keeps the two-kernel form.
 """
 from __future__ import annotations
 
@@ -151,8 +153,8 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
 
 
 @gluon.jit
-def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dqa_desc, kv_bar,
-                   qdo_full, qdo_empty, fixed, ds_ready, dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh,
+def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
+                   qdo_full, qdo_empty, fixed, ds_ready, dq_full, dq_empty, dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh,
                    h0, lo_m, n_m, n_steps, start_n, q_start, seqlen_q, seqlen_k, window_left,
                    window_right, qk_scale_log2, sm_scale,
                    WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
@@ -163,7 +165,7 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
     s_layout: gl.constexpr = wgmma_acc_layout(HALF)
     a_layout: gl.constexpr = wgmma_acc_layout(HEAD_D)
     # (fused) dQ's columns per warpgroup: half of them from d = 128 (``_dq_cols``)
-    DQ_COLS: gl.constexpr = dqa_desc.block_type.shape[1]
+    DQ_COLS: gl.constexpr = dq_smem.shape[2]
     SPLIT_DQ: gl.constexpr = DQ_COLS < HEAD_D
     dq_layout: gl.constexpr = wgmma_acc_layout(DQ_COLS)
     op_layout: gl.constexpr = wgmma_a_operand(a_layout)
@@ -245,10 +247,14 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                                        use_acc=False, is_async=True)
             dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
             mbarrier.arrive(qdo_empty.index(st), count=1)
-            col0 = (h0 + g) * HEAD_D
-            if SPLIT_DQ:
-                col0 = col0 + WG * DQ_COLS
-            tma_reduce_add(dqa_desc, [q_start + m0, col0], dq)
+            # hand the partial to the dQ writer warp (``_dq_writer``), which issues its TMA
+            # reduction while this warpgroup goes on with the next step; its buffer is free
+            # once the writer has seen the previous step's reduction read it
+            mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)
+            dq_smem.index(WG).store(dq)
+            fence_async_shared()
+            gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
+            mbarrier.arrive(dq_full.index(WG), count=1)
         else:
             dk_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), q, dk, is_async=True)
             dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
@@ -263,6 +269,30 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
              dk.to(dtype), mask=ok)
     gl.store(DV + dv_off + keys[:, None].to(gl.int64) * stride_dvn + d_cols[None, :],
              dv.to(dtype), mask=ok)
+
+
+@gluon.jit
+def _dq_writer(dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_steps,
+               HEAD_D: gl.constexpr):
+    """(fused) The dQ writer warp, FA3's arrangement: per step, each consumer warpgroup's fp32
+    partial (its half of the columns from d = 128, else the full width over its own keys) goes
+    from shared memory to the dQ accumulator by an asynchronous TMA reduction; the writer waits
+    only for the reductions to have read their buffers before handing them back."""
+    DQ_COLS: gl.constexpr = dq_smem.shape[2]
+    SPLIT_DQ: gl.constexpr = DQ_COLS < HEAD_D
+    for t in range(n_steps):
+        g = t // n_m
+        row = q_start + lo_m + (t - g * n_m) * HALF
+        col = (h0 + g) * HEAD_D
+        for wg in gl.static_range(2):
+            mbarrier.wait(dq_full.index(wg), t & 1)
+            if SPLIT_DQ:
+                tma_reduce_add(dqa_desc, [row, col + wg * DQ_COLS], dq_smem.index(wg))
+            else:
+                tma_reduce_add(dqa_desc, [row, col], dq_smem.index(wg))
+        tma.store_wait(0)
+        mbarrier.arrive(dq_empty.index(0), count=1)
+        mbarrier.arrive(dq_empty.index(1), count=1)
 
 
 @gluon.jit
@@ -299,14 +329,22 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * HALF, HALF],
                                                                        q_desc.dtype)
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 2 * HALF, HALF], ds_layout)
+        # one fp32 dQ partial per consumer warpgroup, read by the writer's TMA reductions
+        dq_smem = gl.allocate_shared_memory(dqa_desc.dtype, [2, HALF, dqa_desc.block_type.shape[1]],
+                                            dqa_desc.layout)
     else:
         ds_smem = k_smem  # unused
+        dq_smem = k_smem  # unused
     kv_bar = barriers(1, 1)
     fixed = barriers(STAGES + 1, 1)  # zeroed tail rows: per Q/dO stage, then K/V
     if FUSED_DQ:
         ds_ready = barriers(2, 2)  # a step's dSᵀ buffer holds both warpgroups' keys
+        dq_full = barriers(2, 1)  # per warpgroup: its partial is in dq_smem
+        dq_empty = barriers(2, 1)  # per warpgroup: the writer's reduction has read it
     else:
         ds_ready = fixed  # unused
+        dq_full = fixed
+        dq_empty = fixed
     qdo_full = barriers(STAGES, 1)
     qdo_empty = barriers(STAGES, 2)  # one arrive per consumer warpgroup
     fence_async_shared()
@@ -315,27 +353,54 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
     dk_off = k_start.to(gl.int64) * stride_dkn + off_hk.to(gl.int64) * stride_dkh
     dv_off = k_start.to(gl.int64) * stride_dvn + off_hk.to(gl.int64) * stride_dvh
     lse_base = off_b.to(gl.int64) * stride_lb + lse_start
-    gl.warp_specialize([
-        (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dqa_desc,
-                          kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, dk_off, dv_off,
-                          stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
-                          start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                          0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN)),
-        (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dqa_desc,
-                          kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, dk_off, dv_off,
-                          stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
-                          start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                          1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN)),
-        (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                          kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
-                          off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
-                          STAGES, IS_VARLEN, FUSED_DQ)),
-    ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
+    # (the partition lists are literal: Gluon loses constexpr-ness through tuple arguments)
+    if FUSED_DQ:
+        gl.warp_specialize([
+            (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                              kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, dq_full,
+                              dq_empty, dk_off, dv_off,
+                              stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
+                              start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
+                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN)),
+            (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                              kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, dq_full,
+                              dq_empty, dk_off, dv_off,
+                              stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
+                              start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
+                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                              kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
+                              off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
+                              STAGES, IS_VARLEN, FUSED_DQ)),
+            (_dq_writer, (dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_steps,
+                          HEAD_D)),
+        ], [4, 1, 1], [CONSUMER_REGS_, PRODUCER_REGS_, PRODUCER_REGS_])
+    else:
+        gl.warp_specialize([
+            (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                              kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, dq_full,
+                              dq_empty, dk_off, dv_off,
+                              stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
+                              start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
+                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN)),
+            (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                              kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, dq_full,
+                              dq_empty, dk_off, dv_off,
+                              stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
+                              start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
+                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                              kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
+                              off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
+                              STAGES, IS_VARLEN, FUSED_DQ)),
+        ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
     invalidate(kv_bar, 1)
     invalidate(fixed, STAGES + 1)
     if FUSED_DQ:
         invalidate(ds_ready, 2)
+        invalidate(dq_full, 2)
+        invalidate(dq_empty, 2)
     invalidate(qdo_full, STAGES)
     invalidate(qdo_empty, STAGES)
 

@@ -25,14 +25,13 @@ OPERAND_DTYPES = (torch.bfloat16, torch.float16)  # what the kernels' wgmma oper
 
 
 @builtin
-def tma_reduce_add(desc, offsets, value, _semantic=None):
-    """desc[offsets] += value through a TMA reduction (``cp.reduce.async.bulk.tensor ... add``):
-    Gluon 3.6 has no wrapper for it, but its builder makes the descriptor reduce op, and Gluon's
-    TMA lowering stages ``value`` through shared memory and issues the bulk reduction."""
+def tma_reduce_add(desc, offsets, src, _semantic=None):
+    """desc[offsets] += src, a shared-memory tile, through an asynchronous TMA reduction
+    (``cp.reduce.async.bulk.tensor ... add``): Gluon 3.6 has no wrapper for it, but its builder
+    makes the op. Like a TMA store, ``tma.store_wait`` tells when ``src`` may be written again."""
     offs = _semantic._convert_to_ir_values(offsets, require_i64=False)
-    return tl.tensor(_semantic.builder.create_descriptor_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD,
-                                                                desc.handle, value.handle, offs),
-                     tl.void)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, offs,
+                                              src.handle)
 
 
 @gluon.constexpr_function
