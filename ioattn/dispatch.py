@@ -117,6 +117,8 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_PERSISTENT", "0", "sm90 forward: persistent CTAs over query tiles (batched)"),
     ("IOATTN_SM90_FWD_WG3", "1", "sm90 forward at d=64: three consumer warpgroups (192-row "
      "tiles)"),
+    ("IOATTN_SM90_EXP_POLY", "0", "sm90 forward: bit mask of consumer warpgroups whose softmax "
+     "exponentials run as an FMA-pipe polynomial instead of MUFU (e.g. 2: warpgroup 1)"),
     ("IOATTN_SM90_FUSED_BWD", "0", "sm90 backward: one kernel, dQ by TMA reduce-add"),
     ("IOATTN_SM90_DECODE", "1", "planned paged decode on the sm90 Gluon kernel"),
 )

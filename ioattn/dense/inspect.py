@@ -97,7 +97,7 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
             num(r"(\d+) bytes spill loads"))
 
 
-SASS_OPS = ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "SYNCS", "WARPGROUP")
+SASS_OPS = ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "SYNCS", "WARPGROUP", "MUFU")
 
 
 def _sass_counts(cubin: bytes) -> dict:
@@ -112,7 +112,8 @@ def _sass_counts(cubin: bytes) -> dict:
         res = subprocess.run([tool, "-sass", path], capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"{tool} failed ({res.returncode}): {res.stderr[-2000:]}")
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", res.stdout)
+    # (addresses grow past four hex digits in kernels over 64 KB of code)
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", res.stdout)
     return {op: ops.count(op) for op in SASS_OPS}
 
 
@@ -231,7 +232,8 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                          dict(q_desc=64, o_desc=64, k_desc=bn, v_desc=bn), d,
                          dict(flags, STAGES=sm90_fwd._stages(d), BLOCK_N=bn, PAGED=False, PAGE=1,
                               PINGPONG=sm90_fwd._pingpong(d),
-                              PERSISTENT=sm90_fwd._persistent(varlen), WGS=2)))
+                              PERSISTENT=sm90_fwd._persistent(varlen), WGS=2,
+                              EXP_POLY=sm90_fwd.EXP_POLY)))
             if d in sm90_bwd.SUPPORTED_HEAD_DIMS:
                 for fused in (False, True):
                     jobs.append((f"sm90 bwd dkdv{'+dq' if fused else ''} d{d} {tag} 128 keys ws",
@@ -247,7 +249,8 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                      dict(q_desc=64, o_desc=64, k_desc=16, v_desc=16), d,
                      dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True, **regs,
                           STAGES=sm90_fwd._stages(d), BLOCK_N=bn, PAGED=True, PAGE=16,
-                          PINGPONG=sm90_fwd._pingpong(d), PERSISTENT=False, WGS=2)))
+                          PINGPONG=sm90_fwd._pingpong(d), PERSISTENT=False, WGS=2,
+                          EXP_POLY=sm90_fwd.EXP_POLY)))
     return [gluon_report(name, fn, _gluon_signature(fn, dtype, desc_rows, d), ce, arch)
             for name, fn, desc_rows, d, ce in jobs]
 

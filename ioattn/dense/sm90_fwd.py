@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
-from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, base_problem, invalidate,
+from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, base_problem, exp2_poly, invalidate,
                                       query_tile, query_tile_at, key_tiles, rows_descriptor,
                                       tma_view_problem, wgmma_a_operand, wgmma_acc_layout,
                                       zero_last_key_tile)
@@ -63,6 +63,10 @@ PERSISTENT = os.environ.get("IOATTN_SM90_PERSISTENT", "0") == "1"
 # H200 (results/sm90_fwd_wg3_{1,0}_*.json; causal 4k-16k within 3%), IOATTN_SM90_FWD_WG3=0 turns
 # it off. Environment switches are read at import (``dispatch.ENV_SWITCHES``)
 WG3 = os.environ.get("IOATTN_SM90_FWD_WG3", "1") != "0"
+# consumer warpgroups whose softmax exponentials run as a polynomial on the FMA pipe instead of
+# MUFU.EX2 (``sm90_common.exp2_poly``): a bit mask, bit w for warpgroup w (e.g. 2: warpgroup 1).
+# FA4's way of sharing the exponentials between the two units; opt-in until measured on the H200
+EXP_POLY = int(os.environ.get("IOATTN_SM90_EXP_POLY", "0"))
 
 
 def _block_n(head_dim: int) -> int:
@@ -197,8 +201,9 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, 
 
 @gluon.jit
 def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_right, qk_scale_log2,
-                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, POLY: gl.constexpr = False):
     """One key block's online-softmax update in the log2 domain (scores = s * qk_scale_log2).
+    POLY: the exponentials by a polynomial on the FMA pipe instead of MUFU (``exp2_poly``).
 
     Returns (p, alpha, m_new, l_new); p unnormalized, alpha the rescale of the running sums.
     """
@@ -225,7 +230,10 @@ def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_ri
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
         m_use = m_new
-    p = gl.exp2(s * qk_scale_log2 - m_use[:, None])
+    if POLY:
+        p = exp2_poly(s * qk_scale_log2 - m_use[:, None])
+    else:
+        p = gl.exp2(s * qk_scale_log2 - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_i
@@ -264,7 +272,8 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                   v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles, window_left,
                   window_right, qk_scale_log2, it0, rnd0, q_phase, WG: gl.constexpr,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                  ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
+                  ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+                  POLY: gl.constexpr):
     """One warpgroup's 64 query rows of a tile: key tiles from ring position it0, pingpong rounds
     from rnd0, Q's load completing phase q_phase of q_bar. Returns (out, lse): out normalized in
     the input dtype, lse in natural log; rows that saw no key give out 0 and LSE -inf."""
@@ -297,7 +306,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(st0), count=1)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo, row0, seqlen_k, off, window_left,
-                                           window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT)
+                                           window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT, POLY)
         # steady state: QK_j issued before PV_{j-1}; wait(1) retires QK_j, the softmax of block j
         # then overlaps PV_{j-1}
         for j in range(1, n_tiles):
@@ -316,7 +325,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
             mbarrier.arrive(k_empty.index(st), count=1)  # K_j is consumed: the producer refills it
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo + j * BLOCK_N, row0, seqlen_k, off,
                                                window_left, window_right, qk_scale_log2,
-                                               HAS_LEFT, HAS_RIGHT)
+                                               HAS_LEFT, HAS_RIGHT, POLY)
             acc = warpgroup_mma_wait(0, deps=[acc_tok])
             mbarrier.arrive(v_empty.index(prev), count=1)  # V_{j-1} is consumed
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -355,13 +364,14 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_
               v_empty, v_fixed, turn, o_row, o_col, o_base_off, stride_om, lse_off, start_m,
               seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right, qk_scale_log2,
               WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-              ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr):
+              ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, EXP_POLY: gl.constexpr):
     if PINGPONG and WG == 1:
         mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                              v_empty, v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                              window_left, window_right, qk_scale_log2, 0, 0, 0, WG, STAGES,
-                             HAS_LEFT, HAS_RIGHT, ZERO_TAIL, PINGPONG, False)
+                             HAS_LEFT, HAS_RIGHT, ZERO_TAIL, PINGPONG, False,
+                             (EXP_POLY >> WG) & 1 == 1)
     row0 = start_m + WG * HALF_M
     _store_lse(LSE, lse, lse_off, row0, seqlen_q)
     if row0 + HALF_M <= seqlen_q:
@@ -380,7 +390,7 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
                          stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
                          n_bh, window_left, window_right, qk_scale_log2, WG: gl.constexpr,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         PINGPONG: gl.constexpr):
+                         PINGPONG: gl.constexpr, EXP_POLY: gl.constexpr):
     """A persistent CTA's tiles: t = program_id, program_id + programs, ... over (query tile,
     batch * head), query tiles fastest (a head's tiles run together, sharing K/V in L2) and
     heaviest (last) first; the producer walks the same sequence."""
@@ -399,7 +409,8 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
         out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                                  v_empty, v_fixed, turn, start_m, seqlen_q_fixed, seqlen_k_fixed,
                                  lo, n_tiles, window_left, window_right, qk_scale_log2, it, rnd,
-                                 tc & 1, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG, True)
+                                 tc & 1, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG, True,
+                                 (EXP_POLY >> WG) & 1 == 1)
         # the output offsets, recomputed here rather than kept live through the key loop; Q's
         # buffer already holds the next tile's Q, so O is stored from registers
         (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
@@ -426,7 +437,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
                    PRODUCER_REGS_: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr,
                    PAGE: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                   WGS: gl.constexpr = 2):
+                   WGS: gl.constexpr = 2, EXP_POLY: gl.constexpr = 0):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # PAGED: batched queries over a paged KV cache (``attn_fwd_sm90_paged``): CU_K holds the key
     # counts, BT the page table [batch, bt_width] (row stride stride_btb), k_desc / v_desc view
@@ -467,13 +478,13 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                     v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                     stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                     seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
-                                    0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG)),
+                                    0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_POLY)),
             (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                     q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                     v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                     stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                     seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
-                                    1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG)),
+                                    1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_POLY)),
             (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                                     q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                     v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
@@ -491,19 +502,19 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG)),
+                             PINGPONG, EXP_POLY)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG)),
+                             PINGPONG, EXP_POLY)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 2, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG)),
+                             PINGPONG, EXP_POLY)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
@@ -517,13 +528,13 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG)),
+                             PINGPONG, EXP_POLY)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG)),
+                             PINGPONG, EXP_POLY)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
@@ -608,7 +619,7 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
         STAGES=stages, CONSUMER_REGS_=regs, PRODUCER_REGS_=PRODUCER_REGS,
         BLOCK_N=block_n, PAGED=False, PAGE=1, PINGPONG=_pingpong(d) and wgs == 2,
-        PERSISTENT=persistent, WGS=wgs, num_warps=4,
+        PERSISTENT=persistent, WGS=wgs, EXP_POLY=EXP_POLY, num_warps=4,
     )
 
 
@@ -669,5 +680,6 @@ def attn_fwd_sm90_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         IS_VARLEN=False, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0,
         STAGES=_stages(d), CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS,
         BLOCK_N=block_n, PAGED=True, PAGE=page, PINGPONG=_pingpong(d), PERSISTENT=False,
+        EXP_POLY=EXP_POLY,
         num_warps=4,
     )

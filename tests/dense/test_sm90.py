@@ -232,6 +232,23 @@ def test_sm90_refuses_what_it_does_not_cover(kw):
     ioattn.flash_attn_func(q, k, v, **kw)  # auto runs it on the portable kernels
 
 
+POLY_CASES = [Case(113, 203, d=128), Case(203, 113, d=128, causal=True),
+              Case(1023, 1024, d=64, causal=True, dtype=FP16), Case(777, 777, d=64, h=6, h_k=3),
+              Case(300, 300, d=256, h=4, h_k=2, window=(50, 20))]
+
+
+@needs_sm90
+@pytest.mark.parametrize("mask", [0b10, 0b111])
+@pytest.mark.parametrize("c", POLY_CASES, ids=lambda c: "sm90-poly-" + c.id)
+def test_sm90_exp_poly(c: Case, mask, monkeypatch):
+    """Softmax exponentials by the FMA-pipe polynomial (IOATTN_SM90_EXP_POLY) in one or every
+    consumer warpgroup: outputs and LSE by the same rule (rows with no key stay exact 0 / -inf)."""
+    from ioattn.dense import sm90_fwd
+
+    monkeypatch.setattr(sm90_fwd, "EXP_POLY", mask)
+    _forward_only(c)
+
+
 @needs_sm90
 def test_sm90_misaligned_base_is_copied():
     """Inputs that start mid-row (a base 8 bytes past alignment) run on the sm90 kernels
