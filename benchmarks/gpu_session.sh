@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [sm90-fwd-wg3] [sm90-exp-poly] [host]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [sm90-fwd-wg3] [sm90-exp-poly] [host] [profile-decode]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -99,6 +99,13 @@ for step in $steps; do
     host)  # host time per call (eager): public calls, op layers, decode run()
            timeout 120 python benchmarks/host_overhead.py --json "$OUT/host_overhead_nvidia-h200.json" \
              > "$OUT/host.log" 2>&1; head -24 "$OUT/host.log" ;;
+    profile-decode) # ncu: the planned decode's kernels and cuDNN's on the same cells (time, DRAM)
+           for cell in 64x4096x16 1x32768x16; do
+             timeout 150 ncu --clock-control none --csv --metrics \
+               gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_read.sum.per_second \
+               python benchmarks/profile_decode.py --cell $cell > "$OUT/ncu_decode_$cell.csv" 2>&1
+             echo "== $cell"; grep -E "gpu__time|dram__bytes_read" "$OUT/ncu_decode_$cell.csv" \
+               | awk -F'","' '{print $5, $(NF-2), $NF}' | cut -c1-150 | tail -24; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

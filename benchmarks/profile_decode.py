@@ -1,0 +1,50 @@
+"""One decode cell's kernels for ncu: the planned decode (run()) and SDPA cuDNN on the same K/V in
+contiguous form, each launched a few times after a warm-up, so ncu can compare their time on the
+GPU and DRAM throughput kernel by kernel (what the per-call timings mix with launch overhead).
+    ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum.per_second \\
+        python benchmarks/profile_decode.py --cell 64x4096x16"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import ioattn.flashinfer as fi
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--cell", default="64x4096x16", help="batch x context x page size")
+    p.add_argument("--reps", type=int, default=3)
+    a = p.parse_args(argv)
+    b, ctx, page = (int(x) for x in a.cell.split("x"))
+    h, h_k, d, dt = 32, 8, 128, torch.bfloat16
+    n_pages = b * ctx // page
+    cache = torch.randn(n_pages, 2, page, h_k, d, device="cuda", dtype=dt)
+    indptr = torch.arange(0, n_pages + 1, n_pages // b, dtype=torch.int32)
+    indices = torch.randperm(n_pages, dtype=torch.int32).cuda()
+    last = torch.full((b,), page, dtype=torch.int32)
+    q = torch.randn(b, h, d, device="cuda", dtype=dt)
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+    w.plan(indptr, indices, last, h, h_k, d, page, q_data_type=dt)
+    k = torch.randn(b, h_k, ctx, d, device="cuda", dtype=dt)
+    v = torch.randn(b, h_k, ctx, d, device="cuda", dtype=dt)
+    qt = q[:, :, None, :]
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, k, v, enable_gqa=True)
+
+    for fn in (lambda: w.run(q, cache), cudnn):
+        fn()  # warm-up: compiles and plans
+        torch.cuda.synchronize()
+        for _ in range(a.reps):
+            fn()
+        torch.cuda.synchronize()
+    print(f"K+V bytes per call: {2 * b * ctx * h_k * d * 2}")
+
+
+if __name__ == "__main__":
+    main()
