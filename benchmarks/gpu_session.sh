@@ -74,7 +74,7 @@ for step in $steps; do
     bench-fp16) timeout 400 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes fp16 \
              --out "$OUT/dense_fp16_nvidia-h200_$(date +%F).json" > "$OUT/bench_fp16.log" 2>&1
            grep -E "geomean" "$OUT/bench_fp16.log" ;;
-    sm90-decode) # the Gluon decode kernel (opt-in): its tests, then the decode suite with it on and off
+    sm90-decode) # the Gluon decode kernel (default on Hopper): its tests, then the decode suite on / off
            IOATTN_SM90_DECODE=1 timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
              tests/decode/test_decode_sm90.py > "$OUT/tests_sm90_decode.log" 2>&1
            tail -1 "$OUT/tests_sm90_decode.log"

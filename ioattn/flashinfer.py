@@ -442,7 +442,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # for later plans
         self._merge = self._use_cuda_graph or plan.slot_start[-1] > 0
         kv_bytes = 2 * sum(lengths) * num_kv_heads * head_dim * kv_dt.itemsize
-        self._small = kv_bytes < triton_decode.SM90_DECODE_MIN_BYTES
+        # a small eager plan keeps the portable decode kernel (host time, ``paged_attn``); a
+        # graph-mode wrapper never does, so its warm-up and its capture run the same kernel
+        self._small = not self._use_cuda_graph and kv_bytes < triton_decode.SM90_DECODE_MIN_BYTES
         if self._indices_buf is not None:
             if self._indices_buf.numel() < idx.numel():
                 _fail(f"paged_kv_indices_buffer has {self._indices_buf.numel()} entries; this plan "

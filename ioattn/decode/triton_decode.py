@@ -682,11 +682,10 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
     group = h // h_k
     block_d = _pow2(d, 16)
     extras = softcap > 0 or rope is not None or mask is not None or window_right >= 0
-    # small: the plan reads few bytes (``SM90_DECODE_MIN_BYTES``), so an eager call's host time
-    # outweighs the kernel: the portable launch, ~70 us cheaper on the host, is then faster
-    # unless the call is being captured into a CUDA graph (host time paid once)
-    if decode and (not small or (q.is_cuda and torch.cuda.is_current_stream_capturing())) \
-            and _sm90_decode(q, k_pages, v_pages, extras or window_left >= 0):
+    # small: an eager plan that reads few bytes (``SM90_DECODE_MIN_BYTES``), where the host time
+    # of a call outweighs its kernel: the portable launch, ~65 us cheaper on the host, is then
+    # faster (graph-mode wrappers never pass it: their warm-up and capture must load one kernel)
+    if decode and not small and _sm90_decode(q, k_pages, v_pages, extras or window_left >= 0):
         from ioattn.decode.sm90_decode import paged_decode_sm90
 
         paged_decode_sm90(q, k_pages, v_pages, indices, seqlens_indptr, work, n_work, max_items,
@@ -726,13 +725,14 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
 # 52.6 us in the kernel) and level or ahead at 16 x 8k, 64 x 4k and 128 x 2k
 # (results/decode_sm90dec{1,0}_*.json); IOATTN_SM90_DECODE=0 turns it off. Read at import, as
 # the other switches
-SM90_DECODE = os.environ.get("IOATTN_SM90_DECODE", "1") != "0"
+SM90_DECODE = os.environ.get("IOATTN_SM90_DECODE", "1").lower() not in ("0", "false", "off")
 
 
-# K+V bytes of a plan below which eager decode calls keep the portable kernel: at 1 x 32k (134 MB)
-# the sm90 kernel runs 36 us on the GPU against 53, but run() costs 150 us of host time against
-# 90, and eager timing went from 2.03 to 1.27 TB/s; at 16 x 8k (268 MB) eager gained (3.42 ->
-# 3.61). results/tune/profile_decode_sm90dec{1,0}.json, results/decode_8ca8970_*.json
+# K+V bytes of a plan below which eager decode calls (wrappers without use_cuda_graph) keep the
+# portable kernel: at 1 x 32k (134 MB) the sm90 kernel runs 36 us on the GPU against 53, but
+# run() costs 150 us of host time against 90, and eager timing went from 2.03 to 1.27 TB/s; at
+# 16 x 8k (537 MB) eager gained (3.42 -> 3.61). results/tune/profile_decode_sm90dec{1,0}.json,
+# results/decode_8ca8970_*.json. 200 MiB sits between the two.
 SM90_DECODE_MIN_BYTES = 200 << 20
 
 

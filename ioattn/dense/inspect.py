@@ -228,11 +228,14 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
         for tag, causal, varlen in (("full", False, False), ("causal", True, False),
                                     ("varlen causal", True, True)):
             flags = dict(IS_VARLEN=varlen, HAS_LEFT=False, HAS_RIGHT=causal, **regs)
-            jobs.append((f"sm90 fwd d{d} {tag} 128x{bn} ws", sm90_fwd._attn_fwd_sm90,
-                         dict(q_desc=64, o_desc=64, k_desc=bn, v_desc=bn), d,
-                         dict(flags, STAGES=sm90_fwd._stages(d), BLOCK_N=bn, PAGED=False, PAGE=1,
-                              PINGPONG=sm90_fwd._pingpong(d),
-                              PERSISTENT=sm90_fwd._persistent(varlen), WGS=2,
+            # the forward as launched: three consumer warpgroups (192-row tiles) at d=64
+            wgs = sm90_fwd._wgs(d, varlen)
+            tile_n, stages, cregs = sm90_fwd._tile(d, wgs)
+            jobs.append((f"sm90 fwd d{d} {tag} {64 * wgs}x{tile_n} ws", sm90_fwd._attn_fwd_sm90,
+                         dict(q_desc=64, o_desc=64, k_desc=tile_n, v_desc=tile_n), d,
+                         dict(flags, CONSUMER_REGS_=cregs, STAGES=stages, BLOCK_N=tile_n, PAGED=False,
+                              PAGE=1, PINGPONG=sm90_fwd._pingpong(d) and wgs == 2,
+                              PERSISTENT=sm90_fwd._persistent(varlen), WGS=wgs,
                               EXP_POLY=sm90_fwd.EXP_POLY)))
             if d in sm90_bwd.SUPPORTED_HEAD_DIMS:
                 for fused in (False, True):

@@ -175,9 +175,20 @@ def _backward(ctx, dout, dlse, bwd=None):
     if dout is None:
         dout = torch.zeros_like(out)
     mq, mk, scale, wl, wr, cap = ctx.scalars
-    dq, dk, dv = (bwd or dense_bwd)(dout, q, k, v, out, lse, dlse, cu_q, cu_k, mq, mk, scale, wl, wr, cap,
-                           alibi, ctx.dropout_p, rng, ctx.bwd_impl, ctx.deterministic)
+    dq, dk, dv = (bwd or dense_bwd)(dout, q, k, v, out, lse, dlse, cu_q, cu_k, mq, mk, scale, wl,
+                                    wr, cap, alibi, ctx.dropout_p, rng, ctx.bwd_impl,
+                                    ctx.deterministic)
     return (dq, dk, dv) + (None,) * (len(_FWD_ARGS) - 3)
+
+
+def _needs_op(*tensors) -> bool:
+    """Whether a call must go through the registered ops rather than their implementations: while
+    torch.compile (or compiled autograd) traces, under a dispatch mode (selective activation
+    checkpointing, FlopCounterMode, make_fx) or the JIT tracer, and for tensor subclasses
+    (FakeTensor, DTensor...), which must see ``ioattn::dense_fwd`` / ``dense_bwd`` as ops."""
+    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or torch.jit.is_tracing()
+            or any(type(t) not in (Tensor, torch.nn.Parameter) for t in tensors if t is not None))
 
 
 dense_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -199,7 +210,10 @@ class DenseAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse, bwd_impl)
+        if torch.is_grad_enabled():  # create_graph=True: the backward kernels have no gradient
+            raise RuntimeError("ioattn attention has no double backward (create_graph=True through "
+                               "it): its backward kernels are not differentiable")
+        return _backward(ctx, dout, dlse, dense_bwd if _needs_op(dout, dlse) else bwd_impl)
 
 
 def dense_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
@@ -213,10 +227,10 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tens
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
             window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, impl, bwd_impl,
             deterministic)
-    # compiled graphs, and tracers' tensor subclasses (make_fx, FakeTensor), use the registered
-    # op and its autograd (dynamo traces it without a break; it cannot trace
-    # autograd.Function.apply with one tensor in two inputs, e.g. cu_seqlens_q is cu_seqlens_k)
-    if torch.compiler.is_compiling() or type(q) not in (Tensor, torch.nn.Parameter):
+    # compiled graphs, dispatch modes and tracers use the registered op and its autograd (dynamo
+    # traces it without a break; it cannot trace autograd.Function.apply with one tensor in two
+    # inputs, e.g. cu_seqlens_q is cu_seqlens_k)
+    if _needs_op(q, k, v):
         return dense_fwd(*args)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return fwd_impl(*args)

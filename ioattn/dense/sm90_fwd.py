@@ -62,11 +62,11 @@ PERSISTENT = os.environ.get("IOATTN_SM90_PERSISTENT", "0") == "1"
 # measured 1.03-1.05x the two-warpgroup form non-causal from 2k and 1.23x causal at 2k on the
 # H200 (results/sm90_fwd_wg3_{1,0}_*.json; causal 4k-16k within 3%), IOATTN_SM90_FWD_WG3=0 turns
 # it off. Environment switches are read at import (``dispatch.ENV_SWITCHES``)
-WG3 = os.environ.get("IOATTN_SM90_FWD_WG3", "1") != "0"
+WG3 = os.environ.get("IOATTN_SM90_FWD_WG3", "1").lower() not in ("0", "false", "off")
 # consumer warpgroups whose softmax exponentials run as a polynomial on the FMA pipe instead of
 # MUFU.EX2 (``sm90_common.exp2_poly``): a bit mask, bit w for warpgroup w (e.g. 2: warpgroup 1).
 # FA4's way of sharing the exponentials between the two units; opt-in until measured on the H200
-EXP_POLY = int(os.environ.get("IOATTN_SM90_EXP_POLY", "0"))
+EXP_POLY = int(os.environ.get("IOATTN_SM90_EXP_POLY") or "0", 0)  # 2, 0b10, 0x2
 
 
 def _block_n(head_dim: int) -> int:

@@ -68,14 +68,20 @@ def test_coverage_rules(kw, match):
         assert problem is not None and match in problem, problem
 
 
-def test_small_plans_stay_portable_in_eager_calls():
-    """Plans that read few bytes keep the portable kernel in eager run() calls (the Gluon
-    launch's host time outweighs its kernel there); large plans, and any captured call, take the
-    sm90 kernel. The rule is the plan's K+V bytes (``SM90_DECODE_MIN_BYTES``)."""
+def test_small_plans_stay_portable_in_eager_calls(monkeypatch):
+    """Eager plans that read few bytes keep the portable kernel (the Gluon launch's host time
+    outweighs its kernel there); large plans take the sm90 kernel where it covers the call, and
+    graph-mode wrappers always do (their warm-up and capture must load the same kernel). The
+    rule is the plan's K+V bytes (``SM90_DECODE_MIN_BYTES``); checked on the kernel choice."""
     import ioattn.flashinfer as fi
 
-    def planned(pages, page=16, h_k=8, d=128):
-        w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8))
+    asked = []
+    monkeypatch.setattr(triton_decode, "_sm90_decode", lambda *a: asked.append(1) and False)
+
+    def planned(pages, graph=False, page=16, h_k=8, d=128):
+        kw = dict(use_cuda_graph=True, paged_kv_indices_buffer=torch.empty(pages, dtype=torch.int32)) \
+            if graph else {}
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8), **kw)
         w.plan(torch.tensor([0, pages], dtype=torch.int32), torch.arange(pages, dtype=torch.int32),
                torch.tensor([page], dtype=torch.int32), 4 * h_k, h_k, d, page, q_data_type=BF16)
         return w
@@ -84,6 +90,19 @@ def test_small_plans_stay_portable_in_eager_calls():
     per_page = 2 * 16 * 8 * 128 * 2
     assert planned(limit // per_page - 1)._small
     assert not planned(limit // per_page + 1)._small
+    assert not planned(8, graph=True)._small
+    # the choice itself: run() asks the sm90 rule only for plans that are not small (the
+    # portable kernel then runs, here under the interpreter)
+    for small, want in ((True, []), (False, [1])):
+        asked.clear()
+        q = torch.randn(1, 4, 64, dtype=BF16)
+        cache = torch.randn(4, 2, 16, 1, 64, dtype=BF16)
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8))
+        w.plan(torch.tensor([0, 4], dtype=torch.int32), torch.arange(4, dtype=torch.int32),
+               torch.tensor([16], dtype=torch.int32), 4, 1, 64, 16, q_data_type=BF16)
+        w._small = small
+        w.run(q, cache)
+        assert asked == want
 
 
 CASES = [

@@ -100,3 +100,44 @@ def test_compile_fullgraph_varlen(device):
     loss = torch.compile(f, fullgraph=True, backend=BACKEND)(q, k, v)
     loss.backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_eager_calls_keep_the_ops_visible_where_it_matters(device):
+    """Eager calls run the ops' implementations directly (the dispatcher's host time), but a
+    dispatch mode (selective activation checkpointing, FlopCounterMode, make_fx) still sees
+    ``ioattn::dense_fwd`` / ``dense_bwd``; compiled autograd traces the eager forward's
+    backward; and create_graph=True through attention fails clearly rather than dropping the
+    second-order term."""
+    from torch._dynamo import compiled_autograd
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    q, k, v = (torch.randn(1, 33, 2, 64, device=device, dtype=torch.float16, requires_grad=True)
+               for _ in range(3))
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Log() as log:
+        ioattn.flash_attn_func(q, k, v, causal=True).float().sum().backward()
+    assert [o for o in log.ops if "ioattn" in o] == ["ioattn.dense_fwd.default",
+                                                     "ioattn.dense_bwd.default"]
+
+    grads = torch.autograd.grad(ioattn.flash_attn_func(q, k, v, causal=True).float().sum(),
+                                (q, k, v))
+    for t in (q, k, v):
+        t.grad = None
+    out = ioattn.flash_attn_func(q, k, v, causal=True)
+    torch._dynamo.reset()
+    with compiled_autograd._enable(lambda gm: torch.compile(gm, backend=BACKEND, fullgraph=True)):
+        out.float().sum().backward()
+    for g, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(t.grad, g)
+
+    with pytest.raises(RuntimeError, match="no double backward"):
+        torch.autograd.grad(ioattn.flash_attn_func(q, k, v).float().sum(), (q,), create_graph=True)

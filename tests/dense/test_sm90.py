@@ -87,8 +87,8 @@ WG3_CASES = [Case(113, 203, d=64), Case(203, 113, d=64, causal=True),
 @needs_sm90
 @pytest.mark.parametrize("c", WG3_CASES, ids=lambda c: "sm90-wg3-" + c.id)
 def test_sm90_fwd_three_warpgroups(c: Case, monkeypatch):
-    """d=64 forward with three consumer warpgroups (192-row tiles; opt-in,
-    IOATTN_SM90_FWD_WG3=1), batched and varlen."""
+    """d=64 forward with three consumer warpgroups (192-row tiles; the default, which
+    IOATTN_SM90_FWD_WG3=0 turns off), batched and varlen."""
     from ioattn.dense import sm90_fwd
 
     monkeypatch.setattr(sm90_fwd, "WG3", True)
