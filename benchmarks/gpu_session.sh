@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [sm90-fwd-wg3] [sm90-exp-poly] [host] [profile-decode]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [sm90-fwd-wg3] [sm90-exp-poly] [host] [profile-decode] [tune-sm90-decode]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -106,6 +106,10 @@ for step in $steps; do
                python benchmarks/profile_decode.py --cell $cell > "$OUT/ncu_decode_$cell.csv" 2>&1
              echo "== $cell"; grep -E "gpu__time|dram__bytes_read" "$OUT/ncu_decode_$cell.csv" \
                | awk -F'","' '{print $5, $(NF-2), $NF}' | cut -c1-150 | tail -24; done ;;
+    tune-sm90-decode) # the sm90 decode kernel's ring (keys per tile, stages) and items per SM
+           timeout 300 python benchmarks/tune_decode.py --sm90 --cells 1x32768x16,16x8192x16,64x4096x16 \
+             --block-n 32,64,128 --stages 2,3,4,6 --per-sm 1,2,4 --json "$OUT/tune_sm90_decode.json" \
+             > "$OUT/tune_sm90_decode.log" 2>&1; grep "^==" "$OUT/tune_sm90_decode.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -5,7 +5,9 @@ stages, work items per SM), on the decode acceptance cells; prints TB/s per conf
     python benchmarks/tune_decode.py --profile   (kernel and host microseconds per decode cell)
     python benchmarks/tune_decode.py --fp8       (an fp8 e4m3 cache; TB/s of fp8 bytes)
     python benchmarks/tune_decode.py --graph     (time CUDA-graph replays of run(): kernel speed
-                                                  without host time, which bounds the small cells)"""
+                                                  without host time, which bounds the small cells)
+    python benchmarks/tune_decode.py --sm90 --block-n 32,64,128 --stages 2,3,4,6 --per-sm 1,2,4
+                                                 (the sm90 decode kernel's ring, graph replays)"""
 from __future__ import annotations
 
 import argparse
@@ -78,6 +80,49 @@ def run(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16, kv_dtype=None,
             print(json.dumps(row), flush=True)
     (triton_decode._tile_n, triton_decode._attn_warps, triton_decode._attn_stages,
      triton_decode._worklist_stages, triton_decode.worklist_launch, plan.target_items) = orig
+    return results
+
+
+def run_sm90(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16):
+    """The sm90 decode kernel (``ioattn.decode.sm90_decode``) per (keys per tile, ring stages,
+    work items per SM), timed as CUDA-graph replays of run() (a graph-mode wrapper always takes
+    it). Configs whose ring does not fit two CTAs' or one CTA's shared memory still run (one CTA
+    per SM); the row says how many fit."""
+    from ioattn.decode import sm90_decode
+
+    results = []
+    orig = (sm90_decode.BLOCK_N, sm90_decode.STAGES, plan.target_items)
+    for b, ctx, page in cells:
+        n_pages = b * (-(-ctx // page))
+        cache = torch.randn(n_pages, 2, page, h_k, d, device="cuda", dtype=dtype)
+        indptr = torch.arange(0, n_pages + 1, n_pages // b, dtype=torch.int32)
+        indices = torch.randperm(n_pages, dtype=torch.int32).cuda()
+        last = torch.full((b,), page, dtype=torch.int32)
+        q = torch.randn(b, h, d, device="cuda", dtype=dtype)
+        out = torch.empty_like(q)
+        nbytes = 2 * b * ctx * h_k * d * cache.element_size()
+        for bn, stages, per_sm in configs:
+            smem = stages * 2 * bn * d * cache.element_size() + 64 * d * cache.element_size()
+            row = dict(b=b, ctx=ctx, page=page, block_n=bn, stages=stages, per_sm=per_sm,
+                       smem_kb=smem // 1024, ctas_per_sm=(228 << 10) // (smem + 2048), graph=True)
+            if smem > 227 << 10 or page % 8 or (bn % page and page % bn):
+                continue
+            sm90_decode.BLOCK_N, sm90_decode.STAGES = bn, stages
+            plan.target_items = (lambda batch, n_heads_k, sms, k=per_sm:
+                                 max(batch, -(-k * sms // max(n_heads_k, 1))))
+            w = fi.BatchDecodeWithPagedKVCacheWrapper(
+                torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
+                paged_kv_indices_buffer=torch.empty_like(indices))
+            try:
+                w.plan(indptr, indices, last, h, h_k, d, page, q_data_type=dtype)
+                ms = do_bench(_replayed(lambda: w.run(q, cache, out=out)), warmup=10, rep=40,
+                              return_mode="median")
+                row.update(ms=ms, tb_s=nbytes / ms * 1e-9)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    sm90_decode.BLOCK_N, sm90_decode.STAGES, plan.target_items = orig
     return results
 
 
@@ -167,6 +212,9 @@ def main():
     ap.add_argument("--profile", action="store_true", help="kernel and host times of each cell")
     ap.add_argument("--fp8", action="store_true", help="an fp8 (e4m3) cache")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays of run()")
+    ap.add_argument("--sm90", action="store_true",
+                    help="sweep the sm90 decode kernel's tile keys (--block-n), ring stages "
+                         "(--stages) and items per SM (--per-sm), as graph replays")
     ap.add_argument("--cells", default=None, help="b x ctx x page, e.g. 1x32768x16 (default: all)")
     a = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
@@ -184,9 +232,21 @@ def main():
         if a.json:
             json.dump(res, open(a.json, "w"), indent=1)
         return
-    configs = list(itertools.product(ints(a.block_n), ints(a.warps), ints(a.stages), ints(a.per_sm)))
     cells = ([tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")] if a.cells
              else CELLS)
+    if a.sm90:
+        res = run_sm90(cells, list(itertools.product(ints(a.block_n), ints(a.stages),
+                                                     ints(a.per_sm))))
+        ok = [r for r in res if "tb_s" in r]
+        for cell in cells:
+            rows = sorted((r for r in ok if (r["b"], r["ctx"], r["page"]) == cell),
+                          key=lambda r: -r["tb_s"])
+            print("== best sm90", cell, [(r["block_n"], r["stages"], r["per_sm"], round(r["tb_s"], 2))
+                                         for r in rows[:4]])
+        if a.json:
+            json.dump(res, open(a.json, "w"), indent=1)
+        return
+    configs = list(itertools.product(ints(a.block_n), ints(a.warps), ints(a.stages), ints(a.per_sm)))
     res = run(cells, configs, kv_dtype=torch.float8_e4m3fn if a.fp8 else None, graph=a.graph)
     ok = [r for r in res if "tb_s" in r]
     for cell in cells:
