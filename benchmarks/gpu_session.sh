@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [sm90-fwd-wg3] [sm90-exp-poly] [host] [profile-decode] [tune-sm90-decode]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [sm90-fwd-wg3] [sm90-exp-poly] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -110,6 +110,13 @@ for step in $steps; do
            timeout 300 python benchmarks/tune_decode.py --sm90 --cells 1x32768x16,16x8192x16,64x4096x16 \
              --block-n 32,64,128 --stages 2,3,4,6 --per-sm 1,2,4 --json "$OUT/tune_sm90_decode.json" \
              > "$OUT/tune_sm90_decode.log" 2>&1; grep "^==" "$OUT/tune_sm90_decode.log" ;;
+    sm90-decode-merge) # split requests merged inside the sm90 decode kernel: tests, then on / off
+           timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/decode/test_decode_sm90.py \
+             > "$OUT/tests_decode_merge.log" 2>&1; tail -1 "$OUT/tests_decode_merge.log"
+           for m in 1 0; do IOATTN_SM90_DECODE_MERGE=$m timeout 150 python -m ioattn bench --suite decode \
+             --cells 1x32768x16,16x8192x16,64x4096x16 --prefill-cells "" \
+             --out "$OUT/decode_merge${m}_nvidia-h200_$(date +%F).json" > "$OUT/decode_merge$m.log" 2>&1
+             echo "merge=$m"; grep -E "ioattn_paged|cudnn" "$OUT/decode_merge$m.log"; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

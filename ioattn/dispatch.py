@@ -121,5 +121,7 @@ ENV_SWITCHES = (
      "exponentials run as an FMA-pipe polynomial instead of MUFU (e.g. 2: warpgroup 1)"),
     ("IOATTN_SM90_FUSED_BWD", "0", "sm90 backward: one kernel, dQ by TMA reduce-add"),
     ("IOATTN_SM90_DECODE", "1", "planned paged decode on the sm90 Gluon kernel"),
+    ("IOATTN_SM90_DECODE_MERGE", "0", "sm90 decode: split requests merged in the kernel by "
+     "their last item (no combine launch)"),
 )
 

@@ -420,6 +420,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._seqlens_indptr = torch.zeros(3 * batch + 2, dtype=torch.int32, device=dev)
             self._slot_start = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
             self._max_items = max_items
+        if getattr(self, "_counts", None) is None or self._counts.numel() < batch * num_kv_heads:
+            # the sm90 decode's in-kernel merge tickets (zero between launches)
+            self._counts = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=self._device)
         if getattr(self, "_lse_keep", None) is None or self._lse_keep.shape != (batch, num_qo_heads):
             # where run() writes the LSE when the caller does not want it
             self._lse_keep = torch.empty(batch, num_qo_heads, device=self._device, dtype=torch.float32)
@@ -477,7 +480,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                    -(-(c["h"] // c["h_k"]) // block_m), block_m,
                    self._o_part, self._lse_part, scale, wl, -1, c["softcap"], out,
                    lse if lse is not None else self._lse_keep, lse_base2=True, rope=c["rope"],
-                   decode=True, small=self._small)
+                   decode=True, small=self._small, counts=self._counts)
         if v_scale is not None:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out

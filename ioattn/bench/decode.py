@@ -194,7 +194,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = torch.device(a.device)
     cells = ([tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")] if a.cells
              else DECODE_CELLS)
-    pcells = ([tuple(int(x) for x in c.split("x")) for c in a.prefill_cells.split(",")]
+    # (--prefill-cells "" times no chunked-prefill cell)
+    pcells = ([tuple(int(x) for x in c.split("x")) for c in a.prefill_cells.split(",") if c]
               if a.prefill_cells is not None else PREFILL_CELLS)
     h, h_k = (int(x) for x in a.heads.split(","))
     env = collect_env(device)

@@ -77,8 +77,9 @@ def _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDIC
 @gluon.jit
 def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, full, empty, v_fixed,
                      q_row, stride_qs, stride_qh, stride_os, stride_oh, h0, group, n_heads, part,
-                     start, lo, hi, n_tiles, qk_scale_log2, HEAD_D: gl.constexpr,
-                     STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr):
+                     start, lo, hi, n_tiles, qk_scale_log2, COUNT, SLOT_START, off_b,
+                     HEAD_D: gl.constexpr, STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr,
+                     MERGE: gl.constexpr, GROUP_P2: gl.constexpr, MERGE_SLOTS: gl.constexpr):
     BLOCK_N_: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N_)
@@ -143,6 +144,19 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, full, 
         gl.store(O_PART + (base + heads_o)[:, None] * HEAD_D + cols_o[None, :], acc,
                  mask=live[:, None])
         gl.store(LSE_PART + base + heads_l, lse, mask=rows_l < group)
+        if MERGE:
+            # the request's last item to finish merges its partials (no combine launch): the
+            # whole warpgroup's stores, then one acquire-release ticket on the (request, KV
+            # head) counter; the merging CTA resets it for the next launch (graph replays)
+            gl.thread_barrier()
+            slot0 = gl.load(SLOT_START + off_b)
+            n_parts = gl.load(SLOT_START + off_b + 1) - slot0
+            ticket = gl.atomic_add(COUNT, 1, sem="acq_rel", scope="gpu")
+            if ticket == n_parts - 1:
+                _merge_parts(O, LSE, O_PART, LSE_PART, slot0, n_parts, q_row, h0, group,
+                             n_heads, stride_os, stride_oh, HEAD_D, LSE_BASE2, GROUP_P2,
+                             MERGE_SLOTS, 4)
+                gl.store(COUNT, 0)
     else:
         gl.store(O + q_row * stride_os + heads_o[:, None] * stride_oh + cols_o[None, :],
                  acc.to(dtype), mask=live[:, None])
@@ -150,11 +164,67 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, full, 
 
 
 @gluon.jit
+def _merge_parts(O, LSE, O_PART, LSE_PART, slot0, n_parts, q_row, h0, group, n_heads, stride_os,
+                 stride_oh, HEAD_D: gl.constexpr, LSE_BASE2: gl.constexpr, GROUP_P2: gl.constexpr,
+                 SLOTS: gl.constexpr, WARPS: gl.constexpr):
+    """One request's partials for the GQA group's heads, merged by their LSE (as the combine
+    kernel does): SLOTS partials x GROUP_P2 heads x HEAD_D per step, loaded together (a serial
+    walk is latency-bound), read past L1 (other SMs wrote them)."""
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, WARPS, 1], [2, 1, 0])
+    L_sh: gl.constexpr = gl.SliceLayout(2, L3)  # [slots, heads]
+    L_hd: gl.constexpr = gl.SliceLayout(0, L3)  # [heads, dims]
+    slots = gl.arange(0, SLOTS, layout=gl.SliceLayout(1, L_sh))
+    heads = gl.arange(0, GROUP_P2, layout=gl.SliceLayout(0, L_sh))
+    dims = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    head_ok = heads < group
+    heads3 = gl.expand_dims(gl.expand_dims(h0 + heads, 0), 2).to(gl.int64)  # [1, G, 1]
+    dims3 = gl.expand_dims(gl.expand_dims(dims, 0), 1)  # [1, 1, D]
+    m_i = gl.full([GROUP_P2, 1], float("-inf"), gl.float32, layout=L_hd)
+    l_i = gl.zeros([GROUP_P2, 1], gl.float32, layout=L_hd)
+    acc = gl.zeros([GROUP_P2, HEAD_D], gl.float32, layout=L_hd)
+    for s0 in range(0, n_parts, SLOTS):
+        ok = gl.expand_dims((s0 + slots) < n_parts, 1) & gl.expand_dims(head_ok, 0)  # [S, G]
+        rows = gl.expand_dims(gl.expand_dims(slot0 + s0 + slots, 1), 2).to(gl.int64) * n_heads
+        ok3 = gl.expand_dims(ok, 2)
+        lse = gl.load(LSE_PART + rows + heads3, mask=ok3, other=float("-inf"),
+                      cache_modifier=".cg")  # [S, G, 1]
+        if not LSE_BASE2:
+            lse = lse * 1.4426950408889634
+        o = gl.load(O_PART + (rows + heads3) * HEAD_D + dims3, mask=ok3, other=0.0,
+                    cache_modifier=".cg")  # [S, G, D]
+        m_new = gl.maximum(m_i, gl.max(lse, axis=0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        w = gl.exp2(lse - gl.expand_dims(m_use, 0))  # empty partials (LSE -inf) weigh 0
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(w, axis=0)
+        acc = acc * alpha + gl.sum(w * o, axis=0)
+        m_i = m_new
+    empty = l_i == 0.0
+    out = acc / gl.where(empty, 1.0, l_i)
+    lse_out = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
+    if not LSE_BASE2:
+        lse_out = lse_out * 0.6931471805599453
+    heads2 = gl.arange(0, GROUP_P2, layout=gl.SliceLayout(1, L_hd))
+    dims2 = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, L_hd))
+    h2 = gl.expand_dims(h0 + heads2, 1).to(gl.int64)  # [G, 1]
+    ok2 = gl.expand_dims(heads2 < group, 1)
+    gl.store(O + q_row * stride_os + h2 * stride_oh + gl.expand_dims(dims2, 0),
+             out.to(O.dtype.element_ty), mask=ok2)
+    gl.store(LSE + q_row * n_heads + h2, lse_out, mask=ok2)
+
+
+@gluon.jit
 def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK, N_WORK,
+                 COUNTS, SLOT_START,
                  stride_qs, stride_qh, stride_os, stride_oh, batch, n_heads, group, capacity,
                  page_rows, head_rows, head_cols, qk_scale_log2,
                  PAGE: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N_: gl.constexpr,
-                 STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr, PRODUCER_REGS_: gl.constexpr):
+                 STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
+                 MERGE: gl.constexpr = False, GROUP_P2: gl.constexpr = 1,
+                 MERGE_SLOTS: gl.constexpr = 1):
+    # MERGE: split requests are merged in the kernel by their last item (COUNTS [batch * KV
+    # heads] int32 tickets, zero between launches; SLOT_START [batch + 1] the partial slots),
+    # GROUP_P2 / MERGE_SLOTS the merge's tile (``_merge_parts``)
     # work item w = (request, row block, first key, end key, partial slot or -1) of the plan
     # (``ioattn.paged.plan``); SEQ holds the kv lengths [batch], kv indptr [batch + 1] and qo
     # indptr [batch + 1]; the grid is (items a plan may produce, KV heads)
@@ -191,7 +261,8 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
         (_decode_consumer, (Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, full, empty,
                             v_fixed.index(0), q_row, stride_qs, stride_qh, stride_os, stride_oh,
                             h0, group, n_heads, part, start, lo, hi, n_tiles, qk_scale_log2,
-                            HEAD_D, STAGES_, LSE_BASE2)),
+                            COUNTS + off_b * gl.num_programs(1) + off_hk, SLOT_START, off_b,
+                            HEAD_D, STAGES_, LSE_BASE2, MERGE, GROUP_P2, MERGE_SLOTS)),
         (_decode_producer, (k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed.index(0),
                             INDICES, bt_row, n_pages_b, start, n_tiles, hi - start,
                             off_hk.to(gl.int64) * head_rows, page_rows, off_hk * head_cols, PAGE,
@@ -271,10 +342,12 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
                       seqlens_indptr: torch.Tensor, work: torch.Tensor, n_work: torch.Tensor,
                       max_items: int, o_part: torch.Tensor, lse_part: torch.Tensor,
                       softmax_scale: float, out: torch.Tensor, lse: torch.Tensor,
-                      lse_base2: bool) -> None:
+                      lse_base2: bool, merge: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                      ) -> None:
     """The planned decode's attention launch (``triton_decode.paged_attn``'s arguments) on the
-    sm90 kernel; the caller merges split requests' partials. Covered calls:
-    ``unsupported_reason``."""
+    sm90 kernel. Split requests' partials are merged by the caller, or, with merge=(counts
+    [batch * KV heads] int32 zeros, slot_start [batch + 1]), by the kernel itself (the last
+    item of each request; counts return to zero). Covered calls: ``unsupported_reason``."""
     total_q, h, d = q.shape
     h_k, page = k.shape[2], k.shape[1]
     batch = (seqlens_indptr.shape[0] - 2) // 3
@@ -287,10 +360,15 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     k_desc = _descriptor(k, view, box)
     v_desc = _descriptor(v, _row_view(v), box)
     page_rows, head_rows, head_cols = view[:3]
+    group = h // h_k
+    group_p2 = 1 << (group - 1).bit_length()
+    counts, slot_start = merge if merge is not None else (n_work, n_work)
     _decode_sm90[(max_items, h_k)](
         k_desc, v_desc, q, out, lse, o_part, lse_part, seqlens_indptr, indices, work, n_work,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), batch, h, h // h_k,
+        counts, slot_start,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), batch, h, group,
         indices.shape[0] * page, page_rows, head_rows, head_cols, softmax_scale * LOG2E,
         PAGE=page, HEAD_D=d, BLOCK_N_=BLOCK_N, STAGES_=STAGES, LSE_BASE2=lse_base2,
-        PRODUCER_REGS_=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
+        PRODUCER_REGS_=PRODUCER_REGS, MERGE=merge is not None, GROUP_P2=group_p2,
+        MERGE_SLOTS=max(1, min(32, 8192 // (group_p2 * d))), num_warps=4, maxnreg=MAXNREG,
     )

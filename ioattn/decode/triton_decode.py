@@ -663,7 +663,8 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
                lse: torch.Tensor, lse_base2: bool,
                rope: Optional[tuple[float, float]] = None,
                mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-               decode: bool = False, small: bool = False) -> None:
+               decode: bool = False, small: bool = False,
+               counts: Optional[torch.Tensor] = None) -> None:
     """Planned attention (plan()/run()) of ragged q [total_q, h, d] over pages [pages, page_size,
     h_k, d] (strided views serve NHD and HND) through the CSR page table ``indices``.
     ``seqlens_indptr`` holds the per-request kv lengths, kv indptr and qo indptr ([batch],
@@ -688,8 +689,13 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
     if decode and not small and _sm90_decode(q, k_pages, v_pages, extras or window_left >= 0):
         from ioattn.decode.sm90_decode import paged_decode_sm90
 
+        # (opt-in) split requests merged inside the kernel: no combine launch
+        merge = (counts, slot_start) if SM90_DECODE_MERGE and counts is not None \
+            and slot_start is not None else None
         paged_decode_sm90(q, k_pages, v_pages, indices, seqlens_indptr, work, n_work, max_items,
-                          o_part, lse_part, softmax_scale, out, lse, lse_base2)
+                          o_part, lse_part, softmax_scale, out, lse, lse_base2, merge)
+        if merge is not None:
+            return
     else:
         block_n, warps = worklist_launch(block_m, block_d, k_pages.element_size() == 1,
                                          softcap > 0 or rope is not None)
@@ -726,6 +732,9 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
 # (results/decode_sm90dec{1,0}_*.json); IOATTN_SM90_DECODE=0 turns it off. Read at import, as
 # the other switches
 SM90_DECODE = os.environ.get("IOATTN_SM90_DECODE", "1").lower() not in ("0", "false", "off")
+# the sm90 decode kernel merges split requests itself (``sm90_decode._merge_parts``: the last
+# item of a request, by an atomic ticket) instead of a combine launch: opt-in until measured
+SM90_DECODE_MERGE = os.environ.get("IOATTN_SM90_DECODE_MERGE", "0") == "1"
 
 
 # K+V bytes of a plan below which eager decode calls (wrappers without use_cuda_graph) keep the

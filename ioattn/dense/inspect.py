@@ -277,7 +277,7 @@ def gluon_report(name: str, fn, sig: dict, constexprs: dict, arch: int = 90,
 
 
 def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
-                        arch: int = 90) -> KernelReport:
+                        arch: int = 90, merge: bool = False, group: int = 4) -> KernelReport:
     """The sm90 paged decode kernel (``ioattn.decode.sm90_decode``) as its launcher specializes it."""
     from ioattn.decode import sm90_decode as sd
 
@@ -285,15 +285,18 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
     box = min(page, sd.BLOCK_N)
     desc = f"tensordesc<{dtype}[{box}, {d}],{_TMA_LAYOUT.format(bits=16)}>"
     ptrs = dict(Q=f"*{dtype}", O=f"*{dtype}", LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32",
-                SEQ="*i32", INDICES="*i32", WORK="*i32", N_WORK="*i32")
+                SEQ="*i32", INDICES="*i32", WORK="*i32", N_WORK="*i32", COUNTS="*i32",
+                SLOT_START="*i32")
     sig = {n: desc if n.endswith("_desc") else ptrs.get(n, "constexpr" if n.isupper() or
                                                         n.endswith("_") else "i32")
            for n in fn.arg_names}
     sig["qk_scale_log2"] = "fp32"
+    gp = 1 << (group - 1).bit_length()
     ce = dict(PAGE=page, HEAD_D=d, BLOCK_N_=sd.BLOCK_N, STAGES_=sd.STAGES, LSE_BASE2=True,
-              PRODUCER_REGS_=sd.PRODUCER_REGS)
-    return gluon_report(f"sm90 paged decode d{d} page{page} ws", fn, sig, ce, arch,
-                        maxnreg=sd.MAXNREG)
+              PRODUCER_REGS_=sd.PRODUCER_REGS, MERGE=merge, GROUP_P2=gp,
+              MERGE_SLOTS=max(1, min(32, 8192 // (gp * d))))
+    return gluon_report(f"sm90 paged decode d{d} page{page}{' merge' if merge else ''} ws", fn,
+                        sig, ce, arch, maxnreg=sd.MAXNREG)
 
 
 def main(argv=None) -> int:

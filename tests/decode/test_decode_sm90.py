@@ -117,11 +117,14 @@ CASES = [
 
 
 @needs_sm90
+@pytest.mark.parametrize("merge", [False, True], ids=["combine", "merge-in-kernel"])
 @pytest.mark.parametrize("c", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-def test_sm90_decode(c, monkeypatch):
+def test_sm90_decode(c, merge, monkeypatch):
     """Outputs and base-2 LSE against per-request references; slots past each request's last key
-    hold NaN (stale cache entries) and must not reach the outputs."""
+    hold NaN (stale cache entries) and must not reach the outputs. merge: split requests merged
+    by their last item inside the kernel (IOATTN_SM90_DECODE_MERGE) instead of the combine."""
     monkeypatch.setattr(triton_decode, "SM90_DECODE", True)
+    monkeypatch.setattr(triton_decode, "SM90_DECODE_MERGE", merge)
     monkeypatch.setattr(triton_decode, "SM90_DECODE_MIN_BYTES", 0)  # small plans too
     calls = []
     orig = sm90_decode.paged_decode_sm90
@@ -156,10 +159,13 @@ def test_sm90_decode(c, monkeypatch):
 
 
 @needs_sm90
-def test_sm90_decode_graph_capture_short_replay_long(monkeypatch):
+@pytest.mark.parametrize("merge", [False, True], ids=["combine", "merge-in-kernel"])
+def test_sm90_decode_graph_capture_short_replay_long(merge, monkeypatch):
     """run() through the sm90 decode kernel captured at short lengths, replayed after a plan with
-    long ones (split requests): the fixed grid covers any plan."""
+    long ones (split requests): the fixed grid covers any plan; with the in-kernel merge, the
+    tickets return to zero between replays."""
     monkeypatch.setattr(triton_decode, "SM90_DECODE", True)
+    monkeypatch.setattr(triton_decode, "SM90_DECODE_MERGE", merge)
     monkeypatch.setattr(triton_decode, "SM90_DECODE_MIN_BYTES", 0)  # small plans too
     g = torch.Generator().manual_seed(5)
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -179,6 +185,12 @@ def test_sm90_decode_graph_capture_short_replay_long(monkeypatch):
     with torch.cuda.graph(graph):
         wrapper.run(q, big, out=out)
     replay_long_and_check(wrapper, graph, g, q, out, big, h_k, page)
+    if merge:  # every ticket back at zero, and a second replay gives the same outputs
+        assert not wrapper._counts.any()
+        first = out.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, first, atol=0, rtol=0)
 
 
 @needs_sm90

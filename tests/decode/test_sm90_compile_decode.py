@@ -49,8 +49,9 @@ for name, kv, d, paged in [("gather kv paged", "*bf16", 128, True),
                            HAS_CACHE_IDX=not paged, HAS_LEFTPAD=True), 8, num_stages=1)
     out.append(r.__dict__)
 from ioattn.dense.inspect import decode_gluon_report
-for d, page in ((128, 16), (64, 8), (128, 128)):  # the sm90 decode kernel (Gluon, TMA per page run)
-    r = decode_gluon_report(d, page)
+for d, page, merge in ((128, 16, False), (64, 8, False), (128, 128, False), (128, 16, True),
+                       (64, 16, True)):  # the sm90 decode kernel (Gluon, TMA per page run)
+    r = decode_gluon_report(d, page, merge=merge)  # merge: split requests merged in the kernel
     assert r.tma and r.warp_specialized and r.registers <= 128, r  # two CTAs per SM
     out.append(r.__dict__)
 print(json.dumps(out))
