@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [sm90-fwd-wg3] [sm90-exp-poly] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [sm90-fwd-wg3] [sm90-exp-poly] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -117,6 +117,13 @@ for step in $steps; do
              --cells 1x32768x16,16x8192x16,64x4096x16 --prefill-cells "" \
              --out "$OUT/decode_merge${m}_nvidia-h200_$(date +%F).json" > "$OUT/decode_merge$m.log" 2>&1
              echo "merge=$m"; grep -E "ioattn_paged|cudnn" "$OUT/decode_merge$m.log"; done ;;
+    sm90-persistent) # the persistent forward (snake tile order): tests, then on / off timed
+           timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py -k persistent \
+             > "$OUT/tests_persistent.log" 2>&1; tail -1 "$OUT/tests_persistent.log"
+           for pers in 1 0; do IOATTN_SM90_PERSISTENT=$pers timeout 150 python -m ioattn bench --modes fwd \
+             --dims 64,128 --seqlens 2048,4096,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
+             --out "$OUT/sm90_fwd_persistent_snake${pers}_nvidia-h200_$(date +%F).json" > "$OUT/pers$pers.log" 2>&1
+             echo "persistent=$pers"; grep -E "^fwd" "$OUT/pers$pers.log"; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

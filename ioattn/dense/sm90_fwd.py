@@ -177,6 +177,21 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_
 
 
 @gluon.jit
+def _snake(t, total):
+    """The persistent CTAs' tile order: CTA p takes tiles p, p + G, ... (G CTAs), each round of G
+    consecutive tiles dealt in the opposite direction to the last (a snake draft), so that under
+    a causal mask, where tiles run heaviest first within each head, no CTA keeps drawing the
+    heavy end: simulated on the FA grid's causal shapes, the busiest CTA's load over the mean
+    fell from 1.08-1.21 (plain striding) to 1.03 (1.57 -> 1.48 at 16k with 16 heads, where a
+    round is about one head). Rounds keep consecutive tiles together (one head's K/V in L2)."""
+    G = gl.num_programs(0)
+    r = t // G
+    i = t - r * G
+    width = gl.minimum(G, total - r * G)
+    return t + (r % 2) * (width - 1 - 2 * i)
+
+
+@gluon.jit
 def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full,
                          v_full, k_empty, v_empty, v_fixed, BT, CU_Q, CU_K, n_heads, kv_group,
                          seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
@@ -186,7 +201,8 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, 
     n_m = gl.cdiv(seqlen_q_fixed, BLOCK_M)
     it = n_bh * 0  # key tiles loaded so far (ring position)
     tc = n_bh * 0  # tiles with work so far (q_empty's phase)
-    for t in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
+    for t0 in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
+        t = _snake(t0, n_m * n_bh)
         (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
          n_tiles) = query_tile_at(n_m - 1 - t % n_m, t // n_m, CU_Q, CU_K, n_heads, kv_group,
                                   seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
@@ -391,9 +407,10 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
                          n_bh, window_left, window_right, qk_scale_log2, WG: gl.constexpr,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          PINGPONG: gl.constexpr, EXP_POLY: gl.constexpr):
-    """A persistent CTA's tiles: t = program_id, program_id + programs, ... over (query tile,
-    batch * head), query tiles fastest (a head's tiles run together, sharing K/V in L2) and
-    heaviest (last) first; the producer walks the same sequence."""
+    """A persistent CTA's tiles: program_id, program_id + programs, ... in snake order
+    (``_snake``) over (query tile, batch * head), query tiles fastest (a head's tiles run
+    together, sharing K/V in L2) and heaviest (last) first; the producer walks the same
+    sequence."""
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     n_m = gl.cdiv(seqlen_q_fixed, BLOCK_M)
@@ -402,7 +419,8 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
     it = n_bh * 0  # key tiles consumed so far (ring position)
     tc = n_bh * 0  # tiles with work so far (q_bar's phase)
     rnd = n_bh * 0  # pingpong rounds so far
-    for t in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
+    for t0 in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
+        t = _snake(t0, n_m * n_bh)
         start_m = (n_m - 1 - t % n_m) * BLOCK_M
         lo, n_tiles = key_tiles(start_m, BLOCK_M, seqlen_q_fixed, seqlen_k_fixed, window_left,
                                 window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
