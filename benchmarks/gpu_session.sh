@@ -117,10 +117,10 @@ for step in $steps; do
              --cells 1x32768x16,16x8192x16,64x4096x16 --prefill-cells "" \
              --out "$OUT/decode_merge${m}_nvidia-h200_$(date +%F).json" > "$OUT/decode_merge$m.log" 2>&1
              echo "merge=$m"; grep -E "ioattn_paged|cudnn" "$OUT/decode_merge$m.log"; done ;;
-    sm90-persistent) # the persistent forward (snake tile order): tests, then on / off timed
+    sm90-persistent) # the persistent forward (dynamic scheduler / snake order): tests, then timed vs off
            timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py -k persistent \
              > "$OUT/tests_persistent.log" 2>&1; tail -1 "$OUT/tests_persistent.log"
-           for pers in 1 0; do IOATTN_SM90_PERSISTENT=$pers timeout 150 python -m ioattn bench --modes fwd \
+           for pers in dynamic 1 0; do IOATTN_SM90_PERSISTENT=$pers timeout 150 python -m ioattn bench --modes fwd \
              --dims 64,128 --seqlens 2048,4096,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
              --out "$OUT/sm90_fwd_persistent_snake${pers}_nvidia-h200_$(date +%F).json" > "$OUT/pers$pers.log" 2>&1
              echo "persistent=$pers"; grep -E "^fwd" "$OUT/pers$pers.log"; done ;;

@@ -114,7 +114,8 @@ def sm_count(device: torch.device) -> int:
 ENV_SWITCHES = (
     ("IOATTN_SM90_PINGPONG", "auto", "sm90 forward: consumer warpgroups issue GEMMs in turns "
      "(auto: d=256 only; 1/0 force)"),
-    ("IOATTN_SM90_PERSISTENT", "0", "sm90 forward: persistent CTAs over query tiles (batched)"),
+    ("IOATTN_SM90_PERSISTENT", "0", "sm90 forward: persistent CTAs over query tiles (batched); "
+     "1: static snake order, dynamic: tiles handed out by an atomic counter"),
     ("IOATTN_SM90_FWD_WG3", "1", "sm90 forward at d=64: three consumer warpgroups (192-row "
      "tiles)"),
     ("IOATTN_SM90_EXP_POLY", "0", "sm90 forward: bit mask of consumer warpgroups whose softmax "

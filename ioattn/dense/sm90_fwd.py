@@ -57,7 +57,12 @@ PINGPONG = os.environ.get("IOATTN_SM90_PINGPONG", "auto")
 # persistent CTAs for batched problems (``_consumer_persistent``), opt-in with
 # IOATTN_SM90_PERSISTENT=1: on the H200 it measured no faster at d=128 and much slower under a
 # causal mask (static tile striding leaves heavy tiles for the end); benchmarks/NOTES.md
-PERSISTENT = os.environ.get("IOATTN_SM90_PERSISTENT", "0") == "1"
+# ("dynamic": tiles handed out by an atomic counter, FA3's dynamic scheduler; "1": static snake
+# order)
+PERSISTENT_MODE = os.environ.get("IOATTN_SM90_PERSISTENT", "0").lower()
+PERSISTENT = PERSISTENT_MODE in ("1", "static", "dynamic")
+DYNAMIC = PERSISTENT_MODE == "dynamic"
+_TILE_COUNTERS: dict = {}  # device -> int32 [1], the dynamic scheduler's counter
 # three consumer warpgroups at d=64 (192-row tiles, FA3's shape there); on by default since it
 # measured 1.03-1.05x the two-warpgroup form non-causal from 2k and 1.23x causal at 2k on the
 # H200 (results/sm90_fwd_wg3_{1,0}_*.json; causal 4k-16k within 3%), IOATTN_SM90_FWD_WG3=0 turns
@@ -192,27 +197,84 @@ def _snake(t, total):
 
 
 @gluon.jit
+def _produce_persistent_tile(t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
+                             q_empty, k_full, v_full, k_empty, v_empty, v_fixed, BT, CU_Q, CU_K,
+                             n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
+                             window_right, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                             HAS_RIGHT: gl.constexpr):
+    """The loads of tile t (query tiles fastest, heaviest first); returns the CTA's updated key
+    tile count (ring position) and count of tiles with work (q_empty's phase)."""
+    HEAD_D: gl.constexpr = q_smem.shape[2]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
+     n_tiles) = query_tile_at(n_m - 1 - t % n_m, t // n_m, CU_Q, CU_K, n_heads, kv_group,
+                              seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
+                              BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT)
+    _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full,
+                  v_full, k_empty, v_empty, v_fixed, BT, 0, 0, q_start + start_m,
+                  off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo, it, tc,
+                  STAGES, False, False, 1, True)
+    return it + n_tiles, tc + (n_tiles > 0).to(gl.int32)
+
+
+@gluon.jit
+def _publish_tile(tile_smem, tile_full, tile_empty, t, k):
+    """(dynamic scheduling) The producer hands tile id t, its k-th, to the consumers through a
+    2-slot shared-memory ring."""
+    slot = k % 2
+    mbarrier.wait(tile_empty.index(slot), ((k // 2) & 1) ^ 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    tile_smem.index(slot).store(gl.full([1], t, gl.int32, layout))
+    mbarrier.arrive(tile_full.index(slot), count=1)
+
+
+@gluon.jit
+def _read_tile(tile_smem, tile_full, tile_empty, k):
+    """(dynamic scheduling) A consumer warpgroup's k-th tile id."""
+    slot = k % 2
+    mbarrier.wait(tile_full.index(slot), (k // 2) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    t = gl.max(tile_smem.index(slot).load(layout), axis=0)
+    gl.thread_barrier()  # every warp has read the slot before the warpgroup's one arrival
+    mbarrier.arrive(tile_empty.index(slot), count=1)
+    return t
+
+
+@gluon.jit
 def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full,
                          v_full, k_empty, v_empty, v_fixed, BT, CU_Q, CU_K, n_heads, kv_group,
                          seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
-                         STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    HEAD_D: gl.constexpr = q_smem.shape[2]
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
+                         COUNTER, tile_smem, tile_full, tile_empty,
+                         STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                         DYNAMIC: gl.constexpr):
+    # DYNAMIC: tiles handed out by an atomic counter as CTAs free up (FA3's dynamic persistent
+    # scheduler), in the same heaviest-first order, each id passed to the consumers through
+    # shared memory; otherwise a static snake order (``_snake``)
     n_m = gl.cdiv(seqlen_q_fixed, BLOCK_M)
+    total = n_m * n_bh
     it = n_bh * 0  # key tiles loaded so far (ring position)
     tc = n_bh * 0  # tiles with work so far (q_empty's phase)
-    for t0 in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
-        t = _snake(t0, n_m * n_bh)
-        (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
-         n_tiles) = query_tile_at(n_m - 1 - t % n_m, t // n_m, CU_Q, CU_K, n_heads, kv_group,
-                                  seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
-                                  BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT)
-        _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full,
-                      v_full, k_empty, v_empty, v_fixed, BT, 0, 0, q_start + start_m,
-                      off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo, it, tc,
-                      STAGES, False, False, 1, True)
-        it += n_tiles
-        tc += (n_tiles > 0).to(gl.int32)
+    if DYNAMIC:
+        G = gl.num_programs(0)
+        k = n_bh * 0
+        t = gl.program_id(0)
+        _publish_tile(tile_smem, tile_full, tile_empty, t, k)
+        while t < total:
+            it, tc = _produce_persistent_tile(
+                t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                k_full, v_full, k_empty, v_empty, v_fixed, BT, CU_Q, CU_K, n_heads, kv_group,
+                seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right, STAGES, HAS_LEFT,
+                HAS_RIGHT)
+            t = G + gl.atomic_add(COUNTER, 1, sem="relaxed", scope="gpu")
+            k += 1
+            _publish_tile(tile_smem, tile_full, tile_empty, t, k)  # t >= total: the end
+    else:
+        for t0 in range(gl.program_id(0), total, gl.num_programs(0)):
+            it, tc = _produce_persistent_tile(
+                _snake(t0, total), it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
+                q_empty, k_full, v_full, k_empty, v_empty, v_fixed, BT, CU_Q, CU_K, n_heads,
+                kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right, STAGES,
+                HAS_LEFT, HAS_RIGHT)
 
 
 @gluon.jit
@@ -401,49 +463,77 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_
 
 
 @gluon.jit
+def _consume_persistent_tile(t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
+                             k_full, v_full, k_empty, v_empty, v_fixed, turn, CU_Q, CU_K,
+                             stride_om, stride_oh, stride_lb, stride_lh, n_heads, kv_group,
+                             seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right,
+                             qk_scale_log2, WG: gl.constexpr, STAGES: gl.constexpr,
+                             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                             PINGPONG: gl.constexpr, POLY: gl.constexpr):
+    """One warpgroup's rows of tile t; returns the updated ring position, tiles-with-work count
+    and pingpong rounds."""
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    start_m = (n_m - 1 - t % n_m) * BLOCK_M
+    lo, n_tiles = key_tiles(start_m, BLOCK_M, seqlen_q_fixed, seqlen_k_fixed, window_left,
+                            window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
+                             v_empty, v_fixed, turn, start_m, seqlen_q_fixed, seqlen_k_fixed,
+                             lo, n_tiles, window_left, window_right, qk_scale_log2, it, rnd,
+                             tc & 1, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG, True, POLY)
+    # the output offsets, recomputed here rather than kept live through the key loop; Q's
+    # buffer already holds the next tile's Q, so O is stored from registers
+    (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
+     n_tiles) = query_tile_at(n_m - 1 - t % n_m, t // n_m, CU_Q, CU_K, n_heads, kv_group,
+                              seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
+                              BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT)
+    row0 = start_m + WG * HALF_M
+    _store_lse(LSE, lse, off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
+               + lse_start, row0, seqlen_q)
+    _store_rows(O, out, q_start.to(gl.int64) * stride_om + off_h.to(gl.int64) * stride_oh,
+                stride_om, row0, seqlen_q)
+    has_work = (n_tiles > 0).to(gl.int32)
+    return it + n_tiles, tc + has_work, rnd + has_work * (n_tiles + 1)
+
+
+@gluon.jit
 def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
                          k_empty, v_empty, v_fixed, turn, CU_Q, CU_K, stride_om, stride_oh,
                          stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
-                         n_bh, window_left, window_right, qk_scale_log2, WG: gl.constexpr,
+                         n_bh, window_left, window_right, qk_scale_log2, tile_smem, tile_full,
+                         tile_empty, WG: gl.constexpr,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         PINGPONG: gl.constexpr, EXP_POLY: gl.constexpr):
-    """A persistent CTA's tiles: program_id, program_id + programs, ... in snake order
-    (``_snake``) over (query tile, batch * head), query tiles fastest (a head's tiles run
-    together, sharing K/V in L2) and heaviest (last) first; the producer walks the same
-    sequence."""
-    HEAD_D: gl.constexpr = q_smem.shape[2]
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
+                         PINGPONG: gl.constexpr, EXP_POLY: gl.constexpr, DYNAMIC: gl.constexpr):
+    """A persistent CTA's tiles, in the producer's order: program_id, program_id + programs, ...
+    in snake order (``_snake``), or (DYNAMIC) the ids the producer draws from the tile counter
+    and passes on through shared memory; tiles run over (query tile, batch * head), query tiles
+    fastest (a head's tiles run together, sharing K/V in L2) and heaviest (last) first."""
     n_m = gl.cdiv(seqlen_q_fixed, BLOCK_M)
+    total = n_m * n_bh
+    POLY: gl.constexpr = (EXP_POLY >> WG) & 1 == 1
     if PINGPONG and WG == 1:
         mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
     it = n_bh * 0  # key tiles consumed so far (ring position)
     tc = n_bh * 0  # tiles with work so far (q_bar's phase)
     rnd = n_bh * 0  # pingpong rounds so far
-    for t0 in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
-        t = _snake(t0, n_m * n_bh)
-        start_m = (n_m - 1 - t % n_m) * BLOCK_M
-        lo, n_tiles = key_tiles(start_m, BLOCK_M, seqlen_q_fixed, seqlen_k_fixed, window_left,
-                                window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
-                                 v_empty, v_fixed, turn, start_m, seqlen_q_fixed, seqlen_k_fixed,
-                                 lo, n_tiles, window_left, window_right, qk_scale_log2, it, rnd,
-                                 tc & 1, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG, True,
-                                 (EXP_POLY >> WG) & 1 == 1)
-        # the output offsets, recomputed here rather than kept live through the key loop; Q's
-        # buffer already holds the next tile's Q, so O is stored from registers
-        (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
-         n_tiles) = query_tile_at(n_m - 1 - t % n_m, t // n_m, CU_Q, CU_K, n_heads, kv_group,
-                                  seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
-                                  BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT)
-        row0 = start_m + WG * HALF_M
-        _store_lse(LSE, lse, off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
-                   + lse_start, row0, seqlen_q)
-        _store_rows(O, out, q_start.to(gl.int64) * stride_om + off_h.to(gl.int64) * stride_oh,
-                    stride_om, row0, seqlen_q)
-        it += n_tiles
-        has_work = (n_tiles > 0).to(gl.int32)
-        tc += has_work
-        rnd += has_work * (n_tiles + 1)
+    if DYNAMIC:
+        k = n_bh * 0
+        t = _read_tile(tile_smem, tile_full, tile_empty, k)
+        while t < total:
+            it, tc, rnd = _consume_persistent_tile(
+                t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
+                k_empty, v_empty, v_fixed, turn, CU_Q, CU_K, stride_om, stride_oh, stride_lb,
+                stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
+                window_right, qk_scale_log2, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, POLY)
+            k += 1
+            t = _read_tile(tile_smem, tile_full, tile_empty, k)
+    else:
+        for t0 in range(gl.program_id(0), total, gl.num_programs(0)):
+            it, tc, rnd = _consume_persistent_tile(
+                _snake(t0, total), it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
+                k_full, v_full, k_empty, v_empty, v_fixed, turn, CU_Q, CU_K, stride_om, stride_oh,
+                stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m,
+                window_left, window_right, qk_scale_log2, WG, STAGES, HAS_LEFT, HAS_RIGHT,
+                PINGPONG, POLY)
 
 
 @gluon.jit
@@ -455,7 +545,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
                    PRODUCER_REGS_: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr,
                    PAGE: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                   WGS: gl.constexpr = 2, EXP_POLY: gl.constexpr = 0):
+                   WGS: gl.constexpr = 2, EXP_POLY: gl.constexpr = 0,
+                   DYNAMIC: gl.constexpr = False, COUNTER=None):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # PAGED: batched queries over a paged KV cache (``attn_fwd_sm90_paged``): CU_K holds the key
     # counts, BT the page table [batch, bt_width] (row stride stride_btb), k_desc / v_desc view
@@ -490,25 +581,35 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     fence_async_shared()
 
     if PERSISTENT:
+        # (dynamic scheduling) the tile ids the producer passes on: a 2-slot ring
+        tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1],
+                                              gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        tile_full = barriers(2, 1)
+        tile_empty = barriers(2, 2)  # one arrive per consumer warpgroup
         gl.warp_specialize([
             (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                     q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                     v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                     stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                     seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
-                                    0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_POLY)),
+                                    tile_smem, tile_full, tile_empty,
+                                    0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_POLY, DYNAMIC)),
             (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                     q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                     v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                     stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                     seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
-                                    1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_POLY)),
+                                    tile_smem, tile_full, tile_empty,
+                                    1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_POLY, DYNAMIC)),
             (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                                     q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                     v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
                                     seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
-                                    STAGES, HAS_LEFT, HAS_RIGHT)),
+                                    COUNTER, tile_smem, tile_full, tile_empty,
+                                    STAGES, HAS_LEFT, HAS_RIGHT, DYNAMIC)),
         ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
+        invalidate(tile_full, 2)
+        invalidate(tile_empty, 2)
     else:
         q_row = q_start + start_m
         o_base_off = q_start.to(gl.int64) * stride_om + off_h.to(gl.int64) * stride_oh
@@ -628,6 +729,13 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     v_desc = rows_descriptor(v, p.is_varlen, block_n)
     o_desc = rows_descriptor(out, p.is_varlen, HALF_M.value)
     dummy = lse  # unused pointer arguments (batched layout)
+    counter = None
+    if persistent and DYNAMIC:  # tiles after the first G come from this counter, zeroed per launch
+        counter = _TILE_COUNTERS.get(q.device)
+        if counter is None:
+            counter = _TILE_COUNTERS.setdefault(q.device, torch.zeros(1, dtype=torch.int32,
+                                                                      device=q.device))
+        counter.zero_()
     _attn_fwd_sm90[grid](
         q_desc, k_desc, v_desc, o_desc, out, lse,
         p.cu_seqlens_q if p.is_varlen else dummy, p.cu_seqlens_k if p.is_varlen else dummy, dummy,
@@ -637,7 +745,8 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
         STAGES=stages, CONSUMER_REGS_=regs, PRODUCER_REGS_=PRODUCER_REGS,
         BLOCK_N=block_n, PAGED=False, PAGE=1, PINGPONG=_pingpong(d) and wgs == 2,
-        PERSISTENT=persistent, WGS=wgs, EXP_POLY=EXP_POLY, num_warps=4,
+        PERSISTENT=persistent, WGS=wgs, EXP_POLY=EXP_POLY,
+        DYNAMIC=persistent and DYNAMIC, COUNTER=counter, num_warps=4,
     )
 
 

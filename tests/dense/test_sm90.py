@@ -108,14 +108,19 @@ PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
 
 
 @needs_sm90
+@pytest.mark.parametrize("dynamic", [False, True], ids=["snake", "dynamic"])
 @pytest.mark.parametrize("c", PERSISTENT_CASES, ids=lambda c: "sm90-persistent-" + c.id)
-def test_sm90_persistent_fwd(c: Case, monkeypatch):
-    """The persistent form of the sm90 forward (opt-in, IOATTN_SM90_PERSISTENT=1): CTAs walk the
-    query tiles, the K/V ring and the barrier phases run on across tiles, O is stored from
-    registers while the next tile's Q loads."""
+def test_sm90_persistent_fwd(c: Case, dynamic, monkeypatch):
+    """The persistent form of the sm90 forward (opt-in, IOATTN_SM90_PERSISTENT=1 or dynamic):
+    CTAs walk the query tiles (static snake order, or ids drawn from an atomic counter and passed
+    to the consumers through shared memory), the K/V ring and the barrier phases run on across
+    tiles, O is stored from registers while the next tile's Q loads. Run twice: the counter is
+    zeroed per launch."""
     from ioattn.dense import sm90_fwd
 
     monkeypatch.setattr(sm90_fwd, "PERSISTENT", True)
+    monkeypatch.setattr(sm90_fwd, "DYNAMIC", dynamic)
+    _forward_only(c)
     _forward_only(c)
 
 
