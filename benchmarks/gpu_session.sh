@@ -30,16 +30,17 @@ for step in $steps; do
     decode) timeout 300 python -m ioattn bench --suite decode \
              --out "$OUT/decode_nvidia-h200_$(date +%F).json" > "$OUT/decode.log" 2>&1
            grep -vE "^/" "$OUT/decode.log" | tail -20 ;;
-    sm90-bwd-fused) export IOATTN_SM90_FUSED_BWD=1
-           timeout 120 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py > "$OUT/tests_fused_bwd.log" 2>&1
-           tail -1 "$OUT/tests_fused_bwd.log"
+    sm90-bwd-fused) # the fused backward (dQ writer warp): its tests, then fused / two-kernel timed
+           IOATTN_SM90_FUSED_BWD=1 timeout 120 python -m pytest -q -n 8 -p no:cacheprovider \
+             tests/dense/test_sm90.py > "$OUT/tests_fused_bwd.log" 2>&1; tail -1 "$OUT/tests_fused_bwd.log"
            if [ -n "${FUSED_FULL:-}" ]; then  # the whole dense suite through it (4 more minutes)
-             IOATTN_TEST_SM90=always timeout 240 python -m pytest -q -n 8 -p no:cacheprovider tests/dense \
-               >> "$OUT/tests_fused_bwd.log" 2>&1; tail -1 "$OUT/tests_fused_bwd.log"; fi
-           timeout 240 python -m ioattn bench --modes bwd --dims 64,128 --seqlens 2048,8192,16384 --dtypes bf16 \
-             --impls ioattn_sm90,sdpa_cudnn --no-plots \
-             --out "$OUT/sm90_bwd_fused_quick_nvidia-h200_$(date +%F).json" > "$OUT/sm90_bwd_fused.log" 2>&1
-           grep -E "^bwd|geomean" "$OUT/sm90_bwd_fused.log"; unset IOATTN_SM90_FUSED_BWD ;;
+             IOATTN_SM90_FUSED_BWD=1 IOATTN_TEST_SM90=always timeout 240 python -m pytest -q -n 8 \
+               -p no:cacheprovider tests/dense >> "$OUT/tests_fused_bwd.log" 2>&1
+             tail -1 "$OUT/tests_fused_bwd.log"; fi
+           for f in 1 0; do IOATTN_SM90_FUSED_BWD=$f timeout 150 python -m ioattn bench --modes bwd \
+             --dims 64,128 --seqlens 2048,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
+             --out "$OUT/sm90_bwd_fused_writer${f}_nvidia-h200_$(date +%F).json" > "$OUT/fused$f.log" 2>&1
+             echo "fused=$f"; grep -E "^bwd" "$OUT/fused$f.log"; done ;;
     tune-decode) timeout 200 python benchmarks/tune_decode.py --json "$OUT/tune_decode.json" > "$OUT/tune_decode.log" 2>&1
            grep "^==" "$OUT/tune_decode.log"
            timeout 60 python benchmarks/tune_decode.py --profile --json "$OUT/profile_decode.json" \
