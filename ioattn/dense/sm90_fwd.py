@@ -62,7 +62,6 @@ PINGPONG = os.environ.get("IOATTN_SM90_PINGPONG", "auto")
 PERSISTENT_MODE = os.environ.get("IOATTN_SM90_PERSISTENT", "0").lower()
 PERSISTENT = PERSISTENT_MODE in ("1", "static", "dynamic")
 DYNAMIC = PERSISTENT_MODE == "dynamic"
-_TILE_COUNTERS: dict = {}  # device -> int32 [1], the dynamic scheduler's counter
 # three consumer warpgroups at d=64 (192-row tiles, FA3's shape there); on by default since it
 # measured 1.03-1.05x the two-warpgroup form non-causal from 2k and 1.23x causal at 2k on the
 # H200 (results/sm90_fwd_wg3_{1,0}_*.json; causal 4k-16k within 3%), IOATTN_SM90_FWD_WG3=0 turns
@@ -729,13 +728,10 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     v_desc = rows_descriptor(v, p.is_varlen, block_n)
     o_desc = rows_descriptor(out, p.is_varlen, HALF_M.value)
     dummy = lse  # unused pointer arguments (batched layout)
-    counter = None
-    if persistent and DYNAMIC:  # tiles after the first G come from this counter, zeroed per launch
-        counter = _TILE_COUNTERS.get(q.device)
-        if counter is None:
-            counter = _TILE_COUNTERS.setdefault(q.device, torch.zeros(1, dtype=torch.int32,
-                                                                      device=q.device))
-        counter.zero_()
+    # tiles after the first G come from a counter of this launch's own (a shared one would let
+    # concurrent launches on other streams take each other's tiles); stream-ordered by the
+    # caching allocator, and in a captured graph's pool under capture
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent and DYNAMIC else None
     _attn_fwd_sm90[grid](
         q_desc, k_desc, v_desc, o_desc, out, lse,
         p.cu_seqlens_q if p.is_varlen else dummy, p.cu_seqlens_k if p.is_varlen else dummy, dummy,
