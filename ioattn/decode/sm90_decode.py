@@ -170,7 +170,11 @@ def _merge_parts(O, LSE, O_PART, LSE_PART, slot0, n_parts, q_row, h0, group, n_h
     """One request's partials for the GQA group's heads, merged by their LSE (as the combine
     kernel does): SLOTS partials x GROUP_P2 heads x HEAD_D per step, loaded together (a serial
     walk is latency-bound), read past L1 (other SMs wrote them)."""
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, WARPS, 1], [2, 1, 0])
+    # lanes along the head dim: 4 values each, HEAD_D / 4 lanes (the rest of the warp along the
+    # heads), so no lane loads what another lane of its warp loads
+    LANES_D: gl.constexpr = HEAD_D // 4 if HEAD_D < 128 else 32
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32 // LANES_D, LANES_D], [1, WARPS, 1],
+                                        [2, 1, 0])
     L_sh: gl.constexpr = gl.SliceLayout(2, L3)  # [slots, heads]
     L_hd: gl.constexpr = gl.SliceLayout(0, L3)  # [heads, dims]
     slots = gl.arange(0, SLOTS, layout=gl.SliceLayout(1, L_sh))
