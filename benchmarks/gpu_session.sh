@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [sm90-fwd-wg3] [sm90-exp-poly] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [sm90-fwd-wg3] [sm90-exp-poly] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -126,6 +126,11 @@ for step in $steps; do
              --dims 64,128 --seqlens 2048,4096,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
              --out "$OUT/sm90_fwd_persistent_snake${pers}_nvidia-h200_$(date +%F).json" > "$OUT/pers$pers.log" 2>&1
              echo "persistent=$pers"; grep -E "^fwd" "$OUT/pers$pers.log"; done ;;
+    tune-sm90) # pipeline depths of the sm90 backward kernels (and the d=64 forward's)
+           timeout 300 python benchmarks/tune_sm90.py --mode bwd --dims 64,128 --seqlens 2048,16384 \
+             --json "$OUT/tune_sm90_bwd.json" > "$OUT/tune_sm90_bwd.log" 2>&1; grep "^==" "$OUT/tune_sm90_bwd.log"
+           timeout 150 python benchmarks/tune_sm90.py --mode fwd --dims 64 --seqlens 2048,16384 \
+             --json "$OUT/tune_sm90_fwd.json" > "$OUT/tune_sm90_fwd.log" 2>&1; grep "^==" "$OUT/tune_sm90_fwd.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
