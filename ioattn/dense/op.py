@@ -185,10 +185,13 @@ def _needs_op(*tensors) -> bool:
     """Whether a call must go through the registered ops rather than their implementations: while
     torch.compile (or compiled autograd) traces, under a dispatch mode (selective activation
     checkpointing, FlopCounterMode, make_fx) or the JIT tracer, and for tensor subclasses
-    (FakeTensor, DTensor...), which must see ``ioattn::dense_fwd`` / ``dense_bwd`` as ops."""
+    (FakeTensor, DTensor...) and torch.func's wrapped tensors, which must see
+    ``ioattn::dense_fwd`` / ``dense_bwd`` as ops."""
     return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
             or torch.jit.is_tracing()
-            or any(type(t) not in (Tensor, torch.nn.Parameter) for t in tensors if t is not None))
+            or any(type(t) not in (Tensor, torch.nn.Parameter)
+                   or torch._C._functorch.is_functorch_wrapped_tensor(t)  # torch.func transforms
+                   for t in tensors if t is not None))
 
 
 dense_fwd.register_autograd(_backward, setup_context=_setup_context)
