@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ioattn.flashinfer as fi
+from tune_decode import decode_cell  # (run as a script: benchmarks/ is on sys.path)
 
 
 def main(argv=None):
@@ -21,12 +22,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     b, ctx, page = (int(x) for x in a.cell.split("x"))
     h, h_k, d, dt = 32, 8, 128, torch.bfloat16
-    n_pages = b * ctx // page
-    cache = torch.randn(n_pages, 2, page, h_k, d, device="cuda", dtype=dt)
-    indptr = torch.arange(0, n_pages + 1, n_pages // b, dtype=torch.int32)
-    indices = torch.randperm(n_pages, dtype=torch.int32).cuda()
-    last = torch.full((b,), page, dtype=torch.int32)
-    q = torch.randn(b, h, d, device="cuda", dtype=dt)
+    cache, indptr, indices, last, q, _, nbytes = decode_cell(b, ctx, page, h, h_k, d, dt)
     w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
     w.plan(indptr, indices, last, h, h_k, d, page, q_data_type=dt)
     k = torch.randn(b, h_k, ctx, d, device="cuda", dtype=dt)
@@ -43,7 +39,7 @@ def main(argv=None):
         for _ in range(a.reps):
             fn()
         torch.cuda.synchronize()
-    print(f"K+V bytes per call: {2 * b * ctx * h_k * d * 2}")
+    print(f"K+V bytes per call: {nbytes}")
 
 
 if __name__ == "__main__":

@@ -37,22 +37,29 @@ def _replayed(fn):
     return graph.replay
 
 
+def decode_cell(b, ctx, page, h=32, h_k=8, d=128, dtype=torch.bfloat16):
+    """One decode cell's data: a random paged cache [pages, 2, page, h_k, d] in shuffled page
+    order, its CSR table (indptr, indices, last_page_len), q [b, h, d], an output buffer and the
+    K+V bytes a call reads."""
+    n_pages = b * (-(-ctx // page))
+    cache = torch.randn(n_pages, 2, page, h_k, d, device="cuda", dtype=dtype)
+    indptr = torch.arange(0, n_pages + 1, n_pages // b, dtype=torch.int32)
+    indices = torch.randperm(n_pages, dtype=torch.int32).cuda()
+    last = torch.full((b,), page if ctx % page == 0 else ctx % page, dtype=torch.int32)
+    q = torch.randn(b, h, d, device="cuda", dtype=dtype)
+    nbytes = 2 * b * ctx * h_k * d * cache.element_size()
+    return cache, indptr, indices, last, q, torch.empty_like(q), nbytes
+
+
 def run(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16, kv_dtype=None, graph=False):
     results = []
     orig = (triton_decode._tile_n, triton_decode._attn_warps, triton_decode._attn_stages,
             triton_decode._worklist_stages, triton_decode.worklist_launch, plan.target_items)
     for b, ctx, page in cells:
-        n_pages = b * (-(-ctx // page))
-        cache = torch.randn(n_pages, 2, page, h_k, d, device="cuda", dtype=dtype)
+        cache, indptr, indices, last, q, out, nbytes = decode_cell(b, ctx, page, h, h_k, d, dtype)
         if kv_dtype is not None:
             cache = cache.to(kv_dtype)
-        indptr = torch.arange(0, n_pages + 1, n_pages // b, dtype=torch.int32)
-        indices = torch.randperm(n_pages, dtype=torch.int32).cuda()
-        last = torch.full((b,), ctx - (ctx // page - 1) * page if ctx % page == 0 else ctx % page,
-                          dtype=torch.int32)
-        q = torch.randn(b, h, d, device="cuda", dtype=dtype)
-        out = torch.empty_like(q)
-        nbytes = 2 * b * ctx * h_k * d * cache.element_size()
+            nbytes = nbytes * cache.element_size() // 2
         scales = dict(k_scale=1.0, v_scale=1.0) if kv_dtype is not None else {}
         for bn, warps, stages, per_sm in configs:
             triton_decode._tile_n = lambda bm, bd, bn=bn: bn
@@ -93,14 +100,7 @@ def run_sm90(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16):
     results = []
     orig = (sm90_decode.BLOCK_N, sm90_decode.STAGES, plan.target_items)
     for b, ctx, page in cells:
-        n_pages = b * (-(-ctx // page))
-        cache = torch.randn(n_pages, 2, page, h_k, d, device="cuda", dtype=dtype)
-        indptr = torch.arange(0, n_pages + 1, n_pages // b, dtype=torch.int32)
-        indices = torch.randperm(n_pages, dtype=torch.int32).cuda()
-        last = torch.full((b,), page, dtype=torch.int32)
-        q = torch.randn(b, h, d, device="cuda", dtype=dtype)
-        out = torch.empty_like(q)
-        nbytes = 2 * b * ctx * h_k * d * cache.element_size()
+        cache, indptr, indices, last, q, out, nbytes = decode_cell(b, ctx, page, h, h_k, d, dtype)
         for bn, stages, per_sm in configs:
             smem = stages * 2 * bn * d * cache.element_size() + 64 * d * cache.element_size()
             row = dict(b=b, ctx=ctx, page=page, block_n=bn, stages=stages, per_sm=per_sm,
@@ -173,13 +173,7 @@ def profile_cell(b, ctx, page, h=32, h_k=8, d=128, dtype=torch.bfloat16):
     """Kernel times (torch.profiler) and host time per run() of one decode cell."""
     import time
 
-    n_pages = b * (-(-ctx // page))
-    cache = torch.randn(n_pages, 2, page, h_k, d, device="cuda", dtype=dtype)
-    indptr = torch.arange(0, n_pages + 1, n_pages // b, dtype=torch.int32)
-    indices = torch.randperm(n_pages, dtype=torch.int32).cuda()
-    last = torch.full((b,), page if ctx % page == 0 else ctx % page, dtype=torch.int32)
-    q = torch.randn(b, h, d, device="cuda", dtype=dtype)
-    out = torch.empty_like(q)
+    cache, indptr, indices, last, q, out, _ = decode_cell(b, ctx, page, h, h_k, d, dtype)
     w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
     w.plan(indptr, indices, last, h, h_k, d, page, q_data_type=dtype)
     for _ in range(20):

@@ -217,6 +217,43 @@ def _produce_persistent_tile(t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, 
 
 
 @gluon.jit
+def _static_tile(k, total):
+    """A persistent CTA's k-th tile in the static order: tile program_id + k * programs in snake
+    order (``_snake``), or ``total`` once past the last (the end of the loop)."""
+    t0 = gl.program_id(0) + k * gl.num_programs(0)
+    t = total
+    if t0 < total:
+        t = _snake(t0, total)
+    return t
+
+
+@gluon.jit
+def _producer_next_tile(k, total, COUNTER, tile_smem, tile_full, tile_empty,
+                        DYNAMIC: gl.constexpr):
+    """The producer's k-th tile: static order, or (DYNAMIC) the CTA's own first tile and then
+    ids drawn from the launch's counter, each handed to the consumers (``_publish_tile``; an id
+    >= total ends their loop too)."""
+    if DYNAMIC:
+        t = gl.program_id(0)
+        if k > 0:
+            t = gl.num_programs(0) + gl.atomic_add(COUNTER, 1, sem="relaxed", scope="gpu")
+        _publish_tile(tile_smem, tile_full, tile_empty, t, k)
+    else:
+        t = _static_tile(k, total)
+    return t
+
+
+@gluon.jit
+def _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC: gl.constexpr):
+    """A consumer warpgroup's k-th tile: the static order, or (DYNAMIC) the producer's k-th id."""
+    if DYNAMIC:
+        t = _read_tile(tile_smem, tile_full, tile_empty, k)
+    else:
+        t = _static_tile(k, total)
+    return t
+
+
+@gluon.jit
 def _publish_tile(tile_smem, tile_full, tile_empty, t, k):
     """(dynamic scheduling) The producer hands tile id t, its k-th, to the consumers through a
     2-slot shared-memory ring."""
@@ -253,27 +290,15 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, 
     total = n_m * n_bh
     it = n_bh * 0  # key tiles loaded so far (ring position)
     tc = n_bh * 0  # tiles with work so far (q_empty's phase)
-    if DYNAMIC:
-        G = gl.num_programs(0)
-        k = n_bh * 0
-        t = gl.program_id(0)
-        _publish_tile(tile_smem, tile_full, tile_empty, t, k)
-        while t < total:
-            it, tc = _produce_persistent_tile(
-                t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
-                k_full, v_full, k_empty, v_empty, v_fixed, BT, CU_Q, CU_K, n_heads, kv_group,
-                seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right, STAGES, HAS_LEFT,
-                HAS_RIGHT)
-            t = G + gl.atomic_add(COUNTER, 1, sem="relaxed", scope="gpu")
-            k += 1
-            _publish_tile(tile_smem, tile_full, tile_empty, t, k)  # t >= total: the end
-    else:
-        for t0 in range(gl.program_id(0), total, gl.num_programs(0)):
-            it, tc = _produce_persistent_tile(
-                _snake(t0, total), it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
-                q_empty, k_full, v_full, k_empty, v_empty, v_fixed, BT, CU_Q, CU_K, n_heads,
-                kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right, STAGES,
-                HAS_LEFT, HAS_RIGHT)
+    k = n_bh * 0  # this CTA's tiles so far
+    t = _producer_next_tile(k, total, COUNTER, tile_smem, tile_full, tile_empty, DYNAMIC)
+    while t < total:
+        it, tc = _produce_persistent_tile(
+            t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full,
+            v_full, k_empty, v_empty, v_fixed, BT, CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed,
+            seqlen_k_fixed, n_m, window_left, window_right, STAGES, HAS_LEFT, HAS_RIGHT)
+        k += 1
+        t = _producer_next_tile(k, total, COUNTER, tile_smem, tile_full, tile_empty, DYNAMIC)
 
 
 @gluon.jit
@@ -514,25 +539,16 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
     it = n_bh * 0  # key tiles consumed so far (ring position)
     tc = n_bh * 0  # tiles with work so far (q_bar's phase)
     rnd = n_bh * 0  # pingpong rounds so far
-    if DYNAMIC:
-        k = n_bh * 0
-        t = _read_tile(tile_smem, tile_full, tile_empty, k)
-        while t < total:
-            it, tc, rnd = _consume_persistent_tile(
-                t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
-                k_empty, v_empty, v_fixed, turn, CU_Q, CU_K, stride_om, stride_oh, stride_lb,
-                stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
-                window_right, qk_scale_log2, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, POLY)
-            k += 1
-            t = _read_tile(tile_smem, tile_full, tile_empty, k)
-    else:
-        for t0 in range(gl.program_id(0), total, gl.num_programs(0)):
-            it, tc, rnd = _consume_persistent_tile(
-                _snake(t0, total), it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
-                k_full, v_full, k_empty, v_empty, v_fixed, turn, CU_Q, CU_K, stride_om, stride_oh,
-                stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m,
-                window_left, window_right, qk_scale_log2, WG, STAGES, HAS_LEFT, HAS_RIGHT,
-                PINGPONG, POLY)
+    k = n_bh * 0  # this CTA's tiles so far
+    t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
+    while t < total:
+        it, tc, rnd = _consume_persistent_tile(
+            t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
+            k_empty, v_empty, v_fixed, turn, CU_Q, CU_K, stride_om, stride_oh, stride_lb,
+            stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
+            window_right, qk_scale_log2, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, POLY)
+        k += 1
+        t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
 
 
 @gluon.jit

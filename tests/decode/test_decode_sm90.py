@@ -20,6 +20,19 @@ SM90 = torch.cuda.is_available() and sm90_unavailable_reason(torch.device("cuda"
 needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200) with Triton 3.6.x")
 
 
+def _sm90_decode_on(monkeypatch, merge=False):
+    """The planned decode forced onto the sm90 kernel, small plans too (merge: split requests
+    merged inside it); returns the list each of its launches appends to."""
+    monkeypatch.setattr(triton_decode, "SM90_DECODE", True)
+    monkeypatch.setattr(triton_decode, "SM90_DECODE_MERGE", merge)
+    monkeypatch.setattr(triton_decode, "SM90_DECODE_MIN_BYTES", 0)
+    calls = []
+    orig = sm90_decode.paged_decode_sm90
+    monkeypatch.setattr(sm90_decode, "paged_decode_sm90",
+                        lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    return calls
+
+
 def _views(layout="NHD", pages=6, page=16, h_k=2, d=128, dtype=BF16, pools=False):
     if pools:
         shape = (pages, page, h_k, d) if layout == "NHD" else (pages, h_k, page, d)
@@ -123,13 +136,7 @@ def test_sm90_decode(c, merge, monkeypatch):
     """Outputs and base-2 LSE against per-request references; slots past each request's last key
     hold NaN (stale cache entries) and must not reach the outputs. merge: split requests merged
     by their last item inside the kernel (IOATTN_SM90_DECODE_MERGE) instead of the combine."""
-    monkeypatch.setattr(triton_decode, "SM90_DECODE", True)
-    monkeypatch.setattr(triton_decode, "SM90_DECODE_MERGE", merge)
-    monkeypatch.setattr(triton_decode, "SM90_DECODE_MIN_BYTES", 0)  # small plans too
-    calls = []
-    orig = sm90_decode.paged_decode_sm90
-    monkeypatch.setattr(sm90_decode, "paged_decode_sm90",
-                        lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    calls = _sm90_decode_on(monkeypatch, merge)
     c = dict(c)
     dtype = c.pop("dtype", BF16)
     g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
@@ -164,9 +171,7 @@ def test_sm90_decode_graph_capture_short_replay_long(merge, monkeypatch):
     """run() through the sm90 decode kernel captured at short lengths, replayed after a plan with
     long ones (split requests): the fixed grid covers any plan; with the in-kernel merge, the
     tickets return to zero between replays."""
-    monkeypatch.setattr(triton_decode, "SM90_DECODE", True)
-    monkeypatch.setattr(triton_decode, "SM90_DECODE_MERGE", merge)
-    monkeypatch.setattr(triton_decode, "SM90_DECODE_MIN_BYTES", 0)  # small plans too
+    _sm90_decode_on(monkeypatch, merge)
     g = torch.Generator().manual_seed(5)
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
         torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
@@ -198,12 +203,7 @@ def test_sm90_decode_leaves_windows_to_the_portable_kernel(monkeypatch):
     """A sliding window is outside the sm90 decode kernel's coverage (the aligned first tile
     would read slots before the window): with the switch on, such a plan runs the portable
     kernel, correctly."""
-    monkeypatch.setattr(triton_decode, "SM90_DECODE", True)
-    monkeypatch.setattr(triton_decode, "SM90_DECODE_MIN_BYTES", 0)  # small plans too
-    calls = []
-    orig = sm90_decode.paged_decode_sm90
-    monkeypatch.setattr(sm90_decode, "paged_decode_sm90",
-                        lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    calls = _sm90_decode_on(monkeypatch)
     g = torch.Generator().manual_seed(7)
     lens, indptr, indices, last, cache = _paged(4, 2, 128, 16, BF16, "cuda", "NHD", 300, g=g)
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
