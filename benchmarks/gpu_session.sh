@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [sm90-fwd-wg3] [sm90-exp-poly] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [sm90-fwd-wg3] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -90,14 +90,6 @@ for step in $steps; do
              --dims 64 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
              --out "$OUT/sm90_fwd_wg3_${wg3}_nvidia-h200_$(date +%F).json" > "$OUT/wg3_$wg3.log" 2>&1
              echo "wg3=$wg3"; grep -E "^fwd" "$OUT/wg3_$wg3.log"; done ;;
-    sm90-exp-poly) # softmax exponentials on the FMA pipe for some consumer warpgroups: tests, then
-           # masks 0 (all MUFU), 2 (warpgroup 1), 3 (two warpgroups) timed back to back
-           timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py -k poly \
-             > "$OUT/tests_exp_poly.log" 2>&1; tail -1 "$OUT/tests_exp_poly.log"
-           for mask in 0 2 3; do IOATTN_SM90_EXP_POLY=$mask timeout 150 python -m ioattn bench --modes fwd \
-             --dims 64,128 --seqlens 2048,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
-             --out "$OUT/sm90_fwd_poly${mask}_nvidia-h200_$(date +%F).json" > "$OUT/poly$mask.log" 2>&1
-             echo "exp poly=$mask"; grep -E "^fwd" "$OUT/poly$mask.log"; done ;;
     host)  # host time per call (eager): public calls, op layers, decode run()
            timeout 120 python benchmarks/host_overhead.py --json "$OUT/host_overhead_nvidia-h200.json" \
              > "$OUT/host.log" 2>&1; head -24 "$OUT/host.log" ;;

@@ -114,15 +114,15 @@ def sm_count(device: torch.device) -> int:
 ENV_SWITCHES = (
     ("IOATTN_SM90_PINGPONG", "auto", "sm90 forward: consumer warpgroups issue GEMMs in turns "
      "(auto: d=256 only; 1/0 force)"),
-    ("IOATTN_SM90_PERSISTENT", "0", "sm90 forward: persistent CTAs over query tiles (batched); "
-     "1: static snake order, dynamic: tiles handed out by an atomic counter"),
+    ("IOATTN_SM90_PERSISTENT", "auto", "sm90 forward: persistent CTAs over query tiles (batched); "
+     "auto: dynamic at d=64/128, dynamic: tiles handed out by an atomic counter, 1: static "
+     "snake order, 0: one CTA per tile"),
     ("IOATTN_SM90_FWD_WG3", "1", "sm90 forward at d=64: three consumer warpgroups (192-row "
      "tiles)"),
-    ("IOATTN_SM90_EXP_POLY", "0", "sm90 forward: bit mask of consumer warpgroups whose softmax "
-     "exponentials run as an FMA-pipe polynomial instead of MUFU (e.g. 2: warpgroup 1)"),
-    ("IOATTN_SM90_FUSED_BWD", "0", "sm90 backward: one kernel, dQ by TMA reduce-add"),
+    ("IOATTN_SM90_FUSED_BWD", "1", "sm90 backward: one kernel, dQ by TMA reduce-add (0: two "
+     "kernels without atomics, as deterministic=True)"),
     ("IOATTN_SM90_DECODE", "1", "planned paged decode on the sm90 Gluon kernel"),
-    ("IOATTN_SM90_DECODE_MERGE", "0", "sm90 decode: split requests merged in the kernel by "
+    ("IOATTN_SM90_DECODE_MERGE", "1", "sm90 decode: split requests merged in the kernel by "
      "their last item (no combine launch)"),
 )
 

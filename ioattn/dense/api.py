@@ -239,9 +239,9 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
         window_size: (left, right) sliding window, -1 = unbounded side.
         softcap: if > 0, scores become softcap * tanh(scores / softcap).
         alibi_slopes: fp32 (nheads,) or (batch, nheads); adds -slope * |i + seqlen_k - seqlen_q - j|.
-        deterministic: a bitwise-reproducible backward. The backward kernels ioattn runs by
-            default have no atomics and always are; the experimental fused sm90 backward
-            (``IOATTN_SM90_FUSED_BWD=1``) adds dQ by reductions and is skipped when this is True.
+        deterministic: a bitwise-reproducible backward. The portable backward kernels have no
+            atomics and always are; the sm90 backward adds dQ by TMA reductions (their order
+            varies) and runs its two-kernel form, without atomics, when this is True.
         return_attn_probs: also return the LSE: (out, softmax_lse [b, nheads, seqlen_q] fp32,
             natural log, None).
         learnable_sink: [nheads] float, attention sinks (gpt-oss; FlashAttention's name): one

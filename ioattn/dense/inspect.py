@@ -205,7 +205,7 @@ def _gluon_signature(fn, dtype: str, desc_rows: dict, d: int) -> dict:
             sig[name] = f"*{dtype}"
         elif name in ("LSE", "DELTA"):
             sig[name] = "*fp32"
-        elif name in ("CU_Q", "CU_K", "BT"):
+        elif name in ("CU_Q", "CU_K", "BT", "COUNTER"):  # COUNTER: the dynamic tile counter
             sig[name] = "*i32"
         elif name in ("qk_scale_log2", "sm_scale"):
             sig[name] = "fp32"
@@ -235,8 +235,8 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                          dict(q_desc=64, o_desc=64, k_desc=tile_n, v_desc=tile_n), d,
                          dict(flags, CONSUMER_REGS_=cregs, STAGES=stages, BLOCK_N=tile_n, PAGED=False,
                               PAGE=1, PINGPONG=sm90_fwd._pingpong(d) and wgs == 2,
-                              PERSISTENT=sm90_fwd._persistent(varlen), WGS=wgs,
-                              EXP_POLY=sm90_fwd.EXP_POLY)))
+                              PERSISTENT=sm90_fwd._persistent(d, varlen), WGS=wgs,
+                              DYNAMIC=sm90_fwd._schedule(d, varlen) == "dynamic")))
             if d in sm90_bwd.SUPPORTED_HEAD_DIMS:
                 for fused in (False, True):
                     jobs.append((f"sm90 bwd dkdv{'+dq' if fused else ''} d{d} {tag} 128 keys ws",
@@ -252,8 +252,7 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                      dict(q_desc=64, o_desc=64, k_desc=16, v_desc=16), d,
                      dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True, **regs,
                           STAGES=sm90_fwd._stages(d), BLOCK_N=bn, PAGED=True, PAGE=16,
-                          PINGPONG=sm90_fwd._pingpong(d), PERSISTENT=False, WGS=2,
-                          EXP_POLY=sm90_fwd.EXP_POLY)))
+                          PINGPONG=sm90_fwd._pingpong(d), PERSISTENT=False, WGS=2)))
     return [gluon_report(name, fn, _gluon_signature(fn, dtype, desc_rows, d), ce, arch)
             for name, fn, desc_rows, d, ce in jobs]
 

@@ -112,7 +112,7 @@ def bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
         from ioattn.dense import sm90_bwd
         from ioattn.dense.sm90_common import aligned_base, tma_view_problem
 
-        # the fused form (opt-in, sm90_bwd.FUSED) adds dQ by reductions: not for deterministic
+        # the fused form (default, sm90_bwd.FUSED) adds dQ by reductions: not for deterministic
         launch = functools.partial(sm90_bwd.attn_bwd_sm90, fused=sm90_bwd.FUSED and not deterministic)
         reason = sm90_bwd.unsupported_reason(q.shape[-1], v.shape[-1], softcap,
                                              alibi_slopes is not None, dropout_p)

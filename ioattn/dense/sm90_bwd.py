@@ -22,7 +22,7 @@ Compiled for sm90 in CI (``python -m ioattn.dense.inspect --gluon``); the dense 
 on the H200 (``IOATTN_TEST_SM90=always``). The public functions pick it per call
 (``ioattn.dense.api._pick``), independently of the forward's kernel.
 
-Fused form (``FUSED``, opt-in with ``IOATTN_SM90_FUSED_BWD=1``): the dK/dV kernel also forms
+Fused form (``FUSED``, the default; ``IOATTN_SM90_FUSED_BWD=0`` turns it off): the dK/dV kernel also forms
 each step's dQ partial dS·K and adds it to an fp32 buffer with a TMA reduction
 (``sm90_common.tma_reduce_add``): 5 GEMMs per tile instead of 7, and no dQ kernel. Both
 warpgroups' dSᵀ go to one [128 keys, 64 rows] shared buffer (two, alternating by step); from
@@ -30,8 +30,9 @@ d = 128 each warpgroup then forms half of the partial's columns over all 128 key
 partial per step leaves the CTA (``dq_cols``). As in FA3, a 1-warp dQ writer (``_dq_writer``)
 issues the reductions from shared memory, so the consumers hand over a partial and go on. On the
 H200: one full partial per warpgroup 350 TFLOP/s at d=128 16k, the column split (reductions
-issued by the consumers) 395, against 452 for the two-kernel form (benchmarks/NOTES.md); the
-writer-warp form has not run on a GPU yet. The reductions' order varies, so
+issued by the consumers) 395, against 452 for the two-kernel form (benchmarks/NOTES.md); with
+the writer warp 1.02-1.04x the two-kernel form at d=64 and 128 (457 vs 450 at d=128 16k,
+results/sm90_bwd_fused_writer{1,0}_*.json). The reductions' order varies, so
 ``deterministic=True`` keeps the two-kernel form.
 """
 from __future__ import annotations
@@ -60,10 +61,10 @@ PRODUCER_REGS = 24
 DKDV_STAGES = 2
 DQ_BLOCK_N = 64
 DQ_STAGES = 2
-# The fused backward (dQ by TMA reductions in the dK/dV kernel): off unless
-# IOATTN_SM90_FUSED_BWD=1; its column-split form measured 395 TFLOP/s at d=128 16k against 452
-# for the two-kernel form (results/sm90_bwd_fused_colsplit_*.json)
-FUSED = os.environ.get("IOATTN_SM90_FUSED_BWD") == "1"
+# The fused backward (dQ by TMA reductions in the dK/dV kernel, issued by a writer warp): on by
+# default since it measured 1.02-1.04x the two-kernel form at d=64 and 128 from 2k on the H200
+# (results/sm90_bwd_fused_writer{1,0}_*.json); IOATTN_SM90_FUSED_BWD=0 turns it off
+FUSED = os.environ.get("IOATTN_SM90_FUSED_BWD", "1").lower() not in ("0", "false", "off")
 
 
 @gluon.jit

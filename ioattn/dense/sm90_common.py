@@ -47,35 +47,6 @@ def wgmma_a_operand(acc_layout):
     return gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
 
-# exp2_poly's constants: 1.5 * 2^23 (adding it rounds to an integer held in the low mantissa
-# bits), and 2^f ~ C0 + C1 f + C2 f^2 + C3 f^3 on [-0.5, 0.5] (weighted least squares iterated
-# to minimax relative error; tests/dense/test_exp2_poly.py checks the algorithm in fp32)
-EXP2_ROUND = gl.constexpr(12582912.0)
-EXP2_C0 = gl.constexpr(0.9999280571937561)
-EXP2_C1 = gl.constexpr(0.6932609677314758)
-EXP2_C2 = gl.constexpr(0.24261115491390228)
-EXP2_C3 = gl.constexpr(0.0551716685295105)
-
-
-@gluon.jit
-def exp2_poly(x):
-    """2^x for fp32 x <= 0 (-inf included) on the FMA and integer pipes instead of MUFU.EX2, to
-    share the exponentials of a softmax between the two units (MUFU does 16 a clock per SM, the
-    FMA pipe 128 operations): x = j + f with j = round(x) (added to and subtracted from 1.5 * 2^23,
-    whose low mantissa bits then hold j), 2^f on [-0.5, 0.5] by a degree-3 polynomial (relative
-    error < 7.5e-5, fitted for minimax relative error; bf16 P keeps 8 bits), and 2^j added into
-    the exponent field. Below 2^-126 the result is 0 (exactly, for -inf), as fully masked rows
-    need."""
-    t = x + EXP2_ROUND
-    j = t - EXP2_ROUND
-    f = x - j
-    p = EXP2_C3 * f + EXP2_C2
-    p = p * f + EXP2_C1
-    p = p * f + EXP2_C0
-    bits = p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)
-    return gl.where(x < -126.0, 0.0, bits.to(gl.float32, bitcast=True))
-
-
 @gluon.jit
 def floor_div(a, b: gl.constexpr):
     # integer // truncates toward zero; block bounds need floor for negative numerators

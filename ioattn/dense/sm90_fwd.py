@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
-from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, base_problem, exp2_poly, invalidate,
+from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, base_problem, invalidate,
                                       query_tile, query_tile_at, key_tiles, rows_descriptor,
                                       tma_view_problem, wgmma_a_operand, wgmma_acc_layout,
                                       zero_last_key_tile)
@@ -54,23 +54,19 @@ PRODUCER_REGS = 24
 # pingpong between the consumer warpgroups (``_take_turn``): IOATTN_SM90_PINGPONG=1 / 0 forces it
 # on / off; by default on where it measured faster (``_pingpong``)
 PINGPONG = os.environ.get("IOATTN_SM90_PINGPONG", "auto")
-# persistent CTAs for batched problems (``_consumer_persistent``), opt-in with
-# IOATTN_SM90_PERSISTENT=1: on the H200 it measured no faster at d=128 and much slower under a
-# causal mask (static tile striding leaves heavy tiles for the end); benchmarks/NOTES.md
-# ("dynamic": tiles handed out by an atomic counter, FA3's dynamic scheduler; "1": static snake
-# order)
-PERSISTENT_MODE = os.environ.get("IOATTN_SM90_PERSISTENT", "0").lower()
-PERSISTENT = PERSISTENT_MODE in ("1", "static", "dynamic")
-DYNAMIC = PERSISTENT_MODE == "dynamic"
+# persistent CTAs for batched problems (``_consumer_persistent``), IOATTN_SM90_PERSISTENT:
+# "auto" (default) takes the dynamic form (tiles handed out by an atomic counter, FA3's dynamic
+# scheduler) at d in {64, 128}, where it measured faster on the H200 than one CTA per tile
+# (results/sm90_fwd_persistent_snake{dynamic,0}_*.json: d=128 +2-12% non-causal, level to +2%
+# causal; d=64 against three warpgroups +3-15% at 2k-4k, -3% at 16k non-causal); d=256 was
+# not measured and keeps one CTA per tile. "dynamic" forces it; "1" / "static" the static snake
+# order (slower under causal masks: 476 vs 608 at d=128 16k); "0" turns persistence off.
+PERSISTENT_MODE = os.environ.get("IOATTN_SM90_PERSISTENT", "auto").lower()
 # three consumer warpgroups at d=64 (192-row tiles, FA3's shape there); on by default since it
 # measured 1.03-1.05x the two-warpgroup form non-causal from 2k and 1.23x causal at 2k on the
 # H200 (results/sm90_fwd_wg3_{1,0}_*.json; causal 4k-16k within 3%), IOATTN_SM90_FWD_WG3=0 turns
 # it off. Environment switches are read at import (``dispatch.ENV_SWITCHES``)
 WG3 = os.environ.get("IOATTN_SM90_FWD_WG3", "1").lower() not in ("0", "false", "off")
-# consumer warpgroups whose softmax exponentials run as a polynomial on the FMA pipe instead of
-# MUFU.EX2 (``sm90_common.exp2_poly``): a bit mask, bit w for warpgroup w (e.g. 2: warpgroup 1).
-# FA4's way of sharing the exponentials between the two units; opt-in until measured on the H200
-EXP_POLY = int(os.environ.get("IOATTN_SM90_EXP_POLY") or "0", 0)  # 2, 0b10, 0x2
 
 
 def _block_n(head_dim: int) -> int:
@@ -86,7 +82,7 @@ def _pingpong(head_dim: int) -> bool:
 
 def _wgs(head_dim: int, varlen: bool, paged: bool = False) -> int:
     # consumer warpgroups: 3 at d=64 when WG3 asks for it, else 2
-    if head_dim == 64 and not paged and not _persistent(varlen) and WG3:
+    if head_dim == 64 and not paged and not _persistent(head_dim, varlen) and WG3:
         return 3
     return 2
 
@@ -303,9 +299,8 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, 
 
 @gluon.jit
 def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_right, qk_scale_log2,
-                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, POLY: gl.constexpr = False):
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
     """One key block's online-softmax update in the log2 domain (scores = s * qk_scale_log2).
-    POLY: the exponentials by a polynomial on the FMA pipe instead of MUFU (``exp2_poly``).
 
     Returns (p, alpha, m_new, l_new); p unnormalized, alpha the rescale of the running sums.
     """
@@ -332,10 +327,7 @@ def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_ri
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
         m_use = m_new
-    if POLY:
-        p = exp2_poly(s * qk_scale_log2 - m_use[:, None])
-    else:
-        p = gl.exp2(s * qk_scale_log2 - m_use[:, None])
+    p = gl.exp2(s * qk_scale_log2 - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_i
@@ -374,8 +366,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                   v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles, window_left,
                   window_right, qk_scale_log2, it0, rnd0, q_phase, WG: gl.constexpr,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                  ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                  POLY: gl.constexpr):
+                  ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
     """One warpgroup's 64 query rows of a tile: key tiles from ring position it0, pingpong rounds
     from rnd0, Q's load completing phase q_phase of q_bar. Returns (out, lse): out normalized in
     the input dtype, lse in natural log; rows that saw no key give out 0 and LSE -inf."""
@@ -408,7 +399,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(st0), count=1)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo, row0, seqlen_k, off, window_left,
-                                           window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT, POLY)
+                                           window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT)
         # steady state: QK_j issued before PV_{j-1}; wait(1) retires QK_j, the softmax of block j
         # then overlaps PV_{j-1}
         for j in range(1, n_tiles):
@@ -427,7 +418,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
             mbarrier.arrive(k_empty.index(st), count=1)  # K_j is consumed: the producer refills it
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo + j * BLOCK_N, row0, seqlen_k, off,
                                                window_left, window_right, qk_scale_log2,
-                                               HAS_LEFT, HAS_RIGHT, POLY)
+                                               HAS_LEFT, HAS_RIGHT)
             acc = warpgroup_mma_wait(0, deps=[acc_tok])
             mbarrier.arrive(v_empty.index(prev), count=1)  # V_{j-1} is consumed
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -466,14 +457,13 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_
               v_empty, v_fixed, turn, o_row, o_col, o_base_off, stride_om, lse_off, start_m,
               seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right, qk_scale_log2,
               WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-              ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, EXP_POLY: gl.constexpr):
+              ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr):
     if PINGPONG and WG == 1:
         mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                              v_empty, v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                              window_left, window_right, qk_scale_log2, 0, 0, 0, WG, STAGES,
-                             HAS_LEFT, HAS_RIGHT, ZERO_TAIL, PINGPONG, False,
-                             (EXP_POLY >> WG) & 1 == 1)
+                             HAS_LEFT, HAS_RIGHT, ZERO_TAIL, PINGPONG, False)
     row0 = start_m + WG * HALF_M
     _store_lse(LSE, lse, lse_off, row0, seqlen_q)
     if row0 + HALF_M <= seqlen_q:
@@ -493,7 +483,7 @@ def _consume_persistent_tile(t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_b
                              seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right,
                              qk_scale_log2, WG: gl.constexpr, STAGES: gl.constexpr,
                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                             PINGPONG: gl.constexpr, POLY: gl.constexpr):
+                             PINGPONG: gl.constexpr):
     """One warpgroup's rows of tile t; returns the updated ring position, tiles-with-work count
     and pingpong rounds."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -503,7 +493,7 @@ def _consume_persistent_tile(t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_b
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                              v_empty, v_fixed, turn, start_m, seqlen_q_fixed, seqlen_k_fixed,
                              lo, n_tiles, window_left, window_right, qk_scale_log2, it, rnd,
-                             tc & 1, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG, True, POLY)
+                             tc & 1, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG, True)
     # the output offsets, recomputed here rather than kept live through the key loop; Q's
     # buffer already holds the next tile's Q, so O is stored from registers
     (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
@@ -526,14 +516,13 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
                          n_bh, window_left, window_right, qk_scale_log2, tile_smem, tile_full,
                          tile_empty, WG: gl.constexpr,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         PINGPONG: gl.constexpr, EXP_POLY: gl.constexpr, DYNAMIC: gl.constexpr):
+                         PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr):
     """A persistent CTA's tiles, in the producer's order: program_id, program_id + programs, ...
     in snake order (``_snake``), or (DYNAMIC) the ids the producer draws from the tile counter
     and passes on through shared memory; tiles run over (query tile, batch * head), query tiles
     fastest (a head's tiles run together, sharing K/V in L2) and heaviest (last) first."""
     n_m = gl.cdiv(seqlen_q_fixed, BLOCK_M)
     total = n_m * n_bh
-    POLY: gl.constexpr = (EXP_POLY >> WG) & 1 == 1
     if PINGPONG and WG == 1:
         mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
     it = n_bh * 0  # key tiles consumed so far (ring position)
@@ -546,7 +535,7 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
             t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
             k_empty, v_empty, v_fixed, turn, CU_Q, CU_K, stride_om, stride_oh, stride_lb,
             stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
-            window_right, qk_scale_log2, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, POLY)
+            window_right, qk_scale_log2, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG)
         k += 1
         t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
 
@@ -560,7 +549,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
                    PRODUCER_REGS_: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr,
                    PAGE: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                   WGS: gl.constexpr = 2, EXP_POLY: gl.constexpr = 0,
+                   WGS: gl.constexpr = 2,
                    DYNAMIC: gl.constexpr = False, COUNTER=None):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # PAGED: batched queries over a paged KV cache (``attn_fwd_sm90_paged``): CU_K holds the key
@@ -608,14 +597,14 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                     stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                     seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
                                     tile_smem, tile_full, tile_empty,
-                                    0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_POLY, DYNAMIC)),
+                                    0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
             (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                     q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                     v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                     stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                     seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
                                     tile_smem, tile_full, tile_empty,
-                                    1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_POLY, DYNAMIC)),
+                                    1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
             (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                                     q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                     v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
@@ -636,19 +625,19 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_POLY)),
+                             PINGPONG)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_POLY)),
+                             PINGPONG)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 2, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_POLY)),
+                             PINGPONG)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
@@ -662,13 +651,13 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_POLY)),
+                             PINGPONG)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_POLY)),
+                             PINGPONG)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
@@ -709,21 +698,31 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int)
     the H200 (benchmarks/NOTES.md, results/sm90_fwd_*quick_*.json): d=128 from s=2k (1.01-1.32x
     the portable kernel), d=256 from 2k (1.32-1.42x); d=64 from 4k with three consumer
     warpgroups (428 / 353 TFLOP/s non-causal / causal at 4k, results/sm90_fwd_wg3_1_*.json,
-    against 390 / 339 for the portable kernel in the run of record; at 2k non-causal they tie),
-    else from 8k (1.06x). The gain comes from the pipelined key loop, so a shorter query block
+    against 390 / 339 for the portable kernel in the run of record; at 2k non-causal they tie;
+    the dynamic persistent form, the default for batched problems since, ran 435 / 386 there,
+    results/sm90_fwd_persistent_snakedynamic_*.json), else from 8k (1.06x). The gain comes from the pipelined key loop, so a shorter query block
     over as many keys gains too: 512 queries over 4608 keys (chunked prefill, d=128 causal GQA)
     ran at 590 TFLOP/s through the paged form of this kernel against 454 through the portable
     one (results/chunked_sm90_paged_nvidia-h200_2026-11-29.json); that rule is kept to d >= 128,
     where it was measured. Shorter problems were not measured: the portable kernel keeps them."""
     if head_dim == 64:
-        return max_seqlen_q >= (4096 if WG3 else 8192)
+        return max_seqlen_q >= (4096 if WG3 or _persistent(64, False) else 8192)
     return max_seqlen_q >= 2048 or (max_seqlen_q >= 512 and max_seqlen_k >= 2048)
 
 
-def _persistent(varlen: bool) -> bool:
-    # batched problems only (varlen/paged tiles keep one CTA each: their last-tile zeroing is
-    # signalled once per CTA)
-    return not varlen and PERSISTENT
+def _schedule(head_dim: int, varlen: bool) -> str | None:
+    """The forward's persistent schedule ("dynamic", "static") or None for one CTA per tile:
+    batched problems only (varlen/paged tiles keep one CTA each: their last-tile zeroing is
+    signalled once per CTA); ``PERSISTENT_MODE`` says which."""
+    if varlen or PERSISTENT_MODE in ("0", "off", "false"):
+        return None
+    if PERSISTENT_MODE == "auto":
+        return "dynamic" if head_dim in (64, 128) else None
+    return "dynamic" if PERSISTENT_MODE == "dynamic" else "static"
+
+
+def _persistent(head_dim: int, varlen: bool) -> bool:
+    return _schedule(head_dim, varlen) is not None
 
 
 def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -735,7 +734,8 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     grid = (-(-p.max_seqlen_q // (wgs * HALF_M.value)), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
-    persistent = _persistent(p.is_varlen)
+    schedule = _schedule(d, p.is_varlen)
+    persistent = schedule is not None
     if persistent:  # one CTA per SM (a CTA takes most of the shared memory)
         grid = (min(grid[0] * grid[1], sm_count(q.device)),)
     block_n, stages, regs = _tile(d, wgs)
@@ -747,7 +747,8 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # tiles after the first G come from a counter of this launch's own (a shared one would let
     # concurrent launches on other streams take each other's tiles); stream-ordered by the
     # caching allocator, and in a captured graph's pool under capture
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent and DYNAMIC else None
+    dynamic = schedule == "dynamic"
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else None
     _attn_fwd_sm90[grid](
         q_desc, k_desc, v_desc, o_desc, out, lse,
         p.cu_seqlens_q if p.is_varlen else dummy, p.cu_seqlens_k if p.is_varlen else dummy, dummy,
@@ -757,8 +758,8 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
         STAGES=stages, CONSUMER_REGS_=regs, PRODUCER_REGS_=PRODUCER_REGS,
         BLOCK_N=block_n, PAGED=False, PAGE=1, PINGPONG=_pingpong(d) and wgs == 2,
-        PERSISTENT=persistent, WGS=wgs, EXP_POLY=EXP_POLY,
-        DYNAMIC=persistent and DYNAMIC, COUNTER=counter, num_warps=4,
+        PERSISTENT=persistent, WGS=wgs,
+        DYNAMIC=dynamic, COUNTER=counter, num_warps=4,
     )
 
 
@@ -819,6 +820,5 @@ def attn_fwd_sm90_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         IS_VARLEN=False, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0,
         STAGES=_stages(d), CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS,
         BLOCK_N=block_n, PAGED=True, PAGE=page, PINGPONG=_pingpong(d), PERSISTENT=False,
-        EXP_POLY=EXP_POLY,
         num_warps=4,
     )

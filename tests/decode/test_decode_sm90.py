@@ -18,6 +18,7 @@ from tests.paged.test_flashinfer import _check_request, _gather, _paged, replay_
 BF16, FP16 = torch.bfloat16, torch.float16
 SM90 = torch.cuda.is_available() and sm90_unavailable_reason(torch.device("cuda")) is None
 needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200) with Triton 3.6.x")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _sm90_decode_on(monkeypatch, merge=False):
@@ -92,11 +93,15 @@ def test_small_plans_stay_portable_in_eager_calls(monkeypatch):
     monkeypatch.setattr(triton_decode, "_sm90_decode", lambda *a: asked.append(1) and False)
 
     def planned(pages, graph=False, page=16, h_k=8, d=128):
-        kw = dict(use_cuda_graph=True, paged_kv_indices_buffer=torch.empty(pages, dtype=torch.int32)) \
+        kw = dict(use_cuda_graph=True,
+                  paged_kv_indices_buffer=torch.empty(pages, dtype=torch.int32, device=DEVICE)) \
             if graph else {}
-        w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8), **kw)
-        w.plan(torch.tensor([0, pages], dtype=torch.int32), torch.arange(pages, dtype=torch.int32),
-               torch.tensor([page], dtype=torch.int32), 4 * h_k, h_k, d, page, q_data_type=BF16)
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(
+            torch.empty(8 << 20, dtype=torch.uint8, device=DEVICE), **kw)
+        w.plan(torch.tensor([0, pages], dtype=torch.int32, device=DEVICE),
+               torch.arange(pages, dtype=torch.int32, device=DEVICE),
+               torch.tensor([page], dtype=torch.int32, device=DEVICE), 4 * h_k, h_k, d, page,
+               q_data_type=BF16)
         return w
 
     limit = triton_decode.SM90_DECODE_MIN_BYTES
@@ -105,14 +110,16 @@ def test_small_plans_stay_portable_in_eager_calls(monkeypatch):
     assert not planned(limit // per_page + 1)._small
     assert not planned(8, graph=True)._small
     # the choice itself: run() asks the sm90 rule only for plans that are not small (the
-    # portable kernel then runs, here under the interpreter)
+    # portable kernel then runs; on a CPU under the interpreter)
     for small, want in ((True, []), (False, [1])):
         asked.clear()
-        q = torch.randn(1, 4, 64, dtype=BF16)
-        cache = torch.randn(4, 2, 16, 1, 64, dtype=BF16)
-        w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8))
-        w.plan(torch.tensor([0, 4], dtype=torch.int32), torch.arange(4, dtype=torch.int32),
-               torch.tensor([16], dtype=torch.int32), 4, 1, 64, 16, q_data_type=BF16)
+        q = torch.randn(1, 4, 64, dtype=BF16, device=DEVICE)
+        cache = torch.randn(4, 2, 16, 1, 64, dtype=BF16, device=DEVICE)
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(
+            torch.empty(8 << 20, dtype=torch.uint8, device=DEVICE))
+        w.plan(torch.tensor([0, 4], dtype=torch.int32, device=DEVICE),
+               torch.arange(4, dtype=torch.int32, device=DEVICE),
+               torch.tensor([16], dtype=torch.int32, device=DEVICE), 4, 1, 64, 16, q_data_type=BF16)
         w._small = small
         w.run(q, cache)
         assert asked == want
