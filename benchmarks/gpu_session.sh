@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [sm90-fwd-wg3] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [sm90-fwd-wg3] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -123,6 +123,21 @@ for step in $steps; do
              --json "$OUT/tune_sm90_bwd.json" > "$OUT/tune_sm90_bwd.log" 2>&1; grep "^==" "$OUT/tune_sm90_bwd.log"
            timeout 150 python benchmarks/tune_sm90.py --mode fwd --dims 64 --seqlens 2048,16384 \
              --json "$OUT/tune_sm90_fwd.json" > "$OUT/tune_sm90_fwd.log" 2>&1; grep "^==" "$OUT/tune_sm90_fwd.log" ;;
+    profile-bwd) # ncu on the sm90 backward (fused dK/dV + dQ kernel, d=128 non-causal 16k)
+           timeout 240 ncu --clock-control none -k regex:bwd_dkdv_sm90 --launch-skip 2 --launch-count 1 \
+             --set full --import-source no -o "$OUT/bwd128" python benchmarks/profile_fwd.py --d 128 \
+             --seqlen 16384 --backward > "$OUT/ncu_bwd_run.log" 2>&1; tail -2 "$OUT/ncu_bwd_run.log"
+           ncu --import "$OUT/bwd128.ncu-rep" --page details > "$OUT/ncu_bwd_details.txt" 2>&1
+           ncu --import "$OUT/bwd128.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_bwd_sass.csv" 2>&1
+           grep -E "Duration|Tensor is|Issue Slots|No Eligible|Stall" "$OUT/ncu_bwd_details.txt" | head -30 ;;
+    d256)  # the d=256 causal 2k cell (bf16 took as long as non-causal in two runs of record): the
+           # sm90 forward by default, without pingpong, and on the dynamic scheduler; both dtypes
+           for v in default pp0 dynamic; do
+             case $v in pp0) e=IOATTN_SM90_PINGPONG=0 ;; dynamic) e=IOATTN_SM90_PERSISTENT=dynamic ;; *) e=X=1 ;; esac
+             env $e timeout 150 python -m ioattn bench --modes fwd --dims 256 --seqlens 1024,2048,4096 \
+               --dtypes bf16,fp16 --impls ioattn_sm90,ioattn_triton,sdpa_cudnn --no-plots \
+               --out "$OUT/sm90_fwd_d256_$v.json" > "$OUT/d256_$v.log" 2>&1
+             echo "== $v"; grep -E "^fwd" "$OUT/d256_$v.log"; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

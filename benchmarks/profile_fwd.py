@@ -1,10 +1,12 @@
-"""One dense forward call on an FA-grid shape (16k tokens, hidden 2048), for profilers: run it
-under ``ncu`` to read the tensor-pipe utilization and the warp stall reasons of a kernel, e.g.
+"""One dense forward (or forward + backward) call on an FA-grid shape (16k tokens, hidden 2048),
+for profilers: run it under ``ncu`` to read the tensor-pipe utilization and the warp stall reasons
+of a kernel, e.g.
 
     ncu --clock-control none -k regex:attn_fwd_sm90 --launch-skip 2 --launch-count 1 \\
         --set full -o fwd python benchmarks/profile_fwd.py --d 128 --seqlen 8192
 
-(the first two calls compile and warm up; the third is the one profiled)."""
+(the first two calls compile and warm up; the third is the one profiled; ``--backward`` adds
+the backward to each call: profile ``regex:bwd_dkdv_sm90`` then)."""
 from __future__ import annotations
 
 import argparse
@@ -21,12 +23,16 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--backend", default="sm90")
     ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--backward", action="store_true")
     a = ap.parse_args()
     b, h = max(1, 16384 // a.seqlen), 2048 // a.d
-    q, k, v = (torch.randn(b, a.seqlen, h, a.d, device="cuda", dtype=torch.bfloat16)
-               for _ in range(3))
+    q, k, v = (torch.randn(b, a.seqlen, h, a.d, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=a.backward) for _ in range(3))
+    dout = torch.randn_like(q) if a.backward else None
     for _ in range(a.calls):
-        ioattn.flash_attn_func(q, k, v, causal=a.causal, backend=a.backend)
+        out = ioattn.flash_attn_func(q, k, v, causal=a.causal, backend=a.backend)
+        if a.backward:
+            out.backward(dout)
     torch.cuda.synchronize()
 
 
