@@ -119,6 +119,10 @@ ENV_SWITCHES = (
      "snake order, 0: one CTA per tile"),
     ("IOATTN_SM90_FWD_WG3", "1", "sm90 forward at d=64: three consumer warpgroups (192-row "
      "tiles)"),
+    ("IOATTN_SM90_WG3_PERSISTENT", "0", "sm90 forward at d=64: three consumer warpgroups in the "
+     "persistent form too (else two there)"),
+    ("IOATTN_SM90_BWD_DQ_FIRST", "0", "sm90 fused backward: each step's dQ partial issued before "
+     "dK's update (dK's GEMM overlaps the hand-off to the writer warp)"),
     ("IOATTN_SM90_FUSED_BWD", "1", "sm90 backward: one kernel, dQ by TMA reduce-add (0: two "
      "kernels without atomics, as deterministic=True)"),
     ("IOATTN_SM90_DECODE", "1", "planned paged decode on the sm90 Gluon kernel"),

@@ -242,11 +242,25 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                     jobs.append((f"sm90 bwd dkdv{'+dq' if fused else ''} d{d} {tag} 128 keys ws",
                                  sm90_bwd._bwd_dkdv_sm90,
                                  dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64), d,
-                                 dict(flags, STAGES=sm90_bwd.DKDV_STAGES, FUSED_DQ=fused)))
+                                 dict(flags, STAGES=sm90_bwd.DKDV_STAGES, FUSED_DQ=fused,
+                                      DQ_FIRST=fused and sm90_bwd.DQ_FIRST)))
+                if tag == "full":  # (opt-in, IOATTN_SM90_BWD_DQ_FIRST) dQ's partial first
+                    jobs.append((f"sm90 bwd dkdv+dq d{d} {tag} dq-first 128 keys ws",
+                                 sm90_bwd._bwd_dkdv_sm90,
+                                 dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64), d,
+                                 dict(flags, STAGES=sm90_bwd.DKDV_STAGES, FUSED_DQ=True,
+                                      DQ_FIRST=True)))
                 jobs.append((f"sm90 bwd dq d{d} {tag} 128x{sm90_bwd.DQ_BLOCK_N} ws", sm90_bwd._bwd_dq_sm90,
                              dict(q_desc=64, do_desc=64, k_desc=sm90_bwd.DQ_BLOCK_N,
                                   v_desc=sm90_bwd.DQ_BLOCK_N), d,
                              dict(flags, STAGES=sm90_bwd.DQ_STAGES)))
+        if d == 64:  # (opt-in, IOATTN_SM90_WG3_PERSISTENT) the persistent form on 3 warpgroups
+            tile_n, stages, cregs = sm90_fwd._tile(d, 3)
+            jobs.append((f"sm90 fwd d{d} causal persistent 192x{tile_n} ws", sm90_fwd._attn_fwd_sm90,
+                         dict(q_desc=64, o_desc=64, k_desc=tile_n, v_desc=tile_n), d,
+                         dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True,
+                              PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, CONSUMER_REGS_=cregs, STAGES=stages, BLOCK_N=tile_n, PAGED=False,
+                              PAGE=1, PINGPONG=False, PERSISTENT=True, WGS=3, DYNAMIC=True)))
         # the KV-cache forward over pages of 16 (one TMA copy per page)
         jobs.append((f"sm90 fwd paged16 d{d} causal 128x{bn} ws", sm90_fwd._attn_fwd_sm90,
                      dict(q_desc=64, o_desc=64, k_desc=16, v_desc=16), d,

@@ -65,6 +65,9 @@ DQ_STAGES = 2
 # default since it measured 1.02-1.04x the two-kernel form at d=64 and 128 from 2k on the H200
 # (results/sm90_bwd_fused_writer{1,0}_*.json); IOATTN_SM90_FUSED_BWD=0 turns it off
 FUSED = os.environ.get("IOATTN_SM90_FUSED_BWD", "1").lower() not in ("0", "false", "off")
+# (fused) each step's dQ partial issued before dK's update, so that dK's GEMM overlaps the
+# partial's hand-off to the writer warp: opt-in until measured on the H200
+DQ_FIRST = os.environ.get("IOATTN_SM90_BWD_DQ_FIRST", "0").lower() in ("1", "true", "on")
 
 
 @gluon.jit
@@ -154,12 +157,31 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
 
 
 @gluon.jit
+def _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG: gl.constexpr, DQ_COLS: gl.constexpr,
+                SPLIT_DQ: gl.constexpr, dq_layout: gl.constexpr):
+    """(fused) Issue step t's dQ partial of this warpgroup: from d = 128 its half of the columns
+    over both warpgroups' keys (once both have stored their dSᵀ: ds_ready), else the full width
+    over its own keys. Returns the wgmma's pending result."""
+    if SPLIT_DQ:
+        mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
+        tok = warpgroup_mma(ds_all.permute((1, 0)), k_smem.slice(WG * DQ_COLS, DQ_COLS, dim=1),
+                            gl.zeros([HALF, DQ_COLS], gl.float32, layout=dq_layout),
+                            use_acc=False, is_async=True)
+    else:
+        tok = warpgroup_mma(ds_s.permute((1, 0)), k,
+                            gl.zeros([HALF, DQ_COLS], gl.float32, layout=dq_layout),
+                            use_acc=False, is_async=True)
+    return tok
+
+
+@gluon.jit
 def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
                    qdo_full, qdo_empty, fixed, ds_ready, dq_full, dq_empty, dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh,
                    h0, lo_m, n_m, n_steps, start_n, q_start, seqlen_q, seqlen_k, window_left,
                    window_right, qk_scale_log2, sm_scale,
                    WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                   HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr):
+                   HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
+                   DQ_FIRST: gl.constexpr):
     HEAD_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     # Sᵀ / dPᵀ: [64 keys, 64 query rows]; dK / dV: [64 keys, d]
@@ -235,19 +257,19 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
             if SPLIT_DQ:
                 gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
                 mbarrier.arrive(ds_ready.index(t % 2), count=1)
-            dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
-            if SPLIT_DQ:
-                mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
-                dq_tok = warpgroup_mma(ds_all.permute((1, 0)),
-                                       k_smem.slice(WG * DQ_COLS, DQ_COLS, dim=1),
-                                       gl.zeros([HALF, DQ_COLS], gl.float32, layout=dq_layout),
-                                       use_acc=False, is_async=True)
+            if DQ_FIRST:
+                # dQ's partial before dK's update: dK's GEMM then runs while the partial is
+                # handed to the writer (wgmma groups retire in issue order)
+                dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
+                                     SPLIT_DQ, dq_layout)
+                dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
+                dv, dq = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok])
             else:
-                dq_tok = warpgroup_mma(ds_s.permute((1, 0)), k,
-                                       gl.zeros([HALF, DQ_COLS], gl.float32, layout=dq_layout),
-                                       use_acc=False, is_async=True)
-            dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
-            mbarrier.arrive(qdo_empty.index(st), count=1)
+                dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
+                dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
+                                     SPLIT_DQ, dq_layout)
+                dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
+                mbarrier.arrive(qdo_empty.index(st), count=1)
             # hand the partial to the dQ writer warp (``_dq_writer``), which issues its TMA
             # reduction while this warpgroup goes on with the next step; its buffer is free
             # once the writer has seen the previous step's reduction read it
@@ -256,6 +278,9 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
             fence_async_shared()
             gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
             mbarrier.arrive(dq_full.index(WG), count=1)
+            if DQ_FIRST:
+                dk = warpgroup_mma_wait(0, deps=[dk_tok])
+                mbarrier.arrive(qdo_empty.index(st), count=1)
         else:
             dk_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), q, dk, is_async=True)
             dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
@@ -303,7 +328,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                    sm_scale, qk_scale_log2, window_left, window_right,
                    IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                    STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
-                   PRODUCER_REGS_: gl.constexpr):
+                   PRODUCER_REGS_: gl.constexpr, DQ_FIRST: gl.constexpr = False):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = 2 * HALF
     pid_n = gl.program_id(0)
@@ -362,13 +387,13 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN)),
+                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST)),
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, dq_full,
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN)),
+                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -383,13 +408,13 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN)),
+                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST)),
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, dq_full,
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN)),
+                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -628,7 +653,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         dk, dv, lse, delta, cu_q, cu_k,
         dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
         n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-        STAGES=DKDV_STAGES, FUSED_DQ=fused, **flags)
+        STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_FIRST=fused and DQ_FIRST, **flags)
     if fused:
         dq.copy_(dq_acc)
         return

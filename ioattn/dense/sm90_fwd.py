@@ -67,6 +67,9 @@ PERSISTENT_MODE = os.environ.get("IOATTN_SM90_PERSISTENT", "auto").lower()
 # H200 (results/sm90_fwd_wg3_{1,0}_*.json; causal 4k-16k within 3%), IOATTN_SM90_FWD_WG3=0 turns
 # it off. Environment switches are read at import (``dispatch.ENV_SWITCHES``)
 WG3 = os.environ.get("IOATTN_SM90_FWD_WG3", "1").lower() not in ("0", "false", "off")
+# three consumer warpgroups in the persistent form too (d=64 batched problems, where the dynamic
+# scheduler otherwise runs two): opt-in until measured on the H200
+WG3_PERSISTENT = os.environ.get("IOATTN_SM90_WG3_PERSISTENT", "0").lower() in ("1", "true", "on")
 
 
 def _block_n(head_dim: int) -> int:
@@ -81,8 +84,9 @@ def _pingpong(head_dim: int) -> bool:
 
 
 def _wgs(head_dim: int, varlen: bool, paged: bool = False) -> int:
-    # consumer warpgroups: 3 at d=64 when WG3 asks for it, else 2
-    if head_dim == 64 and not paged and not _persistent(head_dim, varlen) and WG3:
+    # consumer warpgroups: 3 at d=64 when WG3 asks for it (persistent: when WG3_PERSISTENT
+    # does too), else 2
+    if head_dim == 64 and not paged and WG3 and (WG3_PERSISTENT or not _persistent(head_dim, varlen)):
         return 3
     return 2
 
@@ -201,10 +205,11 @@ def _produce_persistent_tile(t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, 
     tile count (ring position) and count of tiles with work (q_empty's phase)."""
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
+    TILE_M: gl.constexpr = q_smem.shape[0] * HALF_M  # 64 rows per consumer warpgroup
     (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
      n_tiles) = query_tile_at(n_m - 1 - t % n_m, t // n_m, CU_Q, CU_K, n_heads, kv_group,
                               seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
-                              BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT)
+                              TILE_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT)
     _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full,
                   v_full, k_empty, v_empty, v_fixed, BT, 0, 0, q_start + start_m,
                   off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo, it, tc,
@@ -282,7 +287,7 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, 
     # DYNAMIC: tiles handed out by an atomic counter as CTAs free up (FA3's dynamic persistent
     # scheduler), in the same heaviest-first order, each id passed to the consumers through
     # shared memory; otherwise a static snake order (``_snake``)
-    n_m = gl.cdiv(seqlen_q_fixed, BLOCK_M)
+    n_m = gl.cdiv(seqlen_q_fixed, q_smem.shape[0] * HALF_M)
     total = n_m * n_bh
     it = n_bh * 0  # key tiles loaded so far (ring position)
     tc = n_bh * 0  # tiles with work so far (q_empty's phase)
@@ -487,8 +492,9 @@ def _consume_persistent_tile(t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_b
     """One warpgroup's rows of tile t; returns the updated ring position, tiles-with-work count
     and pingpong rounds."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    start_m = (n_m - 1 - t % n_m) * BLOCK_M
-    lo, n_tiles = key_tiles(start_m, BLOCK_M, seqlen_q_fixed, seqlen_k_fixed, window_left,
+    TILE_M: gl.constexpr = q_smem.shape[0] * HALF_M
+    start_m = (n_m - 1 - t % n_m) * TILE_M
+    lo, n_tiles = key_tiles(start_m, TILE_M, seqlen_q_fixed, seqlen_k_fixed, window_left,
                             window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                              v_empty, v_fixed, turn, start_m, seqlen_q_fixed, seqlen_k_fixed,
@@ -499,7 +505,7 @@ def _consume_persistent_tile(t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_b
     (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
      n_tiles) = query_tile_at(n_m - 1 - t % n_m, t // n_m, CU_Q, CU_K, n_heads, kv_group,
                               seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
-                              BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT)
+                              TILE_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT)
     row0 = start_m + WG * HALF_M
     _store_lse(LSE, lse, off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
                + lse_start, row0, seqlen_q)
@@ -521,7 +527,7 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
     in snake order (``_snake``), or (DYNAMIC) the ids the producer draws from the tile counter
     and passes on through shared memory; tiles run over (query tile, batch * head), query tiles
     fastest (a head's tiles run together, sharing K/V in L2) and heaviest (last) first."""
-    n_m = gl.cdiv(seqlen_q_fixed, BLOCK_M)
+    n_m = gl.cdiv(seqlen_q_fixed, q_smem.shape[0] * HALF_M)
     total = n_m * n_bh
     if PINGPONG and WG == 1:
         mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
@@ -561,8 +567,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     gl.static_assert(not (PERSISTENT and (IS_VARLEN or PAGED)),
                      "the persistent form covers batched (not varlen or paged) problems")
-    gl.static_assert(WGS == 2 or (WGS == 3 and not PERSISTENT and not PINGPONG),
-                     "three consumer warpgroups: non-persistent, no pingpong")
+    gl.static_assert(WGS == 2 or (WGS == 3 and not PINGPONG),
+                     "three consumer warpgroups: no pingpong")
     if not PERSISTENT:
         (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
          n_tiles) = query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
@@ -589,29 +595,60 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
         tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1],
                                               gl.SwizzledSharedLayout(1, 1, 1, [0]))
         tile_full = barriers(2, 1)
-        tile_empty = barriers(2, 2)  # one arrive per consumer warpgroup
-        gl.warp_specialize([
-            (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
-                                    q_empty.index(0), k_full, v_full, k_empty, v_empty,
-                                    v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
-                                    stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
-                                    seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
-                                    tile_smem, tile_full, tile_empty,
-                                    0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
-            (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
-                                    q_empty.index(0), k_full, v_full, k_empty, v_empty,
-                                    v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
-                                    stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
-                                    seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
-                                    tile_smem, tile_full, tile_empty,
-                                    1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
-            (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
-                                    q_empty.index(0), k_full, v_full, k_empty, v_empty,
-                                    v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
-                                    seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
-                                    COUNTER, tile_smem, tile_full, tile_empty,
-                                    STAGES, HAS_LEFT, HAS_RIGHT, DYNAMIC)),
-        ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
+        tile_empty = barriers(2, WGS)  # one arrive per consumer warpgroup
+        if WGS == 3:
+            gl.warp_specialize([
+                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
+                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
+                                        v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
+                                        stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
+                                        seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
+                                        tile_smem, tile_full, tile_empty,
+                                        0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
+                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
+                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
+                                        v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
+                                        stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
+                                        seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
+                                        tile_smem, tile_full, tile_empty,
+                                        1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
+                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
+                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
+                                        v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
+                                        stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
+                                        seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
+                                        tile_smem, tile_full, tile_empty,
+                                        2, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
+                (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
+                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
+                                        v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
+                                        seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
+                                        COUNTER, tile_smem, tile_full, tile_empty,
+                                        STAGES, HAS_LEFT, HAS_RIGHT, DYNAMIC)),
+            ], [4, 4, 1], [CONSUMER_REGS_, CONSUMER_REGS_, PRODUCER_REGS_])
+        else:
+            gl.warp_specialize([
+                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
+                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
+                                        v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
+                                        stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
+                                        seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
+                                        tile_smem, tile_full, tile_empty,
+                                        0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
+                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
+                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
+                                        v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
+                                        stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
+                                        seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
+                                        tile_smem, tile_full, tile_empty,
+                                        1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
+                (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
+                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
+                                        v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
+                                        seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
+                                        COUNTER, tile_smem, tile_full, tile_empty,
+                                        STAGES, HAS_LEFT, HAS_RIGHT, DYNAMIC)),
+            ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
         invalidate(tile_full, 2)
         invalidate(tile_empty, 2)
     else:

@@ -108,16 +108,24 @@ PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
 
 
 @needs_sm90
-@pytest.mark.parametrize("mode", ["0", "static", "dynamic"], ids=["off", "snake", "dynamic"])
+@pytest.mark.parametrize("mode", ["0", "static", "dynamic", "dynamic-wg3"],
+                         ids=["off", "snake", "dynamic", "dynamic-wg3"])
 @pytest.mark.parametrize("c", PERSISTENT_CASES, ids=lambda c: "sm90-persistent-" + c.id)
 def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     """The sm90 forward's tile schedules (IOATTN_SM90_PERSISTENT; by default dynamic at d=64 and
     128): one CTA per tile; persistent CTAs walking the tiles in static snake order, or with ids
     drawn from an atomic counter and passed to the consumers through shared memory (the K/V
     ring and the barrier phases run on across tiles, O is stored from registers while the next
-    tile's Q loads). Run twice: the counter is zeroed per launch."""
+    tile's Q loads); at d=64 also with three consumer warpgroups (IOATTN_SM90_WG3_PERSISTENT).
+    Run twice: the counter is zeroed per launch."""
     from ioattn.dense import sm90_fwd
 
+    if mode == "dynamic-wg3":
+        if c.d != 64:
+            pytest.skip("three consumer warpgroups run at d=64 only")
+        monkeypatch.setattr(sm90_fwd, "WG3", True)
+        monkeypatch.setattr(sm90_fwd, "WG3_PERSISTENT", True)
+        mode = "dynamic"
     monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", mode)
     _forward_only(c)
     _forward_only(c)
@@ -131,7 +139,11 @@ def test_sm90_persistent_schedule_rule(monkeypatch):
     monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", "auto")
     assert [sm90_fwd._schedule(d, False) for d in (64, 128, 256)] == ["dynamic", "dynamic", None]
     assert sm90_fwd._schedule(128, True) is None
-    assert sm90_fwd._wgs(64, False) == 2 and sm90_fwd._wgs(64, True) == (3 if sm90_fwd.WG3 else 2)
+    monkeypatch.setattr(sm90_fwd, "WG3", True)
+    monkeypatch.setattr(sm90_fwd, "WG3_PERSISTENT", False)
+    assert sm90_fwd._wgs(64, False) == 2 and sm90_fwd._wgs(64, True) == 3
+    monkeypatch.setattr(sm90_fwd, "WG3_PERSISTENT", True)
+    assert sm90_fwd._wgs(64, False) == 3 and sm90_fwd._wgs(128, False) == 2
     for mode, want in (("0", None), ("1", "static"), ("static", "static"), ("dynamic", "dynamic")):
         monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", mode)
         assert sm90_fwd._schedule(256, False) == want
@@ -144,11 +156,15 @@ FUSED_CASES = [Case(113, 203, d=64), Case(113, 203, d=128, causal=True),
 
 
 @needs_sm90
+@pytest.mark.parametrize("dq_first", [False, True], ids=["dk-first", "dq-first"])
 @pytest.mark.parametrize("c", FUSED_CASES, ids=lambda c: "sm90-fused-bwd-" + c.id)
-def test_sm90_fused_bwd(c: Case):
-    """The fused sm90 backward (dQ added by TMA reductions; opt-in, sm90_bwd.FUSED) against the
-    reference's gradients."""
-    from ioattn.dense import op
+def test_sm90_fused_bwd(c: Case, dq_first, monkeypatch):
+    """The fused sm90 backward (dQ added by TMA reductions; the default, sm90_bwd.FUSED) against
+    the reference's gradients, with each step's dQ partial issued after or before dK's update
+    (IOATTN_SM90_BWD_DQ_FIRST)."""
+    from ioattn.dense import op, sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "DQ_FIRST", dq_first)
     from ioattn.dense.params import make_params
     from ioattn.dense.sm90_bwd import attn_bwd_sm90
     from ioattn.testing import GRAD_FACTOR
@@ -323,8 +339,10 @@ def test_sm90_kernel_compiles_for_hopper():
     assert res.returncode == 0, res.stderr[-3000:]
     reports = json.loads(res.stdout)
     names = [r["name"] for r in reports]
-    # fwd (also paged): d = 64, 128, 256; bwd dK/dV (also fused with dQ) and dQ: d = 64, 128
-    assert len(reports) == 30, names
+    # fwd (also paged): d = 64, 128, 256; bwd dK/dV (also fused with dQ) and dQ: d = 64, 128;
+    # the d=64 persistent forward on three consumer warpgroups and the fused backward with dQ
+    # issued first (both opt-in)
+    assert len(reports) == 33, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
