@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [sm90-fwd-wg3] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -83,13 +83,6 @@ for step in $steps; do
            for dec in 1 0; do IOATTN_SM90_DECODE=$dec timeout 200 python -m ioattn bench --suite decode \
              --out "$OUT/decode_sm90dec${dec}_nvidia-h200_$(date +%F).json" > "$OUT/decode_sm90dec$dec.log" 2>&1
              echo "sm90 decode=$dec"; grep -vE "^/" "$OUT/decode_sm90dec$dec.log" | grep -E "x4096|x8192|x32768" | head -12; done ;;
-    sm90-fwd-wg3) # d=64 forward with three consumer warpgroups: tests, then on / off timed
-           timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py -k wg3 \
-             > "$OUT/tests_wg3.log" 2>&1; tail -1 "$OUT/tests_wg3.log"
-           for wg3 in 1 0; do IOATTN_SM90_FWD_WG3=$wg3 timeout 120 python -m ioattn bench --modes fwd \
-             --dims 64 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
-             --out "$OUT/sm90_fwd_wg3_${wg3}_nvidia-h200_$(date +%F).json" > "$OUT/wg3_$wg3.log" 2>&1
-             echo "wg3=$wg3"; grep -E "^fwd" "$OUT/wg3_$wg3.log"; done ;;
     host)  # host time per call (eager): public calls, op layers, decode run()
            timeout 120 python benchmarks/host_overhead.py --json "$OUT/host_overhead_nvidia-h200.json" \
              > "$OUT/host.log" 2>&1; head -24 "$OUT/host.log" ;;
@@ -138,6 +131,22 @@ for step in $steps; do
                --dtypes bf16,fp16 --impls ioattn_sm90,ioattn_triton,sdpa_cudnn --no-plots \
                --out "$OUT/sm90_fwd_d256_$v.json" > "$OUT/d256_$v.log" 2>&1
              echo "== $v"; grep -E "^fwd" "$OUT/d256_$v.log"; done ;;
+    sm90-bwd-order) # the fused backward's dQ partial: after dK (default), first, one step late
+           timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py -k fused \
+             > "$OUT/tests_bwd_order.log" 2>&1; tail -1 "$OUT/tests_bwd_order.log"
+           for v in default first lag; do
+             case $v in first) e=IOATTN_SM90_BWD_DQ_FIRST=1 ;; lag) e=IOATTN_SM90_BWD_DQ_LAG=1 ;; *) e=X=1 ;; esac
+             env $e timeout 150 python -m ioattn bench --modes bwd --dims 64,128 --seqlens 2048,8192,16384 \
+               --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
+               --out "$OUT/sm90_bwd_order_$v.json" > "$OUT/bwd_order_$v.log" 2>&1
+             echo "== $v"; grep -E "^bwd" "$OUT/bwd_order_$v.log"; done ;;
+    sm90-wg3p) # the d=64 persistent forward on three consumer warpgroups vs two
+           timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py -k persistent \
+             > "$OUT/tests_wg3p.log" 2>&1; tail -1 "$OUT/tests_wg3p.log"
+           for w in 1 0; do IOATTN_SM90_WG3_PERSISTENT=$w timeout 150 python -m ioattn bench --modes fwd \
+             --dims 64 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
+             --out "$OUT/sm90_fwd_wg3p$w.json" > "$OUT/wg3p$w.log" 2>&1
+             echo "== wg3p=$w"; grep -E "^fwd" "$OUT/wg3p$w.log"; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -243,13 +243,15 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                                  sm90_bwd._bwd_dkdv_sm90,
                                  dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64), d,
                                  dict(flags, STAGES=sm90_bwd.DKDV_STAGES, FUSED_DQ=fused,
-                                      DQ_FIRST=fused and sm90_bwd.DQ_FIRST)))
-                if tag == "full":  # (opt-in, IOATTN_SM90_BWD_DQ_FIRST) dQ's partial first
-                    jobs.append((f"sm90 bwd dkdv+dq d{d} {tag} dq-first 128 keys ws",
-                                 sm90_bwd._bwd_dkdv_sm90,
-                                 dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64), d,
-                                 dict(flags, STAGES=sm90_bwd.DKDV_STAGES, FUSED_DQ=True,
-                                      DQ_FIRST=True)))
+                                      DQ_FIRST=fused and sm90_bwd.DQ_FIRST,
+                                      DQ_LAG=fused and sm90_bwd.DQ_LAG)))
+                if tag == "full":  # (opt-in) dQ's partial first; one step late
+                    for variant in ("DQ_FIRST", "DQ_LAG"):
+                        jobs.append((f"sm90 bwd dkdv+dq d{d} {tag} {variant.lower()} 128 keys ws",
+                                     sm90_bwd._bwd_dkdv_sm90,
+                                     dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64),
+                                     d, dict(flags, STAGES=sm90_bwd.DKDV_STAGES, FUSED_DQ=True,
+                                             **{variant: True})))
                 jobs.append((f"sm90 bwd dq d{d} {tag} 128x{sm90_bwd.DQ_BLOCK_N} ws", sm90_bwd._bwd_dq_sm90,
                              dict(q_desc=64, do_desc=64, k_desc=sm90_bwd.DQ_BLOCK_N,
                                   v_desc=sm90_bwd.DQ_BLOCK_N), d,
@@ -277,6 +279,10 @@ def gluon_report(name: str, fn, sig: dict, constexprs: dict, arch: int = 90,
     takes them, with the launcher's divisibility hints) and report what it compiled to."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    # every constexpr parameter explicitly, defaults included: Triton 3.6's compile cache keys on
+    # the constexpr values without their names, so {A: True} and {B: True} would share a kernel
+    constexprs = {**{prm.name: prm.default for prm in fn.params
+                     if sig.get(prm.name) == "constexpr" and prm.has_default}, **constexprs}
     k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=constexprs,
                                       attrs=_launch_attrs(fn, sig)),
                        target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4, **options))

@@ -68,6 +68,10 @@ FUSED = os.environ.get("IOATTN_SM90_FUSED_BWD", "1").lower() not in ("0", "false
 # (fused) each step's dQ partial issued before dK's update, so that dK's GEMM overlaps the
 # partial's hand-off to the writer warp: opt-in until measured on the H200
 DQ_FIRST = os.environ.get("IOATTN_SM90_BWD_DQ_FIRST", "0").lower() in ("1", "true", "on")
+# (fused) each step's dQ partial issued one step late, right after the next step's dV update:
+# the GEMM overlaps that step's dS, and the two consumer warpgroups no longer meet at every
+# step's dSᵀ buffer (the split dQ reads both halves) but one step apart. Opt-in until measured
+DQ_LAG = os.environ.get("IOATTN_SM90_BWD_DQ_LAG", "0").lower() in ("1", "true", "on")
 
 
 @gluon.jit
@@ -175,116 +179,210 @@ def _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG: gl.constexpr, DQ_COLS:
 
 
 @gluon.jit
+def _hand_dq(dq, dq_smem, dq_full, dq_empty, j, WG: gl.constexpr):
+    """(fused) Hand step j's dQ partial to the writer warp (``_dq_writer``), which issues its TMA
+    reduction while this warpgroup goes on; the buffer is free once the writer has seen step
+    j - 1's reduction read it."""
+    mbarrier.wait(dq_empty.index(WG), (j & 1) ^ 1)
+    dq_smem.index(WG).store(dq)
+    fence_async_shared()
+    gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
+    mbarrier.arrive(dq_full.index(WG), count=1)
+
+
+@gluon.jit
+def _dkdv_scores(t, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base,
+                 stride_lh, h0, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
+                 window_right, qk_scale_log2, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                 HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """Step t's start in a dK/dV consumer warpgroup: its 64 query rows' LSE and delta, Q and dO
+    from the ring, Pᵀ (fp32) and dPᵀ for this warpgroup's 64 keys. Returns (stage, q, do, p, dp,
+    delta, fixes)."""
+    s_layout: gl.constexpr = wgmma_acc_layout(HALF)
+    key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+    off = seqlen_k - seqlen_q
+    cols = n0 + gl.arange(0, HALF, layout=key_l)  # this warpgroup's keys (Sᵀ rows)
+    s_zero = gl.zeros([HALF, HALF], gl.float32, layout=s_layout)
+    st = t % STAGES
+    g = t // n_m
+    m0 = lo_m + (t - g * n_m) * HALF
+    rows = m0 + gl.arange(0, HALF, layout=row_l)
+    lse_ptrs = LSE + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows
+    row_ok = rows < seqlen_q
+    lse = gl.load(lse_ptrs, mask=row_ok, other=float("inf"))
+    delta = gl.load(DELTA + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows, mask=row_ok,
+                    other=0.0)
+    # fully masked rows carry LSE = -inf; +inf makes their P exactly 0 instead of NaN
+    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    mbarrier.wait(qdo_full.index(st), (t // STAGES) & 1)
+    if IS_VARLEN:
+        if q_start + m0 + HALF > q_start + seqlen_q:  # rows past the end are being zeroed
+            mbarrier.wait(fixed.index(st), (fixes >> st) & 1)
+            fixes = fixes ^ (1 << st)
+    q = q_smem.index(st)
+    do = do_smem.index(st)
+    # Sᵀ and dPᵀ issued together; the exponentials run while dPᵀ is on the tensor cores, and
+    # dSᵀ is formed while dV's update runs (wgmma groups retire in issue order)
+    s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(1, deps=[s_tok])
+    if _tile_needs_mask(m0, n0, seqlen_q, seqlen_k, off, window_left, window_right,
+                        HAS_LEFT, HAS_RIGHT):
+        s = _mask_scores(s, rows[None, :], cols[:, None], seqlen_q, seqlen_k, off, window_left,
+                         window_right, HAS_LEFT, HAS_RIGHT)
+    p = gl.exp2(s * qk_scale_log2 - lse2[None, :])
+    dp = warpgroup_mma_wait(0, deps=[dp_tok])
+    return st, q, do, p, dp, delta, fixes
+
+
+@gluon.jit
+def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
+                   qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, LSE, DELTA, lse_base,
+                   stride_lh, h0, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
+                   window_right, qk_scale_log2, sm_scale, WG: gl.constexpr, STAGES: gl.constexpr,
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
+                   HAS_PREV: gl.constexpr):
+    """(fused, DQ_LAG) Step t with step t - 1's dQ partial (HAS_PREV) issued right after this
+    step's dV update: the GEMM overlaps this step's dS, and the two warpgroups meet at a dSᵀ
+    buffer one step after writing it instead of within the step. Returns (dv, dk, fixes)."""
+    HEAD_D: gl.constexpr = q_smem.shape[2]
+    dtype: gl.constexpr = q_smem.dtype
+    DQ_COLS: gl.constexpr = dq_smem.shape[2]
+    SPLIT_DQ: gl.constexpr = DQ_COLS < HEAD_D
+    dq_layout: gl.constexpr = wgmma_acc_layout(DQ_COLS)
+    op_layout: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(HEAD_D))
+    st, q, do, p, dp, delta, fixes = _dkdv_scores(
+        t, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh, h0,
+        lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
+        STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)
+    dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do, dv, is_async=True)
+    if HAS_PREV:
+        prev = ds_smem.index((t - 1) % 2)
+        dq_tok = _dq_partial(prev, prev.slice(WG * HALF, HALF, dim=0), k, k_smem, ds_ready, t - 1,
+                             WG, DQ_COLS, SPLIT_DQ, dq_layout)
+    ds = p * (dp - delta[None, :])
+    ds_all = ds_smem.index(t % 2)
+    ds_s = ds_all.slice(WG * HALF, HALF, dim=0)
+    if SPLIT_DQ:
+        if t >= 2:  # both warpgroups' dQ GEMMs of step t - 2 have read this buffer
+            mbarrier.wait(ds_empty.index(t % 2), ((t // 2) - 1) & 1)
+    ds_s.store((ds * sm_scale).to(dtype))
+    fence_async_shared()
+    if SPLIT_DQ:
+        gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
+        mbarrier.arrive(ds_ready.index(t % 2), count=1)
+    dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
+    if HAS_PREV:
+        dv, dq = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok])
+        if SPLIT_DQ:
+            mbarrier.arrive(ds_empty.index((t - 1) % 2), count=1)
+        _hand_dq(dq, dq_smem, dq_full, dq_empty, t - 1, WG)
+        dk = warpgroup_mma_wait(0, deps=[dk_tok])
+    else:
+        dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+    mbarrier.arrive(qdo_empty.index(st), count=1)
+    return dv, dk, fixes
+
+
+@gluon.jit
 def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
-                   qdo_full, qdo_empty, fixed, ds_ready, dq_full, dq_empty, dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh,
+                   qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh,
                    h0, lo_m, n_m, n_steps, start_n, q_start, seqlen_q, seqlen_k, window_left,
                    window_right, qk_scale_log2, sm_scale,
                    WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                    HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
-                   DQ_FIRST: gl.constexpr):
+                   DQ_FIRST: gl.constexpr, DQ_LAG: gl.constexpr):
     HEAD_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
-    # Sᵀ / dPᵀ: [64 keys, 64 query rows]; dK / dV: [64 keys, d]
-    s_layout: gl.constexpr = wgmma_acc_layout(HALF)
+    # dK / dV: [64 keys, d] (Sᵀ / dPᵀ: [64 keys, 64 query rows], ``_dkdv_scores``)
     a_layout: gl.constexpr = wgmma_acc_layout(HEAD_D)
     # (fused) dQ's columns per warpgroup: half of them from d = 128 (``_dq_cols``)
     DQ_COLS: gl.constexpr = dq_smem.shape[2]
     SPLIT_DQ: gl.constexpr = DQ_COLS < HEAD_D
     dq_layout: gl.constexpr = wgmma_acc_layout(DQ_COLS)
     op_layout: gl.constexpr = wgmma_a_operand(a_layout)
-    key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_l: gl.constexpr = gl.SliceLayout(0, s_layout)
 
     k = _key_half(k_smem, WG, FUSED_DQ)
     v = v_smem.index(WG)
     n0 = start_n + WG * HALF
-    off = seqlen_k - seqlen_q
-    cols = n0 + gl.arange(0, HALF, layout=key_l)  # this warpgroup's keys (Sᵀ rows)
     dk = gl.zeros([HALF, HEAD_D], gl.float32, layout=a_layout)
     dv = gl.zeros([HALF, HEAD_D], gl.float32, layout=a_layout)
-    s_zero = gl.zeros([HALF, HALF], gl.float32, layout=s_layout)
     if n_steps > 0:
         mbarrier.wait(kv_bar, 0)
         if IS_VARLEN and FUSED_DQ:
             if seqlen_k - start_n < 2 * HALF:  # the producer zeroes keys past the end
                 mbarrier.wait(fixed.index(STAGES), 0)
-    fixes = 0
-    for t in range(n_steps):
-        st = t % STAGES
-        g = t // n_m
-        m0 = lo_m + (t - g * n_m) * HALF
-        rows = m0 + gl.arange(0, HALF, layout=row_l)
-        lse_ptrs = LSE + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows
-        row_ok = rows < seqlen_q
-        lse = gl.load(lse_ptrs, mask=row_ok, other=float("inf"))
-        delta = gl.load(DELTA + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows, mask=row_ok,
-                        other=0.0)
-        # fully masked rows carry LSE = -inf; +inf makes their P exactly 0 instead of NaN
-        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        mbarrier.wait(qdo_full.index(st), (t // STAGES) & 1)
-        if IS_VARLEN:
-            if q_start + m0 + HALF > q_start + seqlen_q:  # rows past the end are being zeroed
-                mbarrier.wait(fixed.index(st), (fixes >> st) & 1)
-                fixes = fixes ^ (1 << st)
-        q = q_smem.index(st)
-        do = do_smem.index(st)
-        # Sᵀ and dPᵀ issued together; the exponentials run while dPᵀ is on the tensor cores, and
-        # dSᵀ is formed while dV's update runs (wgmma groups retire in issue order)
-        s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(1, deps=[s_tok])
-        if _tile_needs_mask(m0, n0, seqlen_q, seqlen_k, off, window_left, window_right,
-                            HAS_LEFT, HAS_RIGHT):
-            s = _mask_scores(s, rows[None, :], cols[:, None], seqlen_q, seqlen_k, off, window_left,
-                             window_right, HAS_LEFT, HAS_RIGHT)
-        p = gl.exp2(s * qk_scale_log2 - lse2[None, :])
-        dp = warpgroup_mma_wait(0, deps=[dp_tok])
-        dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do, dv, is_async=True)
-        ds = p * (dp - delta[None, :])
-        if FUSED_DQ:
-            # dSᵀ (scaled, so dK and dQ come out scaled) through shared memory: this warpgroup's
-            # 64 keys of the step's [128 keys, 64 rows] buffer (two, alternating by step). It is
-            # the A operand of dK += dSᵀ·Q; once both warpgroups have written theirs (ds_ready),
-            # each forms half of the columns of the step's dQ partial dS·K over all 128 keys and
-            # adds it to the fp32 dQ buffer with one TMA reduction: one 64 x d partial per step
-            # leaves the CTA, not one per warpgroup (rows past the sequence get dS = 0)
-            # (d = 64: a half would cut the 128-byte swizzle rows, so each warpgroup forms the
-            # full-width partial over its own keys, as the unsplit form)
-            ds_all = ds_smem.index(t % 2)
-            ds_s = ds_all.slice(WG * HALF, HALF, dim=0)
-            ds_s.store((ds * sm_scale).to(dtype))
-            fence_async_shared()
-            if SPLIT_DQ:
-                gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
-                mbarrier.arrive(ds_ready.index(t % 2), count=1)
-            if DQ_FIRST:
-                # dQ's partial before dK's update: dK's GEMM then runs while the partial is
-                # handed to the writer (wgmma groups retire in issue order)
-                dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
-                                     SPLIT_DQ, dq_layout)
-                dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
-                dv, dq = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok])
+    fixes = n_steps * 0  # (varlen) parity per stage of the zeroed-rows barriers
+    if FUSED_DQ and DQ_LAG:
+        if n_steps > 0:
+            dv, dk, fixes = _dkdv_lag_step(
+                0, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
+                qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, LSE, DELTA, lse_base,
+                stride_lh, h0, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
+                window_right, qk_scale_log2, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
+                False)
+            for t in range(1, n_steps):
+                dv, dk, fixes = _dkdv_lag_step(
+                    t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
+                    qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, LSE, DELTA, lse_base,
+                    stride_lh, h0, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
+                    window_right, qk_scale_log2, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT,
+                    IS_VARLEN, True)
+            # the last step's dQ partial
+            last = n_steps - 1
+            prev = ds_smem.index(last % 2)
+            dq_tok = _dq_partial(prev, prev.slice(WG * HALF, HALF, dim=0), k, k_smem, ds_ready,
+                                 last, WG, DQ_COLS, SPLIT_DQ, dq_layout)
+            dq = warpgroup_mma_wait(0, deps=[dq_tok])
+            _hand_dq(dq, dq_smem, dq_full, dq_empty, last, WG)
+    else:
+        for t in range(n_steps):
+            st, q, do, p, dp, delta, fixes = _dkdv_scores(
+                t, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
+                h0, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left, window_right,
+                qk_scale_log2, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)
+            dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do, dv,
+                                   is_async=True)
+            ds = p * (dp - delta[None, :])
+            if FUSED_DQ:
+                # dSᵀ (scaled, so dK and dQ come out scaled) through shared memory: this
+                # warpgroup's 64 keys of the step's [128 keys, 64 rows] buffer (two, alternating
+                # by step). It is the A operand of dK += dSᵀ·Q; once both warpgroups have written
+                # theirs (ds_ready), each forms half of the columns of the step's dQ partial dS·K
+                # over all 128 keys and adds it to the fp32 dQ buffer with one TMA reduction: one
+                # 64 x d partial per step leaves the CTA, not one per warpgroup (rows past the
+                # sequence get dS = 0) (d = 64: a half would cut the 128-byte swizzle rows, so
+                # each warpgroup forms the full-width partial over its own keys)
+                ds_all = ds_smem.index(t % 2)
+                ds_s = ds_all.slice(WG * HALF, HALF, dim=0)
+                ds_s.store((ds * sm_scale).to(dtype))
+                fence_async_shared()
+                if SPLIT_DQ:
+                    gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
+                    mbarrier.arrive(ds_ready.index(t % 2), count=1)
+                if DQ_FIRST:
+                    # dQ's partial before dK's update: dK's GEMM then runs while the partial is
+                    # handed to the writer (wgmma groups retire in issue order)
+                    dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
+                                         SPLIT_DQ, dq_layout)
+                    dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
+                    dv, dq = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok])
+                else:
+                    dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
+                    dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
+                                         SPLIT_DQ, dq_layout)
+                    dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
+                    mbarrier.arrive(qdo_empty.index(st), count=1)
+                _hand_dq(dq, dq_smem, dq_full, dq_empty, t, WG)
+                if DQ_FIRST:
+                    dk = warpgroup_mma_wait(0, deps=[dk_tok])
+                    mbarrier.arrive(qdo_empty.index(st), count=1)
             else:
-                dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
-                dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
-                                     SPLIT_DQ, dq_layout)
-                dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
+                dk_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), q, dk,
+                                       is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
                 mbarrier.arrive(qdo_empty.index(st), count=1)
-            # hand the partial to the dQ writer warp (``_dq_writer``), which issues its TMA
-            # reduction while this warpgroup goes on with the next step; its buffer is free
-            # once the writer has seen the previous step's reduction read it
-            mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)
-            dq_smem.index(WG).store(dq)
-            fence_async_shared()
-            gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
-            mbarrier.arrive(dq_full.index(WG), count=1)
-            if DQ_FIRST:
-                dk = warpgroup_mma_wait(0, deps=[dk_tok])
-                mbarrier.arrive(qdo_empty.index(st), count=1)
-        else:
-            dk_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), q, dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
-            mbarrier.arrive(qdo_empty.index(st), count=1)
 
     d_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
     keys = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))
@@ -328,7 +426,8 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                    sm_scale, qk_scale_log2, window_left, window_right,
                    IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                    STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
-                   PRODUCER_REGS_: gl.constexpr, DQ_FIRST: gl.constexpr = False):
+                   PRODUCER_REGS_: gl.constexpr, DQ_FIRST: gl.constexpr = False,
+                   DQ_LAG: gl.constexpr = False):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = 2 * HALF
     pid_n = gl.program_id(0)
@@ -365,10 +464,12 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
     fixed = barriers(STAGES + 1, 1)  # zeroed tail rows: per Q/dO stage, then K/V
     if FUSED_DQ:
         ds_ready = barriers(2, 2)  # a step's dSᵀ buffer holds both warpgroups' keys
+        ds_empty = barriers(2, 2)  # (DQ_LAG) both warpgroups' dQ GEMMs have read it
         dq_full = barriers(2, 1)  # per warpgroup: its partial is in dq_smem
         dq_empty = barriers(2, 1)  # per warpgroup: the writer's reduction has read it
     else:
         ds_ready = fixed  # unused
+        ds_empty = fixed
         dq_full = fixed
         dq_empty = fixed
     qdo_full = barriers(STAGES, 1)
@@ -383,17 +484,17 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
     if FUSED_DQ:
         gl.warp_specialize([
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                              kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, dq_full,
+                              kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST)),
+                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG)),
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                              kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, dq_full,
+                              kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST)),
+                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -404,17 +505,17 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
     else:
         gl.warp_specialize([
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                              kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, dq_full,
+                              kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST)),
+                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG)),
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                              kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, dq_full,
+                              kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST)),
+                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -425,6 +526,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
     invalidate(fixed, STAGES + 1)
     if FUSED_DQ:
         invalidate(ds_ready, 2)
+        invalidate(ds_empty, 2)
         invalidate(dq_full, 2)
         invalidate(dq_empty, 2)
     invalidate(qdo_full, STAGES)
@@ -653,7 +755,8 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         dk, dv, lse, delta, cu_q, cu_k,
         dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
         n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-        STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_FIRST=fused and DQ_FIRST, **flags)
+        STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_FIRST=fused and DQ_FIRST, DQ_LAG=fused and DQ_LAG,
+        **flags)
     if fused:
         dq.copy_(dq_acc)
         return
