@@ -130,7 +130,12 @@ for step in $steps; do
              env $e timeout 150 python -m ioattn bench --modes fwd --dims 256 --seqlens 1024,2048,4096 \
                --dtypes bf16,fp16 --impls ioattn_sm90,ioattn_triton,sdpa_cudnn --no-plots \
                --out "$OUT/sm90_fwd_d256_$v.json" > "$OUT/d256_$v.log" 2>&1
-             echo "== $v"; grep -E "^fwd" "$OUT/d256_$v.log"; done ;;
+             echo "== $v"; grep -E "^fwd" "$OUT/d256_$v.log"; done
+           for dt in bf16 fp16; do  # the kernel's own time (ncu), without the timer's host effects
+             timeout 120 ncu --clock-control none -k regex:attn_fwd_sm90 --launch-skip 2 --launch-count 3 \
+               --metrics gpu__time_duration.sum python benchmarks/profile_fwd.py --d 256 --seqlen 2048 \
+               --causal --dtype $dt --calls 5 > "$OUT/ncu_d256_$dt.log" 2>&1
+             echo "ncu $dt"; grep -E "gpu__time_duration" "$OUT/ncu_d256_$dt.log"; done ;;
     sm90-bwd-order) # the fused backward's dQ partial: after dK (default), first, one step late
            timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py -k fused \
              > "$OUT/tests_bwd_order.log" 2>&1; tail -1 "$OUT/tests_bwd_order.log"

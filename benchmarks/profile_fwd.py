@@ -24,9 +24,11 @@ def main() -> None:
     ap.add_argument("--backend", default="sm90")
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     a = ap.parse_args()
     b, h = max(1, 16384 // a.seqlen), 2048 // a.d
-    q, k, v = (torch.randn(b, a.seqlen, h, a.d, device="cuda", dtype=torch.bfloat16,
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float16
+    q, k, v = (torch.randn(b, a.seqlen, h, a.d, device="cuda", dtype=dtype,
                            requires_grad=a.backward) for _ in range(3))
     dout = torch.randn_like(q) if a.backward else None
     for _ in range(a.calls):

@@ -57,9 +57,9 @@ PINGPONG = os.environ.get("IOATTN_SM90_PINGPONG", "auto")
 # persistent CTAs for batched problems (``_consumer_persistent``), IOATTN_SM90_PERSISTENT:
 # "auto" (default) takes the dynamic form (tiles handed out by an atomic counter, FA3's dynamic
 # scheduler) at d in {64, 128}, where it measured faster on the H200 than one CTA per tile
-# (results/sm90_fwd_persistent_snake{dynamic,0}_*.json: d=128 +2-12% non-causal, level to +2%
-# causal; d=64 against three warpgroups +3-15% at 2k-4k, -3% at 16k non-causal); d=256 was
-# not measured and keeps one CTA per tile. "dynamic" forces it; "1" / "static" the static snake
+# (results/sm90_fwd_persistent_snake0_*.json, results/tune/sm90_fwd_persdynamic_*.log: d=128
+# +2-12% non-causal, level to +2% causal; d=64 against three warpgroups +3-15% at 2k-4k, -3% at
+# 16k non-causal); d=256 was not measured and keeps one CTA per tile. "dynamic" forces it; "1" / "static" the static snake
 # order (slower under causal masks: 476 vs 608 at d=128 16k); "0" turns persistence off.
 PERSISTENT_MODE = os.environ.get("IOATTN_SM90_PERSISTENT", "auto").lower()
 # three consumer warpgroups at d=64 (192-row tiles, FA3's shape there); on by default since it
@@ -737,8 +737,8 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int)
     warpgroups (428 / 353 TFLOP/s non-causal / causal at 4k, results/sm90_fwd_wg3_1_*.json,
     against 390 / 339 for the portable kernel in the run of record; at 2k non-causal they tie;
     the dynamic persistent form, the default for batched problems since, ran 435 / 386 there,
-    results/sm90_fwd_persistent_snakedynamic_*.json), else from 8k (1.06x). The gain comes from the pipelined key loop, so a shorter query block
-    over as many keys gains too: 512 queries over 4608 keys (chunked prefill, d=128 causal GQA)
+    results/tune/sm90_fwd_persdynamic_*.log), else from 8k (1.06x). The gain comes from the
+    pipelined key loop, so a shorter query block over as many keys gains too: 512 queries over 4608 keys (chunked prefill, d=128 causal GQA)
     ran at 590 TFLOP/s through the paged form of this kernel against 454 through the portable
     one (results/chunked_sm90_paged_nvidia-h200_2026-11-29.json); that rule is kept to d >= 128,
     where it was measured. Shorter problems were not measured: the portable kernel keeps them."""
