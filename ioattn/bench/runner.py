@@ -84,11 +84,16 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def run_cell(shape: Shape, impl_names: list[str], device: torch.device, warmup: int, rep: int) -> list[Row]:
+def run_cell(shape: Shape, impl_names: list[str], device: torch.device, warmup: int, rep: int,
+             rounds: int = 1) -> list[Row]:
+    """Time every impl on one cell. With rounds > 1 the impls are timed in turn, round after
+    round (each round rep / rounds ms), and each keeps the median of its rounds: a drift of the
+    GPU's clocks during the cell then falls on every impl alike instead of on whichever ran
+    last."""
     inp = anchors.make_inputs(shape, device)
     outs: dict[str, torch.Tensor] = {}
     dqs: dict[str, torch.Tensor] = {}
-    rows = []
+    rows, ready = [], []
     for name in impl_names:
         impl = anchors.IMPLS[name]
         row = Row(**{k: getattr(shape, k) for k in CELL_KEYS}, impl=name)
@@ -96,25 +101,39 @@ def run_cell(shape: Shape, impl_names: list[str], device: torch.device, warmup: 
         if impl.needs_cuda and device.type != "cuda":
             row.error = "needs CUDA"
             continue
-        p = None
         try:
             with impl.context():
-                p = anchors.prepare(impl, inp, shape)
-                for t in p.leaves:  # anchors share bhsd leaves: never accumulate into another's grad
-                    t.grad = None
-                row.ms = time_ms(p.fn, device, warmup, rep, p.leaves)
-            row.tflops = shape.flops() / row.ms / 1e9
-            outs[name] = p.out.detach()
-            if p.leaves and p.leaves[0].grad is not None:
-                dqs[name] = p.to_bshd(p.leaves[0].grad).clone()
+                ready.append((row, impl, anchors.prepare(impl, inp, shape)))
         except Exception as e:  # a refusal/failure for one impl must never stop the grid
             row.error = _err_str(e)
-        finally:
-            for t in p.leaves if p is not None else []:
-                t.grad = None
-            del p
+    times: dict[str, list[float]] = {row.impl: [] for row, _, _ in ready}
+    for _ in range(max(1, rounds)):
+        for row, impl, p in ready:
+            if row.error is not None:
+                continue
+            try:
+                with impl.context():
+                    for t in p.leaves:  # anchors share bhsd leaves: never accumulate into another's grad
+                        t.grad = None
+                    times[row.impl].append(time_ms(p.fn, device, warmup, max(1, rep // max(1, rounds)),
+                                                   p.leaves))
+                outs[row.impl] = p.out.detach()
+                if p.leaves and p.leaves[0].grad is not None:
+                    dqs[row.impl] = p.to_bshd(p.leaves[0].grad).clone()
+            except Exception as e:
+                row.error = _err_str(e)
+            finally:
+                for t in p.leaves:
+                    t.grad = None
+    for row, _, _ in ready:
+        if row.error is None and times[row.impl]:
+            row.ms = statistics.median(times[row.impl])
+            row.tflops = shape.flops() / row.ms / 1e9
+        else:
+            outs.pop(row.impl, None)
+            dqs.pop(row.impl, None)
     _check(rows, outs, dqs)
-    del inp, outs, dqs
+    del inp, outs, dqs, ready
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -272,6 +291,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=HIDDEN, help="heads*d per cell")
     p.add_argument("--warmup", type=int, default=25, help="warmup ms (do_bench)")
     p.add_argument("--rep", type=int, default=100, help="measurement ms (do_bench)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time the impls in turn this many times per cell (rep split among rounds), "
+                        "keep each one's median")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--merge", action="store_true", help="merge into an existing JSON (new rows replace old)")
     p.add_argument("--resume", action="store_true", help="--merge and skip cells already in the JSON")
@@ -322,6 +344,8 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     path = default_json_path(a.out, env)
     timer = (f"triton.testing.do_bench(warmup={a.warmup}, rep={a.rep}, return_mode='median')"
              if device.type == "cuda" else f"time.perf_counter median (warmup {a.warmup} ms, rep {a.rep} ms)")
+    if a.rounds > 1:
+        timer += f"; impls timed in turn in {a.rounds} rounds of rep/{a.rounds} ms, median of rounds"
     method = {"flops": FLOPS_FORMULA, "timer": timer, "tokens": a.tokens, "hidden": a.hidden,
               "ratio": "ioattn TFLOP/s / anchor TFLOP/s", "check": "max abs err of output (and dq in bwd) vs ref"}
     old: list[Row] = load_rows(path) if (a.merge or a.resume) and path.exists() else []
@@ -338,7 +362,7 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
         _warm_gpu(device)
     try:
         for shape in _progress(shapes):
-            rows += run_cell(shape, a.impls, device, a.warmup, a.rep)
+            rows += run_cell(shape, a.impls, device, a.warmup, a.rep, a.rounds)
             write_json(path, build_doc(merged(), env, method, vars(a)))  # survive a killed run
     except KeyboardInterrupt:
         print("interrupted; writing partial results", file=sys.stderr)

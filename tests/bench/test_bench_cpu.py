@@ -81,6 +81,29 @@ def test_impl_failure_is_recorded(monkeypatch, tmp_path):
     assert all("ms" in r for r in rows if r["impl"] == "sdpa_math")
 
 
+def test_rounds_interleave_impls(patched, monkeypatch):
+    """--rounds N times the impls in turn, N times per cell (rep split among the rounds), and
+    keeps each impl's median round."""
+    from ioattn.bench.shapes import Shape
+
+    calls = []
+    fake = iter([3.0, 1.0, 5.0, 2.0, 9.0, 4.0])  # ioattn, sdpa_math, ioattn, ...
+
+    def timed(fn, device, warmup, rep, leaves):
+        calls.append(rep)
+        fn()
+        return next(fake)
+
+    monkeypatch.setattr(runner, "time_ms", timed)
+    rows = runner.run_cell(Shape("bwd", 32, 2, 64, 4, True, "bf16"), ["ioattn", "sdpa_math"],
+                           runner.torch.device("cpu"), 1, 30, rounds=3)
+    assert calls == [10] * 6
+    ms = {r.impl: r.ms for r in rows}
+    assert ms == {"ioattn": 5.0, "sdpa_math": 2.0}
+    io = next(r for r in rows if r.impl == "ioattn")
+    assert io.ref == "sdpa_math" and io.max_abs_err < 1e-2 and io.max_abs_err_dq < 5e-2
+
+
 def test_resume_skips_done_cells(patched, tmp_path):
     out = tmp_path / "r.json"
     runner.main(ARGS + ["--modes", "fwd", "--seqlens", "64", "--no-plots", "--out", str(out)])
