@@ -29,7 +29,7 @@ for step in $steps; do
            grep -E "^bwd|geomean" "$OUT/sm90_bwd_quick.log" ;;
     decode) timeout 300 python -m ioattn bench --suite decode \
              --out "$OUT/decode_nvidia-h200_$(date +%F).json" > "$OUT/decode.log" 2>&1
-           grep -vE "^/" "$OUT/decode.log" | tail -20 ;;
+           grep -vE "^/" "$OUT/decode.log" | tail -50 ;;
     sm90-bwd-fused) # the fused backward (dQ writer warp): its tests, then fused / two-kernel timed
            IOATTN_SM90_FUSED_BWD=1 timeout 120 python -m pytest -q -n 8 -p no:cacheprovider \
              tests/dense/test_sm90.py > "$OUT/tests_fused_bwd.log" 2>&1; tail -1 "$OUT/tests_fused_bwd.log"

@@ -81,6 +81,24 @@ def _impls_decode(q, k, v, page, g) -> dict[str, Callable[[], torch.Tensor]]:
     out_g = torch.empty_like(q)
     fns["ioattn_paged_graph"] = _graphed(lambda: wrapper_g.run(q, cache, out=out_g))
     fns["sdpa_cudnn_graph"] = _graphed(fns["sdpa_cudnn"])
+    # the same pages in FlashInfer's HND layout [pages, 2, h_k, page, d] (each head's page rows
+    # contiguous), and the NHD cache with its pages in order (not shuffled): where the kernel's
+    # time goes besides the bytes (DRAM locality of the reads)
+    cache_hnd = cache.transpose(2, 3).contiguous()
+    wrapper_h = fi.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(256 << 20, dtype=torch.uint8, device=q.device), kv_layout="HND",
+        use_cuda_graph=True, paged_kv_indices_buffer=torch.empty_like(indices))
+    wrapper_h.plan(indptr, indices, last, h, h_k, d, page, q_data_type=q.dtype)
+    out_h = torch.empty_like(q)
+    fns["ioattn_paged_hnd_graph"] = _graphed(lambda: wrapper_h.run(q, cache_hnd, out=out_h))
+    cache_seq = cache[indices.long()]  # request by request, pages in order
+    wrapper_s = fi.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(256 << 20, dtype=torch.uint8, device=q.device), use_cuda_graph=True,
+        paged_kv_indices_buffer=torch.empty_like(indices))
+    seq = torch.arange(indices.numel(), dtype=torch.int32, device=indices.device)
+    wrapper_s.plan(indptr, seq, last, h, h_k, d, page, q_data_type=q.dtype)
+    out_s = torch.empty_like(q)
+    fns["ioattn_paged_inorder_graph"] = _graphed(lambda: wrapper_s.run(q, cache_seq, out=out_s))
     return fns
 
 
@@ -104,7 +122,8 @@ def _graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
 
 
 _NAMES = ("ioattn_paged", "ioattn_paged_fp8", "ioattn_kvcache", "sdpa_cudnn", "sdpa_flash",
-          "ioattn_paged_graph", "sdpa_cudnn_graph")
+          "ioattn_paged_graph", "sdpa_cudnn_graph", "ioattn_paged_hnd_graph",
+          "ioattn_paged_inorder_graph")
 
 
 def run_decode(cells, device, warmup, rep, h=32, h_k=8, d=128, dtype=torch.bfloat16) -> list[dict]:
@@ -205,14 +224,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         val = (f"{r['tb_s']:6.2f} TB/s" if "tb_s" in r else f"{r['tflops']:6.1f} TFLOP/s" if "tflops" in r
                else "ERR " + r.get("error", ""))
         shape = f"b{r['b']} ctx{r['ctx']}" + (f"+{r['new']}" if "new" in r else "") + f" page{r['page']}"
-        print(f"{r['kind']:15s} {shape:24s} {r['impl']:15s} {val}")
+        print(f"{r['kind']:15s} {shape:24s} {r['impl']:26s} {val}")
     gpu = (env.get("gpu") or "cpu").lower().replace(" ", "-")
     path = Path(a.out) if a.out else (Path("benchmarks/results") / f"decode_{gpu}_{env['date'][:10]}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     method = {"decode": "effective bandwidth = K+V bytes of the context / time (q, out ignored); "
                         "the _fp8 rows read an fp8 e4m3 copy of the cache (half the bytes); the "
                         "_graph rows replay the call captured in a CUDA graph (no host time), "
-                        "the others time eager calls",
+                        "the others time eager calls; _hnd: the cache in HND layout, _inorder: "
+                        "the NHD cache with each request's pages in order (the others shuffle "
+                        "the pages)",
               "chunked_prefill": "flops = 4*b*h*d*sum_i(ctx + i + 1) (causal over context + new); "
                                  "ioattn_kvcache reads FlashInfer's interleaved cache (K and V "
                                  "pages alternate), ioattn_kvcache_pools the same pages as two "
