@@ -136,11 +136,13 @@ for step in $steps; do
                --metrics gpu__time_duration.sum python benchmarks/profile_fwd.py --d 256 --seqlen 2048 \
                --causal --dtype $dt --calls 5 > "$OUT/ncu_d256_$dt.log" 2>&1
              echo "ncu $dt"; grep -E "gpu__time_duration" "$OUT/ncu_d256_$dt.log"; done ;;
-    sm90-bwd-order) # the fused backward's dQ partial: after dK (default), first, one step late
+    sm90-bwd-order) # the fused backward's dQ partial: after dK (default), first, one step late,
+           # (d=64) one warpgroup a step in turn
            timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py -k fused \
              > "$OUT/tests_bwd_order.log" 2>&1; tail -1 "$OUT/tests_bwd_order.log"
-           for v in default first lag; do
-             case $v in first) e=IOATTN_SM90_BWD_DQ_FIRST=1 ;; lag) e=IOATTN_SM90_BWD_DQ_LAG=1 ;; *) e=X=1 ;; esac
+           for v in default first lag alt; do
+             case $v in first) e=IOATTN_SM90_BWD_DQ_FIRST=1 ;; lag) e=IOATTN_SM90_BWD_DQ_LAG=1 ;;
+               alt) e=IOATTN_SM90_BWD_DQ_ALT=1 ;; *) e=X=1 ;; esac
              env $e timeout 150 python -m ioattn bench --modes bwd --dims 64,128 --seqlens 2048,8192,16384 \
                --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
                --out "$OUT/sm90_bwd_order_$v.json" > "$OUT/bwd_order_$v.log" 2>&1

@@ -125,6 +125,8 @@ ENV_SWITCHES = (
      "dK's update (dK's GEMM overlaps the hand-off to the writer warp)"),
     ("IOATTN_SM90_BWD_DQ_LAG", "0", "sm90 fused backward: each step's dQ partial issued one step "
      "late, overlapping the next step's dS (the warpgroups meet one step apart)"),
+    ("IOATTN_SM90_BWD_DQ_ALT", "0", "sm90 fused backward at d=64: one warpgroup a step, in turn, "
+     "forms the dQ partial over all 128 keys (half the reductions)"),
     ("IOATTN_SM90_FUSED_BWD", "1", "sm90 backward: one kernel, dQ by TMA reduce-add (0: two "
      "kernels without atomics, as deterministic=True)"),
     ("IOATTN_SM90_DECODE", "1", "planned paged decode on the sm90 Gluon kernel"),

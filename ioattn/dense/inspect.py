@@ -244,9 +244,11 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                                  dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64), d,
                                  dict(flags, STAGES=sm90_bwd.DKDV_STAGES, FUSED_DQ=fused,
                                       DQ_FIRST=fused and sm90_bwd.DQ_FIRST,
-                                      DQ_LAG=fused and sm90_bwd.DQ_LAG)))
-                if tag == "full":  # (opt-in) dQ's partial first; one step late
-                    for variant in ("DQ_FIRST", "DQ_LAG"):
+                                      DQ_LAG=fused and sm90_bwd.DQ_LAG,
+                                      DQ_ALT=fused and sm90_bwd.DQ_ALT and d == 64
+                                      and not sm90_bwd.DQ_LAG)))
+                if tag == "full":  # (opt-in) dQ's partial first; one step late; (d=64) in turn
+                    for variant in ("DQ_FIRST", "DQ_LAG") + (("DQ_ALT",) if d == 64 else ()):
                         jobs.append((f"sm90 bwd dkdv+dq d{d} {tag} {variant.lower()} 128 keys ws",
                                      sm90_bwd._bwd_dkdv_sm90,
                                      dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64),

@@ -72,6 +72,10 @@ DQ_FIRST = os.environ.get("IOATTN_SM90_BWD_DQ_FIRST", "0").lower() in ("1", "tru
 # the GEMM overlaps that step's dS, and the two consumer warpgroups no longer meet at every
 # step's dSᵀ buffer (the split dQ reads both halves) but one step apart. Opt-in until measured
 DQ_LAG = os.environ.get("IOATTN_SM90_BWD_DQ_LAG", "0").lower() in ("1", "true", "on")
+# (fused, d = 64) one warpgroup per step, in turn, forms the dQ partial over both warpgroups' 128
+# keys: half the TMA reductions of one partial per warpgroup over its own 64 keys (at d = 64 the
+# reductions are ~4x the d = 128 form's bytes per FLOP). Opt-in until measured
+DQ_ALT = os.environ.get("IOATTN_SM90_BWD_DQ_ALT", "0").lower() in ("1", "true", "on")
 
 
 @gluon.jit
@@ -292,7 +296,7 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                    window_right, qk_scale_log2, sm_scale,
                    WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                    HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
-                   DQ_FIRST: gl.constexpr, DQ_LAG: gl.constexpr):
+                   DQ_FIRST: gl.constexpr, DQ_LAG: gl.constexpr, DQ_ALT: gl.constexpr):
     HEAD_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     # dK / dV: [64 keys, d] (Sᵀ / dPᵀ: [64 keys, 64 query rows], ``_dkdv_scores``)
@@ -358,10 +362,26 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                 ds_s = ds_all.slice(WG * HALF, HALF, dim=0)
                 ds_s.store((ds * sm_scale).to(dtype))
                 fence_async_shared()
-                if SPLIT_DQ:
+                if SPLIT_DQ or DQ_ALT:
                     gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
                     mbarrier.arrive(ds_ready.index(t % 2), count=1)
-                if DQ_FIRST:
+                if DQ_ALT:
+                    # (d = 64) one warpgroup per step, in turn, forms the whole dQ partial over
+                    # both warpgroups' 128 keys: one 64 x 64 reduction a step instead of two
+                    dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
+                    if t % 2 == WG:
+                        mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
+                        dq_tok = warpgroup_mma(ds_all.permute((1, 0)), k_smem,
+                                               gl.zeros([HALF, DQ_COLS], gl.float32,
+                                                        layout=dq_layout),
+                                               use_acc=False, is_async=True)
+                        dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
+                        mbarrier.arrive(qdo_empty.index(st), count=1)
+                        _hand_dq(dq, dq_smem, dq_full, dq_empty, t // 2, WG)
+                    else:
+                        dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+                        mbarrier.arrive(qdo_empty.index(st), count=1)
+                elif DQ_FIRST:
                     # dQ's partial before dK's update: dK's GEMM then runs while the partial is
                     # handed to the writer (wgmma groups retire in issue order)
                     dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
@@ -374,8 +394,9 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                                          SPLIT_DQ, dq_layout)
                     dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
                     mbarrier.arrive(qdo_empty.index(st), count=1)
-                _hand_dq(dq, dq_smem, dq_full, dq_empty, t, WG)
-                if DQ_FIRST:
+                if not DQ_ALT:
+                    _hand_dq(dq, dq_smem, dq_full, dq_empty, t, WG)
+                if DQ_FIRST and not DQ_ALT:
                     dk = warpgroup_mma_wait(0, deps=[dk_tok])
                     mbarrier.arrive(qdo_empty.index(st), count=1)
             else:
@@ -397,26 +418,37 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
 
 @gluon.jit
 def _dq_writer(dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_steps,
-               HEAD_D: gl.constexpr):
+               HEAD_D: gl.constexpr, DQ_ALT: gl.constexpr):
     """(fused) The dQ writer warp, FA3's arrangement: per step, each consumer warpgroup's fp32
     partial (its half of the columns from d = 128, else the full width over its own keys) goes
     from shared memory to the dQ accumulator by an asynchronous TMA reduction; the writer waits
-    only for the reductions to have read their buffers before handing them back."""
+    only for the reductions to have read their buffers before handing them back. DQ_ALT: one
+    partial a step, from warpgroup t % 2."""
     DQ_COLS: gl.constexpr = dq_smem.shape[2]
     SPLIT_DQ: gl.constexpr = DQ_COLS < HEAD_D
-    for t in range(n_steps):
-        g = t // n_m
-        row = q_start + lo_m + (t - g * n_m) * HALF
-        col = (h0 + g) * HEAD_D
-        for wg in gl.static_range(2):
-            mbarrier.wait(dq_full.index(wg), t & 1)
-            if SPLIT_DQ:
-                tma_reduce_add(dqa_desc, [row, col + wg * DQ_COLS], dq_smem.index(wg))
-            else:
-                tma_reduce_add(dqa_desc, [row, col], dq_smem.index(wg))
-        tma.store_wait(0)
-        mbarrier.arrive(dq_empty.index(0), count=1)
-        mbarrier.arrive(dq_empty.index(1), count=1)
+    if DQ_ALT:
+        for t in range(n_steps):
+            g = t // n_m
+            row = q_start + lo_m + (t - g * n_m) * HALF
+            wg = t % 2
+            mbarrier.wait(dq_full.index(wg), (t // 2) & 1)
+            tma_reduce_add(dqa_desc, [row, (h0 + g) * HEAD_D], dq_smem.index(wg))
+            tma.store_wait(0)
+            mbarrier.arrive(dq_empty.index(wg), count=1)
+    else:
+        for t in range(n_steps):
+            g = t // n_m
+            row = q_start + lo_m + (t - g * n_m) * HALF
+            col = (h0 + g) * HEAD_D
+            for wg in gl.static_range(2):
+                mbarrier.wait(dq_full.index(wg), t & 1)
+                if SPLIT_DQ:
+                    tma_reduce_add(dqa_desc, [row, col + wg * DQ_COLS], dq_smem.index(wg))
+                else:
+                    tma_reduce_add(dqa_desc, [row, col], dq_smem.index(wg))
+            tma.store_wait(0)
+            mbarrier.arrive(dq_empty.index(0), count=1)
+            mbarrier.arrive(dq_empty.index(1), count=1)
 
 
 @gluon.jit
@@ -427,7 +459,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                    IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                    STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
                    PRODUCER_REGS_: gl.constexpr, DQ_FIRST: gl.constexpr = False,
-                   DQ_LAG: gl.constexpr = False):
+                   DQ_LAG: gl.constexpr = False, DQ_ALT: gl.constexpr = False):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = 2 * HALF
     pid_n = gl.program_id(0)
@@ -463,7 +495,14 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
     kv_bar = barriers(1, 1)
     fixed = barriers(STAGES + 1, 1)  # zeroed tail rows: per Q/dO stage, then K/V
     if FUSED_DQ:
-        ds_ready = barriers(2, 2)  # a step's dSᵀ buffer holds both warpgroups' keys
+        # a step's dSᵀ buffer holds both warpgroups' keys. Its reuse two steps on needs no
+        # barrier of its own outside DQ_LAG, whatever the ring depth. Split dQ: a warpgroup
+        # writing its half of buffer t % 2 at step t + 2 has waited on ds_ready of step t + 1,
+        # which the other warpgroup completes only after retiring its step-t GEMMs (its dQ
+        # GEMM read this half). DQ_ALT: only warpgroup t % 2's partial, retired within step t,
+        # reads the other warpgroup's half, and that other warpgroup forms step t + 1's partial,
+        # so it waits on ds_ready of step t + 1 before its step t + 2
+        ds_ready = barriers(2, 2)
         ds_empty = barriers(2, 2)  # (DQ_LAG) both warpgroups' dQ GEMMs have read it
         dq_full = barriers(2, 1)  # per warpgroup: its partial is in dq_smem
         dq_empty = barriers(2, 1)  # per warpgroup: the writer's reduction has read it
@@ -488,19 +527,19 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG)),
+                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT)),
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG)),
+                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
                               STAGES, IS_VARLEN, FUSED_DQ)),
             (_dq_writer, (dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_steps,
-                          HEAD_D)),
+                          HEAD_D, DQ_ALT)),
         ], [4, 1, 1], [CONSUMER_REGS_, PRODUCER_REGS_, PRODUCER_REGS_])
     else:
         gl.warp_specialize([
@@ -509,13 +548,13 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG)),
+                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT)),
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG)),
+                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -748,6 +787,11 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
     lse_strides = p.lse_strides(lse)
     # fused: rows no key block reaches get no partial, so the buffer starts at 0
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else None
+    # (fused) the opt-in dQ orders; when more than one is set, DQ_LAG over DQ_ALT (d = 64 only)
+    # over DQ_FIRST
+    lag = fused and DQ_LAG
+    alt = fused and DQ_ALT and not lag and dq_cols(q.shape[-1]) == q.shape[-1]
+    first = fused and DQ_FIRST and not lag and not alt
     _bwd_dkdv_sm90[(-(-p.max_seqlen_k // (2 * half)), p.batch * n_heads_k)](
         q_desc, do_desc, rows_descriptor(k, p.is_varlen, half), rows_descriptor(v, p.is_varlen, half),
         # (fused) each warpgroup reduces its columns of dQ
@@ -755,8 +799,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         dk, dv, lse, delta, cu_q, cu_k,
         dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
         n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-        STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_FIRST=fused and DQ_FIRST, DQ_LAG=fused and DQ_LAG,
-        **flags)
+        STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_LAG=lag, DQ_ALT=alt, DQ_FIRST=first, **flags)
     if fused:
         dq.copy_(dq_acc)
         return

@@ -104,7 +104,10 @@ PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
                     Case(1023, 1024, d=128, causal=True, dtype=FP16, b=3, h=3),
                     Case(777, 777, d=128, h=6, h_k=3, window=(100, -1)),
                     Case(300, 300, d=256, h=4, h_k=2, window=(50, 20)),
-                    Case(2048, 2048, d=64, b=1, h=40)]  # 640 tiles on 132 SMs: CTAs loop
+                    Case(2048, 2048, d=64, b=1, h=40),  # 640 tiles on 132 SMs: CTAs loop
+                    # bottom-right causal with more queries than keys: tiles with no key
+                    Case(1000, 100, d=64, causal=True, h=4, h_k=2),
+                    Case(300, 300, d=64, h=2, window=(50, 20))]
 
 
 @needs_sm90
@@ -152,24 +155,27 @@ def test_sm90_persistent_schedule_rule(monkeypatch):
 FUSED_CASES = [Case(113, 203, d=64), Case(113, 203, d=128, causal=True),
                Case(203, 113, d=128, causal=True, dtype=FP16),
                Case(256, 300, d=128, h=6, h_k=2, window=(40, 10)),
-               Case(1024, 1024, d=128, causal=True, b=2, h=2), Case(777, 777, d=64, h=4, h_k=1)]
+               Case(1024, 1024, d=128, causal=True, b=2, h=2), Case(777, 777, d=64, h=4, h_k=1),
+               Case(40, 300, d=128, h=2),  # one query tile: one step per key block
+               Case(1000, 100, d=64, causal=True)]
 
 
 @needs_sm90
-@pytest.mark.parametrize("order", ["dk-first", "dq-first", "dq-lag"])
+@pytest.mark.parametrize("order", ["dk-first", "dq-first", "dq-lag", "dq-alt"])
 @pytest.mark.parametrize("c", FUSED_CASES, ids=lambda c: "sm90-fused-bwd-" + c.id)
 def test_sm90_fused_bwd(c: Case, order, monkeypatch):
     """The fused sm90 backward (dQ added by TMA reductions; the default, sm90_bwd.FUSED) against
     the reference's gradients, with each step's dQ partial issued after or before dK's update, or
-    one step late (IOATTN_SM90_BWD_DQ_FIRST, IOATTN_SM90_BWD_DQ_LAG)."""
-    from ioattn.dense import op, sm90_bwd
-
-    monkeypatch.setattr(sm90_bwd, "DQ_FIRST", order == "dq-first")
-    monkeypatch.setattr(sm90_bwd, "DQ_LAG", order == "dq-lag")
+    one step late, or (d=64) formed by one warpgroup a step in turn (IOATTN_SM90_BWD_DQ_FIRST,
+    _LAG, _ALT)."""
+    from ioattn.dense import op
     from ioattn.dense.params import make_params
     from ioattn.dense.sm90_bwd import attn_bwd_sm90
     from ioattn.testing import GRAD_FACTOR
 
+    if order == "dq-alt" and c.d != 64:
+        pytest.skip("one partial a step in turn: d=64 only")
+    _bwd_order(monkeypatch, order)
     q, k, v = _inputs(c, "cuda")
     left, right = c.window[0], 0 if c.causal else c.window[1]
     out, lse = op.dense_fwd(q, k, v, None, None, c.s_q, c.s_k, c.d ** -0.5, left, right, 0.0, None,
@@ -215,12 +221,27 @@ def test_sm90_bwd_dispatch(monkeypatch):
         ioattn.flash_attn_func(q, k, v, backend="sm90")  # no gradient needed: runs
 
 
+def _bwd_order(monkeypatch, order: str) -> None:
+    """The fused backward's dQ order (``sm90_bwd``'s opt-in switches): dk-first (the default),
+    dq-first, dq-lag, dq-alt."""
+    from ioattn.dense import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "DQ_FIRST", order == "dq-first")
+    monkeypatch.setattr(sm90_bwd, "DQ_LAG", order == "dq-lag")
+    monkeypatch.setattr(sm90_bwd, "DQ_ALT", order == "dq-alt")
+
+
 @needs_sm90
+@pytest.mark.parametrize("order", ["dk-first", "dq-first", "dq-lag", "dq-alt"])
 @pytest.mark.parametrize("c", [Case(0, 0, d=128, b=5, causal=True, h=6, h_k=2),
                                Case(0, 0, d=64, b=4, window=(30, 3), dtype=FP16),
                                Case(0, 0, d=256, b=3, causal=True)],
                          ids=lambda c: "sm90-varlen-" + c.id)
-def test_sm90_varlen(c: Case):
+def test_sm90_varlen(c: Case, order, monkeypatch):
+    """Varlen through the sm90 kernels (forward; backward where covered, in each dQ order)."""
+    if order != "dk-first" and (not _covers_bwd(c) or (order == "dq-alt" and c.d != 64)):
+        pytest.skip("the dQ order applies to the covered backward (dq-alt: d=64)")
+    _bwd_order(monkeypatch, order)
     q, k, v, lq, lk = _varlen_inputs(c, "cuda")
     cq, ck = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")
     kw = dict(causal=c.causal, window_size=c.window)
@@ -342,8 +363,8 @@ def test_sm90_kernel_compiles_for_hopper():
     names = [r["name"] for r in reports]
     # fwd (also paged): d = 64, 128, 256; bwd dK/dV (also fused with dQ) and dQ: d = 64, 128;
     # the d=64 persistent forward on three consumer warpgroups and the fused backward with dQ
-    # issued first or one step late (opt-in)
-    assert len(reports) == 35, names
+    # issued first, one step late or (d=64) in turn (opt-in)
+    assert len(reports) == 36, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
