@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -154,6 +154,14 @@ for step in $steps; do
              --dims 64 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
              --out "$OUT/sm90_fwd_wg3p$w.json" > "$OUT/wg3p$w.log" 2>&1
              echo "== wg3p=$w"; grep -E "^fwd" "$OUT/wg3p$w.log"; done ;;
+    sm90-bwd-d256) # the d=256 backward (opt-in): its tests, then timed against the portable one
+           IOATTN_SM90_BWD_D256=1 timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
+             tests/dense/test_sm90.py -k "d256 or compiles" > "$OUT/tests_d256.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_d256.log"; tail -1 "$OUT/tests_d256.log"
+           IOATTN_SM90_BWD_D256=1 timeout 200 python -m ioattn bench --modes bwd --dims 256 \
+             --seqlens 2048,8192,16384 --dtypes bf16 --impls ioattn_sm90,ioattn_triton,sdpa_cudnn \
+             --no-plots --out "$OUT/sm90_bwd_d256.json" > "$OUT/bwd_d256.log" 2>&1
+           grep -E "^bwd" "$OUT/bwd_d256.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

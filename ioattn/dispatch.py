@@ -127,6 +127,8 @@ ENV_SWITCHES = (
      "late, overlapping the next step's dS (the warpgroups meet one step apart)"),
     ("IOATTN_SM90_BWD_DQ_ALT", "0", "sm90 fused backward at d=64: one warpgroup a step, in turn, "
      "forms the dQ partial over all 128 keys (half the reductions)"),
+    ("IOATTN_SM90_BWD_D256", "0", "sm90 backward at d=256: a column-split dK/dV kernel and the dQ "
+     "kernel on 32-key tiles (backend='sm90'; auto keeps the portable backward there)"),
     ("IOATTN_SM90_FUSED_BWD", "1", "sm90 backward: one kernel, dQ by TMA reduce-add (0: two "
      "kernels without atomics, as deterministic=True)"),
     ("IOATTN_SM90_DECODE", "1", "planned paged decode on the sm90 Gluon kernel"),

@@ -237,7 +237,16 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                               PAGE=1, PINGPONG=sm90_fwd._pingpong(d) and wgs == 2,
                               PERSISTENT=sm90_fwd._persistent(d, varlen), WGS=wgs,
                               DYNAMIC=sm90_fwd._schedule(d, varlen) == "dynamic")))
-            if d in sm90_bwd.SUPPORTED_HEAD_DIMS:
+            if d == 256:  # (opt-in, IOATTN_SM90_BWD_D256) column-split dK/dV, dQ on 32-key tiles
+                jobs.append((f"sm90 bwd dkdv-cols d{d} {tag} 64 keys ws",
+                             sm90_bwd._bwd_dkdv_cols_sm90,
+                             dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64), d,
+                             dict(flags, STAGES=sm90_bwd.DKDV_STAGES)))
+                bn = sm90_bwd._dq_block_n(d)
+                jobs.append((f"sm90 bwd dq d{d} {tag} 128x{bn} ws", sm90_bwd._bwd_dq_sm90,
+                             dict(q_desc=64, do_desc=64, k_desc=bn, v_desc=bn), d,
+                             dict(flags, STAGES=sm90_bwd.DQ_STAGES)))
+            elif d in sm90_bwd.SUPPORTED_HEAD_DIMS:
                 for fused in (False, True):
                     jobs.append((f"sm90 bwd dkdv{'+dq' if fused else ''} d{d} {tag} 128 keys ws",
                                  sm90_bwd._bwd_dkdv_sm90,

@@ -12,6 +12,8 @@ so the backward stays deterministic, as the portable one is:
   K and V streamed; per key block S = Q·Kᵀ, dP = dO·Vᵀ, dS = P(dP - delta), dQ += dS·K. (Queueing
   the next block's S and dP behind dQ, with one more K/V stage, measured 0.87-0.96x: removed,
   benchmarks/NOTES.md.)
+- d = 256 (opt-in, ``D256``): dK/dV of 64 keys per CTA split by columns between the two
+  warpgroups (``_dkdv_cols_consumer``), then the dQ kernel on 32-key K/V tiles.
 
 Layouts and coverage are the forward's (``sm90_fwd``): [rows, heads * d] views through host TMA
 descriptors, d = d_v in {64, 128} here, causal/window, GQA, batched and varlen, fp16/bf16. As there,
@@ -55,7 +57,10 @@ from ioattn.dense.sm90_common import (barriers, invalidate, query_tile, query_ti
 from ioattn.dense.triton_bwd import bwd_preprocess
 
 HALF = gl.constexpr(64)  # rows of one consumer warpgroup's wgmma (keys in dK/dV, queries in dQ)
-SUPPORTED_HEAD_DIMS = (64, 128)
+# d = 256 (the column-split dK/dV kernel and the dQ kernel on 32-key tiles): opt-in with
+# IOATTN_SM90_BWD_D256=1 until it has run on the H200
+D256 = os.environ.get("IOATTN_SM90_BWD_D256", "0").lower() in ("1", "true", "on")
+SUPPORTED_HEAD_DIMS = (64, 128, 256) if D256 else (64, 128)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 DKDV_STAGES = 2
@@ -120,17 +125,17 @@ def _key_half(k_smem, i, FUSED_DQ: gl.constexpr):
 def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
                    qdo_full, qdo_empty, fixed, q_start, k_row, kv_col, h0, lo_m, n_m, n_steps,
                    seqlen_q, n_keys, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
-                   FUSED_DQ: gl.constexpr):
+                   FUSED_DQ: gl.constexpr, KEY_TILES: gl.constexpr = 2):
+    # KEY_TILES: 64-key K/V tiles per CTA (1: the d = 256 column-split kernel)
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     has_work = n_steps > 0
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes, pred=has_work)
-    tma.async_copy_global_to_shared(k_desc, [k_row, kv_col], kv_bar,
-                                    _key_half(k_smem, 0, FUSED_DQ), pred=has_work)
-    tma.async_copy_global_to_shared(k_desc, [k_row + HALF, kv_col], kv_bar,
-                                    _key_half(k_smem, 1, FUSED_DQ), pred=has_work)
-    tma.async_copy_global_to_shared(v_desc, [k_row, kv_col], kv_bar, v_smem.index(0), pred=has_work)
-    tma.async_copy_global_to_shared(v_desc, [k_row + HALF, kv_col], kv_bar, v_smem.index(1),
-                                    pred=has_work)
+    mbarrier.expect(kv_bar, KEY_TILES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes),
+                    pred=has_work)
+    for i in gl.static_range(KEY_TILES):
+        tma.async_copy_global_to_shared(k_desc, [k_row + i * HALF, kv_col], kv_bar,
+                                        _key_half(k_smem, i, FUSED_DQ), pred=has_work)
+        tma.async_copy_global_to_shared(v_desc, [k_row + i * HALF, kv_col], kv_bar,
+                                        v_smem.index(i), pred=has_work)
     if IS_VARLEN and FUSED_DQ:
         # keys past the last packed sequence (rows of no sequence, possibly NaN) would reach dQ
         # through dS·K and dP = dO·Vᵀ even with dS masked to 0: zero them (fixed[STAGES])
@@ -195,6 +200,20 @@ def _hand_dq(dq, dq_smem, dq_full, dq_empty, j, WG: gl.constexpr):
 
 
 @gluon.jit
+def _qdo_stage(t, q_smem, do_smem, qdo_full, fixed, fixes, m0, seqlen_q, STAGES: gl.constexpr,
+               IS_VARLEN: gl.constexpr):
+    """Step t's Q and dO tiles (query rows from m0) once in shared memory and, varlen, once the
+    producer has zeroed their rows past the sequence; returns (q, do, fixes)."""
+    st = t % STAGES
+    mbarrier.wait(qdo_full.index(st), (t // STAGES) & 1)
+    if IS_VARLEN:
+        if m0 + HALF > seqlen_q:  # rows past the end are being zeroed
+            mbarrier.wait(fixed.index(st), (fixes >> st) & 1)
+            fixes = fixes ^ (1 << st)
+    return q_smem.index(st), do_smem.index(st), fixes
+
+
+@gluon.jit
 def _dkdv_scores(t, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base,
                  stride_lh, h0, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                  window_right, qk_scale_log2, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
@@ -219,13 +238,8 @@ def _dkdv_scores(t, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, l
                     other=0.0)
     # fully masked rows carry LSE = -inf; +inf makes their P exactly 0 instead of NaN
     lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    mbarrier.wait(qdo_full.index(st), (t // STAGES) & 1)
-    if IS_VARLEN:
-        if q_start + m0 + HALF > q_start + seqlen_q:  # rows past the end are being zeroed
-            mbarrier.wait(fixed.index(st), (fixes >> st) & 1)
-            fixes = fixes ^ (1 << st)
-    q = q_smem.index(st)
-    do = do_smem.index(st)
+    q, do, fixes = _qdo_stage(t, q_smem, do_smem, qdo_full, fixed, fixes, m0, seqlen_q, STAGES,
+                              IS_VARLEN)
     # Sᵀ and dPᵀ issued together; the exponentials run while dPᵀ is on the tensor cores, and
     # dSᵀ is formed while dV's update runs (wgmma groups retire in issue order)
     s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -452,6 +466,29 @@ def _dq_writer(dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_s
 
 
 @gluon.jit
+def _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed, window_left,
+               window_right, stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lb,
+               BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
+               HAS_RIGHT: gl.constexpr):
+    """A dK/dV CTA's key block: (KV head, the sequence's bounds, its first key, the first query
+    row of its 64-row steps, the steps over the GQA group's query heads, the group's first query
+    head, and the dK / dV / LSE offsets)."""
+    pid_bh = gl.program_id(1)
+    off_b = pid_bh // n_heads_k
+    off_hk = pid_bh % n_heads_k
+    q_start, seqlen_q, k_start, seqlen_k, lse_start = seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed,
+                                                                 seqlen_k_fixed, IS_VARLEN)
+    start_n = gl.program_id(0) * BLOCK_N
+    lo_m, n_m = query_tiles(start_n, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right, HALF,
+                            HAS_LEFT, HAS_RIGHT)
+    dk_off = k_start.to(gl.int64) * stride_dkn + off_hk.to(gl.int64) * stride_dkh
+    dv_off = k_start.to(gl.int64) * stride_dvn + off_hk.to(gl.int64) * stride_dvh
+    lse_base = off_b.to(gl.int64) * stride_lb + lse_start
+    return (off_hk, q_start, seqlen_q, k_start, seqlen_k, start_n, lo_m, n_m * kv_group,
+            off_hk * kv_group, dk_off, dv_off, lse_base)
+
+
+@gluon.jit
 def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA, CU_Q, CU_K,
                    stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lb, stride_lh,
                    n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
@@ -461,19 +498,13 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                    PRODUCER_REGS_: gl.constexpr, DQ_FIRST: gl.constexpr = False,
                    DQ_LAG: gl.constexpr = False, DQ_ALT: gl.constexpr = False):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = 2 * HALF
-    pid_n = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    off_b = pid_bh // n_heads_k
-    off_hk = pid_bh % n_heads_k
-    q_start, seqlen_q, k_start, seqlen_k, lse_start = seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed,
-                                                                 seqlen_k_fixed, IS_VARLEN)
-    start_n = pid_n * BLOCK_N
+    (off_hk, q_start, seqlen_q, k_start, seqlen_k, start_n, lo_m, n_steps, h0, dk_off, dv_off,
+     lse_base) = _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
+                            window_left, window_right, stride_dkn, stride_dkh, stride_dvn,
+                            stride_dvh, stride_lb, 2 * HALF, IS_VARLEN, HAS_LEFT, HAS_RIGHT)
+    n_m = n_steps // kv_group
     if start_n >= seqlen_k:
         return
-    lo_m, n_m = query_tiles(start_n, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right, HALF,
-                            HAS_LEFT, HAS_RIGHT)
-    n_steps = n_m * kv_group
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, HALF, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, HALF, HEAD_D], do_desc.layout)
@@ -515,10 +546,6 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
     qdo_empty = barriers(STAGES, 2)  # one arrive per consumer warpgroup
     fence_async_shared()
 
-    h0 = off_hk * kv_group
-    dk_off = k_start.to(gl.int64) * stride_dkn + off_hk.to(gl.int64) * stride_dkh
-    dv_off = k_start.to(gl.int64) * stride_dvn + off_hk.to(gl.int64) * stride_dvh
-    lse_base = off_b.to(gl.int64) * stride_lb + lse_start
     # (the partition lists are literal: Gluon loses constexpr-ness through tuple arguments)
     if FUSED_DQ:
         gl.warp_specialize([
@@ -568,6 +595,162 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
         invalidate(ds_empty, 2)
         invalidate(dq_full, 2)
         invalidate(dq_empty, 2)
+    invalidate(qdo_full, STAGES)
+    invalidate(qdo_empty, STAGES)
+
+
+# --------------------------------------------------------------------- dK / dV at d = 256
+@gluon.jit
+def _dkdv_cols_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem,
+                        kv_bar, qdo_full, qdo_empty, fixed, p_ready, ds_ready, dk_off, dv_off,
+                        stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
+                        start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
+                        qk_scale_log2, sm_scale, WG: gl.constexpr, STAGES: gl.constexpr,
+                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                        IS_VARLEN: gl.constexpr):
+    """(d = 256) One warpgroup of the column-split dK/dV kernel: 64 keys per CTA, dK and dV split
+    by columns (warpgroup w holds columns [128 w, 128 w + 128): 64 + 64 registers a thread where
+    the full width would need 256). Per step of 64 query rows, warpgroup 0 forms Pᵀ = exp(Sᵀ -
+    LSE) and warpgroup 1 dPᵀ (one 64 x 64 x 256 GEMM each, nothing computed twice); Pᵀ goes to
+    warpgroup 1 through shared memory (p_ready), which forms dSᵀ = Pᵀ (dPᵀ - delta) and hands it
+    back the same way (ds_ready); then each adds its columns of Pᵀ·dO to dV and dSᵀ·Q to dK.
+    The two buffers of each alternate by step; a warpgroup reaches step t + 2 only after waiting
+    on the other's hand-off of step t + 1, which the other makes after retiring its step-t
+    GEMMs, so a buffer is never rewritten while read."""
+    HEAD_D: gl.constexpr = q_smem.shape[2]
+    COLS: gl.constexpr = HEAD_D // 2
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = wgmma_acc_layout(HALF)  # Sᵀ / dPᵀ: [64 keys, 64 query rows]
+    a_layout: gl.constexpr = wgmma_acc_layout(COLS)  # this warpgroup's dK / dV columns
+    op_layout: gl.constexpr = wgmma_a_operand(a_layout)
+    key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    k = k_smem.index(0)
+    v = v_smem.index(0)
+    off = seqlen_k - seqlen_q
+    cols = start_n + gl.arange(0, HALF, layout=key_l)  # the CTA's keys (Sᵀ rows)
+    dk = gl.zeros([HALF, COLS], gl.float32, layout=a_layout)
+    dv = gl.zeros([HALF, COLS], gl.float32, layout=a_layout)
+    s_zero = gl.zeros([HALF, HALF], gl.float32, layout=s_layout)
+    if n_steps > 0:
+        mbarrier.wait(kv_bar, 0)
+    fixes = n_steps * 0  # (varlen) parity per stage of the zeroed-rows barriers
+    for t in range(n_steps):
+        st = t % STAGES
+        b = t % 2
+        g = t // n_m
+        m0 = lo_m + (t - g * n_m) * HALF
+        rows = m0 + gl.arange(0, HALF, layout=row_l)
+        row_ok = rows < seqlen_q
+        row_base = LSE + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows
+        q, do, fixes = _qdo_stage(t, q_smem, do_smem, qdo_full, fixed, fixes, m0, seqlen_q,
+                                  STAGES, IS_VARLEN)
+        p_buf = p_smem.index(b)
+        ds_buf = ds_smem.index(b)
+        if WG == 0:
+            lse = gl.load(row_base, mask=row_ok, other=float("inf"))
+            # fully masked rows carry LSE = -inf; +inf makes their P exactly 0 instead of NaN
+            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            if _tile_needs_mask(m0, start_n, seqlen_q, seqlen_k, off, window_left, window_right,
+                                HAS_LEFT, HAS_RIGHT):
+                s = _mask_scores(s, rows[None, :], cols[:, None], seqlen_q, seqlen_k, off,
+                                 window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            p = gl.exp2(s * qk_scale_log2 - lse2[None, :]).to(dtype)
+            p_buf.store(p)
+            fence_async_shared()
+            gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
+            mbarrier.arrive(p_ready.index(b), count=1)
+            dv_tok = warpgroup_mma(gl.convert_layout(p, op_layout), do.slice(0, COLS, dim=1), dv,
+                                   is_async=True)
+            mbarrier.wait(ds_ready.index(b), (t // 2) & 1)
+            dk_tok = warpgroup_mma(ds_buf, q.slice(0, COLS, dim=1), dk, is_async=True)
+        else:
+            delta = gl.load(DELTA + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows,
+                            mask=row_ok, other=0.0)
+            dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma_wait(0, deps=[dp_tok])
+            mbarrier.wait(p_ready.index(b), (t // 2) & 1)
+            dv_tok = warpgroup_mma(p_buf, do.slice(COLS, COLS, dim=1), dv, is_async=True)
+            p = p_buf.load(s_layout).to(gl.float32)
+            ds = (p * (dp - delta[None, :]) * sm_scale).to(dtype)  # scaled: dK comes out scaled
+            ds_buf.store(ds)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ds_ready.index(b), count=1)
+            dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q.slice(COLS, COLS, dim=1),
+                                   dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+        mbarrier.arrive(qdo_empty.index(st), count=1)
+
+    d_cols = WG * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, a_layout))
+    keys = start_n + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))
+    ok = (keys < seqlen_k)[:, None]
+    gl.store(DK + dk_off + keys[:, None].to(gl.int64) * stride_dkn + d_cols[None, :],
+             dk.to(dtype), mask=ok)
+    gl.store(DV + dv_off + keys[:, None].to(gl.int64) * stride_dvn + d_cols[None, :],
+             dv.to(dtype), mask=ok)
+
+
+@gluon.jit
+def _bwd_dkdv_cols_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE, DELTA, CU_Q, CU_K,
+                        stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lb, stride_lh,
+                        n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
+                        sm_scale, qk_scale_log2, window_left, window_right,
+                        IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                        STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
+                        PRODUCER_REGS_: gl.constexpr):
+    """(d = 256) dK and dV of 64 keys per CTA (``_dkdv_cols_consumer``); dQ comes from the dQ
+    kernel. Shared memory at d = 256 with 2 stages: K, V 64 KB, Q/dO 128 KB, Pᵀ/dSᵀ 32 KB."""
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    (off_hk, q_start, seqlen_q, k_start, seqlen_k, start_n, lo_m, n_steps, h0, dk_off, dv_off,
+     lse_base) = _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
+                            window_left, window_right, stride_dkn, stride_dkh, stride_dvn,
+                            stride_dvh, stride_lb, HALF, IS_VARLEN, HAS_LEFT, HAS_RIGHT)
+    n_m = n_steps // kv_group
+    if start_n >= seqlen_k:
+        return
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, HALF, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, HALF, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [1, HALF, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [1, HALF, HEAD_D], v_desc.layout)
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HALF], q_desc.dtype)
+    p_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HALF], pds_layout)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HALF], pds_layout)
+    kv_bar = barriers(1, 1)
+    fixed = barriers(STAGES + 1, 1)  # zeroed tail rows per Q/dO stage (the last one unused)
+    p_ready = barriers(2, 1)
+    ds_ready = barriers(2, 1)
+    qdo_full = barriers(STAGES, 1)
+    qdo_empty = barriers(STAGES, 2)  # one arrive per consumer warpgroup
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_dkdv_cols_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, p_smem,
+                               ds_smem, kv_bar.index(0), qdo_full, qdo_empty, fixed, p_ready,
+                               ds_ready, dk_off, dv_off, stride_dkn, stride_dvn, lse_base,
+                               stride_lh, h0, lo_m, n_m, n_steps, start_n, q_start, seqlen_q,
+                               seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
+                               0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)),
+        (_dkdv_cols_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, p_smem,
+                               ds_smem, kv_bar.index(0), qdo_full, qdo_empty, fixed, p_ready,
+                               ds_ready, dk_off, dv_off, stride_dkn, stride_dvn, lse_base,
+                               stride_lh, h0, lo_m, n_m, n_steps, start_n, q_start, seqlen_q,
+                               seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
+                               1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)),
+        (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                          kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
+                          off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
+                          STAGES, IS_VARLEN, False, 1)),
+    ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
+
+    invalidate(kv_bar, 1)
+    invalidate(fixed, STAGES + 1)
+    invalidate(p_ready, 2)
+    invalidate(ds_ready, 2)
     invalidate(qdo_full, STAGES)
     invalidate(qdo_empty, STAGES)
 
@@ -740,8 +923,9 @@ def unsupported_reason(head_dim: int, head_dim_v: int, softcap: float, has_alibi
     """Why the sm90 backward does not cover a call whose forward the sm90 forward accepts (None
     when it does): the layouts were checked there (dout is copied to a TMA view when needed)."""
     if head_dim not in SUPPORTED_HEAD_DIMS or head_dim_v != head_dim:
+        extra = "; d=256 with IOATTN_SM90_BWD_D256=1 (not yet run on a GPU)" if not D256 else ""
         return (f"head dims (d={head_dim}, d_v={head_dim_v}) are not covered by the sm90 backward "
-                f"(d = d_v in {SUPPORTED_HEAD_DIMS})")
+                f"(d = d_v in {SUPPORTED_HEAD_DIMS}{extra})")
     if softcap > 0 or has_alibi or dropout_p > 0:
         return "softcap, ALiBi and dropout are not covered by the sm90 kernels yet"
     return None
@@ -785,6 +969,38 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
                  CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
     scalars = (p.softmax_scale, p.softmax_scale * LOG2E, p.window_left, p.window_right)
     lse_strides = p.lse_strides(lse)
+    if q.shape[-1] == 256:  # the column-split dK/dV kernel, then the dQ kernel on 32-key tiles
+        _bwd_dkdv_cols_sm90[(-(-p.max_seqlen_k // half), p.batch * n_heads_k)](
+            q_desc, do_desc, rows_descriptor(k, p.is_varlen, half),
+            rows_descriptor(v, p.is_varlen, half), dk, dv, lse, delta, cu_q, cu_k,
+            dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
+            n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
+            STAGES=DKDV_STAGES, **flags)
+        fused = False
+    else:
+        _dkdv_launch(p, q, k, v, dk, dv, lse, delta, q_desc, do_desc, cu_q, cu_k, lse_strides,
+                     scalars, flags, fused, dq)
+        if fused:
+            return
+    block_n = _dq_block_n(q.shape[-1])
+    _bwd_dq_sm90[(-(-p.max_seqlen_q // (2 * half)), p.batch * n_heads)](
+        q_desc, do_desc, rows_descriptor(k, p.is_varlen, block_n),
+        rows_descriptor(v, p.is_varlen, block_n), dq, lse, delta, cu_q, cu_k,
+        dq.stride(-3), dq.stride(-2), *lse_strides,
+        n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
+        STAGES=DQ_STAGES, **flags)
+
+
+def _dq_block_n(head_dim: int) -> int:
+    # d = 256: 32-key K/V tiles keep the dQ kernel's shared memory at 192 KB with 2 stages
+    return 32 if head_dim == 256 else DQ_BLOCK_N
+
+
+def _dkdv_launch(p: AttnParams, q, k, v, dk, dv, lse, delta, q_desc, do_desc, cu_q, cu_k,
+                 lse_strides, scalars, flags, fused: bool, dq) -> None:
+    """The dK/dV kernel at d in {64, 128} (fused: with dQ, converted into ``dq``)."""
+    half = HALF.value
+    n_heads, n_heads_k = q.shape[-2], k.shape[-2]
     # fused: rows no key block reaches get no partial, so the buffer starts at 0
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else None
     # (fused) the opt-in dQ orders; when more than one is set, DQ_LAG over DQ_ALT (d = 64 only)
@@ -802,10 +1018,3 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_LAG=lag, DQ_ALT=alt, DQ_FIRST=first, **flags)
     if fused:
         dq.copy_(dq_acc)
-        return
-    _bwd_dq_sm90[(-(-p.max_seqlen_q // (2 * half)), p.batch * n_heads)](
-        q_desc, do_desc, rows_descriptor(k, p.is_varlen, DQ_BLOCK_N),
-        rows_descriptor(v, p.is_varlen, DQ_BLOCK_N), dq, lse, delta, cu_q, cu_k,
-        dq.stride(-3), dq.stride(-2), *lse_strides,
-        n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-        STAGES=DQ_STAGES, **flags)

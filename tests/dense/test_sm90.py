@@ -194,6 +194,39 @@ def test_sm90_fused_bwd(c: Case, order, monkeypatch):
         assert_close_rule(f"{c.id} {name}", g, r, b, factor=GRAD_FACTOR)
 
 
+D256_CASES = [Case(113, 203, d=256), Case(203, 113, d=256, causal=True),
+              Case(1024, 1023, d=256, causal=True, b=1, h=2, dtype=FP16),
+              Case(300, 300, d=256, h=4, h_k=2, window=(50, 20)),
+              Case(777, 777, d=256, h=6, h_k=3, window=(100, -1)),
+              Case(40, 300, d=256, h=2), Case(1000, 100, d=256, causal=True)]
+
+
+@needs_sm90
+@pytest.mark.parametrize("c", D256_CASES, ids=lambda c: "sm90-bwd-d256-" + c.id)
+def test_sm90_bwd_d256(c: Case, monkeypatch):
+    """The d=256 backward (opt-in, IOATTN_SM90_BWD_D256): the column-split dK/dV kernel (64 keys
+    per CTA, Pᵀ and dSᵀ exchanged between the two warpgroups through shared memory) and the dQ
+    kernel on 32-key tiles, against the reference's gradients; batched and varlen."""
+    from ioattn.dense import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "SUPPORTED_HEAD_DIMS", (64, 128, 256))
+    q, k, v = _inputs(c, "cuda")
+    kw = dict(causal=c.causal, window_size=c.window)
+    out = ioattn.flash_attn_func(q, k, v, backend="sm90", **kw)
+    ref, _ = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    _check_grads(c.id, out, ref, pt, torch.randn_like(out), (q, k, v))
+    if c.s_q == c.s_k:  # the same case packed as varlen, ragged lengths
+        cv = Case(0, 0, d=256, b=3, h=c.h, h_k=c.h_k, causal=c.causal, window=c.window,
+                  dtype=c.dtype)
+        q, k, v, lq, lk = _varlen_inputs(cv, "cuda")
+        cq, ck = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")
+        out = ioattn.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), backend="sm90", **kw)
+        ref, _ = attention_varlen_ref(q, k, v, cq, ck, **kw)
+        pt, _ = attention_varlen_ref(q, k, v, cq, ck, upcast=False, **kw)
+        _check_grads(cv.id, out, ref, pt, torch.randn_like(out), (q, k, v))
+
+
 @needs_sm90
 def test_sm90_bwd_dispatch(monkeypatch):
     """auto takes the sm90 backward where preferred, explicit sm90 raises where it has none, and a
@@ -362,9 +395,9 @@ def test_sm90_kernel_compiles_for_hopper():
     reports = json.loads(res.stdout)
     names = [r["name"] for r in reports]
     # fwd (also paged): d = 64, 128, 256; bwd dK/dV (also fused with dQ) and dQ: d = 64, 128;
-    # the d=64 persistent forward on three consumer warpgroups and the fused backward with dQ
-    # issued first, one step late or (d=64) in turn (opt-in)
-    assert len(reports) == 36, names
+    # the d=64 persistent forward on three consumer warpgroups, the fused backward with dQ
+    # issued first, one step late or (d=64) in turn, the d=256 backward's two kernels (opt-in)
+    assert len(reports) == 42, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
@@ -376,6 +409,7 @@ def test_sm90_kernel_compiles_for_hopper():
         elif r["name"].startswith("sm90 fwd d128 causal"):
             limit = 128  # the persistent (dynamic) form: ~70 B, tile ids and offsets
         assert r["spill_stores"] <= limit, r
+        assert r["shared_bytes"] <= 232448, r  # sm90's 227 KB of shared memory per block
         assert r["mbarrier_waits"] > 0, r
         # the fused backward adds dQ with TMA reductions (cp.reduce.async.bulk.tensor)
         assert r["tma_reduce"] == ("dkdv+dq" in r["name"]), r
