@@ -16,9 +16,11 @@ so the backward stays deterministic, as the portable one is:
   warpgroups (``_dkdv_cols_consumer``), then the dQ kernel on 32-key K/V tiles.
 
 Layouts and coverage are the forward's (``sm90_fwd``): [rows, heads * d] views through host TMA
-descriptors, d = d_v in {64, 128} here, causal/window, GQA, batched and varlen, fp16/bf16. As there,
-varlen tiles that run past the last sequence get those rows zeroed by the producer (Q and dO in
-dK/dV, K and V in dQ and in the fused form) before the consumers read them.
+descriptors, d = d_v in {64, 128} (256 opt-in) here, causal/window, GQA, batched and varlen,
+fp16/bf16. As there, varlen tiles that run past the last sequence get those rows zeroed by the
+producer (Q and dO in dK/dV, K and V in dQ and in the fused form) before the consumers read them.
+(The d = 256 dK/dV kernel leaves K/V rows past a sequence as they are: they reach only their own
+dK/dV rows, never stored; a dQ formed there would need them zeroed, as the fused form does.)
 
 Compiled for sm90 in CI (``python -m ioattn.dense.inspect --gluon``); the dense suite runs through it
 on the H200 (``IOATTN_TEST_SM90=always``). The public functions pick it per call
@@ -215,7 +217,7 @@ def _qdo_stage(t, q_smem, do_smem, qdo_full, fixed, fixes, m0, seqlen_q, STAGES:
 
 @gluon.jit
 def _dkdv_scores(t, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base,
-                 stride_lh, h0, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
+                 stride_lh, h0, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left,
                  window_right, qk_scale_log2, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                  HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
     """Step t's start in a dK/dV consumer warpgroup: its 64 query rows' LSE and delta, Q and dO
@@ -272,7 +274,7 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_
     op_layout: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(HEAD_D))
     st, q, do, p, dp, delta, fixes = _dkdv_scores(
         t, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh, h0,
-        lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
+        lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
         STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)
     dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do, dv, is_async=True)
     if HAS_PREV:
@@ -358,7 +360,7 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
         for t in range(n_steps):
             st, q, do, p, dp, delta, fixes = _dkdv_scores(
                 t, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
-                h0, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left, window_right,
+                h0, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
                 qk_scale_log2, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)
             dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do, dv,
                                    is_async=True)

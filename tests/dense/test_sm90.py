@@ -198,7 +198,8 @@ D256_CASES = [Case(113, 203, d=256), Case(203, 113, d=256, causal=True),
               Case(1024, 1023, d=256, causal=True, b=1, h=2, dtype=FP16),
               Case(300, 300, d=256, h=4, h_k=2, window=(50, 20)),
               Case(777, 777, d=256, h=6, h_k=3, window=(100, -1)),
-              Case(40, 300, d=256, h=2), Case(1000, 100, d=256, causal=True)]
+              Case(40, 300, d=256, h=2), Case(1000, 100, d=256, causal=True),
+              Case(512, 512, d=256, causal=True, h=2)]  # (varlen causal too)
 
 
 @needs_sm90
@@ -233,6 +234,7 @@ def test_sm90_bwd_dispatch(monkeypatch):
     dout that TMA cannot read (a transposed view) is copied, not refused."""
     from ioattn.dense import sm90_bwd
 
+    monkeypatch.setattr(sm90_bwd, "SUPPORTED_HEAD_DIMS", (64, 128))  # (d=256 is opt-in)
     calls = []
     orig = sm90_bwd.attn_bwd_sm90
     monkeypatch.setattr(sm90_bwd, "attn_bwd_sm90",
