@@ -12,7 +12,7 @@ steps=${*:-tests bench long}
 for step in $steps; do
   case $step in
     tests) # 14 workers: a cold Triton cache took more than 240 s with 8
-           timeout 330 python -m pytest -q -n 14 -p no:cacheprovider -rf tests > "$OUT/tests_gpu.log" 2>&1
+           timeout 450 python -m pytest -q -n 14 -p no:cacheprovider -rf tests > "$OUT/tests_gpu.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_gpu.log"; tail -1 "$OUT/tests_gpu.log" ;;
     bench) timeout 420 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes bf16 --rounds 3 \
              --out "$OUT/dense_nvidia-h200_$(date +%F).json" > "$OUT/bench.log" 2>&1
