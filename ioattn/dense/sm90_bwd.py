@@ -100,12 +100,12 @@ def _mask_scores(s, rows, cols, seqlen_q, seqlen_k, off, window_left, window_rig
 
 @gluon.jit
 def _tile_needs_mask(m0, n0, seqlen_q, seqlen_k, off, window_left, window_right,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    # whether a 64-row x 64/128-key tile at (m0, n0) has a masked pair (scalar test; the keys'
-    # extent is the wider 128 so one test serves both kernels conservatively)
-    need = (m0 + HALF > seqlen_q) | (n0 + 2 * HALF > seqlen_k)
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, KEYS: gl.constexpr = 128):
+    # whether a 64-row x KEYS-key tile at (m0, n0) has a masked pair (scalar test; the dQ
+    # kernel's 64-key tiles use the default 128, conservatively)
+    need = (m0 + HALF > seqlen_q) | (n0 + KEYS > seqlen_k)
     if HAS_RIGHT:
-        need = need | (n0 + 2 * HALF - 1 > m0 + off + window_right)
+        need = need | (n0 + KEYS - 1 > m0 + off + window_right)
     if HAS_LEFT:
         need = need | (n0 < m0 + HALF - 1 + off - window_left)
     return need
@@ -657,7 +657,7 @@ def _dkdv_cols_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, p_s
             s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s_tok])
             if _tile_needs_mask(m0, start_n, seqlen_q, seqlen_k, off, window_left, window_right,
-                                HAS_LEFT, HAS_RIGHT):
+                                HAS_LEFT, HAS_RIGHT, HALF):
                 s = _mask_scores(s, rows[None, :], cols[:, None], seqlen_q, seqlen_k, off,
                                  window_left, window_right, HAS_LEFT, HAS_RIGHT)
             p = gl.exp2(s * qk_scale_log2 - lse2[None, :]).to(dtype)
