@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -162,6 +162,11 @@ for step in $steps; do
              --seqlens 2048,8192,16384 --dtypes bf16 --impls ioattn_sm90,ioattn_triton,sdpa_cudnn \
              --no-plots --out "$OUT/sm90_bwd_d256.json" > "$OUT/bwd_d256.log" 2>&1
            grep -E "^bwd" "$OUT/bwd_d256.log" ;;
+    tests-variants) # the dense suite with sm90 forced and opt-in variants on (VARIANT_ENV, e.g.
+           # "IOATTN_SM90_BWD_DQ_LAG=1 IOATTN_SM90_BWD_D256=1"): the check before making them defaults
+           env ${VARIANT_ENV:-IOATTN_SM90_BWD_D256=1} IOATTN_TEST_SM90=always timeout 300 python -m pytest \
+             -q -n 14 -p no:cacheprovider -rf tests/dense > "$OUT/tests_variants.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_variants.log"; tail -1 "$OUT/tests_variants.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
