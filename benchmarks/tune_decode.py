@@ -37,6 +37,31 @@ def _replayed(fn):
     return graph.replay
 
 
+def timed_row(row: dict, make, results: list, rate: float, unit: str, **bench) -> None:
+    """Time the callable ``make()`` builds (do_bench median) into row as ms and ``unit`` = rate /
+    ms * 1e-9 (rate: bytes or FLOPs per call), or the error building or timing it raised (a
+    config that does not compile or fit is reported, not fatal); append the row to results and
+    print it."""
+    try:
+        ms = do_bench(make(), **{"warmup": 10, "rep": 40, "return_mode": "median", **bench})
+        row.update(ms=ms, **{unit: rate / ms * 1e-9})
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+    results.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def _items_per_sm(k: int):
+    """plan.target_items with k work items per SM (over the KV heads) instead of the default."""
+    return lambda batch, n_heads_k, sms: max(batch, -(-k * sms // max(n_heads_k, 1)))
+
+
+def _wrapper(indices, graph: bool):
+    return fi.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=graph,
+        paged_kv_indices_buffer=torch.empty_like(indices) if graph else None)
+
+
 def decode_cell(b, ctx, page, h=32, h_k=8, d=128, dtype=torch.bfloat16):
     """One decode cell's data: a random paged cache [pages, 2, page, h_k, d] in shuffled page
     order, its CSR table (indptr, indices, last_page_len), q [b, h, d], an output buffer and the
@@ -67,24 +92,17 @@ def run(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16, kv_dtype=None,
             triton_decode._attn_stages = lambda g, bm, s=stages: s
             triton_decode._worklist_stages = lambda g, bm, fp8, dec=True, page=16, s=stages: s
             triton_decode.worklist_launch = lambda bm, bd, fp8, x, bn=bn, w=warps: (bn, w)
-            plan.target_items = (lambda batch, n_heads_k, sms, k=per_sm:
-                                 max(batch, -(-k * sms // max(n_heads_k, 1))))
-            w = fi.BatchDecodeWithPagedKVCacheWrapper(
-                torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=graph,
-                paged_kv_indices_buffer=torch.empty_like(indices) if graph else None)
+            plan.target_items = _items_per_sm(per_sm)
+            w = _wrapper(indices, graph)
             row = dict(b=b, ctx=ctx, page=page, block_n=bn, warps=warps, stages=stages, per_sm=per_sm,
                        graph=graph)
-            try:
+
+            def make(w=w):
                 w.plan(indptr, indices, last, h, h_k, d, page, q_data_type=dtype,
                        kv_data_type=kv_dtype or dtype)
                 call = lambda: w.run(q, cache, out=out, **scales)  # noqa: E731
-                ms = do_bench(_replayed(call) if graph else call, warmup=10, rep=40,
-                              return_mode="median")
-                row.update(ms=ms, tb_s=nbytes / ms * 1e-9)
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
-            results.append(row)
-            print(json.dumps(row), flush=True)
+                return _replayed(call) if graph else call
+            timed_row(row, make, results, nbytes, "tb_s")
     (triton_decode._tile_n, triton_decode._attn_warps, triton_decode._attn_stages,
      triton_decode._worklist_stages, triton_decode.worklist_launch, plan.target_items) = orig
     return results
@@ -108,20 +126,13 @@ def run_sm90(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16):
             if smem > 227 << 10 or page % 8 or (bn % page and page % bn):
                 continue
             sm90_decode.BLOCK_N, sm90_decode.STAGES = bn, stages
-            plan.target_items = (lambda batch, n_heads_k, sms, k=per_sm:
-                                 max(batch, -(-k * sms // max(n_heads_k, 1))))
-            w = fi.BatchDecodeWithPagedKVCacheWrapper(
-                torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
-                paged_kv_indices_buffer=torch.empty_like(indices))
-            try:
+            plan.target_items = _items_per_sm(per_sm)
+            w = _wrapper(indices, True)
+
+            def make(w=w):
                 w.plan(indptr, indices, last, h, h_k, d, page, q_data_type=dtype)
-                ms = do_bench(_replayed(lambda: w.run(q, cache, out=out)), warmup=10, rep=40,
-                              return_mode="median")
-                row.update(ms=ms, tb_s=nbytes / ms * 1e-9)
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
-            results.append(row)
-            print(json.dumps(row), flush=True)
+                return _replayed(lambda: w.run(q, cache, out=out))
+            timed_row(row, make, results, nbytes, "tb_s")
     sm90_decode.BLOCK_N, sm90_decode.STAGES, plan.target_items = orig
     return results
 
@@ -154,17 +165,14 @@ def run_prefill(configs, b=8, ctx=4096, new=512, page=16, h=32, h_k=8, d=128, dt
         triton_decode._attn_warps = lambda m, bd, x, w=warps: w
         triton_decode._attn_stages = lambda g, m, s=stages: s
         row = dict(impl="kvcache", block_m=bm, block_n=bn, warps=warps, stages=stages)
-        try:
+
+        def make(row=row):
             fn = lambda: ioattn.flash_attn_with_kvcache(q, cache[:, 0], cache[:, 1],  # noqa: E731
                                                        cache_seqlens=lens, block_table=table,
                                                        causal=True)
-            err = (fn().float() - ref).abs().max().item()
-            ms = do_bench(fn, warmup=10, rep=40, return_mode="median")
-            row.update(ms=ms, tflops=flops / ms * 1e-9, max_abs_err=err)
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
-        results.append(row)
-        print(json.dumps(row), flush=True)
+            row["max_abs_err"] = (fn().float() - ref).abs().max().item()
+            return fn
+        timed_row(row, make, results, flops, "tflops")
     triton_decode.paged_tiles, triton_decode._attn_warps, triton_decode._attn_stages = orig
     return results
 

@@ -12,10 +12,10 @@ import itertools
 import json
 
 import torch
-from triton.testing import do_bench
 
 import ioattn
 from ioattn.dense import sm90_bwd, sm90_fwd
+from tune_decode import timed_row  # (run as a script: benchmarks/ is on sys.path)
 
 
 def _shape(s: int, d: int):
@@ -41,21 +41,15 @@ def run(mode, dims, seqlens, configs):
             else:
                 sm90_fwd._tile = (lambda hd, wgs, st=cfg[0], t=orig[2]:
                                   (64, st, 160) if wgs == 3 else t(hd, wgs))
-            try:
-                if mode == "bwd":
-                    out = ioattn.flash_attn_func(q, k, v, causal=causal, backend="sm90")
-                    g = torch.randn_like(out)
-                    fn = lambda: out.backward(g, retain_graph=True)  # noqa: E731
-                    ms = do_bench(fn, warmup=10, rep=50, grad_to_none=[q, k, v],
-                                  return_mode="median")
-                else:
-                    fn = lambda: ioattn.flash_attn_func(q, k, v, causal=causal, backend="sm90")  # noqa: E731
-                    ms = do_bench(fn, warmup=10, rep=50, return_mode="median")
-                row.update(ms=ms, tflops=_flops(b, s, h, d, causal, mode) / ms * 1e-9)
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+
+            def make():
+                if mode == "fwd":
+                    return lambda: ioattn.flash_attn_func(q, k, v, causal=causal, backend="sm90")
+                out = ioattn.flash_attn_func(q, k, v, causal=causal, backend="sm90")
+                g = torch.randn_like(out)
+                return lambda: out.backward(g, retain_graph=True)
+            timed_row(row, make, rows, _flops(b, s, h, d, causal, mode), "tflops", rep=50,
+                      grad_to_none=[q, k, v] if mode == "bwd" else None)
     sm90_bwd.DKDV_STAGES, sm90_bwd.DQ_STAGES, sm90_fwd._tile = orig
     return rows
 

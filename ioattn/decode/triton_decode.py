@@ -689,7 +689,7 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
     if decode and not small and _sm90_decode(q, k_pages, v_pages, extras or window_left >= 0):
         from ioattn.decode.sm90_decode import paged_decode_sm90
 
-        # (opt-in) split requests merged inside the kernel: no combine launch
+        # split requests merged inside the kernel (SM90_DECODE_MERGE): no combine launch
         merge = (counts, slot_start) if SM90_DECODE_MERGE and counts is not None \
             and slot_start is not None else None
         paged_decode_sm90(q, k_pages, v_pages, indices, seqlens_indptr, work, n_work, max_items,

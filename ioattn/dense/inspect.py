@@ -237,36 +237,28 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                               PAGE=1, PINGPONG=sm90_fwd._pingpong(d) and wgs == 2,
                               PERSISTENT=sm90_fwd._persistent(d, varlen), WGS=wgs,
                               DYNAMIC=sm90_fwd._schedule(d, varlen) == "dynamic")))
+            bwd_desc = dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64)
+            dq_bn = sm90_bwd._dq_block_n(d)
             if d == 256:  # (opt-in, IOATTN_SM90_BWD_D256) column-split dK/dV, dQ on 32-key tiles
                 jobs.append((f"sm90 bwd dkdv-cols d{d} {tag} 64 keys ws",
-                             sm90_bwd._bwd_dkdv_cols_sm90,
-                             dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64), d,
+                             sm90_bwd._bwd_dkdv_cols_sm90, bwd_desc, d,
                              dict(flags, STAGES=sm90_bwd.DKDV_STAGES)))
-                bn = sm90_bwd._dq_block_n(d)
-                jobs.append((f"sm90 bwd dq d{d} {tag} 128x{bn} ws", sm90_bwd._bwd_dq_sm90,
-                             dict(q_desc=64, do_desc=64, k_desc=bn, v_desc=bn), d,
-                             dict(flags, STAGES=sm90_bwd.DQ_STAGES)))
-            elif d in sm90_bwd.SUPPORTED_HEAD_DIMS:
-                for fused in (False, True):
-                    jobs.append((f"sm90 bwd dkdv{'+dq' if fused else ''} d{d} {tag} 128 keys ws",
-                                 sm90_bwd._bwd_dkdv_sm90,
-                                 dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64), d,
-                                 dict(flags, STAGES=sm90_bwd.DKDV_STAGES, FUSED_DQ=fused,
-                                      DQ_FIRST=fused and sm90_bwd.DQ_FIRST,
-                                      DQ_LAG=fused and sm90_bwd.DQ_LAG,
-                                      DQ_ALT=fused and sm90_bwd.DQ_ALT and d == 64
-                                      and not sm90_bwd.DQ_LAG)))
-                if tag == "full":  # (opt-in) dQ's partial first; one step late; (d=64) in turn
-                    for variant in ("DQ_FIRST", "DQ_LAG") + (("DQ_ALT",) if d == 64 else ()):
-                        jobs.append((f"sm90 bwd dkdv+dq d{d} {tag} {variant.lower()} 128 keys ws",
-                                     sm90_bwd._bwd_dkdv_sm90,
-                                     dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64),
-                                     d, dict(flags, STAGES=sm90_bwd.DKDV_STAGES, FUSED_DQ=True,
-                                             **{variant: True})))
-                jobs.append((f"sm90 bwd dq d{d} {tag} 128x{sm90_bwd.DQ_BLOCK_N} ws", sm90_bwd._bwd_dq_sm90,
-                             dict(q_desc=64, do_desc=64, k_desc=sm90_bwd.DQ_BLOCK_N,
-                                  v_desc=sm90_bwd.DQ_BLOCK_N), d,
-                             dict(flags, STAGES=sm90_bwd.DQ_STAGES)))
+            else:
+                # the two-kernel and fused forms as launched, and (full: opt-in) the fused one
+                # with dQ's partial first, one step late or (d=64) in turn
+                forms = [("", dict(FUSED_DQ=False)),
+                         ("+dq", dict(FUSED_DQ=True, DQ_FIRST=sm90_bwd.DQ_FIRST,
+                                      DQ_LAG=sm90_bwd.DQ_LAG,
+                                      DQ_ALT=sm90_bwd.DQ_ALT and d == 64 and not sm90_bwd.DQ_LAG))]
+                if tag == "full":
+                    forms += [(f"+dq {v.lower()}", {"FUSED_DQ": True, v: True})
+                              for v in ("DQ_FIRST", "DQ_LAG") + (("DQ_ALT",) if d == 64 else ())]
+                jobs += [(f"sm90 bwd dkdv{suffix} d{d} {tag} 128 keys ws", sm90_bwd._bwd_dkdv_sm90,
+                          bwd_desc, d, dict(flags, STAGES=sm90_bwd.DKDV_STAGES, **form))
+                         for suffix, form in forms]
+            jobs.append((f"sm90 bwd dq d{d} {tag} 128x{dq_bn} ws", sm90_bwd._bwd_dq_sm90,
+                         dict(q_desc=64, do_desc=64, k_desc=dq_bn, v_desc=dq_bn), d,
+                         dict(flags, STAGES=sm90_bwd.DQ_STAGES)))
         if d == 64:  # (opt-in, IOATTN_SM90_WG3_PERSISTENT) the persistent form on 3 warpgroups
             tile_n, stages, cregs = sm90_fwd._tile(d, 3)
             jobs.append((f"sm90 fwd d{d} causal persistent 192x{tile_n} ws", sm90_fwd._attn_fwd_sm90,

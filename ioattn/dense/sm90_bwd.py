@@ -723,7 +723,7 @@ def _bwd_dkdv_cols_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE, DELTA, CU_
     p_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HALF], pds_layout)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HALF], pds_layout)
     kv_bar = barriers(1, 1)
-    fixed = barriers(STAGES + 1, 1)  # zeroed tail rows per Q/dO stage (the last one unused)
+    fixed = barriers(STAGES, 1)  # zeroed tail rows per Q/dO stage (no K/V zeroing here)
     p_ready = barriers(2, 1)
     ds_ready = barriers(2, 1)
     qdo_full = barriers(STAGES, 1)
@@ -750,7 +750,7 @@ def _bwd_dkdv_cols_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE, DELTA, CU_
     ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
     invalidate(kv_bar, 1)
-    invalidate(fixed, STAGES + 1)
+    invalidate(fixed, STAGES)
     invalidate(p_ready, 2)
     invalidate(ds_ready, 2)
     invalidate(qdo_full, STAGES)
@@ -971,20 +971,35 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
                  CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
     scalars = (p.softmax_scale, p.softmax_scale * LOG2E, p.window_left, p.window_right)
     lse_strides = p.lse_strides(lse)
-    if q.shape[-1] == 256:  # the column-split dK/dV kernel, then the dQ kernel on 32-key tiles
+    d = q.shape[-1]
+    if d == 256:  # the column-split dK/dV kernel, then the dQ kernel on 32-key tiles
         _bwd_dkdv_cols_sm90[(-(-p.max_seqlen_k // half), p.batch * n_heads_k)](
             q_desc, do_desc, rows_descriptor(k, p.is_varlen, half),
             rows_descriptor(v, p.is_varlen, half), dk, dv, lse, delta, cu_q, cu_k,
             dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
             STAGES=DKDV_STAGES, **flags)
-        fused = False
     else:
-        _dkdv_launch(p, q, k, v, dk, dv, lse, delta, q_desc, do_desc, cu_q, cu_k, lse_strides,
-                     scalars, flags, fused, dq)
+        # fused: rows no key block reaches get no partial, so the buffer starts at 0
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else None
+        # (fused) the opt-in dQ orders; when more than one is set, DQ_LAG over DQ_ALT (d = 64
+        # only) over DQ_FIRST
+        lag = fused and DQ_LAG
+        alt = fused and DQ_ALT and not lag and dq_cols(d) == d
+        first = fused and DQ_FIRST and not lag and not alt
+        _bwd_dkdv_sm90[(-(-p.max_seqlen_k // (2 * half)), p.batch * n_heads_k)](
+            q_desc, do_desc, rows_descriptor(k, p.is_varlen, half),
+            rows_descriptor(v, p.is_varlen, half),
+            # (fused) each warpgroup reduces its columns of dQ
+            rows_descriptor(dq_acc, p.is_varlen, half, dq_cols(d)) if fused else q_desc,
+            dk, dv, lse, delta, cu_q, cu_k,
+            dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
+            n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
+            STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_LAG=lag, DQ_ALT=alt, DQ_FIRST=first, **flags)
         if fused:
+            dq.copy_(dq_acc)
             return
-    block_n = _dq_block_n(q.shape[-1])
+    block_n = _dq_block_n(d)
     _bwd_dq_sm90[(-(-p.max_seqlen_q // (2 * half)), p.batch * n_heads)](
         q_desc, do_desc, rows_descriptor(k, p.is_varlen, block_n),
         rows_descriptor(v, p.is_varlen, block_n), dq, lse, delta, cu_q, cu_k,
@@ -997,26 +1012,3 @@ def _dq_block_n(head_dim: int) -> int:
     # d = 256: 32-key K/V tiles keep the dQ kernel's shared memory at 192 KB with 2 stages
     return 32 if head_dim == 256 else DQ_BLOCK_N
 
-
-def _dkdv_launch(p: AttnParams, q, k, v, dk, dv, lse, delta, q_desc, do_desc, cu_q, cu_k,
-                 lse_strides, scalars, flags, fused: bool, dq) -> None:
-    """The dK/dV kernel at d in {64, 128} (fused: with dQ, converted into ``dq``)."""
-    half = HALF.value
-    n_heads, n_heads_k = q.shape[-2], k.shape[-2]
-    # fused: rows no key block reaches get no partial, so the buffer starts at 0
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else None
-    # (fused) the opt-in dQ orders; when more than one is set, DQ_LAG over DQ_ALT (d = 64 only)
-    # over DQ_FIRST
-    lag = fused and DQ_LAG
-    alt = fused and DQ_ALT and not lag and dq_cols(q.shape[-1]) == q.shape[-1]
-    first = fused and DQ_FIRST and not lag and not alt
-    _bwd_dkdv_sm90[(-(-p.max_seqlen_k // (2 * half)), p.batch * n_heads_k)](
-        q_desc, do_desc, rows_descriptor(k, p.is_varlen, half), rows_descriptor(v, p.is_varlen, half),
-        # (fused) each warpgroup reduces its columns of dQ
-        rows_descriptor(dq_acc, p.is_varlen, half, dq_cols(q.shape[-1])) if fused else q_desc,
-        dk, dv, lse, delta, cu_q, cu_k,
-        dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
-        n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-        STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_LAG=lag, DQ_ALT=alt, DQ_FIRST=first, **flags)
-    if fused:
-        dq.copy_(dq_acc)
