@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -136,13 +136,12 @@ for step in $steps; do
                --metrics gpu__time_duration.sum python benchmarks/profile_fwd.py --d 256 --seqlen 2048 \
                --causal --dtype $dt --calls 5 > "$OUT/ncu_d256_$dt.log" 2>&1
              echo "ncu $dt"; grep -E "gpu__time_duration" "$OUT/ncu_d256_$dt.log"; done ;;
-    sm90-bwd-order) # the fused backward's dQ partial: after dK (default), first, one step late,
-           # (d=64) one warpgroup a step in turn
+    sm90-bwd-order) # the fused backward's dQ partial: by head dim and mask (default), after dK,
+           # first, one step late, (d=64) one warpgroup a step in turn
            timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py -k fused \
              > "$OUT/tests_bwd_order.log" 2>&1; tail -1 "$OUT/tests_bwd_order.log"
-           for v in default first lag alt; do
-             case $v in first) e=IOATTN_SM90_BWD_DQ_FIRST=1 ;; lag) e=IOATTN_SM90_BWD_DQ_LAG=1 ;;
-               alt) e=IOATTN_SM90_BWD_DQ_ALT=1 ;; *) e=X=1 ;; esac
+           for v in default after first lag alt; do
+             case $v in default) e=X=1 ;; *) e=IOATTN_SM90_BWD_DQ_ORDER=$v ;; esac
              env $e timeout 150 python -m ioattn bench --modes bwd --dims 64,128 --seqlens 2048,8192,16384 \
                --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
                --out "$OUT/sm90_bwd_order_$v.json" > "$OUT/bwd_order_$v.log" 2>&1
@@ -154,19 +153,27 @@ for step in $steps; do
              --dims 64 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
              --out "$OUT/sm90_fwd_wg3p$w.json" > "$OUT/wg3p$w.log" 2>&1
              echo "== wg3p=$w"; grep -E "^fwd" "$OUT/wg3p$w.log"; done ;;
-    sm90-bwd-d256) # the d=256 backward (opt-in): its tests, then timed against the portable one
-           IOATTN_SM90_BWD_D256=1 timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
+    sm90-bwd-d256) # the d=256 backward: its tests, then timed against the portable one
+           timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
              tests/dense/test_sm90.py -k "d256 or compiles" > "$OUT/tests_d256.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_d256.log"; tail -1 "$OUT/tests_d256.log"
-           IOATTN_SM90_BWD_D256=1 timeout 200 python -m ioattn bench --modes bwd --dims 256 \
+           timeout 200 python -m ioattn bench --modes bwd --dims 256 \
              --seqlens 2048,8192,16384 --dtypes bf16 --impls ioattn_sm90,ioattn_triton,sdpa_cudnn \
              --no-plots --out "$OUT/sm90_bwd_d256.json" > "$OUT/bwd_d256.log" 2>&1
            grep -E "^bwd" "$OUT/bwd_d256.log" ;;
     tests-variants) # the dense suite with sm90 forced and opt-in variants on (VARIANT_ENV, e.g.
-           # "IOATTN_SM90_BWD_DQ_LAG=1 IOATTN_SM90_BWD_D256=1"): the check before making them defaults
-           env ${VARIANT_ENV:-IOATTN_SM90_BWD_D256=1} IOATTN_TEST_SM90=always timeout 300 python -m pytest \
+           # "IOATTN_SM90_BWD_SEGMENTS=1"): the check before making them defaults
+           env ${VARIANT_ENV:-X=1} IOATTN_TEST_SM90=always timeout 300 python -m pytest \
              -q -n 14 -p no:cacheprovider -rf tests/dense > "$OUT/tests_variants.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_variants.log"; tail -1 "$OUT/tests_variants.log" ;;
+    sm90-bwd-seg) # the backward's steps in masked / unmasked loops (opt-in): its tests, then on / off
+           IOATTN_SM90_BWD_SEGMENTS=1 timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
+             tests/dense/test_sm90.py -k "fused or varlen" > "$OUT/tests_seg.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_seg.log"; tail -1 "$OUT/tests_seg.log"
+           for g in 1 0; do IOATTN_SM90_BWD_SEGMENTS=$g timeout 150 python -m ioattn bench --modes bwd \
+             --dims 64,128 --seqlens 2048,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
+             --out "$OUT/sm90_bwd_seg$g.json" > "$OUT/bwd_seg$g.log" 2>&1
+             echo "== segments=$g"; grep -E "^bwd" "$OUT/bwd_seg$g.log"; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

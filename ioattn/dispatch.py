@@ -121,14 +121,14 @@ ENV_SWITCHES = (
      "tiles)"),
     ("IOATTN_SM90_WG3_PERSISTENT", "0", "sm90 forward at d=64: three consumer warpgroups in the "
      "persistent form too (else two there)"),
-    ("IOATTN_SM90_BWD_DQ_FIRST", "0", "sm90 fused backward: each step's dQ partial issued before "
-     "dK's update (dK's GEMM overlaps the hand-off to the writer warp)"),
-    ("IOATTN_SM90_BWD_DQ_LAG", "0", "sm90 fused backward: each step's dQ partial issued one step "
-     "late, overlapping the next step's dS (the warpgroups meet one step apart)"),
-    ("IOATTN_SM90_BWD_DQ_ALT", "0", "sm90 fused backward at d=64: one warpgroup a step, in turn, "
-     "forms the dQ partial over all 128 keys (half the reductions)"),
-    ("IOATTN_SM90_BWD_D256", "0", "sm90 backward at d=256: a column-split dK/dV kernel and the dQ "
-     "kernel on 32-key tiles (backend='sm90'; auto keeps the portable backward there)"),
+    ("IOATTN_SM90_BWD_DQ_ORDER", "auto", "sm90 fused backward: where each step's dQ partial is "
+     "issued: after dK's update, first (before it), lag (one step late, overlapping the next "
+     "step's dS), alt (d=64: one warpgroup a step, in turn, over all 128 keys); auto: alt at "
+     "d=64, lag at d=128 without a mask, first under one"),
+    ("IOATTN_SM90_BWD_SEGMENTS", "0", "sm90 backward (d<=128, not the lag order): each query "
+     "head's steps in three loops, the middle one without the mask's code"),
+    ("IOATTN_SM90_BWD_D256", "1", "sm90 backward at d=256: a column-split dK/dV kernel and the dQ "
+     "kernel on 32-key tiles (0: the portable backward there)"),
     ("IOATTN_SM90_FUSED_BWD", "1", "sm90 backward: one kernel, dQ by TMA reduce-add (0: two "
      "kernels without atomics, as deterministic=True)"),
     ("IOATTN_SM90_DECODE", "1", "planned paged decode on the sm90 Gluon kernel"),

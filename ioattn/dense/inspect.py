@@ -239,20 +239,23 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                               DYNAMIC=sm90_fwd._schedule(d, varlen) == "dynamic")))
             bwd_desc = dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64)
             dq_bn = sm90_bwd._dq_block_n(d)
-            if d == 256:  # (opt-in, IOATTN_SM90_BWD_D256) column-split dK/dV, dQ on 32-key tiles
+            if d == 256:  # column-split dK/dV, dQ on 32-key tiles
                 jobs.append((f"sm90 bwd dkdv-cols d{d} {tag} 64 keys ws",
                              sm90_bwd._bwd_dkdv_cols_sm90, bwd_desc, d,
                              dict(flags, STAGES=sm90_bwd.DKDV_STAGES)))
             else:
-                # the two-kernel and fused forms as launched, and (full: opt-in) the fused one
-                # with dQ's partial first, one step late or (d=64) in turn
-                forms = [("", dict(FUSED_DQ=False)),
-                         ("+dq", dict(FUSED_DQ=True, DQ_FIRST=sm90_bwd.DQ_FIRST,
-                                      DQ_LAG=sm90_bwd.DQ_LAG,
-                                      DQ_ALT=sm90_bwd.DQ_ALT and d == 64 and not sm90_bwd.DQ_LAG))]
-                if tag == "full":
-                    forms += [(f"+dq {v.lower()}", {"FUSED_DQ": True, v: True})
-                              for v in ("DQ_FIRST", "DQ_LAG") + (("DQ_ALT",) if d == 64 else ())]
+                # the two-kernel and fused forms as launched (the fused one in this mask's dQ
+                # order), and (full) the fused one in each other dQ order
+                launched = sm90_bwd.dq_order(d, causal)
+                orders = [launched] + ([o for o in sm90_bwd.DQ_ORDERS if o != launched
+                                        and (o != "alt" or d == 64)] if tag == "full" else [])
+                forms = [("", dict(FUSED_DQ=False, SEGMENTS=sm90_bwd.SEGMENTS))] + [
+                    (f"+dq {o}", dict(FUSED_DQ=True, DQ_FIRST=o == "first", DQ_LAG=o == "lag",
+                                      DQ_ALT=o == "alt", SEGMENTS=sm90_bwd.SEGMENTS))
+                    for o in orders]
+                if tag == "causal":  # (opt-in) the steps in masked / unmasked loops
+                    forms.append((f"+dq {launched} segments",
+                                  dict(forms[1][1], SEGMENTS=not sm90_bwd.SEGMENTS)))
                 jobs += [(f"sm90 bwd dkdv{suffix} d{d} {tag} 128 keys ws", sm90_bwd._bwd_dkdv_sm90,
                           bwd_desc, d, dict(flags, STAGES=sm90_bwd.DKDV_STAGES, **form))
                          for suffix, form in forms]

@@ -52,16 +52,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
-from ioattn.dense.sm90_common import (barriers, invalidate, query_tile, query_tiles,
+from ioattn.dense.sm90_common import (barriers, floor_div, invalidate, query_tile, query_tiles,
                                       rows_descriptor, seq_bounds, tma_reduce_add,
                                       wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile,
                                       zero_tail_rows)
 from ioattn.dense.triton_bwd import bwd_preprocess
 
 HALF = gl.constexpr(64)  # rows of one consumer warpgroup's wgmma (keys in dK/dV, queries in dQ)
-# d = 256 (the column-split dK/dV kernel and the dQ kernel on 32-key tiles): opt-in with
-# IOATTN_SM90_BWD_D256=1 until it has run on the H200
-D256 = os.environ.get("IOATTN_SM90_BWD_D256", "0").lower() in ("1", "true", "on")
+# d = 256 (the column-split dK/dV kernel and the dQ kernel on 32-key tiles): on by default since
+# it measured 1.0-1.16x cuDNN from 2k on the H200 (2.8x the portable backward;
+# results/sm90_bwd_d256_a0cfad4_*.json); IOATTN_SM90_BWD_D256=0 turns it off
+D256 = os.environ.get("IOATTN_SM90_BWD_D256", "1").lower() not in ("0", "false", "off")
 SUPPORTED_HEAD_DIMS = (64, 128, 256) if D256 else (64, 128)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
@@ -72,17 +73,23 @@ DQ_STAGES = 2
 # default since it measured 1.02-1.04x the two-kernel form at d=64 and 128 from 2k on the H200
 # (results/sm90_bwd_fused_writer{1,0}_*.json); IOATTN_SM90_FUSED_BWD=0 turns it off
 FUSED = os.environ.get("IOATTN_SM90_FUSED_BWD", "1").lower() not in ("0", "false", "off")
-# (fused) each step's dQ partial issued before dK's update, so that dK's GEMM overlaps the
-# partial's hand-off to the writer warp: opt-in until measured on the H200
-DQ_FIRST = os.environ.get("IOATTN_SM90_BWD_DQ_FIRST", "0").lower() in ("1", "true", "on")
-# (fused) each step's dQ partial issued one step late, right after the next step's dV update:
-# the GEMM overlaps that step's dS, and the two consumer warpgroups no longer meet at every
-# step's dSᵀ buffer (the split dQ reads both halves) but one step apart. Opt-in until measured
-DQ_LAG = os.environ.get("IOATTN_SM90_BWD_DQ_LAG", "0").lower() in ("1", "true", "on")
-# (fused, d = 64) one warpgroup per step, in turn, forms the dQ partial over both warpgroups' 128
-# keys: half the TMA reductions of one partial per warpgroup over its own 64 keys (at d = 64 the
-# reductions are ~4x the d = 128 form's bytes per FLOP). Opt-in until measured
-DQ_ALT = os.environ.get("IOATTN_SM90_BWD_DQ_ALT", "0").lower() in ("1", "true", "on")
+# (fused) where each step's dQ partial is issued (``dq_order``): "after" dK's update, "first"
+# (before it: dK's GEMM overlaps the partial's hand-off to the writer warp), "lag" (one step
+# late, right after the next step's dV update: the GEMM overlaps that step's dS work, and the two
+# consumer warpgroups meet at a dSᵀ buffer one step after writing it instead of within the step),
+# "alt" (d = 64: one warpgroup per step, in turn, forms the partial over both warpgroups' 128 keys,
+# half the TMA reductions; at d = 64 they are ~4x the d = 128 form's bytes per FLOP). "auto"
+# takes what measured fastest on the H200 (results/sm90_bwd_order_*_a0cfad4_*.json and
+# results/tune/sm90_bwd_order_*_a0cfad4_*.log, in one session): alt at d = 64 (+10-13% over
+# after), lag at d = 128 without a mask (+5-9%; it loses 4-12% under causal masks), first at
+# d = 128 under a mask (+1-4%)
+DQ_ORDERS = ("after", "first", "lag", "alt")
+# (d <= 128, outside the "lag" order) each query head's steps in three loops, the middle one (the
+# tiles that need no mask) without the mask's code: 15-30% fewer instructions a step in the SASS.
+# On the H200 it ran 1.01-1.04x at d=64 and 0.87-0.95x at d=128, where the loops spill more
+# (results/sm90_bwd_seg{1,0}_*.json). Opt-in until the whole dense suite has run through it
+SEGMENTS = os.environ.get("IOATTN_SM90_BWD_SEGMENTS", "0").lower() in ("1", "true", "on")
+DQ_ORDER = os.environ.get("IOATTN_SM90_BWD_DQ_ORDER", "auto").lower()
 
 
 @gluon.jit
@@ -219,10 +226,11 @@ def _qdo_stage(t, q_smem, do_smem, qdo_full, fixed, fixes, m0, seqlen_q, STAGES:
 def _dkdv_scores(t, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base,
                  stride_lh, h0, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left,
                  window_right, qk_scale_log2, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
+                 HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, MASK: gl.constexpr):
     """Step t's start in a dK/dV consumer warpgroup: its 64 query rows' LSE and delta, Q and dO
-    from the ring, Pᵀ (fp32) and dPᵀ for this warpgroup's 64 keys. Returns (stage, q, do, p, dp,
-    delta, fixes)."""
+    from the ring, Pᵀ (fp32) and dPᵀ for this warpgroup's 64 keys. MASK: 0, the step's tile needs
+    no mask (``_mask_segments``); 1, it is masked; 2, tested at run time. Returns (stage, q, do,
+    p, dp, delta, fixes)."""
     s_layout: gl.constexpr = wgmma_acc_layout(HALF)
     key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_l: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -247,10 +255,14 @@ def _dkdv_scores(t, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, l
     s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(1, deps=[s_tok])
-    if _tile_needs_mask(m0, n0, seqlen_q, seqlen_k, off, window_left, window_right,
-                        HAS_LEFT, HAS_RIGHT):
+    if MASK == 1:
         s = _mask_scores(s, rows[None, :], cols[:, None], seqlen_q, seqlen_k, off, window_left,
                          window_right, HAS_LEFT, HAS_RIGHT)
+    elif MASK == 2:
+        if _tile_needs_mask(m0, n0, seqlen_q, seqlen_k, off, window_left, window_right,
+                            HAS_LEFT, HAS_RIGHT, HALF):
+            s = _mask_scores(s, rows[None, :], cols[:, None], seqlen_q, seqlen_k, off,
+                             window_left, window_right, HAS_LEFT, HAS_RIGHT)
     p = gl.exp2(s * qk_scale_log2 - lse2[None, :])
     dp = warpgroup_mma_wait(0, deps=[dp_tok])
     return st, q, do, p, dp, delta, fixes
@@ -262,7 +274,7 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_
                    stride_lh, h0, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                    window_right, qk_scale_log2, sm_scale, WG: gl.constexpr, STAGES: gl.constexpr,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                   HAS_PREV: gl.constexpr):
+                   HAS_PREV: gl.constexpr, MASK: gl.constexpr):
     """(fused, DQ_LAG) Step t with step t - 1's dQ partial (HAS_PREV) issued right after this
     step's dV update: the GEMM overlaps this step's dS, and the two warpgroups meet at a dSᵀ
     buffer one step after writing it instead of within the step. Returns (dv, dk, fixes)."""
@@ -275,7 +287,7 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_
     st, q, do, p, dp, delta, fixes = _dkdv_scores(
         t, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh, h0,
         lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
-        STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)
+        STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK)
     dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do, dv, is_async=True)
     if HAS_PREV:
         prev = ds_smem.index((t - 1) % 2)
@@ -306,13 +318,117 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_
 
 
 @gluon.jit
+def _mask_segments(lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """(a, b), a <= b: of a head's query tiles lo_m + 64 i (i < n_m) against the 64 keys from n0,
+    those with a <= i < b need no mask (``_tile_needs_mask`` with 64 keys is false for them): a
+    causal / right-window mask reaches the first tiles, a left window the last ones, the
+    sequence's end the last tile (rows) or every tile (keys)."""
+    off = seqlen_k - seqlen_q
+    a = n_m * 0
+    b = n_m
+    if lo_m + n_m * HALF > seqlen_q:
+        b = n_m - 1
+    if HAS_RIGHT:  # masked while m0 < n0 + 63 - off - window_right
+        a = gl.minimum(gl.maximum(gl.cdiv(n0 + HALF - 1 - off - window_right - lo_m, HALF), 0),
+                       n_m)
+    if HAS_LEFT:  # masked once m0 > n0 - 63 - off + window_left
+        b = gl.minimum(b, gl.maximum(floor_div(n0 - HALF + 1 - off + window_left - lo_m, HALF)
+                                     + 1, 0))
+    if n0 + HALF > seqlen_k:
+        a = n_m
+    return a, gl.maximum(a, b)
+
+
+@gluon.jit
+def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
+               qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base, stride_lh, h0,
+               lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
+               sm_scale, WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+               HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
+               DQ_FIRST: gl.constexpr, DQ_ALT: gl.constexpr, MASK: gl.constexpr):
+    """Step t of a dK/dV consumer warpgroup outside DQ_LAG (MASK as ``_dkdv_scores``). Returns
+    (dv, dk, fixes)."""
+    HEAD_D: gl.constexpr = q_smem.shape[2]
+    dtype: gl.constexpr = q_smem.dtype
+    DQ_COLS: gl.constexpr = dq_smem.shape[2]
+    SPLIT_DQ: gl.constexpr = DQ_COLS < HEAD_D
+    dq_layout: gl.constexpr = wgmma_acc_layout(DQ_COLS)
+    op_layout: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(HEAD_D))
+    st, q, do, p, dp, delta, fixes = _dkdv_scores(
+        t, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
+        h0, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
+        qk_scale_log2, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK)
+    dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do, dv,
+                           is_async=True)
+    ds = p * (dp - delta[None, :])
+    if FUSED_DQ:
+        # dSᵀ (scaled, so dK and dQ come out scaled) through shared memory: this
+        # warpgroup's 64 keys of the step's [128 keys, 64 rows] buffer (two, alternating
+        # by step). It is the A operand of dK += dSᵀ·Q; once both warpgroups have written
+        # theirs (ds_ready), each forms half of the columns of the step's dQ partial dS·K
+        # over all 128 keys and adds it to the fp32 dQ buffer with one TMA reduction: one
+        # 64 x d partial per step leaves the CTA, not one per warpgroup (rows past the
+        # sequence get dS = 0) (d = 64: a half would cut the 128-byte swizzle rows, so
+        # each warpgroup forms the full-width partial over its own keys)
+        ds_all = ds_smem.index(t % 2)
+        ds_s = ds_all.slice(WG * HALF, HALF, dim=0)
+        ds_s.store((ds * sm_scale).to(dtype))
+        fence_async_shared()
+        if SPLIT_DQ or DQ_ALT:
+            gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
+            mbarrier.arrive(ds_ready.index(t % 2), count=1)
+        if DQ_ALT:
+            # (d = 64) one warpgroup per step, in turn, forms the whole dQ partial over
+            # both warpgroups' 128 keys: one 64 x 64 reduction a step instead of two
+            dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
+            if t % 2 == WG:
+                mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
+                dq_tok = warpgroup_mma(ds_all.permute((1, 0)), k_smem,
+                                       gl.zeros([HALF, DQ_COLS], gl.float32,
+                                                layout=dq_layout),
+                                       use_acc=False, is_async=True)
+                dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
+                mbarrier.arrive(qdo_empty.index(st), count=1)
+                _hand_dq(dq, dq_smem, dq_full, dq_empty, t // 2, WG)
+            else:
+                dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+                mbarrier.arrive(qdo_empty.index(st), count=1)
+        elif DQ_FIRST:
+            # dQ's partial before dK's update: dK's GEMM then runs while the partial is
+            # handed to the writer (wgmma groups retire in issue order)
+            dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
+                                 SPLIT_DQ, dq_layout)
+            dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
+            dv, dq = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok])
+        else:
+            dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
+            dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
+                                 SPLIT_DQ, dq_layout)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
+            mbarrier.arrive(qdo_empty.index(st), count=1)
+        if not DQ_ALT:
+            _hand_dq(dq, dq_smem, dq_full, dq_empty, t, WG)
+        if DQ_FIRST and not DQ_ALT:
+            dk = warpgroup_mma_wait(0, deps=[dk_tok])
+            mbarrier.arrive(qdo_empty.index(st), count=1)
+    else:
+        dk_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), q, dk,
+                               is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+        mbarrier.arrive(qdo_empty.index(st), count=1)
+    return dv, dk, fixes
+
+
+@gluon.jit
 def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
                    qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh,
                    h0, lo_m, n_m, n_steps, start_n, q_start, seqlen_q, seqlen_k, window_left,
                    window_right, qk_scale_log2, sm_scale,
                    WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                    HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
-                   DQ_FIRST: gl.constexpr, DQ_LAG: gl.constexpr, DQ_ALT: gl.constexpr):
+                   DQ_FIRST: gl.constexpr, DQ_LAG: gl.constexpr, DQ_ALT: gl.constexpr,
+                   SEGMENTS: gl.constexpr):
     HEAD_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     # dK / dV: [64 keys, d] (Sᵀ / dPᵀ: [64 keys, 64 query rows], ``_dkdv_scores``)
@@ -335,20 +451,20 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                 mbarrier.wait(fixed.index(STAGES), 0)
     fixes = n_steps * 0  # (varlen) parity per stage of the zeroed-rows barriers
     if FUSED_DQ and DQ_LAG:
-        if n_steps > 0:
+        if n_steps > 0:  # the first step (no partial before it) peeled
             dv, dk, fixes = _dkdv_lag_step(
                 0, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                 qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, LSE, DELTA, lse_base,
                 stride_lh, h0, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                 window_right, qk_scale_log2, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
-                False)
+                False, 2)
             for t in range(1, n_steps):
                 dv, dk, fixes = _dkdv_lag_step(
                     t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                     qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, LSE, DELTA, lse_base,
                     stride_lh, h0, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                     window_right, qk_scale_log2, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT,
-                    IS_VARLEN, True)
+                    IS_VARLEN, True, 2)
             # the last step's dQ partial
             last = n_steps - 1
             prev = ds_smem.index(last % 2)
@@ -356,70 +472,29 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                                  last, WG, DQ_COLS, SPLIT_DQ, dq_layout)
             dq = warpgroup_mma_wait(0, deps=[dq_tok])
             _hand_dq(dq, dq_smem, dq_full, dq_empty, last, WG)
-    else:
+    elif SEGMENTS:
+        # each query head's steps in three runs: the tiles before a and from b on masked, those
+        # between without the mask's code (``_mask_segments``)
+        a, b = _mask_segments(lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
+                              HAS_LEFT, HAS_RIGHT)
+        for g in range(n_steps // gl.maximum(n_m, 1)):
+            for run in gl.static_range(3):
+                lo = g * n_m + (0 if run == 0 else (a if run == 1 else b))
+                hi = g * n_m + (a if run == 0 else (b if run == 1 else n_m))
+                for t in range(lo, hi):
+                    dv, dk, fixes = _dkdv_step(
+                        t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
+                        qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base,
+                        stride_lh, h0, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
+                        qk_scale_log2, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ,
+                        IS_VARLEN, DQ_FIRST, DQ_ALT, 0 if run == 1 else 1)
+    else:  # one loop, each tile's mask tested at run time
         for t in range(n_steps):
-            st, q, do, p, dp, delta, fixes = _dkdv_scores(
-                t, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
-                h0, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
-                qk_scale_log2, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)
-            dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do, dv,
-                                   is_async=True)
-            ds = p * (dp - delta[None, :])
-            if FUSED_DQ:
-                # dSᵀ (scaled, so dK and dQ come out scaled) through shared memory: this
-                # warpgroup's 64 keys of the step's [128 keys, 64 rows] buffer (two, alternating
-                # by step). It is the A operand of dK += dSᵀ·Q; once both warpgroups have written
-                # theirs (ds_ready), each forms half of the columns of the step's dQ partial dS·K
-                # over all 128 keys and adds it to the fp32 dQ buffer with one TMA reduction: one
-                # 64 x d partial per step leaves the CTA, not one per warpgroup (rows past the
-                # sequence get dS = 0) (d = 64: a half would cut the 128-byte swizzle rows, so
-                # each warpgroup forms the full-width partial over its own keys)
-                ds_all = ds_smem.index(t % 2)
-                ds_s = ds_all.slice(WG * HALF, HALF, dim=0)
-                ds_s.store((ds * sm_scale).to(dtype))
-                fence_async_shared()
-                if SPLIT_DQ or DQ_ALT:
-                    gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
-                    mbarrier.arrive(ds_ready.index(t % 2), count=1)
-                if DQ_ALT:
-                    # (d = 64) one warpgroup per step, in turn, forms the whole dQ partial over
-                    # both warpgroups' 128 keys: one 64 x 64 reduction a step instead of two
-                    dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
-                    if t % 2 == WG:
-                        mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
-                        dq_tok = warpgroup_mma(ds_all.permute((1, 0)), k_smem,
-                                               gl.zeros([HALF, DQ_COLS], gl.float32,
-                                                        layout=dq_layout),
-                                               use_acc=False, is_async=True)
-                        dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
-                        mbarrier.arrive(qdo_empty.index(st), count=1)
-                        _hand_dq(dq, dq_smem, dq_full, dq_empty, t // 2, WG)
-                    else:
-                        dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
-                        mbarrier.arrive(qdo_empty.index(st), count=1)
-                elif DQ_FIRST:
-                    # dQ's partial before dK's update: dK's GEMM then runs while the partial is
-                    # handed to the writer (wgmma groups retire in issue order)
-                    dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
-                                         SPLIT_DQ, dq_layout)
-                    dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
-                    dv, dq = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok])
-                else:
-                    dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
-                    dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
-                                         SPLIT_DQ, dq_layout)
-                    dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
-                    mbarrier.arrive(qdo_empty.index(st), count=1)
-                if not DQ_ALT:
-                    _hand_dq(dq, dq_smem, dq_full, dq_empty, t, WG)
-                if DQ_FIRST and not DQ_ALT:
-                    dk = warpgroup_mma_wait(0, deps=[dk_tok])
-                    mbarrier.arrive(qdo_empty.index(st), count=1)
-            else:
-                dk_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), q, dk,
-                                       is_async=True)
-                dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
-                mbarrier.arrive(qdo_empty.index(st), count=1)
+            dv, dk, fixes = _dkdv_step(
+                t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
+                qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base, stride_lh, h0,
+                lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
+                sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_ALT, 2)
 
     d_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
     keys = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))
@@ -498,7 +573,8 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                    IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                    STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
                    PRODUCER_REGS_: gl.constexpr, DQ_FIRST: gl.constexpr = False,
-                   DQ_LAG: gl.constexpr = False, DQ_ALT: gl.constexpr = False):
+                   DQ_LAG: gl.constexpr = False, DQ_ALT: gl.constexpr = False,
+                   SEGMENTS: gl.constexpr = False):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     (off_hk, q_start, seqlen_q, k_start, seqlen_k, start_n, lo_m, n_steps, h0, dk_off, dv_off,
      lse_base) = _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
@@ -556,13 +632,13 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT)),
+                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS)),
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT)),
+                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -577,13 +653,13 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT)),
+                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS)),
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT)),
+                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -925,7 +1001,7 @@ def unsupported_reason(head_dim: int, head_dim_v: int, softcap: float, has_alibi
     """Why the sm90 backward does not cover a call whose forward the sm90 forward accepts (None
     when it does): the layouts were checked there (dout is copied to a TMA view when needed)."""
     if head_dim not in SUPPORTED_HEAD_DIMS or head_dim_v != head_dim:
-        extra = "; d=256 with IOATTN_SM90_BWD_D256=1 (not yet run on a GPU)" if not D256 else ""
+        extra = "; d=256 unless IOATTN_SM90_BWD_D256=0" if not D256 else ""
         return (f"head dims (d={head_dim}, d_v={head_dim_v}) are not covered by the sm90 backward "
                 f"(d = d_v in {SUPPORTED_HEAD_DIMS}{extra})")
     if softcap > 0 or has_alibi or dropout_p > 0:
@@ -933,12 +1009,33 @@ def unsupported_reason(head_dim: int, head_dim_v: int, softcap: float, has_alibi
     return None
 
 
+def dq_order(head_dim: int, masked: bool) -> str:
+    """(fused) Where each step's dQ partial is issued (``DQ_ORDERS``; ``DQ_ORDER`` overrides
+    "auto", which takes what measured fastest): "alt" at d = 64, at d = 128 "lag" without a mask
+    and "first" under one (causal or a window). "alt" needs the full-width partial (d = 64); asked
+    for elsewhere it is "after"."""
+    order = DQ_ORDER
+    if order == "auto":
+        order = "alt" if head_dim == 64 else ("first" if masked else "lag")
+    if order not in DQ_ORDERS:
+        raise ValueError(f"IOATTN_SM90_BWD_DQ_ORDER={DQ_ORDER!r}: expected auto or one of "
+                         f"{', '.join(DQ_ORDERS)}")
+    return "after" if order == "alt" and dq_cols(head_dim) != head_dim else order
+
+
 def preferred(head_dim: int, masked: bool, max_seqlen_k: int) -> bool:
     """Whether 'auto' should take the sm90 backward over the portable one: where it measured
-    faster on the H200 (results/sm90_bwd_quick_nvidia-h200_2026-11-29.json): d=128 non-causal from
-    2k (1.04-1.07x). d=128 causal ties (0.98-1.03x) and d=64 is slower (0.81-0.95x): the two-kernel
-    design recomputes S and dP for dQ, 7 GEMMs where a fused backward needs 5."""
-    return head_dim == 128 and not masked and max_seqlen_k >= 2048
+    faster on the H200 (results/sm90_bwd_order_*_a0cfad4_*.json, results/sm90_bwd_d256_*.json,
+    against the portable kernel in the run of record results/dense_7c5cc50_*.json): d=256 from
+    2k (401-421 TFLOP/s against 131-150), d=128 non-causal from 2k (445-489 against 397-438 with
+    the "lag" dQ order), d=128 under a mask from 8k (410-437 against 394-422, "first"; 2k ran
+    308 against 322), d=64 from 8k (390-396 against 380-383, "alt"; 2k ties). Shorter problems
+    were not measured in these forms: the portable kernel keeps them."""
+    if head_dim == 256:
+        return max_seqlen_k >= 2048
+    if head_dim == 128 and not masked:
+        return max_seqlen_k >= 2048
+    return max_seqlen_k >= 8192
 
 
 def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -982,11 +1079,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
     else:
         # fused: rows no key block reaches get no partial, so the buffer starts at 0
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else None
-        # (fused) the opt-in dQ orders; when more than one is set, DQ_LAG over DQ_ALT (d = 64
-        # only) over DQ_FIRST
-        lag = fused and DQ_LAG
-        alt = fused and DQ_ALT and not lag and dq_cols(d) == d
-        first = fused and DQ_FIRST and not lag and not alt
+        order = dq_order(d, p.causal_like) if fused else "after"
         _bwd_dkdv_sm90[(-(-p.max_seqlen_k // (2 * half)), p.batch * n_heads_k)](
             q_desc, do_desc, rows_descriptor(k, p.is_varlen, half),
             rows_descriptor(v, p.is_varlen, half),
@@ -995,7 +1088,8 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             dk, dv, lse, delta, cu_q, cu_k,
             dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-            STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_LAG=lag, DQ_ALT=alt, DQ_FIRST=first, **flags)
+            STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_LAG=order == "lag", DQ_ALT=order == "alt",
+            DQ_FIRST=order == "first", SEGMENTS=SEGMENTS, **flags)
         if fused:
             dq.copy_(dq_acc)
             return

@@ -174,8 +174,11 @@ def test_varlen_fwd_bwd(c: Case, device):
 
 
 def test_varlen_matches_batched(device):
-    """Equal lengths packed == batched call (same kernel path, different addressing)."""
-    b, s, h, d = 3, 77, 2, 64
+    """Equal lengths packed == batched call (same kernel path, different addressing). d=128: at
+    d=64 the sm90 forward (forced in the IOATTN_TEST_SM90=always run) tiles batched and varlen
+    calls differently (two consumer warpgroups on 128-key blocks against three on 64-key blocks),
+    which changes the order of the softmax updates."""
+    b, s, h, d = 3, 77, 2, 128
     q, k, v = (torch.randn(b, s, h, d, device=device, dtype=BF16) for _ in range(3))
     out = ioattn.flash_attn_func(q, k, v, causal=True)
     cu = cu_seqlens([s] * b, device)

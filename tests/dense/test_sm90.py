@@ -161,19 +161,18 @@ FUSED_CASES = [Case(113, 203, d=64), Case(113, 203, d=128, causal=True),
 
 
 @needs_sm90
-@pytest.mark.parametrize("order", ["dk-first", "dq-first", "dq-lag", "dq-alt"])
+@pytest.mark.parametrize("order", ["after", "first", "lag", "alt"])
 @pytest.mark.parametrize("c", FUSED_CASES, ids=lambda c: "sm90-fused-bwd-" + c.id)
 def test_sm90_fused_bwd(c: Case, order, monkeypatch):
     """The fused sm90 backward (dQ added by TMA reductions; the default, sm90_bwd.FUSED) against
     the reference's gradients, with each step's dQ partial issued after or before dK's update, or
-    one step late, or (d=64) formed by one warpgroup a step in turn (IOATTN_SM90_BWD_DQ_FIRST,
-    _LAG, _ALT)."""
+    one step late, or (d=64) formed by one warpgroup a step in turn (IOATTN_SM90_BWD_DQ_ORDER)."""
     from ioattn.dense import op
     from ioattn.dense.params import make_params
     from ioattn.dense.sm90_bwd import attn_bwd_sm90
     from ioattn.testing import GRAD_FACTOR
 
-    if order == "dq-alt" and c.d != 64:
+    if order == "alt" and c.d != 64:
         pytest.skip("one partial a step in turn: d=64 only")
     _bwd_order(monkeypatch, order)
     q, k, v = _inputs(c, "cuda")
@@ -205,7 +204,7 @@ D256_CASES = [Case(113, 203, d=256), Case(203, 113, d=256, causal=True),
 @needs_sm90
 @pytest.mark.parametrize("c", D256_CASES, ids=lambda c: "sm90-bwd-d256-" + c.id)
 def test_sm90_bwd_d256(c: Case, monkeypatch):
-    """The d=256 backward (opt-in, IOATTN_SM90_BWD_D256): the column-split dK/dV kernel (64 keys
+    """The d=256 backward (the default; IOATTN_SM90_BWD_D256=0 turns it off): the column-split dK/dV kernel (64 keys
     per CTA, Pᵀ and dSᵀ exchanged between the two warpgroups through shared memory) and the dQ
     kernel on 32-key tiles, against the reference's gradients; batched and varlen."""
     from ioattn.dense import sm90_bwd
@@ -234,7 +233,7 @@ def test_sm90_bwd_dispatch(monkeypatch):
     dout that TMA cannot read (a transposed view) is copied, not refused."""
     from ioattn.dense import sm90_bwd
 
-    monkeypatch.setattr(sm90_bwd, "SUPPORTED_HEAD_DIMS", (64, 128))  # (d=256 is opt-in)
+    monkeypatch.setattr(sm90_bwd, "SUPPORTED_HEAD_DIMS", (64, 128))  # as IOATTN_SM90_BWD_D256=0
     calls = []
     orig = sm90_bwd.attn_bwd_sm90
     monkeypatch.setattr(sm90_bwd, "attn_bwd_sm90",
@@ -257,25 +256,22 @@ def test_sm90_bwd_dispatch(monkeypatch):
 
 
 def _bwd_order(monkeypatch, order: str) -> None:
-    """The fused backward's dQ order (``sm90_bwd``'s opt-in switches): dk-first (the default),
-    dq-first, dq-lag, dq-alt."""
+    """The fused backward's dQ order (``sm90_bwd.DQ_ORDER``): auto, after, first, lag, alt."""
     from ioattn.dense import sm90_bwd
 
-    monkeypatch.setattr(sm90_bwd, "DQ_FIRST", order == "dq-first")
-    monkeypatch.setattr(sm90_bwd, "DQ_LAG", order == "dq-lag")
-    monkeypatch.setattr(sm90_bwd, "DQ_ALT", order == "dq-alt")
+    monkeypatch.setattr(sm90_bwd, "DQ_ORDER", order)
 
 
 @needs_sm90
-@pytest.mark.parametrize("order", ["dk-first", "dq-first", "dq-lag", "dq-alt"])
+@pytest.mark.parametrize("order", ["auto", "after", "first", "lag", "alt"])
 @pytest.mark.parametrize("c", [Case(0, 0, d=128, b=5, causal=True, h=6, h_k=2),
                                Case(0, 0, d=64, b=4, window=(30, 3), dtype=FP16),
                                Case(0, 0, d=256, b=3, causal=True)],
                          ids=lambda c: "sm90-varlen-" + c.id)
 def test_sm90_varlen(c: Case, order, monkeypatch):
     """Varlen through the sm90 kernels (forward; backward where covered, in each dQ order)."""
-    if order != "dk-first" and (not _covers_bwd(c) or (order == "dq-alt" and c.d != 64)):
-        pytest.skip("the dQ order applies to the covered backward (dq-alt: d=64)")
+    if order != "auto" and (not _covers_bwd(c) or (order == "alt" and c.d != 64)):
+        pytest.skip("the dQ order applies to the covered backward (alt: d=64)")
     _bwd_order(monkeypatch, order)
     q, k, v, lq, lk = _varlen_inputs(c, "cuda")
     cq, ck = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")
@@ -374,6 +370,28 @@ def test_sm90_forward_preference_rule():
         assert [sm90_fwd._pingpong(d) for d in (64, 128, 256)] == [False, False, True]
 
 
+def test_sm90_backward_preference_rule(monkeypatch):
+    """'auto' takes the sm90 backward where it measured faster (d=256 and d=128 non-causal from
+    2k, d=128 masked and d=64 from 8k), and the fused backward's dQ order by head dim and mask;
+    a bad IOATTN_SM90_BWD_DQ_ORDER is refused by name."""
+    from ioattn.dense import sm90_bwd
+
+    if os.environ.get("IOATTN_TEST_SM90") == "always":
+        pytest.skip("the forced-sm90 suite replaces the rule (tests/conftest.py)")
+    assert sm90_bwd.preferred(256, True, 2048) and not sm90_bwd.preferred(256, False, 1024)
+    assert sm90_bwd.preferred(128, False, 2048) and not sm90_bwd.preferred(128, True, 4096)
+    assert sm90_bwd.preferred(128, True, 8192) and sm90_bwd.preferred(64, True, 8192)
+    assert not sm90_bwd.preferred(64, False, 4096)
+    monkeypatch.setattr(sm90_bwd, "DQ_ORDER", "auto")
+    assert [sm90_bwd.dq_order(d, m) for d, m in ((64, False), (64, True), (128, False),
+                                                  (128, True))] == ["alt", "alt", "lag", "first"]
+    monkeypatch.setattr(sm90_bwd, "DQ_ORDER", "alt")
+    assert sm90_bwd.dq_order(128, False) == "after"  # alt needs the full-width partial (d=64)
+    monkeypatch.setattr(sm90_bwd, "DQ_ORDER", "late")
+    with pytest.raises(ValueError, match="IOATTN_SM90_BWD_DQ_ORDER"):
+        sm90_bwd.dq_order(128, False)
+
+
 @pytest.mark.skipif(SM90, reason="checks the refusal off Hopper")
 def test_sm90_refused_off_hopper(device):
     q, k, v = (torch.randn(1, 16, 2, 64, device=device, dtype=torch.float16) for _ in range(3))
@@ -398,8 +416,9 @@ def test_sm90_kernel_compiles_for_hopper():
     names = [r["name"] for r in reports]
     # fwd (also paged): d = 64, 128, 256; bwd dK/dV (also fused with dQ) and dQ: d = 64, 128;
     # the d=64 persistent forward on three consumer warpgroups, the fused backward with dQ
-    # issued first, one step late or (d=64) in turn, the d=256 backward's two kernels (opt-in)
-    assert len(reports) == 42, names
+    # issued first, one step late or (d=64) in turn, the d=256 backward's two kernels, the
+    # causal fused backward with its steps in masked / unmasked loops (opt-in)
+    assert len(reports) == 44, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
@@ -408,6 +427,8 @@ def test_sm90_kernel_compiles_for_hopper():
         limit = 16
         if "dkdv" in r["name"]:
             limit = 1024 if "d128" in r["name"] else 128
+            if "segments" in r["name"]:  # (opt-in) three copies of the step, each spilling
+                limit = 4096
         elif r["name"].startswith("sm90 fwd d128 causal"):
             limit = 128  # the persistent (dynamic) form: ~70 B, tile ids and offsets
         assert r["spill_stores"] <= limit, r
