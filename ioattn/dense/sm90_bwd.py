@@ -223,14 +223,14 @@ def _qdo_stage(t, q_smem, do_smem, qdo_full, fixed, fixes, m0, seqlen_q, STAGES:
 
 
 @gluon.jit
-def _dkdv_scores(t, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base,
+def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base,
                  stride_lh, h0, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left,
                  window_right, qk_scale_log2, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                  HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, MASK: gl.constexpr):
     """Step t's start in a dK/dV consumer warpgroup: its 64 query rows' LSE and delta, Q and dO
-    from the ring, Pᵀ (fp32) and dPᵀ for this warpgroup's 64 keys. MASK: 0, the step's tile needs
-    no mask (``_mask_segments``); 1, it is masked; 2, tested at run time. Returns (stage, q, do,
-    p, dp, delta, fixes)."""
+    from the ring, Pᵀ (fp32) and dPᵀ for this warpgroup's 64 keys, then dV's update issued. MASK:
+    0, the step's tile needs no mask (``_mask_segments``); 1, it is masked; 2, tested at run
+    time. Returns (stage, q, do, p, dp, delta, fixes, dV's pending update)."""
     s_layout: gl.constexpr = wgmma_acc_layout(HALF)
     key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_l: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -265,7 +265,10 @@ def _dkdv_scores(t, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, l
                              window_left, window_right, HAS_LEFT, HAS_RIGHT)
     p = gl.exp2(s * qk_scale_log2 - lse2[None, :])
     dp = warpgroup_mma_wait(0, deps=[dp_tok])
-    return st, q, do, p, dp, delta, fixes
+    op_layout: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(q_smem.shape[2]))
+    dv_tok = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), op_layout), do, dv,
+                           is_async=True)
+    return st, q, do, p, dp, delta, fixes, dv_tok
 
 
 @gluon.jit
@@ -278,17 +281,14 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_
     """(fused, DQ_LAG) Step t with step t - 1's dQ partial (HAS_PREV) issued right after this
     step's dV update: the GEMM overlaps this step's dS, and the two warpgroups meet at a dSᵀ
     buffer one step after writing it instead of within the step. Returns (dv, dk, fixes)."""
-    HEAD_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = dq_smem.shape[2]
-    SPLIT_DQ: gl.constexpr = DQ_COLS < HEAD_D
+    SPLIT_DQ: gl.constexpr = DQ_COLS < q_smem.shape[2]
     dq_layout: gl.constexpr = wgmma_acc_layout(DQ_COLS)
-    op_layout: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(HEAD_D))
-    st, q, do, p, dp, delta, fixes = _dkdv_scores(
-        t, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh, h0,
-        lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
+    st, q, do, p, dp, delta, fixes, dv_tok = _dkdv_scores(
+        t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
+        h0, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
         STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK)
-    dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do, dv, is_async=True)
     if HAS_PREV:
         prev = ds_smem.index((t - 1) % 2)
         dq_tok = _dq_partial(prev, prev.slice(WG * HALF, HALF, dim=0), k, k_smem, ds_ready, t - 1,
@@ -354,13 +354,10 @@ def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem
     DQ_COLS: gl.constexpr = dq_smem.shape[2]
     SPLIT_DQ: gl.constexpr = DQ_COLS < HEAD_D
     dq_layout: gl.constexpr = wgmma_acc_layout(DQ_COLS)
-    op_layout: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(HEAD_D))
-    st, q, do, p, dp, delta, fixes = _dkdv_scores(
-        t, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
-        h0, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale_log2, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK)
-    dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do, dv,
-                           is_async=True)
+    st, q, do, p, dp, delta, fixes, dv_tok = _dkdv_scores(
+        t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
+        h0, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
+        STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK)
     ds = p * (dp - delta[None, :])
     if FUSED_DQ:
         # dSᵀ (scaled, so dK and dQ come out scaled) through shared memory: this
@@ -413,6 +410,7 @@ def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem
             dk = warpgroup_mma_wait(0, deps=[dk_tok])
             mbarrier.arrive(qdo_empty.index(st), count=1)
     else:
+        op_layout: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(HEAD_D))
         dk_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), q, dk,
                                is_async=True)
         dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
