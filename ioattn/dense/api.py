@@ -169,7 +169,7 @@ def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
     def sm90_preferred():
         from ioattn.dense import sm90_fwd
 
-        return sm90_fwd.preferred(q.shape[-1], masked, max_seqlen_q, max_seqlen_k)
+        return sm90_fwd.preferred(q.shape[-1], masked, max_seqlen_q, max_seqlen_k, varlen)
 
     fwd = resolve_backend(backend, q.device, sm90_problem, sm90_preferred)
     if fwd == "reference" or backend == "triton" or sm90_unavailable_reason(q.device) is not None \

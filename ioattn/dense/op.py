@@ -203,13 +203,14 @@ class DenseAttention(torch.autograd.Function):
     handling or the dispatcher (host time per call on the CI CPU, kernels stubbed out: 125 -> 87
     us for the wrapper; the dispatcher another ~75 us on the H200 machine, each direction)."""
 
+    # forward(ctx, ...) rather than a separate setup_context: with one, Function.apply binds the
+    # arguments through inspect.signature on every call (~20 us of host time on the CI CPU). The
+    # functorch transforms that need setup_context take the registered op instead (_needs_op)
     @staticmethod
-    def forward(*inputs):
-        return fwd_impl(*inputs)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
+    def forward(ctx, *inputs):
+        output = fwd_impl(*inputs)
         _setup_context(ctx, inputs, output)
+        return output
 
     @staticmethod
     def backward(ctx, dout, dlse):

@@ -730,20 +730,26 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_d
     return None
 
 
-def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int) -> bool:
+def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
+              varlen: bool = False) -> bool:
     """Whether 'auto' should take this kernel over the portable one: where it measured faster on
     the H200 (benchmarks/NOTES.md, results/sm90_fwd_*quick_*.json): d=128 from s=2k (1.01-1.32x
     the portable kernel), d=256 from 2k (1.32-1.42x); d=64 from 4k with three consumer
     warpgroups (428 / 353 TFLOP/s non-causal / causal at 4k, results/sm90_fwd_wg3_1_*.json,
     against 390 / 339 for the portable kernel in the run of record; at 2k non-causal they tie;
     the dynamic persistent form, the default for batched problems since, ran 435 / 386 there,
-    results/tune/sm90_fwd_persdynamic_*.log), else from 8k (1.06x). The gain comes from the
+    results/tune/sm90_fwd_persdynamic_*.log), else from 8k (1.06x); batched non-causal d=64 from
+    2k, where the persistent form ran 0.95x cuDNN against the portable kernel's 0.88x
+    (results/tune/sm90_fwd_persdynamic_c34f85c_*.log and results/tune/sm90_fwd_wg3p_a0cfad4_*.log
+    against results/dense_7c5cc50_*.json and dense_76fc236_*.json; causal ties). The gain comes from the
     pipelined key loop, so a shorter query block over as many keys gains too: 512 queries over 4608 keys (chunked prefill, d=128 causal GQA)
     ran at 590 TFLOP/s through the paged form of this kernel against 454 through the portable
     one (results/chunked_sm90_paged_nvidia-h200_2026-11-29.json); that rule is kept to d >= 128,
     where it was measured. Shorter problems were not measured: the portable kernel keeps them."""
     if head_dim == 64:
-        return max_seqlen_q >= (4096 if WG3 or _persistent(64, False) else 8192)
+        if not masked and not varlen and _persistent(64, False):
+            return max_seqlen_q >= 2048
+        return max_seqlen_q >= (4096 if WG3 or _persistent(64, varlen) else 8192)
     return max_seqlen_q >= 2048 or (max_seqlen_q >= 512 and max_seqlen_k >= 2048)
 
 

@@ -365,6 +365,10 @@ def test_sm90_forward_preference_rule():
     assert not sm90_fwd.preferred(64, False, 512, 4608)
     assert not sm90_fwd.preferred(64, False, 512, 8192)
     assert sm90_fwd.preferred(64, False, 8192, 8192)
+    if sm90_fwd._persistent(64, False):  # batched non-causal d=64 from 2k (persistent form)
+        assert sm90_fwd.preferred(64, False, 2048, 2048)
+        assert not sm90_fwd.preferred(64, False, 2048, 2048, varlen=True)
+        assert not sm90_fwd.preferred(64, True, 2048, 2048)
     assert sm90_fwd.preferred(64, True, 4096, 4096) == sm90_fwd.WG3
     if sm90_fwd.PINGPONG == "auto":
         assert [sm90_fwd._pingpong(d) for d in (64, 128, 256)] == [False, False, True]
