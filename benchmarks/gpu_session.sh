@@ -85,7 +85,7 @@ for step in $steps; do
              echo "sm90 decode=$dec"; grep -vE "^/" "$OUT/decode_sm90dec$dec.log" | grep -E "x4096|x8192|x32768" | head -12; done ;;
     host)  # host time per call (eager): public calls, op layers, decode run()
            timeout 120 python benchmarks/host_overhead.py --json "$OUT/host_overhead_nvidia-h200.json" \
-             > "$OUT/host.log" 2>&1; head -24 "$OUT/host.log" ;;
+             > "$OUT/host.log" 2>&1; head -34 "$OUT/host.log" ;;
     profile-decode) # ncu: the planned decode's kernels and cuDNN's on the same cells (time, DRAM)
            for cell in 64x4096x16 1x32768x16; do
              timeout 150 ncu --clock-control none --csv --metrics \

@@ -1,6 +1,7 @@
 """Host time of one attention call (what an eager caller pays before the kernel runs): tiny
 shapes so the GPU never holds the host back; per-call microseconds for the forward, the forward
-+ backward, and the planned decode run(), plus a cProfile of the forward's Python.
++ backward, and the planned decode run(); the FA-grid d=128 causal 2k shape's forward and
+backward alone (calls enqueued faster than the GPU runs them); then cProfiles of each.
     python benchmarks/host_overhead.py [--json out.json]"""
 from __future__ import annotations
 
@@ -70,20 +71,46 @@ def main(argv=None):
         qd[:, None], cache[:, 0], cache[:, 1], cache_seqlens=torch.full((4,), 256, dtype=torch.int32,
                                                                            device=dev),
         block_table=torch.arange(64, dtype=torch.int32, device=dev).view(4, 16)))
+    # the FA-grid shape where the 2k causal cells are host-bound (results/tune/host_time_76fc236_*):
+    # forward, and backward alone (autograd.grad on a kept graph), through sm90 and the portable
+    # kernels; then profiles sorted by own time, Triton's launch internals included
+    qb, kb, vb = (torch.randn(8, 2048, 16, 128, device=dev, dtype=dt, requires_grad=True)
+                  for _ in range(3))
+    dob = torch.randn_like(qb)
+    big = {}
+    for backend in ("sm90", "triton"):
+        ob = ioattn.flash_attn_func(qb, kb, vb, causal=True, backend=backend)
+        with torch.no_grad():
+            res[f"fwd_2k_causal_{backend}"] = _per_call_us(
+                lambda: ioattn.flash_attn_func(qb, kb, vb, causal=True, backend=backend), n=100)
+        res[f"bwd_2k_causal_{backend}"] = _per_call_us(
+            lambda: torch.autograd.grad(ob, (qb, kb, vb), dob, retain_graph=True), n=50)
+        big[backend] = ob
     print(json.dumps(res, indent=1))
-    for name, fn in (("fwd_auto", lambda: ioattn.flash_attn_func(q, k, v)),
-                     ("fwd_bwd_triton", lambda: ioattn.flash_attn_func(
-                         qg, kg, vg, backend="triton").sum().backward()),
-                     ("decode_run", lambda: w.run(qd, cache))):
+
+    def fwd_sm90():
+        with torch.no_grad():
+            return ioattn.flash_attn_func(qb, kb, vb, causal=True, backend="sm90")
+
+    for name, fn, n in (("fwd_auto", lambda: ioattn.flash_attn_func(q, k, v), 200),
+                        ("fwd_bwd_triton", lambda: ioattn.flash_attn_func(
+                            qg, kg, vg, backend="triton").sum().backward(), 200),
+                        ("fwd_2k_causal_sm90", fwd_sm90, 100),
+                        ("bwd_2k_causal_sm90", lambda: torch.autograd.grad(
+                            big["sm90"], (qb, kb, vb), dob, retain_graph=True), 50),
+                        ("bwd_2k_causal_triton", lambda: torch.autograd.grad(
+                            big["triton"], (qb, kb, vb), dob, retain_graph=True), 50),
+                        ("decode_run", lambda: w.run(qd, cache), 200)):
         pr = cProfile.Profile()
         pr.enable()
-        for _ in range(200):
+        for _ in range(n):
             fn()
         pr.disable()
         torch.cuda.synchronize()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("cumtime").print_stats(30)
-        print(f"== cProfile {name} (200 calls)\n" + s.getvalue())
+        for order in ("cumtime", "tottime"):
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats(order).print_stats(30)
+            print(f"== cProfile {name} ({n} calls, by {order})\n" + s.getvalue())
     if a.json:
         env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                    triton=__import__("triton").__version__,

@@ -60,8 +60,9 @@ from ioattn.dense.triton_bwd import bwd_preprocess
 
 HALF = gl.constexpr(64)  # rows of one consumer warpgroup's wgmma (keys in dK/dV, queries in dQ)
 # d = 256 (the column-split dK/dV kernel and the dQ kernel on 32-key tiles): on by default since
-# it measured 1.0-1.16x cuDNN from 2k on the H200 (2.8x the portable backward;
-# results/sm90_bwd_d256_a0cfad4_*.json); IOATTN_SM90_BWD_D256=0 turns it off
+# it measured 1.01-1.14x cuDNN from 2k on the H200, 2.7-3.0x the portable backward
+# (results/dense_76fc236_*.json; first run results/sm90_bwd_d256_a0cfad4_*.json);
+# IOATTN_SM90_BWD_D256=0 turns it off
 D256 = os.environ.get("IOATTN_SM90_BWD_D256", "1").lower() not in ("0", "false", "off")
 SUPPORTED_HEAD_DIMS = (64, 128, 256) if D256 else (64, 128)
 CONSUMER_REGS = 240
@@ -80,9 +81,9 @@ FUSED = os.environ.get("IOATTN_SM90_FUSED_BWD", "1").lower() not in ("0", "false
 # "alt" (d = 64: one warpgroup per step, in turn, forms the partial over both warpgroups' 128 keys,
 # half the TMA reductions; at d = 64 they are ~4x the d = 128 form's bytes per FLOP). "auto"
 # takes what measured fastest on the H200 (results/sm90_bwd_order_*_a0cfad4_*.json and
-# results/tune/sm90_bwd_order_*_a0cfad4_*.log, in one session): alt at d = 64 (+10-13% over
-# after), lag at d = 128 without a mask (+5-9%; it loses 4-12% under causal masks), first at
-# d = 128 under a mask (+1-4%)
+# results/tune/sm90_bwd_order_*_a0cfad4_*.log, in one session): alt at d = 64 (+10-14% over
+# after), lag at d = 128 without a mask (+5-9%; it loses 4-6% under causal masks), first at
+# d = 128 under a mask (+4-5%)
 DQ_ORDERS = ("after", "first", "lag", "alt")
 # (d <= 128, outside the "lag" order) each query head's steps in three loops, the middle one (the
 # tiles that need no mask) without the mask's code: 15-30% fewer instructions a step in the SASS.
