@@ -248,8 +248,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
             extra logit per head in every row's softmax, with no value and no mask; the LSE
             includes it, and it gets a gradient when it requires one.
         backend: 'auto' (default: 'sm90' on Hopper where it covers the call, else 'triton'),
-            'sm90' (the Gluon FA3-design kernels, forward and backward; head dim 256 has an sm90
-            forward only, so it raises when a gradient is needed), 'triton' (portable Triton
+            'sm90' (the Gluon FA3-design kernels, forward and backward, d = d_v in {64, 128,
+            256}; it raises for what they do not cover, e.g. softcap), 'triton' (portable Triton
             kernels) or 'reference' (plain PyTorch). A requested backend that cannot run the call
             raises ValueError. 'auto' picks the forward's and the backward's kernels separately.
 
