@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -174,6 +174,19 @@ for step in $steps; do
              --dims 64,128 --seqlens 2048,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
              --out "$OUT/sm90_bwd_seg$g.json" > "$OUT/bwd_seg$g.log" 2>&1
              echo "== segments=$g"; grep -E "^bwd" "$OUT/bwd_seg$g.log"; done ;;
+    sm90-bwd-rowstats) # LSE / delta staged in shared memory (opt-in): tests, then on / off, and the
+           # dQ orders again with it on (the after / first orders became spill-free)
+           timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py \
+             -k rowstats > "$OUT/tests_rowstats.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_rowstats.log"; tail -1 "$OUT/tests_rowstats.log"
+           for r in 1 0; do IOATTN_SM90_BWD_ROW_STATS=$r timeout 150 python -m ioattn bench --modes bwd \
+             --dims 64,128 --seqlens 2048,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
+             --out "$OUT/sm90_bwd_rowstats$r.json" > "$OUT/bwd_rowstats$r.log" 2>&1
+             echo "== row_stats=$r"; grep -E "^bwd" "$OUT/bwd_rowstats$r.log"; done
+           for v in after first; do IOATTN_SM90_BWD_ROW_STATS=1 IOATTN_SM90_BWD_DQ_ORDER=$v timeout 150 \
+             python -m ioattn bench --modes bwd --dims 128 --seqlens 2048,8192,16384 --dtypes bf16 \
+             --impls ioattn_sm90,sdpa_cudnn --no-plots --out "$OUT/rowstats_$v.json" > "$OUT/rowstats_$v.log" 2>&1
+             echo "== row_stats=1 order=$v"; grep -E "^bwd" "$OUT/rowstats_$v.log"; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -90,6 +90,12 @@ DQ_ORDERS = ("after", "first", "lag", "alt")
 # On the H200 it ran 1.01-1.04x at d=64 and 0.87-0.95x at d=128, where the loops spill more
 # (results/sm90_bwd_seg{1,0}_*.json). Opt-in until the whole dense suite has run through it
 SEGMENTS = os.environ.get("IOATTN_SM90_BWD_SEGMENTS", "0").lower() in ("1", "true", "on")
+# (d <= 128) the rows' LSE and delta loaded by the producer warp into shared memory with each Q/dO
+# stage and read by the consumers just before their use (FlashAttention-3's arrangement), instead
+# of global loads held in registers from the step's start. In the sm90 SASS: the d=128 fused
+# kernel's spills 224 -> 0 B (after / first order, non-causal), 396-416 -> 16-20 B (causal),
+# 336 -> 320 (lag), and its unmasked step 821 -> 528 instructions. Opt-in until run on the H200
+ROW_STATS = os.environ.get("IOATTN_SM90_BWD_ROW_STATS", "0").lower() in ("1", "true", "on")
 DQ_ORDER = os.environ.get("IOATTN_SM90_BWD_DQ_ORDER", "auto").lower()
 
 
@@ -134,10 +140,15 @@ def _key_half(k_smem, i, FUSED_DQ: gl.constexpr):
 @gluon.jit
 def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
                    qdo_full, qdo_empty, fixed, q_start, k_row, kv_col, h0, lo_m, n_m, n_steps,
-                   seqlen_q, n_keys, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
-                   FUSED_DQ: gl.constexpr, KEY_TILES: gl.constexpr = 2):
-    # KEY_TILES: 64-key K/V tiles per CTA (1: the d = 256 column-split kernel)
+                   seqlen_q, n_keys, LSE, DELTA, ld_smem, lse_base, stride_lh,
+                   STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, FUSED_DQ: gl.constexpr,
+                   KEY_TILES: gl.constexpr = 2, ROW_STATS: gl.constexpr = False):
+    # KEY_TILES: 64-key K/V tiles per CTA (1: the d = 256 column-split kernel). ROW_STATS: each
+    # stage also carries its 64 rows' LSE (base 2, +inf for rows past the sequence and for fully
+    # masked rows, so their P is 0) and delta in ld_smem[2 st], ld_smem[2 st + 1], stored by this
+    # warp and announced by a second arrival on qdo_full[st]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    ld_layout: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])  # 64 rows over one warp
     has_work = n_steps > 0
     mbarrier.expect(kv_bar, KEY_TILES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes),
                     pred=has_work)
@@ -166,6 +177,16 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
         mbarrier.expect(qdo_full.index(st), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [row, col], qdo_full.index(st), q_smem.index(st))
         tma.async_copy_global_to_shared(do_desc, [row, col], qdo_full.index(st), do_smem.index(st))
+        if ROW_STATS:
+            rows = row - q_start + gl.arange(0, HALF, layout=ld_layout)
+            ok = rows < seqlen_q
+            offs = lse_base + (h0 + g).to(gl.int64) * stride_lh + rows
+            lse = gl.load(LSE + offs, mask=ok, other=float("inf"))
+            ld_smem.index(2 * st).store(
+                gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634))
+            ld_smem.index(2 * st + 1).store(gl.load(DELTA + offs, mask=ok, other=0.0))
+            gl.thread_barrier()  # the warp's stores, before its one arrival
+            mbarrier.arrive(qdo_full.index(st), count=1)
         if IS_VARLEN:
             # a query tile past the last packed sequence: zero those Q and dO rows (dSᵀ·Q and
             # dPᵀ = V·dOᵀ would carry 0 * NaN into dK and dV), then release the tile
@@ -225,13 +246,16 @@ def _qdo_stage(t, q_smem, do_smem, qdo_full, fixed, fixes, m0, seqlen_q, STAGES:
 
 @gluon.jit
 def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base,
-                 stride_lh, h0, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left,
+                 stride_lh, h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left,
                  window_right, qk_scale_log2, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, MASK: gl.constexpr):
+                 HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, MASK: gl.constexpr,
+                 ROW_STATS: gl.constexpr):
     """Step t's start in a dK/dV consumer warpgroup: its 64 query rows' LSE and delta, Q and dO
     from the ring, Pᵀ (fp32) and dPᵀ for this warpgroup's 64 keys, then dV's update issued. MASK:
     0, the step's tile needs no mask (``_mask_segments``); 1, it is masked; 2, tested at run
-    time. Returns (stage, q, do, p, dp, delta, fixes, dV's pending update)."""
+    time. ROW_STATS: LSE and delta come from the stage's ld_smem rows (``_dkdv_producer``), read
+    just before their use, instead of global loads held in registers from the step's start.
+    Returns (stage, q, do, p, dp, delta, fixes, dV's pending update)."""
     s_layout: gl.constexpr = wgmma_acc_layout(HALF)
     key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_l: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -242,13 +266,14 @@ def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELT
     g = t // n_m
     m0 = lo_m + (t - g * n_m) * HALF
     rows = m0 + gl.arange(0, HALF, layout=row_l)
-    lse_ptrs = LSE + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows
-    row_ok = rows < seqlen_q
-    lse = gl.load(lse_ptrs, mask=row_ok, other=float("inf"))
-    delta = gl.load(DELTA + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows, mask=row_ok,
-                    other=0.0)
-    # fully masked rows carry LSE = -inf; +inf makes their P exactly 0 instead of NaN
-    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    if not ROW_STATS:
+        lse_ptrs = LSE + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows
+        row_ok = rows < seqlen_q
+        lse = gl.load(lse_ptrs, mask=row_ok, other=float("inf"))
+        delta = gl.load(DELTA + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows, mask=row_ok,
+                        other=0.0)
+        # fully masked rows carry LSE = -inf; +inf makes their P exactly 0 instead of NaN
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     q, do, fixes = _qdo_stage(t, q_smem, do_smem, qdo_full, fixed, fixes, m0, seqlen_q, STAGES,
                               IS_VARLEN)
     # Sᵀ and dPᵀ issued together; the exponentials run while dPᵀ is on the tensor cores, and
@@ -264,8 +289,12 @@ def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELT
                             HAS_LEFT, HAS_RIGHT, HALF):
             s = _mask_scores(s, rows[None, :], cols[:, None], seqlen_q, seqlen_k, off,
                              window_left, window_right, HAS_LEFT, HAS_RIGHT)
+    if ROW_STATS:  # the rows' LSE (base 2) and delta from shared memory, just before each use
+        lse2 = ld_smem.index(2 * st).load(row_l)
     p = gl.exp2(s * qk_scale_log2 - lse2[None, :])
     dp = warpgroup_mma_wait(0, deps=[dp_tok])
+    if ROW_STATS:
+        delta = ld_smem.index(2 * st + 1).load(row_l)
     op_layout: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(q_smem.shape[2]))
     dv_tok = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), op_layout), do, dv,
                            is_async=True)
@@ -275,10 +304,10 @@ def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELT
 @gluon.jit
 def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                    qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, LSE, DELTA, lse_base,
-                   stride_lh, h0, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
+                   stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                    window_right, qk_scale_log2, sm_scale, WG: gl.constexpr, STAGES: gl.constexpr,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                   HAS_PREV: gl.constexpr, MASK: gl.constexpr):
+                   HAS_PREV: gl.constexpr, MASK: gl.constexpr, ROW_STATS: gl.constexpr):
     """(fused, DQ_LAG) Step t with step t - 1's dQ partial (HAS_PREV) issued right after this
     step's dV update: the GEMM overlaps this step's dS, and the two warpgroups meet at a dSᵀ
     buffer one step after writing it instead of within the step. Returns (dv, dk, fixes)."""
@@ -288,8 +317,8 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_
     dq_layout: gl.constexpr = wgmma_acc_layout(DQ_COLS)
     st, q, do, p, dp, delta, fixes, dv_tok = _dkdv_scores(
         t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
-        h0, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
-        STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK)
+        h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
+        STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK, ROW_STATS)
     if HAS_PREV:
         prev = ds_smem.index((t - 1) % 2)
         dq_tok = _dq_partial(prev, prev.slice(WG * HALF, HALF, dim=0), k, k_smem, ds_ready, t - 1,
@@ -343,11 +372,12 @@ def _mask_segments(lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
 
 @gluon.jit
 def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
-               qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base, stride_lh, h0,
+               qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base, stride_lh, h0, ld_smem,
                lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
                sm_scale, WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
-               DQ_FIRST: gl.constexpr, DQ_ALT: gl.constexpr, MASK: gl.constexpr):
+               DQ_FIRST: gl.constexpr, DQ_ALT: gl.constexpr, MASK: gl.constexpr,
+               ROW_STATS: gl.constexpr):
     """Step t of a dK/dV consumer warpgroup outside DQ_LAG (MASK as ``_dkdv_scores``). Returns
     (dv, dk, fixes)."""
     HEAD_D: gl.constexpr = q_smem.shape[2]
@@ -357,8 +387,8 @@ def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem
     dq_layout: gl.constexpr = wgmma_acc_layout(DQ_COLS)
     st, q, do, p, dp, delta, fixes, dv_tok = _dkdv_scores(
         t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
-        h0, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
-        STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK)
+        h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
+        STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK, ROW_STATS)
     ds = p * (dp - delta[None, :])
     if FUSED_DQ:
         # dSᵀ (scaled, so dK and dQ come out scaled) through shared memory: this
@@ -422,12 +452,12 @@ def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem
 @gluon.jit
 def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
                    qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh,
-                   h0, lo_m, n_m, n_steps, start_n, q_start, seqlen_q, seqlen_k, window_left,
+                   h0, ld_smem, lo_m, n_m, n_steps, start_n, q_start, seqlen_q, seqlen_k, window_left,
                    window_right, qk_scale_log2, sm_scale,
                    WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                    HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                    DQ_FIRST: gl.constexpr, DQ_LAG: gl.constexpr, DQ_ALT: gl.constexpr,
-                   SEGMENTS: gl.constexpr):
+                   SEGMENTS: gl.constexpr, ROW_STATS: gl.constexpr):
     HEAD_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     # dK / dV: [64 keys, d] (Sᵀ / dPᵀ: [64 keys, 64 query rows], ``_dkdv_scores``)
@@ -454,16 +484,16 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
             dv, dk, fixes = _dkdv_lag_step(
                 0, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                 qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, LSE, DELTA, lse_base,
-                stride_lh, h0, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
+                stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                 window_right, qk_scale_log2, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
-                False, 2)
+                False, 2, ROW_STATS)
             for t in range(1, n_steps):
                 dv, dk, fixes = _dkdv_lag_step(
                     t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                     qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, LSE, DELTA, lse_base,
-                    stride_lh, h0, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
+                    stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                     window_right, qk_scale_log2, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT,
-                    IS_VARLEN, True, 2)
+                    IS_VARLEN, True, 2, ROW_STATS)
             # the last step's dQ partial
             last = n_steps - 1
             prev = ds_smem.index(last % 2)
@@ -484,16 +514,17 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                     dv, dk, fixes = _dkdv_step(
                         t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                         qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base,
-                        stride_lh, h0, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
+                        stride_lh, h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
                         qk_scale_log2, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ,
-                        IS_VARLEN, DQ_FIRST, DQ_ALT, 0 if run == 1 else 1)
+                        IS_VARLEN, DQ_FIRST, DQ_ALT, 0 if run == 1 else 1, ROW_STATS)
     else:  # one loop, each tile's mask tested at run time
         for t in range(n_steps):
             dv, dk, fixes = _dkdv_step(
                 t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
-                qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base, stride_lh, h0,
+                qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base, stride_lh, h0, ld_smem,
                 lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
-                sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_ALT, 2)
+                sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_ALT, 2,
+                ROW_STATS)
 
     d_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
     keys = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))
@@ -573,7 +604,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                    STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
                    PRODUCER_REGS_: gl.constexpr, DQ_FIRST: gl.constexpr = False,
                    DQ_LAG: gl.constexpr = False, DQ_ALT: gl.constexpr = False,
-                   SEGMENTS: gl.constexpr = False):
+                   SEGMENTS: gl.constexpr = False, ROW_STATS: gl.constexpr = False):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     (off_hk, q_start, seqlen_q, k_start, seqlen_k, start_n, lo_m, n_steps, h0, dk_off, dv_off,
      lse_base) = _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
@@ -619,8 +650,14 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
         ds_empty = fixed
         dq_full = fixed
         dq_empty = fixed
-    qdo_full = barriers(STAGES, 1)
+    # (ROW_STATS) a second arrival per phase: the producer's stores of the rows' LSE / delta
+    qdo_full = barriers(STAGES, 2 if ROW_STATS else 1)
     qdo_empty = barriers(STAGES, 2)  # one arrive per consumer warpgroup
+    if ROW_STATS:  # per stage: its 64 rows' LSE (base 2) and delta (``_dkdv_producer``)
+        ld_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, HALF],
+                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        ld_smem = fixed  # unused
     fence_async_shared()
 
     # (the partition lists are literal: Gluon loses constexpr-ness through tuple arguments)
@@ -629,19 +666,22 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
-                              stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
+                              stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS)),
+                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
+                              ROW_STATS)),
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
-                              stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
+                              stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS)),
+                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
+                              ROW_STATS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
-                              STAGES, IS_VARLEN, FUSED_DQ)),
+                              LSE, DELTA, ld_smem, lse_base, stride_lh, STAGES, IS_VARLEN, FUSED_DQ, 2,
+                              ROW_STATS)),
             (_dq_writer, (dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_steps,
                           HEAD_D, DQ_ALT)),
         ], [4, 1, 1], [CONSUMER_REGS_, PRODUCER_REGS_, PRODUCER_REGS_])
@@ -650,19 +690,22 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
-                              stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
+                              stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS)),
+                              0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
+                              ROW_STATS)),
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
-                              stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
+                              stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS)),
+                              1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
+                              ROW_STATS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
-                              STAGES, IS_VARLEN, FUSED_DQ)),
+                              LSE, DELTA, ld_smem, lse_base, stride_lh, STAGES, IS_VARLEN, FUSED_DQ, 2,
+                              ROW_STATS)),
         ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
     invalidate(kv_bar, 1)
@@ -821,7 +864,7 @@ def _bwd_dkdv_cols_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE, DELTA, CU_
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                           kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                           off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
-                          STAGES, IS_VARLEN, False, 1)),
+                          LSE, DELTA, fixed, lse_base, stride_lh, STAGES, IS_VARLEN, False, 1)),
     ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
     invalidate(kv_bar, 1)
@@ -1088,7 +1131,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
             STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_LAG=order == "lag", DQ_ALT=order == "alt",
-            DQ_FIRST=order == "first", SEGMENTS=SEGMENTS, **flags)
+            DQ_FIRST=order == "first", SEGMENTS=SEGMENTS, ROW_STATS=ROW_STATS, **flags)
         if fused:
             dq.copy_(dq_acc)
             return

@@ -193,6 +193,40 @@ def test_sm90_fused_bwd(c: Case, order, monkeypatch):
         assert_close_rule(f"{c.id} {name}", g, r, b, factor=GRAD_FACTOR)
 
 
+@needs_sm90
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernel"])
+@pytest.mark.parametrize("c", FUSED_CASES[:6], ids=lambda c: "sm90-bwd-rowstats-" + c.id)
+def test_sm90_bwd_row_stats(c: Case, fused, monkeypatch):
+    """The dK/dV kernels with the rows' LSE and delta staged in shared memory by the producer
+    (opt-in, IOATTN_SM90_BWD_ROW_STATS), in the fused form (each head dim's default dQ order)
+    and the two-kernel one, against the reference's gradients; varlen with ragged lengths too."""
+    from ioattn.dense import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "ROW_STATS", True)
+    monkeypatch.setattr(sm90_bwd, "FUSED", fused)
+    _check_sm90_grads(c, varlen=True)
+
+
+def _check_sm90_grads(c: Case, varlen: bool) -> None:
+    """Gradients through backend='sm90' against the reference, for the case batched and (varlen)
+    packed with ragged lengths (b=3, zero-length sequences included)."""
+    q, k, v = _inputs(c, "cuda")
+    kw = dict(causal=c.causal, window_size=c.window)
+    out = ioattn.flash_attn_func(q, k, v, backend="sm90", **kw)
+    ref, _ = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    _check_grads(c.id, out, ref, pt, torch.randn_like(out), (q, k, v))
+    if varlen:
+        cv = Case(0, 0, d=c.d, b=3, h=c.h, h_k=c.h_k, causal=c.causal, window=c.window,
+                  dtype=c.dtype)
+        q, k, v, lq, lk = _varlen_inputs(cv, "cuda")
+        cq, ck = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")
+        out = ioattn.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), backend="sm90", **kw)
+        ref, _ = attention_varlen_ref(q, k, v, cq, ck, **kw)
+        pt, _ = attention_varlen_ref(q, k, v, cq, ck, upcast=False, **kw)
+        _check_grads(cv.id, out, ref, pt, torch.randn_like(out), (q, k, v))
+
+
 D256_CASES = [Case(113, 203, d=256), Case(203, 113, d=256, causal=True),
               Case(1024, 1023, d=256, causal=True, b=1, h=2, dtype=FP16),
               Case(300, 300, d=256, h=4, h_k=2, window=(50, 20)),
@@ -204,27 +238,14 @@ D256_CASES = [Case(113, 203, d=256), Case(203, 113, d=256, causal=True),
 @needs_sm90
 @pytest.mark.parametrize("c", D256_CASES, ids=lambda c: "sm90-bwd-d256-" + c.id)
 def test_sm90_bwd_d256(c: Case, monkeypatch):
-    """The d=256 backward (the default; IOATTN_SM90_BWD_D256=0 turns it off): the column-split dK/dV kernel (64 keys
-    per CTA, Pᵀ and dSᵀ exchanged between the two warpgroups through shared memory) and the dQ
-    kernel on 32-key tiles, against the reference's gradients; batched and varlen."""
+    """The d=256 backward (the default; IOATTN_SM90_BWD_D256=0 turns it off): the column-split
+    dK/dV kernel (64 keys per CTA, Pᵀ and dSᵀ exchanged between the two warpgroups through shared
+    memory) and the dQ kernel on 32-key tiles, against the reference's gradients; batched and
+    varlen."""
     from ioattn.dense import sm90_bwd
 
     monkeypatch.setattr(sm90_bwd, "SUPPORTED_HEAD_DIMS", (64, 128, 256))
-    q, k, v = _inputs(c, "cuda")
-    kw = dict(causal=c.causal, window_size=c.window)
-    out = ioattn.flash_attn_func(q, k, v, backend="sm90", **kw)
-    ref, _ = attention_ref(q, k, v, **kw)
-    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
-    _check_grads(c.id, out, ref, pt, torch.randn_like(out), (q, k, v))
-    if c.s_q == c.s_k:  # the same case packed as varlen, ragged lengths
-        cv = Case(0, 0, d=256, b=3, h=c.h, h_k=c.h_k, causal=c.causal, window=c.window,
-                  dtype=c.dtype)
-        q, k, v, lq, lk = _varlen_inputs(cv, "cuda")
-        cq, ck = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")
-        out = ioattn.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), backend="sm90", **kw)
-        ref, _ = attention_varlen_ref(q, k, v, cq, ck, **kw)
-        pt, _ = attention_varlen_ref(q, k, v, cq, ck, upcast=False, **kw)
-        _check_grads(cv.id, out, ref, pt, torch.randn_like(out), (q, k, v))
+    _check_sm90_grads(c, varlen=c.s_q == c.s_k)  # (varlen: the same case packed, ragged)
 
 
 @needs_sm90
@@ -421,8 +442,9 @@ def test_sm90_kernel_compiles_for_hopper():
     # fwd (also paged): d = 64, 128, 256; bwd dK/dV (also fused with dQ) and dQ: d = 64, 128;
     # the d=64 persistent forward on three consumer warpgroups, the fused backward with dQ
     # issued first, one step late or (d=64) in turn, the d=256 backward's two kernels, the
-    # causal fused backward with its steps in masked / unmasked loops (opt-in)
-    assert len(reports) == 44, names
+    # causal fused backward with its steps in masked / unmasked loops, and the dK/dV kernels with
+    # LSE / delta staged in shared memory (opt-in)
+    assert len(reports) == 56, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
