@@ -180,7 +180,7 @@ for step in $steps; do
              -k rowstats > "$OUT/tests_rowstats.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_rowstats.log"; tail -1 "$OUT/tests_rowstats.log"
            for r in 1 0; do IOATTN_SM90_BWD_ROW_STATS=$r timeout 150 python -m ioattn bench --modes bwd \
-             --dims 64,128 --seqlens 2048,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
+             --dims 64,128,256 --seqlens 2048,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
              --out "$OUT/sm90_bwd_rowstats$r.json" > "$OUT/bwd_rowstats$r.log" 2>&1
              echo "== row_stats=$r"; grep -E "^bwd" "$OUT/bwd_rowstats$r.log"; done
            for v in after first; do IOATTN_SM90_BWD_ROW_STATS=1 IOATTN_SM90_BWD_DQ_ORDER=$v timeout 150 \

@@ -239,10 +239,12 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                               DYNAMIC=sm90_fwd._schedule(d, varlen) == "dynamic")))
             bwd_desc = dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64)
             dq_bn = sm90_bwd._dq_block_n(d)
-            if d == 256:  # column-split dK/dV, dQ on 32-key tiles
-                jobs.append((f"sm90 bwd dkdv-cols d{d} {tag} 64 keys ws",
-                             sm90_bwd._bwd_dkdv_cols_sm90, bwd_desc, d,
-                             dict(flags, STAGES=sm90_bwd.DKDV_STAGES)))
+            if d == 256:  # column-split dK/dV (and, opt-in, with row stats), dQ on 32-key tiles
+                jobs += [(f"sm90 bwd dkdv-cols{suffix} d{d} {tag} 64 keys ws",
+                          sm90_bwd._bwd_dkdv_cols_sm90, bwd_desc, d,
+                          dict(flags, STAGES=sm90_bwd.DKDV_STAGES, ROW_STATS=rs))
+                         for suffix, rs in (("", sm90_bwd.ROW_STATS),
+                                            (" rowstats", not sm90_bwd.ROW_STATS))]
             else:
                 # the two-kernel and fused forms as launched (the fused one in this mask's dQ
                 # order), and (full) the fused one in each other dQ order

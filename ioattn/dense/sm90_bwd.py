@@ -90,11 +90,12 @@ DQ_ORDERS = ("after", "first", "lag", "alt")
 # On the H200 it ran 1.01-1.04x at d=64 and 0.87-0.95x at d=128, where the loops spill more
 # (results/sm90_bwd_seg{1,0}_*.json). Opt-in until the whole dense suite has run through it
 SEGMENTS = os.environ.get("IOATTN_SM90_BWD_SEGMENTS", "0").lower() in ("1", "true", "on")
-# (d <= 128) the rows' LSE and delta loaded by the producer warp into shared memory with each Q/dO
-# stage and read by the consumers just before their use (FlashAttention-3's arrangement), instead
-# of global loads held in registers from the step's start. In the sm90 SASS: the d=128 fused
-# kernel's spills 224 -> 0 B (after / first order, non-causal), 396-416 -> 16-20 B (causal),
-# 336 -> 320 (lag), and its unmasked step 821 -> 528 instructions. Opt-in until run on the H200
+# (the dK/dV kernels, every head dim) the rows' LSE and delta loaded by the producer warp into
+# shared memory with each Q/dO stage and read by the consumers just before their use
+# (FlashAttention-3's arrangement), instead of global loads held in registers from the step's
+# start. In the sm90 SASS: the d=128 fused kernel's spills 224 -> 0 B (after / first order,
+# non-causal), 396-416 -> 16-20 B (causal), 336 -> 320 (lag), its unmasked step 821 -> 528
+# instructions (d=64: 709 -> 504). Opt-in until run on the H200
 ROW_STATS = os.environ.get("IOATTN_SM90_BWD_ROW_STATS", "0").lower() in ("1", "true", "on")
 DQ_ORDER = os.environ.get("IOATTN_SM90_BWD_DQ_ORDER", "auto").lower()
 
@@ -725,9 +726,9 @@ def _dkdv_cols_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, p_s
                         kv_bar, qdo_full, qdo_empty, fixed, p_ready, ds_ready, dk_off, dv_off,
                         stride_dkn, stride_dvn, lse_base, stride_lh, h0, lo_m, n_m, n_steps,
                         start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
-                        qk_scale_log2, sm_scale, WG: gl.constexpr, STAGES: gl.constexpr,
+                        qk_scale_log2, sm_scale, ld_smem, WG: gl.constexpr, STAGES: gl.constexpr,
                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                        IS_VARLEN: gl.constexpr):
+                        IS_VARLEN: gl.constexpr, ROW_STATS: gl.constexpr):
     """(d = 256) One warpgroup of the column-split dK/dV kernel: 64 keys per CTA, dK and dV split
     by columns (warpgroup w holds columns [128 w, 128 w + 128): 64 + 64 registers a thread where
     the full width would need 256). Per step of 64 query rows, warpgroup 0 forms Pᵀ = exp(Sᵀ -
@@ -736,7 +737,8 @@ def _dkdv_cols_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, p_s
     back the same way (ds_ready); then each adds its columns of Pᵀ·dO to dV and dSᵀ·Q to dK.
     The two buffers of each alternate by step; a warpgroup reaches step t + 2 only after waiting
     on the other's hand-off of step t + 1, which the other makes after retiring its step-t
-    GEMMs, so a buffer is never rewritten while read."""
+    GEMMs, so a buffer is never rewritten while read. ROW_STATS: LSE and delta come from the
+    stage's ld_smem rows (``_dkdv_producer``), read just before their use."""
     HEAD_D: gl.constexpr = q_smem.shape[2]
     COLS: gl.constexpr = HEAD_D // 2
     dtype: gl.constexpr = q_smem.dtype
@@ -769,11 +771,14 @@ def _dkdv_cols_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, p_s
         p_buf = p_smem.index(b)
         ds_buf = ds_smem.index(b)
         if WG == 0:
-            lse = gl.load(row_base, mask=row_ok, other=float("inf"))
-            # fully masked rows carry LSE = -inf; +inf makes their P exactly 0 instead of NaN
-            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            if not ROW_STATS:
+                lse = gl.load(row_base, mask=row_ok, other=float("inf"))
+                # fully masked rows carry LSE = -inf; +inf makes their P exactly 0, not NaN
+                lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
             s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s_tok])
+            if ROW_STATS:
+                lse2 = ld_smem.index(2 * st).load(row_l)
             if _tile_needs_mask(m0, start_n, seqlen_q, seqlen_k, off, window_left, window_right,
                                 HAS_LEFT, HAS_RIGHT, HALF):
                 s = _mask_scores(s, rows[None, :], cols[:, None], seqlen_q, seqlen_k, off,
@@ -788,10 +793,13 @@ def _dkdv_cols_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, p_s
             mbarrier.wait(ds_ready.index(b), (t // 2) & 1)
             dk_tok = warpgroup_mma(ds_buf, q.slice(0, COLS, dim=1), dk, is_async=True)
         else:
-            delta = gl.load(DELTA + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows,
-                            mask=row_ok, other=0.0)
+            if not ROW_STATS:
+                delta = gl.load(DELTA + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows,
+                                mask=row_ok, other=0.0)
             dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp = warpgroup_mma_wait(0, deps=[dp_tok])
+            if ROW_STATS:
+                delta = ld_smem.index(2 * st + 1).load(row_l)
             mbarrier.wait(p_ready.index(b), (t // 2) & 1)
             dv_tok = warpgroup_mma(p_buf, do.slice(COLS, COLS, dim=1), dv, is_async=True)
             p = p_buf.load(s_layout).to(gl.float32)
@@ -821,7 +829,7 @@ def _bwd_dkdv_cols_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE, DELTA, CU_
                         sm_scale, qk_scale_log2, window_left, window_right,
                         IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
-                        PRODUCER_REGS_: gl.constexpr):
+                        PRODUCER_REGS_: gl.constexpr, ROW_STATS: gl.constexpr = False):
     """(d = 256) dK and dV of 64 keys per CTA (``_dkdv_cols_consumer``); dQ comes from the dQ
     kernel. Shared memory at d = 256 with 2 stages: K, V 64 KB, Q/dO 128 KB, Pᵀ/dSᵀ 32 KB."""
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -844,8 +852,13 @@ def _bwd_dkdv_cols_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE, DELTA, CU_
     fixed = barriers(STAGES, 1)  # zeroed tail rows per Q/dO stage (no K/V zeroing here)
     p_ready = barriers(2, 1)
     ds_ready = barriers(2, 1)
-    qdo_full = barriers(STAGES, 1)
+    qdo_full = barriers(STAGES, 2 if ROW_STATS else 1)  # (ROW_STATS) + the rows' LSE / delta
     qdo_empty = barriers(STAGES, 2)  # one arrive per consumer warpgroup
+    if ROW_STATS:  # per stage: its 64 rows' LSE (base 2) and delta (``_dkdv_producer``)
+        ld_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, HALF],
+                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        ld_smem = fixed  # unused
     fence_async_shared()
 
     gl.warp_specialize([
@@ -854,17 +867,18 @@ def _bwd_dkdv_cols_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE, DELTA, CU_
                                ds_ready, dk_off, dv_off, stride_dkn, stride_dvn, lse_base,
                                stride_lh, h0, lo_m, n_m, n_steps, start_n, q_start, seqlen_q,
                                seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                               0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)),
+                               ld_smem, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, ROW_STATS)),
         (_dkdv_cols_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, p_smem,
                                ds_smem, kv_bar.index(0), qdo_full, qdo_empty, fixed, p_ready,
                                ds_ready, dk_off, dv_off, stride_dkn, stride_dvn, lse_base,
                                stride_lh, h0, lo_m, n_m, n_steps, start_n, q_start, seqlen_q,
                                seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                               1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)),
+                               ld_smem, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, ROW_STATS)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                           kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                           off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
-                          LSE, DELTA, fixed, lse_base, stride_lh, STAGES, IS_VARLEN, False, 1)),
+                          LSE, DELTA, ld_smem, lse_base, stride_lh, STAGES, IS_VARLEN, False, 1,
+                          ROW_STATS)),
     ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
     invalidate(kv_bar, 1)
@@ -1117,7 +1131,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             rows_descriptor(v, p.is_varlen, half), dk, dv, lse, delta, cu_q, cu_k,
             dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-            STAGES=DKDV_STAGES, **flags)
+            STAGES=DKDV_STAGES, ROW_STATS=ROW_STATS, **flags)
     else:
         # fused: rows no key block reaches get no partial, so the buffer starts at 0
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else None
