@@ -127,8 +127,8 @@ ENV_SWITCHES = (
      "d=64, lag at d=128 without a mask, first under one"),
     ("IOATTN_SM90_BWD_SEGMENTS", "0", "sm90 backward (d<=128, not the lag order): each query "
      "head's steps in three loops, the middle one without the mask's code"),
-    ("IOATTN_SM90_BWD_ROW_STATS", "0", "sm90 backward (d<=128): the rows' LSE and delta staged in "
-     "shared memory by the producer, read just before use (fewer registers, no spills)"),
+    ("IOATTN_SM90_BWD_ROW_STATS", "0", "sm90 backward dK/dV kernels: the rows' LSE and delta staged "
+     "in shared memory by the producer, read just before use (fewer registers and spills)"),
     ("IOATTN_SM90_BWD_D256", "1", "sm90 backward at d=256: a column-split dK/dV kernel and the dQ "
      "kernel on 32-key tiles (0: the portable backward there)"),
     ("IOATTN_SM90_FUSED_BWD", "1", "sm90 backward: one kernel, dQ by TMA reduce-add (0: two "

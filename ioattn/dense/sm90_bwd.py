@@ -296,6 +296,9 @@ def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELT
     dp = warpgroup_mma_wait(0, deps=[dp_tok])
     if ROW_STATS:
         delta = ld_smem.index(2 * st + 1).load(row_l)
+        # every warp's reads of the stage's rows before the warpgroup's one qdo_empty arrival
+        # (some orders have no barrier between them otherwise)
+        gl.thread_barrier()
     op_layout: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(q_smem.shape[2]))
     dv_tok = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), op_layout), do, dv,
                            is_async=True)
@@ -373,8 +376,8 @@ def _mask_segments(lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
 
 @gluon.jit
 def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
-               qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base, stride_lh, h0, ld_smem,
-               lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
+               qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base, stride_lh, h0,
+               ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
                sm_scale, WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                DQ_FIRST: gl.constexpr, DQ_ALT: gl.constexpr, MASK: gl.constexpr,
@@ -452,9 +455,10 @@ def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem
 
 @gluon.jit
 def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
-                   qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh,
-                   h0, ld_smem, lo_m, n_m, n_steps, start_n, q_start, seqlen_q, seqlen_k, window_left,
-                   window_right, qk_scale_log2, sm_scale,
+                   qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, dk_off,
+                   dv_off, stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m,
+                   n_steps, start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
+                   qk_scale_log2, sm_scale,
                    WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                    HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                    DQ_FIRST: gl.constexpr, DQ_LAG: gl.constexpr, DQ_ALT: gl.constexpr,

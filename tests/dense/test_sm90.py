@@ -193,24 +193,29 @@ def test_sm90_fused_bwd(c: Case, order, monkeypatch):
         assert_close_rule(f"{c.id} {name}", g, r, b, factor=GRAD_FACTOR)
 
 
-ROW_STATS_CASES = FUSED_CASES[:6] + [Case(113, 203, d=256), Case(300, 300, d=256, h=4, h_k=2,
+ROW_STATS_CASES = FUSED_CASES[:7] + [Case(113, 203, d=256), Case(300, 300, d=256, h=4, h_k=2,
                                                                   window=(50, 20))]
 
 
 @needs_sm90
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernel"])
+@pytest.mark.parametrize("form", ["auto", "after", "first", "lag", "alt", "segments", "two-kernel"])
 @pytest.mark.parametrize("c", ROW_STATS_CASES, ids=lambda c: "sm90-bwd-rowstats-" + c.id)
-def test_sm90_bwd_row_stats(c: Case, fused, monkeypatch):
+def test_sm90_bwd_row_stats(c: Case, form, monkeypatch):
     """The dK/dV kernels with the rows' LSE and delta staged in shared memory by the producer
-    (opt-in, IOATTN_SM90_BWD_ROW_STATS), in the fused form (each head dim's default dQ order)
-    and the two-kernel one (d=256: its column-split kernel), against the reference's gradients;
-    varlen with ragged lengths too."""
+    (opt-in, IOATTN_SM90_BWD_ROW_STATS), in the fused form in each dQ order (and with the
+    masked / unmasked step loops) and the two-kernel one (d=256: its column-split kernel), against
+    the reference's gradients; varlen with ragged lengths too."""
     from ioattn.dense import sm90_bwd
 
-    if c.d == 256 and not fused:
+    if c.d == 256 and form != "auto":
         pytest.skip("d=256 has one form (column-split dK/dV, then the dQ kernel)")
+    if form == "alt" and c.d != 64:
+        pytest.skip("one partial a step in turn: d=64 only")
     monkeypatch.setattr(sm90_bwd, "ROW_STATS", True)
-    monkeypatch.setattr(sm90_bwd, "FUSED", fused)
+    monkeypatch.setattr(sm90_bwd, "FUSED", form != "two-kernel")
+    monkeypatch.setattr(sm90_bwd, "SEGMENTS", form == "segments")
+    if form in sm90_bwd.DQ_ORDERS:
+        monkeypatch.setattr(sm90_bwd, "DQ_ORDER", form)
     _check_sm90_grads(c, varlen=True)
 
 
