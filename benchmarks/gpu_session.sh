@@ -186,7 +186,13 @@ for step in $steps; do
            for v in after first; do IOATTN_SM90_BWD_ROW_STATS=1 IOATTN_SM90_BWD_DQ_ORDER=$v timeout 150 \
              python -m ioattn bench --modes bwd --dims 128 --seqlens 2048,8192,16384 --dtypes bf16 \
              --impls ioattn_sm90,sdpa_cudnn --no-plots --out "$OUT/rowstats_$v.json" > "$OUT/rowstats_$v.log" 2>&1
-             echo "== row_stats=1 order=$v"; grep -E "^bwd" "$OUT/rowstats_$v.log"; done ;;
+             echo "== row_stats=1 order=$v"; grep -E "^bwd" "$OUT/rowstats_$v.log"; done
+           # with the masked / unmasked step loops too (spill-free in the loop with row stats:
+           # the d=128 causal unmasked step 620 -> 453 SASS instructions)
+           IOATTN_SM90_BWD_ROW_STATS=1 IOATTN_SM90_BWD_SEGMENTS=1 timeout 150 python -m ioattn bench \
+             --modes bwd --dims 64,128 --seqlens 2048,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn \
+             --no-plots --out "$OUT/rowstats_seg.json" > "$OUT/rowstats_seg.log" 2>&1
+           echo "== row_stats=1 segments=1"; grep -E "^bwd" "$OUT/rowstats_seg.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
