@@ -174,18 +174,20 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
         g = t // n_m
         row = q_start + lo_m + (t - g * n_m) * HALF
         col = (h0 + g) * HEAD_D
+        if ROW_STATS:  # loaded before the wait for the stage, so that it hides their latency
+            rows = row - q_start + gl.arange(0, HALF, layout=ld_layout)
+            ok = rows < seqlen_q
+            offs = lse_base + (h0 + g).to(gl.int64) * stride_lh + rows
+            lse = gl.load(LSE + offs, mask=ok, other=float("inf"))
+            delta = gl.load(DELTA + offs, mask=ok, other=0.0)
         mbarrier.wait(qdo_empty.index(st), ((t // STAGES) & 1) ^ 1)
         mbarrier.expect(qdo_full.index(st), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [row, col], qdo_full.index(st), q_smem.index(st))
         tma.async_copy_global_to_shared(do_desc, [row, col], qdo_full.index(st), do_smem.index(st))
         if ROW_STATS:
-            rows = row - q_start + gl.arange(0, HALF, layout=ld_layout)
-            ok = rows < seqlen_q
-            offs = lse_base + (h0 + g).to(gl.int64) * stride_lh + rows
-            lse = gl.load(LSE + offs, mask=ok, other=float("inf"))
             ld_smem.index(2 * st).store(
                 gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634))
-            ld_smem.index(2 * st + 1).store(gl.load(DELTA + offs, mask=ok, other=0.0))
+            ld_smem.index(2 * st + 1).store(delta)
             gl.thread_barrier()  # the warp's stores, before its one arrival
             mbarrier.arrive(qdo_full.index(st), count=1)
         if IS_VARLEN:
