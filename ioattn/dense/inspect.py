@@ -252,16 +252,17 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                 orders = [launched] + ([o for o in sm90_bwd.DQ_ORDERS if o != launched
                                         and (o != "alt" or d == 64)] if tag == "full" else [])
                 opt = dict(SEGMENTS=sm90_bwd.SEGMENTS, ROW_STATS=sm90_bwd.ROW_STATS)
-                forms = [("", dict(FUSED_DQ=False, **opt))] + [
-                    (f"+dq {o}", dict(FUSED_DQ=True, DQ_FIRST=o == "first", DQ_LAG=o == "lag",
-                                      DQ_ALT=o == "alt", **opt))
-                    for o in orders]
+                two_kernel = dict(FUSED_DQ=False, **opt)
+                fused = {o: dict(FUSED_DQ=True, DQ_FIRST=o == "first", DQ_LAG=o == "lag",
+                                 DQ_ALT=o == "alt", **opt) for o in orders}
+                forms = [("", two_kernel)] + [(f"+dq {o}", fused[o]) for o in orders]
                 if tag == "causal":  # (opt-in) the steps in masked / unmasked loops
                     forms.append((f"+dq {launched} segments",
-                                  dict(forms[1][1], SEGMENTS=not sm90_bwd.SEGMENTS)))
+                                  dict(fused[launched], SEGMENTS=not sm90_bwd.SEGMENTS)))
                 # (opt-in) LSE / delta staged in shared memory, two-kernel and fused as launched
                 forms += [(f"{suffix} rowstats", dict(form, ROW_STATS=not sm90_bwd.ROW_STATS))
-                          for suffix, form in forms[:2]]
+                          for suffix, form in (("", two_kernel), (f"+dq {launched}",
+                                                                  fused[launched]))]
                 jobs += [(f"sm90 bwd dkdv{suffix} d{d} {tag} 128 keys ws", sm90_bwd._bwd_dkdv_sm90,
                           bwd_desc, d, dict(flags, STAGES=sm90_bwd.DKDV_STAGES, **form))
                          for suffix, form in forms]

@@ -126,6 +126,13 @@ def _tile_needs_mask(m0, n0, seqlen_q, seqlen_k, off, window_left, window_right,
     return need
 
 
+@gluon.jit
+def _lse_base2(lse):
+    """A row's LSE (loaded with +inf past the sequence) for exp2: base 2, and +inf where it is
+    -inf (fully masked rows), so that their P is exactly 0 instead of NaN."""
+    return gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+
 # ----------------------------------------------------------------------------------- dK / dV
 @gluon.jit
 def _key_half(k_smem, i, FUSED_DQ: gl.constexpr):
@@ -185,8 +192,7 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
         tma.async_copy_global_to_shared(q_desc, [row, col], qdo_full.index(st), q_smem.index(st))
         tma.async_copy_global_to_shared(do_desc, [row, col], qdo_full.index(st), do_smem.index(st))
         if ROW_STATS:
-            ld_smem.index(2 * st).store(
-                gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634))
+            ld_smem.index(2 * st).store(_lse_base2(lse))
             ld_smem.index(2 * st + 1).store(delta)
             gl.thread_barrier()  # the warp's stores, before its one arrival
             mbarrier.arrive(qdo_full.index(st), count=1)
@@ -275,8 +281,7 @@ def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELT
         lse = gl.load(lse_ptrs, mask=row_ok, other=float("inf"))
         delta = gl.load(DELTA + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows, mask=row_ok,
                         other=0.0)
-        # fully masked rows carry LSE = -inf; +inf makes their P exactly 0 instead of NaN
-        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        lse2 = _lse_base2(lse)
     q, do, fixes = _qdo_stage(t, q_smem, do_smem, qdo_full, fixed, fixes, m0, seqlen_q, STAGES,
                               IS_VARLEN)
     # Sᵀ and dPᵀ issued together; the exponentials run while dPᵀ is on the tensor cores, and
@@ -778,9 +783,7 @@ def _dkdv_cols_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, p_s
         ds_buf = ds_smem.index(b)
         if WG == 0:
             if not ROW_STATS:
-                lse = gl.load(row_base, mask=row_ok, other=float("inf"))
-                # fully masked rows carry LSE = -inf; +inf makes their P exactly 0, not NaN
-                lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+                lse2 = _lse_base2(gl.load(row_base, mask=row_ok, other=float("inf")))
             s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s_tok])
             if ROW_STATS:
@@ -977,7 +980,7 @@ def _dq_consumer(DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, kv_full
     row_ok = rows < seqlen_q
     lse = gl.load(LSE + lse_off + rows, mask=row_ok, other=float("inf"))
     delta = gl.load(DELTA + lse_off + rows, mask=row_ok, other=0.0)
-    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = _lse_base2(lse)
     dq = gl.zeros([HALF, HEAD_D], gl.float32, layout=a_layout)
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
     if n_tiles > 0:

@@ -747,7 +747,7 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     one (results/chunked_sm90_paged_nvidia-h200_2026-11-29.json); that rule is kept to d >= 128,
     where it was measured. Shorter problems were not measured: the portable kernel keeps them."""
     if head_dim == 64:
-        if not masked and not varlen and _persistent(64, False):
+        if not masked and _persistent(64, varlen):  # batched: the persistent form
             return max_seqlen_q >= 2048
         return max_seqlen_q >= (4096 if WG3 or _persistent(64, varlen) else 8192)
     return max_seqlen_q >= 2048 or (max_seqlen_q >= 512 and max_seqlen_k >= 2048)
