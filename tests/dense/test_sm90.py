@@ -215,7 +215,7 @@ def test_sm90_bwd_row_stats(c: Case, form, monkeypatch):
     monkeypatch.setattr(sm90_bwd, "FUSED", form != "two-kernel")
     monkeypatch.setattr(sm90_bwd, "SEGMENTS", form == "segments")
     if form in sm90_bwd.DQ_ORDERS:
-        monkeypatch.setattr(sm90_bwd, "DQ_ORDER", form)
+        _bwd_order(monkeypatch, form)
     _check_sm90_grads(c, varlen=True)
 
 
