@@ -80,6 +80,16 @@ def device() -> str:
     return DEVICE
 
 
+@pytest.fixture(autouse=True)
+def _fresh_memos():
+    """Tests switch module-level knobs (sm90_fwd.WG3, SUPPORTED_HEAD_DIMS, preference rules)
+    between calls of one shape: each starts and ends without the entry points' memoized
+    per-signature decisions."""
+    _dense_op.clear_memos()
+    yield
+    _dense_op.clear_memos()
+
+
 if os.environ.get("IOATTN_TEST_SM90") == "always" and ON_GPU:
     # the whole dense suite through the sm90 kernels wherever they cover a call (auto otherwise
     # keeps short problems on the portable kernels, where they measured faster)

@@ -57,6 +57,7 @@ from ioattn.dense.sm90_common import (barriers, floor_div, invalidate, query_til
                                       wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile,
                                       zero_tail_rows)
 from ioattn.dense.triton_bwd import bwd_preprocess
+from ioattn.launch import launcher
 
 HALF = gl.constexpr(64)  # rows of one consumer warpgroup's wgmma (keys in dK/dV, queries in dQ)
 # d = 256 (the column-split dK/dV kernel and the dQ kernel on 32-key tiles): on by default since
@@ -95,8 +96,10 @@ SEGMENTS = os.environ.get("IOATTN_SM90_BWD_SEGMENTS", "0").lower() in ("1", "tru
 # (FlashAttention-3's arrangement), instead of global loads held in registers from the step's
 # start. In the sm90 SASS: the d=128 fused kernel's spills 224 -> 0 B (after / first order,
 # non-causal), 396-416 -> 16-20 B (causal), 336 -> 320 (lag), its unmasked step 821 -> 528
-# instructions (d=64: 709 -> 504). Opt-in until run on the H200
-ROW_STATS = os.environ.get("IOATTN_SM90_BWD_ROW_STATS", "0").lower() in ("1", "true", "on")
+# instructions (d=64: 709 -> 504). On the H200: d=64 +9-12%, d=128 +9-21%, d=256 +2-9%
+# (results/sm90_bwd_rowstats{1,0}_ef679d0_*.json); the default, IOATTN_SM90_BWD_ROW_STATS=0 the
+# global-load form
+ROW_STATS = os.environ.get("IOATTN_SM90_BWD_ROW_STATS", "1").lower() in ("1", "true", "on")
 DQ_ORDER = os.environ.get("IOATTN_SM90_BWD_DQ_ORDER", "auto").lower()
 
 
@@ -1077,11 +1080,12 @@ def unsupported_reason(head_dim: int, head_dim_v: int, softcap: float, has_alibi
 def dq_order(head_dim: int, masked: bool) -> str:
     """(fused) Where each step's dQ partial is issued (``DQ_ORDERS``; ``DQ_ORDER`` overrides
     "auto", which takes what measured fastest): "alt" at d = 64, at d = 128 "lag" without a mask
-    and "first" under one (causal or a window). "alt" needs the full-width partial (d = 64); asked
-    for elsewhere it is "after"."""
+    and "after" under one (causal or a window; with the row stats in shared memory "after" ran
+    +2-4% over "first", results/tune/sm90_bwd_rowstats_orders_ef679d0_*.log). "alt" needs the
+    full-width partial (d = 64); asked for elsewhere it is "after"."""
     order = DQ_ORDER
     if order == "auto":
-        order = "alt" if head_dim == 64 else ("first" if masked else "lag")
+        order = "alt" if head_dim == 64 else ("after" if masked else "lag")
     if order not in DQ_ORDERS:
         raise ValueError(f"IOATTN_SM90_BWD_DQ_ORDER={DQ_ORDER!r}: expected auto or one of "
                          f"{', '.join(DQ_ORDERS)}")
@@ -1090,17 +1094,12 @@ def dq_order(head_dim: int, masked: bool) -> str:
 
 def preferred(head_dim: int, masked: bool, max_seqlen_k: int) -> bool:
     """Whether 'auto' should take the sm90 backward over the portable one: where it measured
-    faster on the H200 (results/sm90_bwd_order_*_a0cfad4_*.json, results/sm90_bwd_d256_*.json,
-    against the portable kernel in the run of record results/dense_7c5cc50_*.json): d=256 from
-    2k (401-421 TFLOP/s against 131-150), d=128 non-causal from 2k (445-489 against 397-438 with
-    the "lag" dQ order), d=128 under a mask from 8k (410-437 against 394-422, "first"; 2k ran
-    308 against 322), d=64 from 8k (390-396 against 380-383, "alt"; 2k ties). Shorter problems
-    were not measured in these forms: the portable kernel keeps them."""
-    if head_dim == 256:
-        return max_seqlen_k >= 2048
-    if head_dim == 128 and not masked:
-        return max_seqlen_k >= 2048
-    return max_seqlen_k >= 8192
+    faster on the H200. With the row stats in shared memory (results/sm90_bwd_rowstats1_ef679d0_*)
+    it runs from 2k keys at every head dim: d=64 387 / 311 TFLOP/s non-causal / causal at 2k
+    against the portable 364 / 307 (results/dense_76fc236_*.json), d=128 493 / 373 against 442
+    (sm90 without row stats) / 323, d=256 398 / 331 against 131-150. Shorter problems were not
+    measured in these forms: the portable kernel keeps them."""
+    return max_seqlen_k >= 2048
 
 
 def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -1135,7 +1134,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
     lse_strides = p.lse_strides(lse)
     d = q.shape[-1]
     if d == 256:  # the column-split dK/dV kernel, then the dQ kernel on 32-key tiles
-        _bwd_dkdv_cols_sm90[(-(-p.max_seqlen_k // half), p.batch * n_heads_k)](
+        launcher(_bwd_dkdv_cols_sm90)[(-(-p.max_seqlen_k // half), p.batch * n_heads_k)](
             q_desc, do_desc, rows_descriptor(k, p.is_varlen, half),
             rows_descriptor(v, p.is_varlen, half), dk, dv, lse, delta, cu_q, cu_k,
             dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
@@ -1145,7 +1144,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         # fused: rows no key block reaches get no partial, so the buffer starts at 0
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else None
         order = dq_order(d, p.causal_like) if fused else "after"
-        _bwd_dkdv_sm90[(-(-p.max_seqlen_k // (2 * half)), p.batch * n_heads_k)](
+        launcher(_bwd_dkdv_sm90)[(-(-p.max_seqlen_k // (2 * half)), p.batch * n_heads_k)](
             q_desc, do_desc, rows_descriptor(k, p.is_varlen, half),
             rows_descriptor(v, p.is_varlen, half),
             # (fused) each warpgroup reduces its columns of dQ
@@ -1159,7 +1158,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             dq.copy_(dq_acc)
             return
     block_n = _dq_block_n(d)
-    _bwd_dq_sm90[(-(-p.max_seqlen_q // (2 * half)), p.batch * n_heads)](
+    launcher(_bwd_dq_sm90)[(-(-p.max_seqlen_q // (2 * half)), p.batch * n_heads)](
         q_desc, do_desc, rows_descriptor(k, p.is_varlen, block_n),
         rows_descriptor(v, p.is_varlen, block_n), dq, lse, delta, cu_q, cu_k,
         dq.stride(-3), dq.stride(-2), *lse_strides,

@@ -16,8 +16,9 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import builtin
+
+from ioattn.launch import Desc
 
 # tensor dtypes the TMA descriptors lay out (fp32: the fused backward's dQ accumulator)
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
@@ -255,11 +256,12 @@ def shared_layout(rows: int, cols: int, dtype: torch.dtype) -> gl.NVMMASharedLay
 
 
 def rows_descriptor(t: torch.Tensor, varlen: bool, block_rows: int,
-                    block_cols: int | None = None) -> TensorDescriptor:
+                    block_cols: int | None = None) -> Desc:
     """Host TMA descriptor of ``t`` as [rows, heads * d] with [block_rows, block_cols] boxes
-    (block_cols d by default)."""
+    (block_cols d by default), as ``ioattn.launch.Desc``: launched through ``launch.launcher``,
+    which checks it as gluon's ``TensorDescriptor`` the first time its signature is seen."""
     d = t.shape[-1]
     cols = block_cols or d
     rows, row_stride = rows_view(t, varlen)
     layout = shared_layout(block_rows, cols, t.dtype)
-    return TensorDescriptor(t, [rows, t.shape[-2] * d], [row_stride, 1], [block_rows, cols], layout)
+    return Desc(t, (rows, t.shape[-2] * d), (row_stride, 1), (block_rows, cols), layout)

@@ -45,6 +45,7 @@ from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, base_problem, in
                                       tma_view_problem, wgmma_a_operand, wgmma_acc_layout,
                                       zero_last_key_tile)
 from ioattn.dispatch import sm_count
+from ioattn.launch import launcher
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M)
 BLOCK_M = gl.constexpr(128)  # two consumer warpgroups
@@ -792,7 +793,7 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # caching allocator, and in a captured graph's pool under capture
     dynamic = schedule == "dynamic"
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else None
-    _attn_fwd_sm90[grid](
+    launcher(_attn_fwd_sm90)[grid](
         q_desc, k_desc, v_desc, o_desc, out, lse,
         p.cu_seqlens_q if p.is_varlen else dummy, p.cu_seqlens_k if p.is_varlen else dummy, dummy,
         out.stride(-3), out.stride(-2), *p.lse_strides(lse), 0, 0,
@@ -855,7 +856,7 @@ def attn_fwd_sm90_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     v_desc = rows_descriptor(v_cache, False, box)
     q_desc = rows_descriptor(q, False, HALF_M.value)
     o_desc = rows_descriptor(out, False, HALF_M.value)
-    _attn_fwd_sm90[grid](
+    launcher(_attn_fwd_sm90)[grid](
         q_desc, k_desc, v_desc, o_desc, out, lse, seqlens_k, seqlens_k, block_table,
         out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), block_table.stride(0),
         block_table.shape[1], h, h // h_k, s_q, block_table.shape[1] * page, b * h,

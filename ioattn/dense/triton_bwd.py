@@ -20,6 +20,7 @@ from ioattn.dense.common import (LOG2E, cdiv, dropout_keep, ensure_tma_allocator
                                  kv_sources, load_kv_block, q_block_range, scores_log2, seq_bounds, tma_compatible,
                                  visible)
 from ioattn.dense.params import AttnParams
+from ioattn.launch import launcher
 
 
 @triton.jit
@@ -347,7 +348,7 @@ def bwd_preprocess(p: AttnParams, out: torch.Tensor, dout: torch.Tensor, lse: to
     grid = (cdiv(p.max_seqlen_q, pre_block), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
-    _bwd_preprocess[grid](
+    launcher(_bwd_preprocess)[grid](
         out, dout, dlse if dlse is not None else delta, delta,
         sb(out), out.stride(-3), out.stride(-2), sb(dout), dout.stride(-3), dout.stride(-2),
         *p.lse_strides(lse), p.cu_q_arg(out), n_heads, p.max_seqlen_q,
@@ -386,7 +387,7 @@ def attn_bwd(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         dv.zero_()
         return
     bwd_preprocess(p, out, dout, lse, dlse, delta)
-    _bwd_dkdv_kernel[grid_kv](
+    launcher(_bwd_dkdv_kernel)[grid_kv](
         q, k, v, dout, lse, delta, dk, dv, p.alibi_arg(q), p.cu_q_arg(q), p.cu_k_arg(q),
         p.rng_arg(q),
         sb(q), q.stride(-3), q.stride(-2),
@@ -403,7 +404,7 @@ def attn_bwd(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    _bwd_dq_kernel[grid_dq](
+    launcher(_bwd_dq_kernel)[grid_dq](
         q, k, v, dout, lse, delta, dq, p.alibi_arg(q), p.cu_q_arg(q), p.cu_k_arg(q), p.rng_arg(q),
         sb(q), q.stride(-3), q.stride(-2),
         sb(k), k.stride(-3), k.stride(-2),

@@ -14,6 +14,7 @@ from ioattn.dense.common import (LOG2E, cdiv, dropout_keep, ensure_tma_allocator
                                  kv_sources, load_kv_block, scores_log2, seq_bounds,
                                  tma_compatible, visible)
 from ioattn.dense.params import AttnParams
+from ioattn.launch import launcher
 
 
 @triton.jit
@@ -172,7 +173,7 @@ def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     use_tma = cfg.tma and max(p.head_dim, p.head_dim_v) <= 128 and tma_compatible(q, k, v)
     if use_tma:
         ensure_tma_allocator()
-    _attn_fwd_kernel[grid](
+    launcher(_attn_fwd_kernel)[grid](
         q, k, v, out, lse, p.alibi_arg(q), p.cu_q_arg(q), p.cu_k_arg(q), p.rng_arg(q),
         sb(q), q.stride(-3), q.stride(-2),
         sb(k), k.stride(-3), k.stride(-2),

@@ -24,12 +24,30 @@ def _sink(h, device):
     return (torch.randn(h, device=device) * 2).requires_grad_()
 
 
+def _dsink_rounding(pt_parts, sink, dout, varlen):
+    """Per head, the spread of dsink that rounding the attention output to its dtype causes:
+    dsink sums dout * out * d(r)/d(sink) over every element of a head (r = sigmoid(lse - sink),
+    the keys' share of each row), and the elements' roundings add up like a random walk: their
+    standard deviation is about 0.2 eps sqrt(sum of squares) (a rounding is uniform within an ulp,
+    eps |x| / 2 to eps |x| wide). eps sqrt(sum of squares), about five of those, the largest head's."""
+    out, lse = pt_parts
+    s = sink.detach().float().view(-1, 1) if varlen else sink.detach().float().view(1, -1, 1)
+    r = torch.sigmoid(lse.float() - s)  # 0 for rows without keys (lse = -inf)
+    w = r * (1 - r)
+    w = w.t() if varlen else w.transpose(1, 2)  # out's layout: [.., seqlen, nheads]
+    terms = dout.float() * out.float() * w[..., None]
+    per_head = terms.transpose(-2, -1).reshape(-1, terms.shape[-2]).pow(2).sum(0).sqrt()
+    return torch.finfo(out.dtype).eps * per_head.max().item()
+
+
 def _check_sink_grad(name, outs, refs, pt_parts, dout, sink, varlen=False):
     """The FlashAttention rule for the sink's gradient. Its baseline is the same computation in
     PyTorch's low precision: attention without the sink (output in q's dtype, fp32 LSE), then the
     sink folded in as ``api._with_sink`` does. Like FlashAttention's backward (delta = rowsum(dO
     * O)) that reads the rounded output, and the gradient sums it over every row of a head: the
-    rounding term is the outputs' dtype's (dsink is fp32)."""
+    rounding term is the sum's (``_dsink_rounding``; dsink is fp32). The baseline's own error is
+    such a sum too, so by chance it can be far below the kernel's (one GPU run: 1.3e-3 against
+    5.1e-3, fp16 d=96 causal); the rounding term covers that."""
     from ioattn.dense.api import _with_sink
 
     base_out, _ = _with_sink(*pt_parts, sink, varlen)
@@ -37,7 +55,7 @@ def _check_sink_grad(name, outs, refs, pt_parts, dout, sink, varlen=False):
                                 for o in (outs, refs, base_out))
     err = (got - want).abs().max().item()
     base_err = (base - want).abs().max().item()
-    atol = rounding_atol(want, outs.dtype)
+    atol = max(rounding_atol(want, outs.dtype), _dsink_rounding(pt_parts, sink, dout, varlen))
     assert err <= GRAD_FACTOR * base_err + atol, (
         f"{name} dsink: max err {err:.3e} > {GRAD_FACTOR} x PyTorch low-precision err "
         f"{base_err:.3e} + atol {atol:.1e}")

@@ -198,20 +198,22 @@ ROW_STATS_CASES = FUSED_CASES[:7] + [Case(113, 203, d=256), Case(300, 300, d=256
 
 
 @needs_sm90
-@pytest.mark.parametrize("form", ["auto", "after", "first", "lag", "alt", "segments", "two-kernel"])
+@pytest.mark.parametrize("form", ["auto", "after", "first", "lag", "alt", "segments", "two-kernel",
+                                  "global-loads"])
 @pytest.mark.parametrize("c", ROW_STATS_CASES, ids=lambda c: "sm90-bwd-rowstats-" + c.id)
 def test_sm90_bwd_row_stats(c: Case, form, monkeypatch):
     """The dK/dV kernels with the rows' LSE and delta staged in shared memory by the producer
-    (opt-in, IOATTN_SM90_BWD_ROW_STATS), in the fused form in each dQ order (and with the
-    masked / unmasked step loops) and the two-kernel one (d=256: its column-split kernel), against
-    the reference's gradients; varlen with ragged lengths too."""
+    (the default, IOATTN_SM90_BWD_ROW_STATS), in the fused form in each dQ order (and with the
+    masked / unmasked step loops) and the two-kernel one (d=256: its column-split kernel), and
+    the global-load form (IOATTN_SM90_BWD_ROW_STATS=0), against the reference's gradients;
+    varlen with ragged lengths too."""
     from ioattn.dense import sm90_bwd
 
-    if c.d == 256 and form != "auto":
+    if c.d == 256 and form not in ("auto", "global-loads"):
         pytest.skip("d=256 has one form (column-split dK/dV, then the dQ kernel)")
     if form == "alt" and c.d != 64:
         pytest.skip("one partial a step in turn: d=64 only")
-    monkeypatch.setattr(sm90_bwd, "ROW_STATS", True)
+    monkeypatch.setattr(sm90_bwd, "ROW_STATS", form != "global-loads")
     monkeypatch.setattr(sm90_bwd, "FUSED", form != "two-kernel")
     monkeypatch.setattr(sm90_bwd, "SEGMENTS", form == "segments")
     if form in sm90_bwd.DQ_ORDERS:
@@ -336,7 +338,8 @@ def test_sm90_matches_triton_and_auto_picks_it(monkeypatch):
     if os.environ.get("IOATTN_TEST_SM90") != "always":  # that run prefers sm90 everywhere
         calls.clear()
         q, k, v = (t[..., :64].contiguous() for t in (q, k, v))
-        ioattn.flash_attn_func(q, k, v)  # d=64 at 2k: the portable kernel is auto's choice
+        # d=64 causal at 2k: the portable kernel is auto's choice (sm90_fwd.preferred)
+        ioattn.flash_attn_func(q, k, v, causal=True)
         assert not calls
 
 
@@ -408,20 +411,19 @@ def test_sm90_forward_preference_rule():
 
 
 def test_sm90_backward_preference_rule(monkeypatch):
-    """'auto' takes the sm90 backward where it measured faster (d=256 and d=128 non-causal from
-    2k, d=128 masked and d=64 from 8k), and the fused backward's dQ order by head dim and mask;
-    a bad IOATTN_SM90_BWD_DQ_ORDER is refused by name."""
+    """'auto' takes the sm90 backward where it measured faster (from 2k keys at every head dim
+    and mask), and the fused backward's dQ order by head dim and mask; a bad
+    IOATTN_SM90_BWD_DQ_ORDER is refused by name."""
     from ioattn.dense import sm90_bwd
 
     if os.environ.get("IOATTN_TEST_SM90") == "always":
         pytest.skip("the forced-sm90 suite replaces the rule (tests/conftest.py)")
-    assert sm90_bwd.preferred(256, True, 2048) and not sm90_bwd.preferred(256, False, 1024)
-    assert sm90_bwd.preferred(128, False, 2048) and not sm90_bwd.preferred(128, True, 4096)
-    assert sm90_bwd.preferred(128, True, 8192) and sm90_bwd.preferred(64, True, 8192)
-    assert not sm90_bwd.preferred(64, False, 4096)
+    for d in (64, 128, 256):
+        for masked in (False, True):
+            assert sm90_bwd.preferred(d, masked, 2048) and not sm90_bwd.preferred(d, masked, 1024)
     monkeypatch.setattr(sm90_bwd, "DQ_ORDER", "auto")
     assert [sm90_bwd.dq_order(d, m) for d, m in ((64, False), (64, True), (128, False),
-                                                  (128, True))] == ["alt", "alt", "lag", "first"]
+                                                  (128, True))] == ["alt", "alt", "lag", "after"]
     monkeypatch.setattr(sm90_bwd, "DQ_ORDER", "alt")
     assert sm90_bwd.dq_order(128, False) == "after"  # alt needs the full-width partial (d=64)
     monkeypatch.setattr(sm90_bwd, "DQ_ORDER", "late")

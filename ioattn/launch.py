@@ -1,0 +1,149 @@
+"""Kernel launches without Triton's per-call argument binding, for repeated calls.
+
+``kernel[grid](*args, **constexprs)`` binds every call's arguments anew before Triton finds its
+compiled kernel: a Python binder, a C++ specialization of each argument, a cache key, launch
+metadata, and for each TMA descriptor a dataclass whose checks run in Python. On the H200
+machine that is a large part of an attention call's 200-400 us of host time, more than a short
+causal problem's kernel (benchmarks/NOTES.md, session 9). ``launcher(kernel)[grid](...)`` takes
+the same arguments and keeps, per *signature*, the ``CompiledKernel`` that Triton's own call
+returned the first time; later calls with that signature go straight to its launcher.
+
+The signature is a superset of what Triton specializes on, so two calls that share one would
+also share Triton's compiled kernel: each tensor's dtype and 16-byte alignment, each int's and
+float's value, each TMA descriptor's block shape, layout, shape, strides, base dtype and base
+alignment, the keyword arguments (constexprs, ``num_warps``...) and the current device.
+Descriptors are passed as ``Desc`` (plain fields, no checks: the first call of a signature runs
+Triton's checks on the real descriptor, and the checked properties are in the signature).
+
+Launch hooks (Proton, ``knobs.runtime.launch_enter_hook``) get what Triton's call gives them.
+The plain path is taken under the interpreter, for an argument of a type outside the signature's
+(then Triton binds it), and for anything that is not a Triton/Gluon ``JITFunction`` returning a
+``CompiledKernel``.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_MAX_ENTRIES = 256  # signatures kept per kernel (a new one past this clears the cache)
+
+
+class Desc:
+    """A host TMA descriptor's fields (gluon's ``TensorDescriptor`` without its checks)."""
+
+    __slots__ = ("base", "shape", "strides", "block_shape", "layout", "padding")
+
+    def __init__(self, base: torch.Tensor, shape, strides, block_shape, layout) -> None:
+        self.base, self.shape, self.strides = base, shape, strides
+        self.block_shape, self.layout, self.padding = block_shape, layout, "zero"
+
+    def real(self):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        return TensorDescriptor(self.base, list(self.shape), list(self.strides),
+                                list(self.block_shape), self.layout)
+
+
+def _tensor_sig(t: torch.Tensor):
+    return t.dtype, t.data_ptr() % 16 == 0
+
+
+def _desc_sig(d: Desc):
+    b = d.base
+    return ("desc", b.dtype, b.data_ptr() % 16 == 0, tuple(d.shape), tuple(d.strides),
+            tuple(d.block_shape), d.layout)
+
+
+def _value_sig(x):
+    return type(x), x
+
+
+_SIG = {torch.Tensor: _tensor_sig, torch.nn.Parameter: _tensor_sig, Desc: _desc_sig,
+        int: _value_sig, bool: _value_sig, float: _value_sig, str: _value_sig,
+        type(None): _value_sig, torch.dtype: _value_sig}
+
+
+def _hooks():
+    """Triton's launch hooks (Proton, torch's profiler annotations), passed on as its call does."""
+    from triton import knobs
+
+    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+
+
+def _current_device() -> int:
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_device()
+
+
+def _current_stream(device: int) -> int:
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_stream(device)
+
+
+class Launcher:
+    """``launcher(kernel)[grid](*args, **kwargs)``: as ``kernel[grid](...)`` (see the module)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.cache: dict = {}
+        self.names = list(getattr(kernel, "arg_names", ()))
+        self.defaults = {p.name: p.default for p in getattr(kernel, "params", ())
+                         if p.has_default}
+        self.fast = not _INTERPRET and bool(self.names)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+    def _plain(self, grid, args, kwargs):
+        args = tuple(a.real() if type(a) is Desc else a for a in args)
+        kwargs = {k: v.real() if type(v) is Desc else v for k, v in kwargs.items()}
+        return self.kernel[grid](*args, **kwargs)
+
+    def _launch(self, grid, args, kwargs):
+        if not self.fast:
+            return self._plain(grid, args, kwargs)
+        device = _current_device()
+        try:
+            key = (device, tuple(_SIG[type(a)](a) for a in args),
+                   tuple((k, _SIG[type(v)](v)) for k, v in kwargs.items()))
+        except KeyError:  # an argument of another type: Triton binds it
+            return self._plain(grid, args, kwargs)
+        compiled = self.cache.get(key)
+        if compiled is None:
+            compiled = self._plain(grid, args, kwargs)
+            if len(self.cache) >= _MAX_ENTRIES:
+                self.cache.clear()
+            ok = all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
+            self.cache[key] = compiled if ok else False
+            return compiled
+        if compiled is False:  # not a CompiledKernel: Triton's call each time
+            return self._plain(grid, args, kwargs)
+        # the launcher takes every parameter in order (the constexprs' values too, which it skips)
+        try:
+            tail = [kwargs[n] if n in kwargs else self.defaults[n] for n in self.names[len(args):]]
+        except KeyError:  # a parameter without a value: Triton's call says which
+            return self._plain(grid, args, kwargs)
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        stream = _current_stream(device)
+        enter, leave = _hooks()
+        meta = None if enter is None else compiled.launch_metadata(grid, stream, *args, *tail)
+        compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, meta,
+                     enter, leave, *args, *tail)
+        return compiled
+
+
+def launcher(kernel) -> Launcher:
+    """The ``Launcher`` of ``kernel`` (one per kernel object, kept on it)."""
+    got = getattr(kernel, "_ioattn_launcher", None)
+    if got is None:
+        got = Launcher(kernel)
+        try:
+            kernel._ioattn_launcher = got
+        except AttributeError:
+            pass
+    return got

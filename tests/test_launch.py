@@ -1,0 +1,168 @@
+"""ioattn.launch: a repeated signature launches the kept CompiledKernel directly, with every
+parameter in order; anything that changes what Triton specializes on goes through Triton's own
+call again. A stand-in kernel on the CPU (the GPU suite runs every kernel through it)."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from ioattn import launch
+
+
+class _Param:
+    def __init__(self, name, default=inspect.Parameter.empty):
+        self.name, self.default = name, default
+
+    @property
+    def has_default(self):
+        return self.default is not inspect.Parameter.empty
+
+
+class _Compiled:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+    def launch_metadata(self, grid, stream, *args):
+        return ("meta-of", grid, stream, args)
+
+
+class _Kernel:
+    arg_names = ["X", "n", "D", "BLOCK", "FLAG"]
+    params = [_Param("X"), _Param("n"), _Param("D"), _Param("BLOCK"), _Param("FLAG", False)]
+
+    def __init__(self):
+        self.compiled = _Compiled()
+        self.plain = []
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.plain.append((grid, args, kwargs))
+            return self.compiled
+        return call
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    monkeypatch.setattr(launch, "_hooks", lambda: (None, None))
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_current_stream", lambda device: 1234)
+    kernel = _Kernel()
+    lau = launch.Launcher(kernel)
+    lau.fast = True  # (the interpreter turns it off)
+    return kernel, lau
+
+
+def _desc(t):
+    return launch.Desc(t, (t.shape[0], t.shape[1]), (t.stride(0), 1), (16, t.shape[1]), "layout")
+
+
+def test_repeat_launches_directly(fast, monkeypatch):
+    kernel, lau = fast
+    monkeypatch.setattr(launch.Desc, "real", lambda self: ("real", self.base))
+    x = torch.randn(64, 32)
+    lau[(3, 2)](x, 7, _desc(x), BLOCK=16)
+    assert len(kernel.plain) == 1 and not kernel.compiled.runs
+    assert kernel.plain[0][1][2] == ("real", x)  # Triton's call gets checked descriptors
+    y = torch.randn(64, 32)  # same signature, other data
+    d = _desc(y)
+    lau[(3, 2)](y, 7, d, BLOCK=16)
+    assert len(kernel.plain) == 1
+    (run,) = kernel.compiled.runs
+    # grid padded to 3 dims, stream, function, metadata, no hooks, then every parameter in order
+    # (FLAG's default filled in)
+    assert run[:9] == (3, 2, 1, 1234, "fn", "meta", None, None, None)
+    assert run[9] is y and run[10] == 7 and run[11] is d and run[12:] == (16, False)
+
+
+@pytest.mark.parametrize("change", ["int", "dtype", "align", "constexpr", "desc_shape"])
+def test_new_signature_goes_through_triton(fast, monkeypatch, change):
+    kernel, lau = fast
+    monkeypatch.setattr(launch.Desc, "real", lambda self: self)
+    x = torch.randn(64, 32)
+    lau[(1,)](x, 7, _desc(x), BLOCK=16)
+    n, block, y = 7, 16, torch.randn(64, 32)
+    if change == "int":
+        n = 8
+    elif change == "dtype":
+        y = y.half()
+    elif change == "align":
+        y = torch.randn(64 * 32 + 1)[1:].view(64, 32)  # 4 bytes past a 16-byte boundary
+    elif change == "constexpr":
+        block = 32
+    d = _desc(y) if change != "desc_shape" else _desc(y[:32])
+    lau[(1,)](y, n, d, BLOCK=block)
+    assert len(kernel.plain) == 2 and not kernel.compiled.runs
+
+
+def test_plain_path_for_an_unknown_argument(fast):
+    kernel, lau = fast
+    x = torch.randn(8, 8)
+    lau[(1,)](x, 1, [1, 2], BLOCK=4)  # a list: not in the signature's types
+    lau[(1,)](x, 1, [1, 2], BLOCK=4)
+    assert len(kernel.plain) == 2 and not kernel.compiled.runs
+
+
+def test_launch_hooks_get_what_triton_gives_them(fast, monkeypatch):
+    kernel, lau = fast
+    x = torch.randn(8, 8)
+    lau[(1,)](x, 1, None, BLOCK=4)
+    enter, leave = (lambda *a: None), (lambda *a: None)
+    monkeypatch.setattr(launch, "_hooks", lambda: (enter, leave))
+    lau[(1,)](x, 1, None, BLOCK=4)
+    (run,) = kernel.compiled.runs
+    assert run[6] == ("meta-of", (1,), 1234, (x, 1, None, 4, False))
+    assert run[7] is enter and run[8] is leave
+
+
+def test_interpreter_never_takes_the_fast_path():
+    if not launch._INTERPRET:
+        pytest.skip("the interpreter is off")
+    assert not launch.Launcher(_Kernel()).fast
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["triton", "sm90"])
+def test_repeat_calls_on_the_gpu(backend):
+    """Calls of one signature after the first run through the kept kernels: the same results
+    bitwise (deterministic backward), and right again after a call of another signature and
+    with inputs at an unaligned offset (their own signature)."""
+    import ioattn
+    from ioattn.dispatch import sm90_unavailable_reason
+    from ioattn.reference import attention_ref
+    from ioattn.testing import assert_close_rule
+
+    if backend == "sm90" and sm90_unavailable_reason(torch.device("cuda")) is not None:
+        pytest.skip(sm90_unavailable_reason(torch.device("cuda")))
+
+    def run(s, offset=0):
+        buf = torch.randn(3 * 2 * s * 4 * 128 + offset, device="cuda", dtype=torch.bfloat16)
+        q, k, v = (t.view(2, s, 4, 128).requires_grad_()
+                   for t in buf[offset:].split(2 * s * 4 * 128))
+        dout = torch.randn_like(q)
+        got = []
+        for _ in range(3):
+            o = ioattn.flash_attn_func(q, k, v, causal=True, deterministic=True, backend=backend)
+            got.append((o.detach(),) + torch.autograd.grad(o, (q, k, v), dout))
+        for later in got[1:]:
+            for a, b in zip(got[0], later):
+                assert torch.equal(a, b)
+        ref = attention_ref(q, k, v, causal=True)[0]
+        pt = attention_ref(q, k, v, causal=True, upcast=False)[0]
+        assert_close_rule("out", got[0][0], ref, pt)
+
+    run(640)
+    run(200)
+    run(640, offset=1)  # 2 bytes past an aligned base
+    run(640)
+    if backend == "sm90":
+        from ioattn.dense import sm90_fwd
+
+        lau = launch.launcher(sm90_fwd._attn_fwd_sm90)
+        assert any(c is not False for c in lau.cache.values())
