@@ -96,7 +96,7 @@ SEGMENTS = os.environ.get("IOATTN_SM90_BWD_SEGMENTS", "0").lower() in ("1", "tru
 # (FlashAttention-3's arrangement), instead of global loads held in registers from the step's
 # start. In the sm90 SASS: the d=128 fused kernel's spills 224 -> 0 B (after / first order,
 # non-causal), 396-416 -> 16-20 B (causal), 336 -> 320 (lag), its unmasked step 821 -> 528
-# instructions (d=64: 709 -> 504). On the H200: d=64 +9-12%, d=128 +9-21%, d=256 +2-9%
+# instructions (d=64: 709 -> 504). On the H200: d=64 +9-13%, d=128 +9-23%, d=256 +2-9%
 # (results/sm90_bwd_rowstats{1,0}_ef679d0_*.json); the default, IOATTN_SM90_BWD_ROW_STATS=0 the
 # global-load form
 ROW_STATS = os.environ.get("IOATTN_SM90_BWD_ROW_STATS", "1").lower() in ("1", "true", "on")
