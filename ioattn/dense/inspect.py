@@ -236,15 +236,22 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                          dict(flags, CONSUMER_REGS_=cregs, STAGES=stages, BLOCK_N=tile_n, PAGED=False,
                               PAGE=1, PINGPONG=sm90_fwd._pingpong(d) and wgs == 2,
                               PERSISTENT=sm90_fwd._persistent(d, varlen), WGS=wgs,
-                              DYNAMIC=sm90_fwd._schedule(d, varlen) == "dynamic")))
+                              DYNAMIC=sm90_fwd._schedule(d, varlen) == "dynamic",
+                              EARLY=sm90_fwd.RESCALE_EARLY)))
+            if tag == "full":  # (opt-in) O's rescale under QK_j's GEMM
+                name, fn_, rows_, d_, ce = jobs[-1]
+                jobs.append((f"{name} rescale-early={not sm90_fwd.RESCALE_EARLY}", fn_, rows_, d_,
+                             dict(ce, EARLY=not sm90_fwd.RESCALE_EARLY)))
             bwd_desc = dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64)
             dq_bn = sm90_bwd._dq_block_n(d)
-            if d == 256:  # column-split dK/dV (and, opt-in, with row stats), dQ on 32-key tiles
+            # the other row-stats form (LSE / delta in shared memory or held in registers)
+            other_rs = " global-loads" if sm90_bwd.ROW_STATS else " rowstats"
+            if d == 256:  # column-split dK/dV (in both row-stats forms), dQ on 32-key tiles
                 jobs += [(f"sm90 bwd dkdv-cols{suffix} d{d} {tag} 64 keys ws",
                           sm90_bwd._bwd_dkdv_cols_sm90, bwd_desc, d,
                           dict(flags, STAGES=sm90_bwd.DKDV_STAGES, ROW_STATS=rs))
                          for suffix, rs in (("", sm90_bwd.ROW_STATS),
-                                            (" rowstats", not sm90_bwd.ROW_STATS))]
+                                            (other_rs, not sm90_bwd.ROW_STATS))]
             else:
                 # the two-kernel and fused forms as launched (the fused one in this mask's dQ
                 # order), and (full) the fused one in each other dQ order
@@ -259,8 +266,8 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                 if tag == "causal":  # (opt-in) the steps in masked / unmasked loops
                     forms.append((f"+dq {launched} segments",
                                   dict(fused[launched], SEGMENTS=not sm90_bwd.SEGMENTS)))
-                # (opt-in) LSE / delta staged in shared memory, two-kernel and fused as launched
-                forms += [(f"{suffix} rowstats", dict(form, ROW_STATS=not sm90_bwd.ROW_STATS))
+                # the other row-stats form, two-kernel and fused as launched
+                forms += [(f"{suffix}{other_rs}", dict(form, ROW_STATS=not sm90_bwd.ROW_STATS))
                           for suffix, form in (("", two_kernel), (f"+dq {launched}",
                                                                   fused[launched]))]
                 jobs += [(f"sm90 bwd dkdv{suffix} d{d} {tag} 128 keys ws", sm90_bwd._bwd_dkdv_sm90,

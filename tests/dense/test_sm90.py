@@ -78,6 +78,15 @@ def _forward_only(c: Case):
     return q, k, v, kw, out
 
 
+def _matches_varlen(c: Case, q, k, v, kw, out) -> None:
+    """(equal-length cases without a left window) the same rows packed as varlen give out."""
+    if c.s_q == c.s_k and c.window[0] < 0:
+        cu = cu_seqlens([c.s_q] * c.b, "cuda")
+        flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
+        out_v = ioattn.flash_attn_varlen_func(*flat, cu, cu, c.s_q, c.s_k, backend="sm90", **kw)
+        torch.testing.assert_close(out_v.view_as(out).float(), out.float(), atol=1e-2, rtol=0)
+
+
 WG3_CASES = [Case(113, 203, d=64), Case(203, 113, d=64, causal=True),
              Case(1023, 1024, d=64, causal=True, dtype=FP16, b=3, h=3),
              Case(777, 777, d=64, h=6, h_k=3, window=(100, -1)), Case(192, 192, d=64, h=2),
@@ -93,11 +102,27 @@ def test_sm90_fwd_three_warpgroups(c: Case, monkeypatch):
 
     monkeypatch.setattr(sm90_fwd, "WG3", True)
     q, k, v, kw, out = _forward_only(c)
-    if c.s_q == c.s_k and c.window[0] < 0:  # the same rows packed as varlen
-        cu = cu_seqlens([c.s_q] * c.b, "cuda")
-        flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
-        out_v = ioattn.flash_attn_varlen_func(*flat, cu, cu, c.s_q, c.s_k, backend="sm90", **kw)
-        torch.testing.assert_close(out_v.view_as(out).float(), out.float(), atol=1e-2, rtol=0)
+    _matches_varlen(c, q, k, v, kw, out)
+
+
+@needs_sm90
+@pytest.mark.parametrize("mode", ["0", "dynamic"], ids=["per-tile", "persistent"])
+@pytest.mark.parametrize("c", [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
+                               Case(1023, 1024, d=128, dtype=FP16, b=3, h=3),
+                               Case(777, 777, d=128, h=6, h_k=3, window=(100, -1)),
+                               Case(64, 64, d=128, h=2),  # one key block: the tail's rescale
+                               Case(300, 300, d=256, h=4, h_k=2, window=(50, 20)),
+                               Case(203, 113, d=64, causal=True)],
+                         ids=lambda c: "sm90-early-" + c.id)
+def test_sm90_fwd_rescale_early(c: Case, mode, monkeypatch):
+    """The forward with O's rescale issued under QK_j's GEMM (opt-in,
+    IOATTN_SM90_FWD_RESCALE_EARLY), one CTA per tile and persistent, batched and varlen."""
+    from ioattn.dense import sm90_fwd
+
+    monkeypatch.setattr(sm90_fwd, "RESCALE_EARLY", True)
+    monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", mode)
+    q, k, v, kw, out = _forward_only(c)
+    _matches_varlen(c, q, k, v, kw, out)
 
 
 PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
@@ -456,9 +481,10 @@ def test_sm90_kernel_compiles_for_hopper():
     # fwd (also paged): d = 64, 128, 256; bwd dK/dV (also fused with dQ) and dQ: d = 64, 128;
     # the d=64 persistent forward on three consumer warpgroups, the fused backward with dQ
     # issued first, one step late or (d=64) in turn, the d=256 backward's two kernels, the
-    # causal fused backward with its steps in masked / unmasked loops, and the dK/dV kernels with
-    # LSE / delta staged in shared memory (opt-in)
-    assert len(reports) == 59, names
+    # causal fused backward with its steps in masked / unmasked loops, the dK/dV kernels with
+    # LSE / delta held in registers (IOATTN_SM90_BWD_ROW_STATS=0), and the forward with O's
+    # rescale under QK_j's GEMM (opt-in) at d = 64, 128, 256
+    assert len(reports) == 62, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
