@@ -66,10 +66,17 @@ _SIG = {torch.Tensor: _tensor_sig, torch.nn.Parameter: _tensor_sig, Desc: _desc_
 
 
 def _hooks():
-    """Triton's launch hooks (Proton, torch's profiler annotations), passed on as its call does."""
+    """Triton's launch hooks (Proton, torch's profiler annotations), passed on as its call does.
+    Triton 3.6 defaults them to empty ``HookChain``s, which call nothing: those become None, as
+    no hook, so the launch builds no metadata for them (what the launcher does with None)."""
     from triton import knobs
 
-    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return _live(enter), _live(leave)
+
+
+def _live(hook):
+    return None if hook is None or getattr(hook, "calls", None) == [] else hook
 
 
 def _current_device() -> int:

@@ -121,6 +121,16 @@ def test_launch_hooks_get_what_triton_gives_them(fast, monkeypatch):
     assert run[7] is enter and run[8] is leave
 
 
+def test_empty_hook_chains_are_no_hooks():
+    from triton.knobs import HookChain
+
+    chain = HookChain()
+    assert launch._live(chain) is None and launch._live(None) is None
+    chain.add(print)
+    assert launch._live(chain) is chain
+    assert launch._live(print) is print  # a plain function (set directly) stays
+
+
 def test_interpreter_never_takes_the_fast_path():
     if not launch._INTERPRET:
         pytest.skip("the interpreter is off")
