@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [sm90-fwd-early]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [sm90-fwd-early] [host-graph]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -86,6 +86,10 @@ for step in $steps; do
     host)  # host time per call (eager): public calls, op layers, decode run()
            timeout 120 python benchmarks/host_overhead.py --json "$OUT/host_overhead_nvidia-h200.json" \
              > "$OUT/host.log" 2>&1; head -34 "$OUT/host.log" ;;
+    host-graph) # the FA-grid 2k cells under the benchmark's timer and as graph replays (host share)
+           timeout 300 python benchmarks/host_overhead.py --graph \
+             --json "$OUT/host_graph_nvidia-h200.json" > "$OUT/host_graph.log" 2>&1
+           grep -E "^(fwd|bwd) d" "$OUT/host_graph.log" ;;
     profile-decode) # ncu: the planned decode's kernels and cuDNN's on the same cells (time, DRAM)
            for cell in 64x4096x16 1x32768x16; do
              timeout 150 ncu --clock-control none --csv --metrics \

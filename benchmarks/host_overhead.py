@@ -6,6 +6,7 @@ backward alone (calls enqueued faster than the GPU runs them); then cProfiles of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -33,6 +34,7 @@ def _per_call_us(fn, n=300):
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
+    p.add_argument("--graph", action="store_true", help="the 2k cells eager vs graph-replayed")
     a = p.parse_args(argv)
     dev, dt = "cuda", torch.bfloat16
     q, k, v = (torch.randn(1, 128, 16, 128, device=dev, dtype=dt) for _ in range(3))
@@ -111,12 +113,64 @@ def main(argv=None):
             s = io.StringIO()
             pstats.Stats(pr, stream=s).sort_stats(order).print_stats(30)
             print(f"== cProfile {name} ({n} calls, by {order})\n" + s.getvalue())
+    if a.graph:
+        res["graph_vs_eager_ms"] = graph_vs_eager()
     if a.json:
         env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                    triton=__import__("triton").__version__,
                    date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         with open(a.json, "w") as f:
             json.dump({"env": env, "host_us_per_call": res}, f, indent=1)
+
+
+def graph_vs_eager(s: int = 2048) -> dict:
+    """FA-grid cells at seqlen s (16k tokens, hidden 2048), bf16, forward (no grad) and backward
+    (autograd.grad on a kept graph): median ms under do_bench (the benchmark's timer: a cache
+    flush, then the call, host time included wherever the GPU waits for it) and under
+    do_bench_cudagraph (replays: kernel time only), for ioattn (auto) and SDPA-cuDNN."""
+    import torch.nn.functional as F
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    out = {}
+    for d in (64, 128, 256):
+        b, h = 16384 // s, 2048 // d
+        for causal in (False, True):
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=True) for _ in range(3))
+            dout = torch.randn_like(q)
+            qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+            impls = {
+                "ioattn": (lambda: ioattn.flash_attn_func(q, k, v, causal=causal), (q, k, v), dout),
+                "cudnn": (lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
+                          (qt, kt, vt), dout.transpose(1, 2)),
+            }
+            for name, (fwd, leaves, g) in impls.items():
+                ctx = (torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
+                       if name == "cudnn" else contextlib.nullcontext())
+                with ctx:
+                    o = fwd()
+                    cell = f"d{d} {'C' if causal else 'N'} {name}"
+                    for mode, fn in (("fwd", lambda: _no_grad(fwd)),
+                                     ("bwd", lambda: torch.autograd.grad(o, leaves, g,
+                                                                         retain_graph=True))):
+                        row = {}
+                        for timer, bench in (("eager", lambda f: do_bench(f, return_mode="median")),
+                                             ("graph", lambda f: do_bench_cudagraph(
+                                                 f, return_mode="median"))):
+                            try:
+                                row[timer] = round(bench(fn), 4)
+                            except Exception as e:  # a capture failure is a finding, not a stop
+                                row[timer] = f"{type(e).__name__}: {str(e)[:120]}"
+                        out[f"{mode} {cell}"] = row
+                        print(f"{mode} {cell}: {row}", flush=True)
+            del q, k, v, qt, kt, vt, o
+            torch.cuda.empty_cache()
+    return out
+
+
+def _no_grad(fn):
+    with torch.no_grad():
+        return fn()
 
 
 if __name__ == "__main__":
