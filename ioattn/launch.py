@@ -15,7 +15,10 @@ alignment, the keyword arguments (constexprs, ``num_warps``...) and the current 
 Descriptors are passed as ``Desc`` (plain fields, no checks: the first call of a signature runs
 Triton's checks on the real descriptor, and the checked properties are in the signature).
 
-Launch hooks (Proton, ``knobs.runtime.launch_enter_hook``) get what Triton's call gives them.
+Launch hooks (Proton, ``knobs.runtime.launch_enter_hook``) get what Triton's call gives them;
+Triton's debug and instrumentation switches are part of the signature. Not repeated per call:
+Triton's check that the kernel's global variables have not changed since it compiled (this
+library's kernels read constant globals only) and its pre-run hooks (none are registered).
 The plain path is taken under the interpreter, for an argument of a type outside the signature's
 (then Triton binds it), and for anything that is not a Triton/Gluon ``JITFunction`` returning a
 ``CompiledKernel``.
@@ -79,6 +82,14 @@ def _live(hook):
     return None if hook is None or getattr(hook, "calls", None) == [] else hook
 
 
+def _knobs():
+    """The Triton switches its own call adds to its kernel cache key on every call (debug mode,
+    instrumentation such as ConSan): a kernel kept under one is not launched under another."""
+    from triton import knobs
+
+    return knobs.runtime.debug, knobs.compilation.instrumentation_mode
+
+
 def _current_device() -> int:
     from triton.runtime.driver import driver
 
@@ -91,6 +102,12 @@ def _current_stream(device: int) -> int:
     return driver.active.get_current_stream(device)
 
 
+def _is_jit_function(kernel) -> bool:
+    from triton.runtime.jit import JITFunction
+
+    return isinstance(kernel, JITFunction)
+
+
 class Launcher:
     """``launcher(kernel)[grid](*args, **kwargs)``: as ``kernel[grid](...)`` (see the module)."""
 
@@ -100,7 +117,8 @@ class Launcher:
         self.names = list(getattr(kernel, "arg_names", ()))
         self.defaults = {p.name: p.default for p in getattr(kernel, "params", ())
                          if p.has_default}
-        self.fast = not _INTERPRET and bool(self.names)
+        # plain JIT functions only: an Autotuner / Heuristics wrapper runs its own hooks per call
+        self.fast = not _INTERPRET and _is_jit_function(kernel) and bool(self.names)
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
@@ -115,7 +133,7 @@ class Launcher:
             return self._plain(grid, args, kwargs)
         device = _current_device()
         try:
-            key = (device, tuple(_SIG[type(a)](a) for a in args),
+            key = (device, _knobs(), tuple(_SIG[type(a)](a) for a in args),
                    tuple((k, _SIG[type(v)](v)) for k, v in kwargs.items()))
         except KeyError:  # an argument of another type: Triton binds it
             return self._plain(grid, args, kwargs)
@@ -138,7 +156,8 @@ class Launcher:
         g2 = grid[2] if len(grid) > 2 else 1
         stream = _current_stream(device)
         enter, leave = _hooks()
-        meta = None if enter is None else compiled.launch_metadata(grid, stream, *args, *tail)
+        meta = (None if enter is None and leave is None
+                else compiled.launch_metadata(grid, stream, *args, *tail))
         compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, meta,
                      enter, leave, *args, *tail)
         return compiled

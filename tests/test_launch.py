@@ -121,6 +121,47 @@ def test_launch_hooks_get_what_triton_gives_them(fast, monkeypatch):
     assert run[7] is enter and run[8] is leave
 
 
+def test_exit_hook_alone_gets_the_metadata(fast, monkeypatch):
+    kernel, lau = fast
+    x = torch.randn(8, 8)
+    lau[(1,)](x, 1, None, BLOCK=4)
+    leave = lambda *a: None  # noqa: E731
+    monkeypatch.setattr(launch, "_hooks", lambda: (None, leave))
+    lau[(1,)](x, 1, None, BLOCK=4)
+    (run,) = kernel.compiled.runs
+    assert run[6][0] == "meta-of" and run[7] is None and run[8] is leave
+
+
+def test_not_a_compiled_kernel_stays_on_the_plain_path(fast):
+    kernel, lau = fast
+    kernel.compiled = object()  # what Triton's call returned: no run / function / metadata
+    x = torch.randn(8, 8)
+    for _ in range(3):
+        lau[(1,)](x, 1, None, BLOCK=4)
+    assert len(kernel.plain) == 3
+
+
+def test_a_parameter_without_a_value_goes_to_triton(fast):
+    kernel, lau = fast
+    x = torch.randn(8, 8)
+    lau[(1,)](x, 1, None)  # BLOCK missing: Triton's call is the one to say so
+    lau[(1,)](x, 1, None)
+    assert len(kernel.plain) == 2 and not kernel.compiled.runs
+
+
+def test_triton_debug_switch_is_in_the_signature(fast, monkeypatch):
+    kernel, lau = fast
+    x = torch.randn(8, 8)
+    lau[(1,)](x, 1, None, BLOCK=4)
+    monkeypatch.setattr(launch, "_knobs", lambda: (True, ""))
+    lau[(1,)](x, 1, None, BLOCK=4)
+    assert len(kernel.plain) == 2 and not kernel.compiled.runs
+
+
+def test_only_jit_functions_take_the_fast_path():
+    assert not launch._is_jit_function(_Kernel())
+
+
 def test_empty_hook_chains_are_no_hooks():
     from triton.knobs import HookChain
 

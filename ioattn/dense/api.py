@@ -202,8 +202,12 @@ def _plan_key(q, k, v, *scalars):
             or type(v) is not Tensor):
         return None
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    # scalars by type and value: the checks reject (-1.0, -1.0) windows or numpy floats, which
+    # compare (and hash) equal to the ints and floats of a valid call
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
-           v.dtype, q.device, k.device, v.device, grad, scalars)
+           v.dtype, q.device, k.device, v.device, grad,
+           tuple((type(x), tuple((type(w), w) for w in x) if type(x) is tuple else x)
+                 for x in scalars))
     try:
         hash(key)
     except TypeError:

@@ -59,6 +59,24 @@ def test_argument_errors(device):
         ioattn.flash_attn_func(q, k, v, backend="cudnn")
 
 
+def test_errors_after_a_valid_call_of_the_same_signature(device):
+    """flash_attn_func keeps each valid signature's checks and pick (api._PLANS): arguments that
+    compare equal to a valid call's but are rejected on their own (float windows, numpy scalars)
+    must still be rejected after it."""
+    np = pytest.importorskip("numpy")
+    q, k, v = _qkv(device)
+    ioattn.flash_attn_func(q, k, v)  # valid: its plan is kept
+    with pytest.raises(ValueError, match="window_size"):
+        ioattn.flash_attn_func(q, k, v, window_size=(-1.0, -1.0))
+    with pytest.raises(ValueError, match="softcap"):
+        ioattn.flash_attn_func(q, k, v, softcap=np.float32(0.0))
+    with pytest.raises(ValueError, match="softmax_scale"):
+        ioattn.flash_attn_func(q, k, v, softmax_scale=np.float32(32 ** -0.5))
+    ioattn.flash_attn_func(q, k, v, softmax_scale=32 ** -0.5)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        ioattn.flash_attn_func(q, k, v, softmax_scale=np.float32(32 ** -0.5))
+
+
 def test_device_errors(device):
     q, k, v = _qkv(device)
     other = "meta"
