@@ -28,9 +28,22 @@ from __future__ import annotations
 import os
 
 import torch
+from triton import knobs
+from triton.runtime.driver import driver
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-_MAX_ENTRIES = 256  # signatures kept per kernel (a new one past this clears the cache)
+_MAX_ENTRIES = 256  # signatures kept per cache (a new one past this clears it)
+
+
+def keep(cache: dict, key, value, size: int = _MAX_ENTRIES):
+    """cache[key] = value in a per-signature cache of at most ``size`` entries (a new one past
+    that clears it: signatures of one program are few, a cache that fills is churning); returns
+    value. The kernels' caches here and the dense entry points' memos (``dense.api._PLANS``,
+    ``dense.op._MEMO``) all keep their entries through it."""
+    if len(cache) >= size:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 class Desc:
@@ -72,8 +85,6 @@ def _hooks():
     """Triton's launch hooks (Proton, torch's profiler annotations), passed on as its call does.
     Triton 3.6 defaults them to empty ``HookChain``s, which call nothing: those become None, as
     no hook, so the launch builds no metadata for them (what the launcher does with None)."""
-    from triton import knobs
-
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     return _live(enter), _live(leave)
 
@@ -85,20 +96,14 @@ def _live(hook):
 def _knobs():
     """The Triton switches its own call adds to its kernel cache key on every call (debug mode,
     instrumentation such as ConSan): a kernel kept under one is not launched under another."""
-    from triton import knobs
-
     return knobs.runtime.debug, knobs.compilation.instrumentation_mode
 
 
 def _current_device() -> int:
-    from triton.runtime.driver import driver
-
     return driver.active.get_current_device()
 
 
 def _current_stream(device: int) -> int:
-    from triton.runtime.driver import driver
-
     return driver.active.get_current_stream(device)
 
 
@@ -140,10 +145,8 @@ class Launcher:
         compiled = self.cache.get(key)
         if compiled is None:
             compiled = self._plain(grid, args, kwargs)
-            if len(self.cache) >= _MAX_ENTRIES:
-                self.cache.clear()
             ok = all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
-            self.cache[key] = compiled if ok else False
+            keep(self.cache, key, compiled if ok else False)
             return compiled
         if compiled is False:  # not a CompiledKernel: Triton's call each time
             return self._plain(grid, args, kwargs)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ioattn.dense.op import dense_attention, draw_rng_state
 from ioattn.dispatch import resolve_backend, sm90_unavailable_reason
+from ioattn.launch import keep
 from ioattn.reference import attention_ref, attention_varlen_ref
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -192,12 +193,11 @@ def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
 # benchmarks/NOTES.md, session 9). The signature holds everything the checks and the pick read;
 # calls with ALiBi, a sink or dropout are not memoized. ``op.clear_memos`` empties it.
 _PLANS: dict = {}
-_PLANS_SIZE = 256
 
 
 def _plan_key(q, k, v, *scalars):
     """The signature of a batched call (None when it has none: while torch.compile traces, for a
-    tensor subclass, for an unhashable argument such as a window_size list)."""
+    tensor subclass). It may not hash (a window_size list): ``_plan`` says so."""
     if (torch.compiler.is_compiling() or type(q) is not Tensor or type(k) is not Tensor
             or type(v) is not Tensor):
         return None
@@ -208,11 +208,17 @@ def _plan_key(q, k, v, *scalars):
            v.dtype, q.device, k.device, v.device, grad,
            tuple((type(x), tuple((type(w), w) for w in x) if type(x) is tuple else x)
                  for x in scalars))
-    try:
-        hash(key)
-    except TypeError:
-        return None
     return key
+
+
+def _plan(key):
+    """(the plan kept for key or None, key or None when it does not hash)."""
+    if key is None:
+        return None, None
+    try:
+        return _PLANS.get(key), key
+    except TypeError:  # an unhashable argument: no signature
+        return None, None
 
 
 def _check_sink(sink, h: int, device: torch.device) -> None:
@@ -286,9 +292,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
     """
     key = None
     if alibi_slopes is None and learnable_sink is None and dropout_p == 0:
-        key = _plan_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                        deterministic, backend)
-        plan = _PLANS.get(key) if key is not None else None
+        plan, key = _plan(_plan_key(q, k, v, dropout_p, softmax_scale, causal, window_size,
+                                    softcap, deterministic, backend))
         if plan is not None:  # a signature seen before: its checks passed, its pick holds
             out, lse = dense_attention(q, k, v, None, None, *plan)
             return (out, lse, None) if return_attn_probs else out
@@ -318,9 +323,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
     plan = (s_q, k.shape[1], float(scale), left, right, float(softcap), alibi_slopes,
             float(dropout_p), rng, impl, bwd_impl, bool(deterministic))
     if key is not None:
-        if len(_PLANS) >= _PLANS_SIZE:
-            _PLANS.clear()
-        _PLANS[key] = plan
+        keep(_PLANS, key, plan)
     out, lse = dense_attention(q, k, v, None, None, *plan)
     return _finish(out, lse, return_attn_probs, learnable_sink)
 

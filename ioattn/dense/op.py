@@ -15,6 +15,7 @@ from torch import Tensor
 from ioattn.dense.params import check_int32_rows, make_params
 from ioattn.dense.triton_bwd import attn_bwd
 from ioattn.dense.triton_fwd import attn_fwd
+from ioattn.launch import keep
 
 # Tests turn this on: outputs are filled with NaN before launch so unwritten elements show.
 POISON_OUTPUTS = False
@@ -48,18 +49,12 @@ def _on_device(t: Tensor):
 # (host time: benchmarks/NOTES.md, session 9). ``clear_memos`` empties it (tests that change a
 # module switch between calls).
 _MEMO: dict = {}
-_MEMO_SIZE = 256
 
 
 def _memo(scalars: tuple, tensors: tuple, build):
     key = (scalars, tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
     got = _MEMO.get(key)
-    if got is None:
-        got = build()
-        if len(_MEMO) >= _MEMO_SIZE:
-            _MEMO.clear()
-        _MEMO[key] = got
-    return got
+    return keep(_MEMO, key, build()) if got is None else got
 
 
 def clear_memos() -> None:

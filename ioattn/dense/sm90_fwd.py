@@ -425,6 +425,8 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
             _take_turn(turn, WG, rnd0 + j, PINGPONG)
             s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
+            # (O's rescale is written out at its three places: as a jit helper it changed the
+            # default kernels' SASS, d=64/128 non-causal)
             if EARLY:  # block j-1's rescale, while QK_j runs
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
