@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [sm90-fwd-early] [host-graph]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -198,15 +198,6 @@ for step in $steps; do
              --modes bwd --dims 64,128 --seqlens 2048,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn \
              --no-plots --out /tmp/rowstats_seg.json > "$OUT/rowstats_seg.log" 2>&1
            echo "== row_stats=1 segments=1"; grep -E "^bwd" "$OUT/rowstats_seg.log" ;;
-    sm90-fwd-early) # O's rescale under QK_j's GEMM (opt-in): its tests, then on / off (JSONs)
-           timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py \
-             -k early > "$OUT/tests_early.log" 2>&1
-           grep -E "^FAILED" "$OUT/tests_early.log"; tail -1 "$OUT/tests_early.log"
-           for e in 1 0; do IOATTN_SM90_FWD_RESCALE_EARLY=$e timeout 150 python -m ioattn bench \
-             --modes fwd --dims 64,128,256 --seqlens 2048,8192,16384 --dtypes bf16 \
-             --impls ioattn_sm90,sdpa_cudnn --no-plots --out "$OUT/sm90_fwd_early$e.json" \
-             > "$OUT/fwd_early$e.log" 2>&1
-             echo "== rescale_early=$e"; grep -E "^fwd" "$OUT/fwd_early$e.log"; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -114,8 +114,6 @@ def sm_count(device: torch.device) -> int:
 ENV_SWITCHES = (
     ("IOATTN_SM90_PINGPONG", "auto", "sm90 forward: consumer warpgroups issue GEMMs in turns "
      "(auto: d=256 only; 1/0 force)"),
-    ("IOATTN_SM90_FWD_RESCALE_EARLY", "0", "sm90 forward: O rescaled by the previous block's "
-     "alpha between issuing QK_j and PV_{j-1} (FA3's order), not after PV_{j-1} retires"),
     ("IOATTN_SM90_PERSISTENT", "auto", "sm90 forward: persistent CTAs over query tiles (batched); "
      "auto: dynamic at d=64/128, dynamic: tiles handed out by an atomic counter, 1: static "
      "snake order, 0: one CTA per tile"),
@@ -127,8 +125,9 @@ ENV_SWITCHES = (
      "issued: after dK's update, first (before it), lag (one step late, overlapping the next "
      "step's dS), alt (d=64: one warpgroup a step, in turn, over all 128 keys); auto: alt at "
      "d=64, lag at d=128 without a mask, after under one"),
-    ("IOATTN_SM90_BWD_SEGMENTS", "0", "sm90 backward (d<=128, not the lag order): each query "
-     "head's steps in three loops, the middle one without the mask's code"),
+    ("IOATTN_SM90_BWD_SEGMENTS", "auto", "sm90 backward (d<=128, not the lag order): each query "
+     "head's steps in three loops, the middle one without the mask's code; auto: d=64 without "
+     "a causal mask or window"),
     ("IOATTN_SM90_BWD_ROW_STATS", "1", "sm90 backward dK/dV kernels: the rows' LSE and delta staged "
      "in shared memory by the producer, read just before use (0: held in registers)"),
     ("IOATTN_SM90_BWD_D256", "1", "sm90 backward at d=256: a column-split dK/dV kernel and the dQ "

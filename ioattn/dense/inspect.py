@@ -236,12 +236,7 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                          dict(flags, CONSUMER_REGS_=cregs, STAGES=stages, BLOCK_N=tile_n, PAGED=False,
                               PAGE=1, PINGPONG=sm90_fwd._pingpong(d) and wgs == 2,
                               PERSISTENT=sm90_fwd._persistent(d, varlen), WGS=wgs,
-                              DYNAMIC=sm90_fwd._schedule(d, varlen) == "dynamic",
-                              EARLY=sm90_fwd.RESCALE_EARLY)))
-            if tag == "full":  # (opt-in) O's rescale under QK_j's GEMM
-                name, fn_, rows_, d_, ce = jobs[-1]
-                jobs.append((f"{name} rescale-early={not sm90_fwd.RESCALE_EARLY}", fn_, rows_, d_,
-                             dict(ce, EARLY=not sm90_fwd.RESCALE_EARLY)))
+                              DYNAMIC=sm90_fwd._schedule(d, varlen) == "dynamic")))
             bwd_desc = dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64)
             dq_bn = sm90_bwd._dq_block_n(d)
             # the other row-stats form (LSE / delta in shared memory or held in registers)
@@ -258,14 +253,15 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                 launched = sm90_bwd.dq_order(d, causal)
                 orders = [launched] + ([o for o in sm90_bwd.DQ_ORDERS if o != launched
                                         and (o != "alt" or d == 64)] if tag == "full" else [])
-                opt = dict(SEGMENTS=sm90_bwd.SEGMENTS, ROW_STATS=sm90_bwd.ROW_STATS)
+                seg = sm90_bwd.segments(d, causal)
+                opt = dict(SEGMENTS=seg, ROW_STATS=sm90_bwd.ROW_STATS)
                 two_kernel = dict(FUSED_DQ=False, **opt)
                 fused = {o: dict(FUSED_DQ=True, DQ_FIRST=o == "first", DQ_LAG=o == "lag",
                                  DQ_ALT=o == "alt", **opt) for o in orders}
                 forms = [("", two_kernel)] + [(f"+dq {o}", fused[o]) for o in orders]
-                if tag == "causal":  # (opt-in) the steps in masked / unmasked loops
-                    forms.append((f"+dq {launched} segments",
-                                  dict(fused[launched], SEGMENTS=not sm90_bwd.SEGMENTS)))
+                if tag == "causal":  # the steps in masked / unmasked loops (or not)
+                    forms.append((f"+dq {launched} segments={not seg}",
+                                  dict(fused[launched], SEGMENTS=not seg)))
                 # the other row-stats form, two-kernel and fused as launched
                 forms += [(f"{suffix}{other_rs}", dict(form, ROW_STATS=not sm90_bwd.ROW_STATS))
                           for suffix, form in (("", two_kernel), (f"+dq {launched}",

@@ -88,9 +88,9 @@ FUSED = os.environ.get("IOATTN_SM90_FUSED_BWD", "1").lower() not in ("0", "false
 DQ_ORDERS = ("after", "first", "lag", "alt")
 # (d <= 128, outside the "lag" order) each query head's steps in three loops, the middle one (the
 # tiles that need no mask) without the mask's code: 15-30% fewer instructions a step in the SASS.
-# On the H200 it ran 1.01-1.04x at d=64 and 0.87-0.95x at d=128, where the loops spill more
-# (results/sm90_bwd_seg{1,0}_*.json). Opt-in until the whole dense suite has run through it
-SEGMENTS = os.environ.get("IOATTN_SM90_BWD_SEGMENTS", "0").lower() in ("1", "true", "on")
+# IOATTN_SM90_BWD_SEGMENTS: "auto" (default) at d = 64 without a causal mask or window, 1 / 0
+# force it on / off (``segments``)
+SEGMENTS = os.environ.get("IOATTN_SM90_BWD_SEGMENTS", "auto").lower()
 # (the dK/dV kernels, every head dim) the rows' LSE and delta loaded by the producer warp into
 # shared memory with each Q/dO stage and read by the consumers just before their use
 # (FlashAttention-3's arrangement), instead of global loads held in registers from the step's
@@ -1092,6 +1092,20 @@ def dq_order(head_dim: int, masked: bool) -> str:
     return "after" if order == "alt" and dq_cols(head_dim) != head_dim else order
 
 
+def segments(head_dim: int, masked: bool) -> bool:
+    """(fused and two-kernel dK/dV, d <= 128) whether the steps run in masked / unmasked loops.
+    "auto" takes them where they measured faster on the H200: d = 64 without a mask, +3-4% from
+    8k (results/sm90_bwd_seg{1,0}_700c91d_*.json; +1-4% in results/sm90_bwd_seg{1,0}_76fc236_*);
+    causal d = 64 ran -5 to +3% and d = 128 0.87-0.95x (its loops spill more)."""
+    if SEGMENTS == "auto":
+        return head_dim == 64 and not masked
+    if SEGMENTS in ("1", "true", "on"):
+        return True
+    if SEGMENTS in ("0", "false", "off"):
+        return False
+    raise ValueError(f"IOATTN_SM90_BWD_SEGMENTS={SEGMENTS!r}: expected auto, 1 or 0")
+
+
 def preferred(head_dim: int, masked: bool, max_seqlen_k: int) -> bool:
     """Whether 'auto' should take the sm90 backward over the portable one: where it measured
     faster on the H200. With the row stats in shared memory (results/sm90_bwd_rowstats1_ef679d0_*)
@@ -1153,7 +1167,8 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
             STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_LAG=order == "lag", DQ_ALT=order == "alt",
-            DQ_FIRST=order == "first", SEGMENTS=SEGMENTS, ROW_STATS=ROW_STATS, **flags)
+            DQ_FIRST=order == "first", SEGMENTS=segments(d, p.causal_like), ROW_STATS=ROW_STATS,
+            **flags)
         if fused:
             dq.copy_(dq_acc)
             return

@@ -55,10 +55,6 @@ PRODUCER_REGS = 24
 # pingpong between the consumer warpgroups (``_take_turn``): IOATTN_SM90_PINGPONG=1 / 0 forces it
 # on / off; by default on where it measured faster (``_pingpong``)
 PINGPONG = os.environ.get("IOATTN_SM90_PINGPONG", "auto")
-# O's rescale by the previous key block's alpha issued between QK_j and PV_{j-1}, under QK_j's
-# GEMM (FlashAttention-3's order), instead of after PV_{j-1} retires, where it sits between that
-# wait and the next block's GEMMs (``_consume_tile``'s EARLY). Opt-in until run on the H200
-RESCALE_EARLY = os.environ.get("IOATTN_SM90_FWD_RESCALE_EARLY", "0").lower() in ("1", "true", "on")
 # persistent CTAs for batched problems (``_consumer_persistent``), IOATTN_SM90_PERSISTENT:
 # "auto" (default) takes the dynamic form (tiles handed out by an atomic counter, FA3's dynamic
 # scheduler) at d in {64, 128}, where it measured faster on the H200 than one CTA per tile
@@ -376,13 +372,10 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                   v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles, window_left,
                   window_right, qk_scale_log2, it0, rnd0, q_phase, WG: gl.constexpr,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                  ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                  EARLY: gl.constexpr):
+                  ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
     """One warpgroup's 64 query rows of a tile: key tiles from ring position it0, pingpong rounds
     from rnd0, Q's load completing phase q_phase of q_bar. Returns (out, lse): out normalized in
-    the input dtype, lse in natural log; rows that saw no key give out 0 and LSE -inf. EARLY: O
-    is rescaled by the previous block's alpha between issuing QK_j and PV_{j-1}, under QK_j's
-    GEMM (FlashAttention-3's order), instead of after PV_{j-1} retires."""
+    the input dtype, lse in natural log; rows that saw no key give out 0 and LSE -inf."""
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
@@ -425,10 +418,6 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
             _take_turn(turn, WG, rnd0 + j, PINGPONG)
             s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
-            # (O's rescale is written out at its three places: as a jit helper it changed the
-            # default kernels' SASS, d=64/128 non-causal)
-            if EARLY:  # block j-1's rescale, while QK_j runs
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             _pass_turn(turn, WG, PINGPONG)
             s = warpgroup_mma_wait(1, deps=[s_tok])
@@ -438,8 +427,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                                                HAS_LEFT, HAS_RIGHT)
             acc = warpgroup_mma_wait(0, deps=[acc_tok])
             mbarrier.arrive(v_empty.index(prev), count=1)  # V_{j-1} is consumed
-            if not EARLY:
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         if PERSISTENT:
             # every QKᵀ of this tile has retired: the producer may load the next tile's Q
             mbarrier.arrive(q_empty, count=1)
@@ -452,8 +440,6 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                 mbarrier.wait(v_fixed, 0)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         _take_turn(turn, WG, rnd0 + n_tiles, PINGPONG)
-        if EARLY:  # the last block's rescale (a one-block tile: of the zero accumulator)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         _pass_turn(turn, WG, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=[acc_tok])
@@ -477,13 +463,13 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_
               v_empty, v_fixed, turn, o_row, o_col, o_base_off, stride_om, lse_off, start_m,
               seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right, qk_scale_log2,
               WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-              ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, EARLY: gl.constexpr):
+              ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr):
     if PINGPONG and WG == 1:
         mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                              v_empty, v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                              window_left, window_right, qk_scale_log2, 0, 0, 0, WG, STAGES,
-                             HAS_LEFT, HAS_RIGHT, ZERO_TAIL, PINGPONG, False, EARLY)
+                             HAS_LEFT, HAS_RIGHT, ZERO_TAIL, PINGPONG, False)
     row0 = start_m + WG * HALF_M
     _store_lse(LSE, lse, lse_off, row0, seqlen_q)
     if row0 + HALF_M <= seqlen_q:
@@ -503,7 +489,7 @@ def _consume_persistent_tile(t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_b
                              seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right,
                              qk_scale_log2, WG: gl.constexpr, STAGES: gl.constexpr,
                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                             PINGPONG: gl.constexpr, EARLY: gl.constexpr):
+                             PINGPONG: gl.constexpr):
     """One warpgroup's rows of tile t; returns the updated ring position, tiles-with-work count
     and pingpong rounds."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -514,7 +500,7 @@ def _consume_persistent_tile(t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_b
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                              v_empty, v_fixed, turn, start_m, seqlen_q_fixed, seqlen_k_fixed,
                              lo, n_tiles, window_left, window_right, qk_scale_log2, it, rnd,
-                             tc & 1, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG, True, EARLY)
+                             tc & 1, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG, True)
     # the output offsets, recomputed here rather than kept live through the key loop; Q's
     # buffer already holds the next tile's Q, so O is stored from registers
     (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
@@ -537,7 +523,7 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
                          n_bh, window_left, window_right, qk_scale_log2, tile_smem, tile_full,
                          tile_empty, WG: gl.constexpr,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr, EARLY: gl.constexpr):
+                         PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr):
     """A persistent CTA's tiles, in the producer's order: program_id, program_id + programs, ...
     in snake order (``_snake``), or (DYNAMIC) the ids the producer draws from the tile counter
     and passes on through shared memory; tiles run over (query tile, batch * head), query tiles
@@ -556,7 +542,7 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
             t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
             k_empty, v_empty, v_fixed, turn, CU_Q, CU_K, stride_om, stride_oh, stride_lb,
             stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
-            window_right, qk_scale_log2, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EARLY)
+            window_right, qk_scale_log2, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG)
         k += 1
         t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
 
@@ -571,7 +557,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    PRODUCER_REGS_: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr,
                    PAGE: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                    WGS: gl.constexpr = 2,
-                   DYNAMIC: gl.constexpr = False, COUNTER=None, EARLY: gl.constexpr = False):
+                   DYNAMIC: gl.constexpr = False, COUNTER=None):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # PAGED: batched queries over a paged KV cache (``attn_fwd_sm90_paged``): CU_K holds the key
     # counts, BT the page table [batch, bt_width] (row stride stride_btb), k_desc / v_desc view
@@ -619,21 +605,21 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
                                         tile_smem, tile_full, tile_empty,
-                                        0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC, EARLY)),
+                                        0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
                                         tile_smem, tile_full, tile_empty,
-                                        1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC, EARLY)),
+                                        1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
                                         tile_smem, tile_full, tile_empty,
-                                        2, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC, EARLY)),
+                                        2, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
@@ -649,14 +635,14 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
                                         tile_smem, tile_full, tile_empty,
-                                        0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC, EARLY)),
+                                        0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
                                         tile_smem, tile_full, tile_empty,
-                                        1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC, EARLY)),
+                                        1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
@@ -677,19 +663,19 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EARLY)),
+                             PINGPONG)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EARLY)),
+                             PINGPONG)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 2, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EARLY)),
+                             PINGPONG)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
@@ -703,13 +689,13 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EARLY)),
+                             PINGPONG)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EARLY)),
+                             PINGPONG)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
@@ -817,7 +803,7 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         STAGES=stages, CONSUMER_REGS_=regs, PRODUCER_REGS_=PRODUCER_REGS,
         BLOCK_N=block_n, PAGED=False, PAGE=1, PINGPONG=_pingpong(d) and wgs == 2,
         PERSISTENT=persistent, WGS=wgs,
-        DYNAMIC=dynamic, COUNTER=counter, EARLY=RESCALE_EARLY, num_warps=4,
+        DYNAMIC=dynamic, COUNTER=counter, num_warps=4,
     )
 
 
@@ -878,5 +864,5 @@ def attn_fwd_sm90_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         IS_VARLEN=False, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0,
         STAGES=_stages(d), CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS,
         BLOCK_N=block_n, PAGED=True, PAGE=page, PINGPONG=_pingpong(d), PERSISTENT=False,
-        EARLY=RESCALE_EARLY, num_warps=4,
+        num_warps=4,
     )

@@ -105,26 +105,6 @@ def test_sm90_fwd_three_warpgroups(c: Case, monkeypatch):
     _matches_varlen(c, q, k, v, kw, out)
 
 
-@needs_sm90
-@pytest.mark.parametrize("mode", ["0", "dynamic"], ids=["per-tile", "persistent"])
-@pytest.mark.parametrize("c", [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
-                               Case(1023, 1024, d=128, dtype=FP16, b=3, h=3),
-                               Case(777, 777, d=128, h=6, h_k=3, window=(100, -1)),
-                               Case(64, 64, d=128, h=2),  # one key block: the tail's rescale
-                               Case(300, 300, d=256, h=4, h_k=2, window=(50, 20)),
-                               Case(203, 113, d=64, causal=True)],
-                         ids=lambda c: "sm90-early-" + c.id)
-def test_sm90_fwd_rescale_early(c: Case, mode, monkeypatch):
-    """The forward with O's rescale issued under QK_j's GEMM (opt-in,
-    IOATTN_SM90_FWD_RESCALE_EARLY), one CTA per tile and persistent, batched and varlen."""
-    from ioattn.dense import sm90_fwd
-
-    monkeypatch.setattr(sm90_fwd, "RESCALE_EARLY", True)
-    monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", mode)
-    q, k, v, kw, out = _forward_only(c)
-    _matches_varlen(c, q, k, v, kw, out)
-
-
 PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
                     Case(1023, 1024, d=128, causal=True, dtype=FP16, b=3, h=3),
                     Case(777, 777, d=128, h=6, h_k=3, window=(100, -1)),
@@ -240,7 +220,8 @@ def test_sm90_bwd_row_stats(c: Case, form, monkeypatch):
         pytest.skip("one partial a step in turn: d=64 only")
     monkeypatch.setattr(sm90_bwd, "ROW_STATS", form != "global-loads")
     monkeypatch.setattr(sm90_bwd, "FUSED", form != "two-kernel")
-    monkeypatch.setattr(sm90_bwd, "SEGMENTS", form == "segments")
+    # the step loops as "auto" picks them, or forced on (segments) / off (the other forms)
+    monkeypatch.setattr(sm90_bwd, "SEGMENTS", {"auto": "auto", "segments": "1"}.get(form, "0"))
     if form in sm90_bwd.DQ_ORDERS:
         _bwd_order(monkeypatch, form)
     _check_sm90_grads(c, varlen=True)
@@ -481,10 +462,9 @@ def test_sm90_kernel_compiles_for_hopper():
     # fwd (also paged): d = 64, 128, 256; bwd dK/dV (also fused with dQ) and dQ: d = 64, 128;
     # the d=64 persistent forward on three consumer warpgroups, the fused backward with dQ
     # issued first, one step late or (d=64) in turn, the d=256 backward's two kernels, the
-    # causal fused backward with its steps in masked / unmasked loops, the dK/dV kernels with
-    # LSE / delta held in registers (IOATTN_SM90_BWD_ROW_STATS=0), and the forward with O's
-    # rescale under QK_j's GEMM (opt-in) at d = 64, 128, 256
-    assert len(reports) == 62, names
+    # causal fused backward with its steps in masked / unmasked loops, and the dK/dV kernels with
+    # LSE / delta held in registers (IOATTN_SM90_BWD_ROW_STATS=0)
+    assert len(reports) == 59, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
@@ -493,7 +473,7 @@ def test_sm90_kernel_compiles_for_hopper():
         limit = 16
         if "dkdv" in r["name"]:
             limit = 1024 if "d128" in r["name"] else 128
-            if "segments" in r["name"]:  # (opt-in) three copies of the step, each spilling
+            if "segments=True" in r["name"]:  # (d=128) three copies of the step, each spilling
                 limit = 4096
         elif r["name"].startswith("sm90 fwd d128 causal"):
             limit = 128  # the persistent (dynamic) form: ~70 B, tile ids and offsets
