@@ -34,6 +34,7 @@ from ioattn.dispatch import sm_count, triton_unavailable_reason
 from ioattn.decode.merge import merge_state, merge_state_in_place, merge_states  # noqa: F401
 from ioattn.decode import triton_decode
 from ioattn.decode.triton_decode import kvcache_attn, paged_attn, paged_tiles
+from ioattn.launch import launcher
 from ioattn.paged.plan import kv_lengths, max_work_items, split_work
 
 _LAYOUTS = ("NHD", "HND")
@@ -285,7 +286,7 @@ def append_paged_kv_cache(append_key: Tensor, append_value: Tensor, batch_indice
                 _fail(f"token {i}: request {b}, position {p_} lies outside that request's pages "
                       "(kv_indptr); allocate the pages before appending")
     append_key, append_value = append_key.contiguous(), append_value.contiguous()  # one layout
-    _append_paged_kernel[(nnz, h_k)](
+    launcher(_append_paged_kernel)[(nnz, h_k)](
         append_key, append_value, k, v, batch_indices, positions, kv_indices, kv_indptr,
         append_key.stride(0), append_key.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), k.shape[1], k.shape[0], kv_indices.numel(),

@@ -9,9 +9,12 @@ the same arguments and keeps, per *signature*, the ``CompiledKernel`` that Trito
 returned the first time; later calls with that signature go straight to its launcher.
 
 The signature is a superset of what Triton specializes on, so two calls that share one would
-also share Triton's compiled kernel: each tensor's dtype and 16-byte alignment, each int's and
-float's value, each TMA descriptor's block shape, layout, shape, strides, base dtype and base
-alignment, the keyword arguments (constexprs, ``num_warps``...) and the current device.
+also share Triton's compiled kernel: each tensor's dtype and 16-byte alignment; each int's
+width (32 / 64 bits, unsigned past 2**63), whether it is 1 and whether 16 divides it, as
+Triton's specialization (so sequence lengths that change from call to call keep one entry);
+each float as a float; each constexpr's value (positional or keyword) and each bool's; each TMA
+descriptor's block shape, layout, shape, strides, base dtype and base alignment; the other
+keyword arguments (``num_warps``...) by value; and the current device.
 Descriptors are passed as ``Desc`` (plain fields, no checks: the first call of a signature runs
 Triton's checks on the real descriptor, and the checked properties are in the signature).
 
@@ -76,9 +79,22 @@ def _value_sig(x):
     return type(x), x
 
 
+def _int_sig(x: int):
+    """What Triton specializes a (non-constexpr) int on: its width, == 1 (then a constant of
+    the compiled kernel), and 16 | x (an alignment hint)."""
+    width = 0 if -2**31 <= x < 2**31 else (2 if x >= 2**63 else 1)
+    return int, width, x == 1, x % 16 == 0
+
+
+def _float_sig(x: float):
+    return float  # fp32 whatever the value
+
+
+# by value: constexpr parameters and keyword launch options; _SPEC: the other parameters
 _SIG = {torch.Tensor: _tensor_sig, torch.nn.Parameter: _tensor_sig, Desc: _desc_sig,
         int: _value_sig, bool: _value_sig, float: _value_sig, str: _value_sig,
         type(None): _value_sig, torch.dtype: _value_sig}
+_SPEC = {**_SIG, int: _int_sig, float: _float_sig}
 
 
 def _hooks():
@@ -120,8 +136,13 @@ class Launcher:
         self.kernel = kernel
         self.cache: dict = {}
         self.names = list(getattr(kernel, "arg_names", ()))
-        self.defaults = {p.name: p.default for p in getattr(kernel, "params", ())
-                         if p.has_default}
+        params = getattr(kernel, "params", ())
+        self.defaults = {p.name: p.default for p in params if p.has_default}
+        # each parameter's signature table: constexprs by value, the others as Triton
+        # specializes them (params and arg_names are both in the kernel's parameter order)
+        self.tables = {p.name: _SIG if getattr(p, "is_constexpr", False) else _SPEC
+                       for p in params}
+        self.pos_tables = [self.tables.get(n, _SIG) for n in self.names]
         # plain JIT functions only: an Autotuner / Heuristics wrapper runs its own hooks per call
         self.fast = not _INTERPRET and _is_jit_function(kernel) and bool(self.names)
 
@@ -134,12 +155,13 @@ class Launcher:
         return self.kernel[grid](*args, **kwargs)
 
     def _launch(self, grid, args, kwargs):
-        if not self.fast:
+        if not self.fast or len(args) > len(self.names):
             return self._plain(grid, args, kwargs)
         device = _current_device()
         try:
-            key = (device, _knobs(), tuple(_SIG[type(a)](a) for a in args),
-                   tuple((k, _SIG[type(v)](v)) for k, v in kwargs.items()))
+            key = (device, _knobs(),
+                   tuple(t[type(a)](a) for t, a in zip(self.pos_tables, args)),
+                   tuple((k, self.tables.get(k, _SIG)[type(v)](v)) for k, v in kwargs.items()))
         except KeyError:  # an argument of another type: Triton binds it
             return self._plain(grid, args, kwargs)
         compiled = self.cache.get(key)

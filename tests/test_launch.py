@@ -12,8 +12,8 @@ from ioattn import launch
 
 
 class _Param:
-    def __init__(self, name, default=inspect.Parameter.empty):
-        self.name, self.default = name, default
+    def __init__(self, name, default=inspect.Parameter.empty, is_constexpr=False):
+        self.name, self.default, self.is_constexpr = name, default, is_constexpr
 
     @property
     def has_default(self):
@@ -34,8 +34,9 @@ class _Compiled:
 
 
 class _Kernel:
-    arg_names = ["X", "n", "D", "BLOCK", "FLAG"]
-    params = [_Param("X"), _Param("n"), _Param("D"), _Param("BLOCK"), _Param("FLAG", False)]
+    arg_names = ["X", "n", "D", "BLOCK", "FLAG", "scale"]
+    params = [_Param("X"), _Param("n"), _Param("D"), _Param("BLOCK", is_constexpr=True),
+              _Param("FLAG", False, is_constexpr=True), _Param("scale", 1.5)]
 
     def __init__(self):
         self.compiled = _Compiled()
@@ -78,26 +79,49 @@ def test_repeat_launches_directly(fast, monkeypatch):
     # grid padded to 3 dims, stream, function, metadata, no hooks, then every parameter in order
     # (FLAG's default filled in)
     assert run[:9] == (3, 2, 1, 1234, "fn", "meta", None, None, None)
-    assert run[9] is y and run[10] == 7 and run[11] is d and run[12:] == (16, False)
+    assert run[9] is y and run[10] == 7 and run[11] is d and run[12:] == (16, False, 1.5)
 
 
-@pytest.mark.parametrize("change", ["int", "dtype", "align", "constexpr", "desc_shape"])
+@pytest.mark.parametrize("n", [9, 23, -5, 2**31 - 1])
+def test_ints_key_as_triton_specializes_them(fast, n):
+    """A length that changes between calls keeps the kept kernel as long as Triton would
+    specialize it the same way (not 1, not a multiple of 16, 32-bit), as does a float."""
+    kernel, lau = fast
+    x = torch.randn(8, 8)
+    lau[(1,)](x, 7, None, BLOCK=4, scale=0.5)
+    lau[(1,)](x, n, None, BLOCK=4, scale=2.0)
+    assert len(kernel.plain) == 1
+    (run,) = kernel.compiled.runs
+    assert run[10] == n and run[14] == 2.0
+
+
+@pytest.mark.parametrize("change", ["int-one", "int-16", "int-64bit", "int-float", "dtype", "align",
+                                    "constexpr", "constexpr-positional", "desc_shape"])
 def test_new_signature_goes_through_triton(fast, monkeypatch, change):
     kernel, lau = fast
     monkeypatch.setattr(launch.Desc, "real", lambda self: self)
     x = torch.randn(64, 32)
-    lau[(1,)](x, 7, _desc(x), BLOCK=16)
+    lau[(1,)](x, 7, _desc(x), 16)  # BLOCK (a constexpr) positional
     n, block, y = 7, 16, torch.randn(64, 32)
-    if change == "int":
-        n = 8
+    if change == "int-one":  # Triton makes a 1 a constant of the kernel
+        n = 1
+    elif change == "int-16":  # and marks a multiple of 16 as such
+        n = 32
+    elif change == "int-64bit":
+        n = 2**31
+    elif change == "int-float":
+        n = 7.0
     elif change == "dtype":
         y = y.half()
     elif change == "align":
         y = torch.randn(64 * 32 + 1)[1:].view(64, 32)  # 4 bytes past a 16-byte boundary
-    elif change == "constexpr":
+    elif change.startswith("constexpr"):  # by keyword, or positional as the first call's
         block = 32
     d = _desc(y) if change != "desc_shape" else _desc(y[:32])
-    lau[(1,)](y, n, d, BLOCK=block)
+    if change == "constexpr":
+        lau[(1,)](y, n, d, BLOCK=block)
+    else:
+        lau[(1,)](y, n, d, block)
     assert len(kernel.plain) == 2 and not kernel.compiled.runs
 
 
@@ -117,7 +141,7 @@ def test_launch_hooks_get_what_triton_gives_them(fast, monkeypatch):
     monkeypatch.setattr(launch, "_hooks", lambda: (enter, leave))
     lau[(1,)](x, 1, None, BLOCK=4)
     (run,) = kernel.compiled.runs
-    assert run[6] == ("meta-of", (1,), 1234, (x, 1, None, 4, False))
+    assert run[6] == ("meta-of", (1,), 1234, (x, 1, None, 4, False, 1.5))
     assert run[7] is enter and run[8] is leave
 
 

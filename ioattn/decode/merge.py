@@ -22,6 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ioattn.decode.triton_decode import COMBINE_SLOTS, _merge_slots, _pow2
+from ioattn.launch import launcher
 
 
 @triton.jit
@@ -98,7 +99,7 @@ def _launch_two(v_a, s_a, v_b, s_b, v_out, s_out, mask: Optional[Tensor]) -> Non
     seq, h, d = v_a.shape
     if seq * h == 0:
         return
-    _merge_two_kernel[(seq, h)](
+    launcher(_merge_two_kernel)[(seq, h)](
         v_a, s_a, v_b, s_b, v_out, s_out, mask if mask is not None else s_a, h,
         HEAD_DIM=d, BLOCK_D=_pow2(d, 16), HAS_MASK=mask is not None, num_warps=1)
 
@@ -141,6 +142,6 @@ def merge_states(v: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     s_out = torch.empty(seq, h, device=v.device, dtype=torch.float32)
     if seq * h == 0:
         return v_out, s_out
-    _merge_many_kernel[(seq, h)](v, s, v_out, s_out, n_states, h, HEAD_DIM=d,
+    launcher(_merge_many_kernel)[(seq, h)](v, s, v_out, s_out, n_states, h, HEAD_DIM=d,
                                  BLOCK_D=_pow2(d, 16), BLOCK_S=COMBINE_SLOTS, num_warps=1)
     return v_out, s_out

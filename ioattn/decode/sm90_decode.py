@@ -29,11 +29,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ioattn.dense.common import LOG2E
 from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, invalidate, shared_layout,
                                       wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile)
+from ioattn.launch import Desc, launcher
 
 ROWS = gl.constexpr(64)  # wgmma's M: the GQA group's query heads, zero-padded
 BLOCK_N = 64  # keys per tile
@@ -334,12 +334,14 @@ def coverage_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows_per
     return None
 
 
-def _descriptor(t: torch.Tensor, view: tuple, box: int) -> TensorDescriptor:
+def _descriptor(t: torch.Tensor, view: tuple, box: int) -> Desc:
+    """The cache view's TMA descriptor (checked as gluon's ``TensorDescriptor`` by the launcher
+    the first time its signature is seen)."""
     page_rows, head_rows, head_cols, row_elems, row_stride = view
     pages, page, h_k, _ = t.shape
     rows = (pages - 1) * page_rows + (h_k - 1) * head_rows + page  # the view's last row + 1
-    return TensorDescriptor(t, [rows, row_elems], [row_stride, 1], [box, t.shape[-1]],
-                            shared_layout(box, t.shape[-1], t.dtype))
+    return Desc(t, (rows, row_elems), (row_stride, 1), (box, t.shape[-1]),
+                shared_layout(box, t.shape[-1], t.dtype))
 
 
 def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
@@ -367,7 +369,7 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     group = h // h_k
     group_p2 = 1 << (group - 1).bit_length()
     counts, slot_start = merge if merge is not None else (n_work, n_work)
-    _decode_sm90[(max_items, h_k)](
+    launcher(_decode_sm90)[(max_items, h_k)](
         k_desc, v_desc, q, out, lse, o_part, lse_part, seqlens_indptr, indices, work, n_work,
         counts, slot_start,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), batch, h, group,

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from ioattn.dense.common import LOG2E, cdiv, scores_log2
 from ioattn.dispatch import sm_count
+from ioattn.launch import launcher
 
 
 @triton.jit
@@ -557,7 +558,7 @@ def kvcache_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
     else:
         o_part, lse_part = out, lse
     dummy = seqlens_k
-    _kvcache_attn_kernel[(num_splits, m_blocks, b * h_k)](
+    launcher(_kvcache_attn_kernel)[(num_splits, m_blocks, b * h_k)](
         q, k_pages, v_pages, out, lse, o_part, lse_part, seqlens_k,
         leftpad if leftpad is not None else dummy, block_table if paged else dummy,
         cache_batch_idx if cache_batch_idx is not None else dummy,
@@ -580,7 +581,7 @@ def kvcache_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
         num_stages=_attn_stages(q.is_cuda, block_m),
     )
     if split:
-        _combine_kernel[(b * s_q, h)](
+        launcher(_combine_kernel)[(b * s_q, h)](
             out, lse, o_part, lse_part, out.stride(0), out.stride(1), out.stride(2),
             s_q, h, num_splits, b, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=COMBINE_SLOTS,
             num_warps=4,
@@ -602,16 +603,16 @@ def gather_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, seqlens_k: torch.Ten
     paged = block_table is not None
     capacity = block_table.shape[1] * page_size if paged else page_size
     dummy = seqlens_k
-    _pack_offsets_kernel[(1,)](seqlens_k, leftpad if leftpad is not None else dummy, cu_k, b,
-                               capacity, HAS_LEFTPAD=leftpad is not None,
-                               BLOCK_B=min(_pow2(b), 1024), num_warps=4)
+    launcher(_pack_offsets_kernel)[(1,)](
+        seqlens_k, leftpad if leftpad is not None else dummy, cu_k, b, capacity,
+        HAS_LEFTPAD=leftpad is not None, BLOCK_B=min(_pow2(b), 1024), num_warps=4)
     block_d = _pow2(d, 16)
     # 4096 elements per tile over 8 warps, 16 per thread: spill-free at every head dim (sm90
     # ptxas, ioattn.dense.inspect); chosen before those reports had the launcher's divisibility
     # hints (8192 over 4 warps then showed spills) and not tuned on the GPU
     block_r = max(1, 4096 // block_d)
     if k_out.numel():
-        _gather_kv_kernel[(cdiv(capacity, block_r), b, h_k)](
+        launcher(_gather_kv_kernel)[(cdiv(capacity, block_r), b, h_k)](
             k_pages, v_pages, k_out, v_out, seqlens_k, leftpad if leftpad is not None else dummy,
             block_table if paged else dummy,
             cache_batch_idx if cache_batch_idx is not None else dummy, cu_k,
@@ -638,7 +639,7 @@ def rope_store(src: torch.Tensor, dst: torch.Tensor, pos_base: torch.Tensor,
     rot_half = rotary_cos.shape[1] if has_rot else 1
     paged = block_table is not None
     dummy = pos_base
-    _rope_store_kernel[(b * s, h)](
+    launcher(_rope_store_kernel)[(b * s, h)](
         src, dst, rotary_cos if has_rot else src, rotary_sin if has_rot else src, pos_base,
         leftpad if leftpad is not None else dummy, block_table if paged else dummy,
         cache_batch_idx if cache_batch_idx is not None else dummy,
@@ -699,7 +700,7 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
     else:
         block_n, warps = worklist_launch(block_m, block_d, k_pages.element_size() == 1,
                                          softcap > 0 or rope is not None)
-        _kvcache_attn_kernel[(max_items, row_blocks, h_k)](
+        launcher(_kvcache_attn_kernel)[(max_items, row_blocks, h_k)](
             q, k_pages, v_pages, out, lse, o_part, lse_part, seqlens_indptr, seqlens_indptr, indices,
             seqlens_indptr, seqlens_indptr, work, n_work,
             0, q.stride(0), q.stride(1),
@@ -720,7 +721,7 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
                                                          decode and not extras, k_pages.shape[1]),
         )
     if slot_start is not None:
-        _combine_slots_kernel[(b, h)](
+        launcher(_combine_slots_kernel)[(b, h)](
             out, lse, o_part, lse_part, slot_start, out.stride(0), out.stride(1), h,
             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=COMBINE_SLOTS, LSE_BASE2=lse_base2, num_warps=4,
         )
