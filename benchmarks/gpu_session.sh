@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -198,6 +198,26 @@ for step in $steps; do
              --modes bwd --dims 64,128 --seqlens 2048,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn \
              --no-plots --out /tmp/rowstats_seg.json > "$OUT/rowstats_seg.log" 2>&1
            echo "== row_stats=1 segments=1"; grep -E "^bwd" "$OUT/rowstats_seg.log" ;;
+    sm90-wg3pp) # the d=64 forward on three consumer warpgroups taking turns round robin (FA3's
+           # warp-scheduler barrier at d=64), persistent and not: tests, then timed against the
+           # three-warpgroup form without turns and the default (two warpgroups, dynamic)
+           IOATTN_SM90_PINGPONG=1 timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
+             tests/dense/test_sm90.py -k "wg3" > "$OUT/tests_wg3pp.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_wg3pp.log"; tail -1 "$OUT/tests_wg3pp.log"
+           for v in pp3p wg3p default pp3; do
+             case $v in pp3p) e="IOATTN_SM90_WG3_PERSISTENT=1 IOATTN_SM90_PINGPONG=1" ;;
+               wg3p) e=IOATTN_SM90_WG3_PERSISTENT=1 ;; pp3) e="IOATTN_SM90_PERSISTENT=0 IOATTN_SM90_PINGPONG=1" ;;
+               *) e=X=1 ;; esac
+             env $e timeout 150 python -m ioattn bench --modes fwd --dims 64 \
+               --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
+               --out "$OUT/sm90_fwd_wg3pp_$v.json" > "$OUT/wg3pp_$v.log" 2>&1
+             echo "== $v"; grep -E "^fwd" "$OUT/wg3pp_$v.log"; done ;;
+    sm90-pp128) # pingpong at d=128 again, in today's persistent form (FA3 runs its scheduler
+           # barrier there; measured within noise in session 3, before the persistent form)
+           for v in 1 auto; do IOATTN_SM90_PINGPONG=$v timeout 150 python -m ioattn bench --modes fwd \
+             --dims 128 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn \
+             --no-plots --out "$OUT/sm90_fwd_pp128_$v.json" > "$OUT/pp128_$v.log" 2>&1
+             echo "== pingpong=$v"; grep -E "^fwd" "$OUT/pp128_$v.log"; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

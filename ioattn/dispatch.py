@@ -112,8 +112,8 @@ def sm_count(device: torch.device) -> int:
 # stay off by default; benchmarks/NOTES.md records each one's measurements. Each is read once,
 # when the module that uses it is imported.
 ENV_SWITCHES = (
-    ("IOATTN_SM90_PINGPONG", "auto", "sm90 forward: consumer warpgroups issue GEMMs in turns "
-     "(auto: d=256 only; 1/0 force)"),
+    ("IOATTN_SM90_PINGPONG", "auto", "sm90 forward: consumer warpgroups issue GEMMs in turns, "
+     "round robin (auto: d=256 with two warpgroups only; 1/0 force, three warpgroups too)"),
     ("IOATTN_SM90_PERSISTENT", "auto", "sm90 forward: persistent CTAs over query tiles (batched); "
      "auto: dynamic at d=64/128, dynamic: tiles handed out by an atomic counter, 1: static "
      "snake order, 0: one CTA per tile"),

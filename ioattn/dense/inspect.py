@@ -234,7 +234,7 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
             jobs.append((f"sm90 fwd d{d} {tag} {64 * wgs}x{tile_n} ws", sm90_fwd._attn_fwd_sm90,
                          dict(q_desc=64, o_desc=64, k_desc=tile_n, v_desc=tile_n), d,
                          dict(flags, CONSUMER_REGS_=cregs, STAGES=stages, BLOCK_N=tile_n, PAGED=False,
-                              PAGE=1, PINGPONG=sm90_fwd._pingpong(d) and wgs == 2,
+                              PAGE=1, PINGPONG=sm90_fwd._pingpong(d, wgs),
                               PERSISTENT=sm90_fwd._persistent(d, varlen), WGS=wgs,
                               DYNAMIC=sm90_fwd._schedule(d, varlen) == "dynamic")))
             bwd_desc = dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64)
@@ -272,19 +272,22 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
             jobs.append((f"sm90 bwd dq d{d} {tag} 128x{dq_bn} ws", sm90_bwd._bwd_dq_sm90,
                          dict(q_desc=64, do_desc=64, k_desc=dq_bn, v_desc=dq_bn), d,
                          dict(flags, STAGES=sm90_bwd.DQ_STAGES)))
-        if d == 64:  # (opt-in, IOATTN_SM90_WG3_PERSISTENT) the persistent form on 3 warpgroups
+        if d == 64:  # (opt-in, IOATTN_SM90_WG3_PERSISTENT) the persistent form on 3 warpgroups,
+            # and (opt-in, IOATTN_SM90_PINGPONG=1) with their turns round robin
             tile_n, stages, cregs = sm90_fwd._tile(d, 3)
-            jobs.append((f"sm90 fwd d{d} causal persistent 192x{tile_n} ws", sm90_fwd._attn_fwd_sm90,
-                         dict(q_desc=64, o_desc=64, k_desc=tile_n, v_desc=tile_n), d,
-                         dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True,
-                              PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, CONSUMER_REGS_=cregs, STAGES=stages, BLOCK_N=tile_n, PAGED=False,
-                              PAGE=1, PINGPONG=False, PERSISTENT=True, WGS=3, DYNAMIC=True)))
+            jobs += [(f"sm90 fwd d{d} causal persistent 192x{tile_n}{' pingpong' if pp else ''} ws",
+                      sm90_fwd._attn_fwd_sm90,
+                      dict(q_desc=64, o_desc=64, k_desc=tile_n, v_desc=tile_n), d,
+                      dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True,
+                           PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, CONSUMER_REGS_=cregs,
+                           STAGES=stages, BLOCK_N=tile_n, PAGED=False, PAGE=1, PINGPONG=pp,
+                           PERSISTENT=True, WGS=3, DYNAMIC=True)) for pp in (False, True)]
         # the KV-cache forward over pages of 16 (one TMA copy per page)
         jobs.append((f"sm90 fwd paged16 d{d} causal 128x{bn} ws", sm90_fwd._attn_fwd_sm90,
                      dict(q_desc=64, o_desc=64, k_desc=16, v_desc=16), d,
                      dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True, **regs,
                           STAGES=sm90_fwd._stages(d), BLOCK_N=bn, PAGED=True, PAGE=16,
-                          PINGPONG=sm90_fwd._pingpong(d), PERSISTENT=False, WGS=2)))
+                          PINGPONG=sm90_fwd._pingpong(d, 2), PERSISTENT=False, WGS=2)))
     return [gluon_report(name, fn, _gluon_signature(fn, dtype, desc_rows, d), ce, arch)
             for name, fn, desc_rows, d, ce in jobs]
 

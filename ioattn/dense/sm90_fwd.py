@@ -78,10 +78,14 @@ def _block_n(head_dim: int) -> int:
     return 64 if head_dim == 256 else 128
 
 
-def _pingpong(head_dim: int) -> bool:
-    # H200, pingpong on vs off in one session (results/sm90_fwd_pp{0,1_run1,1_run2}_*.json): d=256 non-causal
-    # +2-4% from 4k, d=128 within noise to -2% at 8k-16k, d=64 -1-2%
-    return head_dim == 256 if PINGPONG == "auto" else PINGPONG != "0"
+def _pingpong(head_dim: int, wgs: int) -> bool:
+    # H200, two warpgroups, pingpong on vs off in one session
+    # (results/sm90_fwd_pp{0,1_run1,1_run2}_*.json): d=256 non-causal +2-4% from 4k, d=128 within
+    # noise to -2% at 8k-16k, d=64 -1-2%. Three warpgroups (d=64) take their turns round robin
+    # (FA3's warp-scheduler barrier at d=64): not measured yet, so only when forced
+    if PINGPONG == "auto":
+        return head_dim == 256 and wgs == 2
+    return PINGPONG != "0"
 
 
 def _wgs(head_dim: int, varlen: bool, paged: bool = False) -> int:
@@ -341,12 +345,13 @@ def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_ri
 
 @gluon.jit
 def _take_turn(turn, WG: gl.constexpr, r, PINGPONG: gl.constexpr):
-    """Pingpong (FA3): the two consumer warpgroups issue their wgmmas in turns, so one's softmax
-    runs while the other's GEMMs keep the tensor cores busy (without an order both wait for the
-    same K tile, issue together and then do their softmax together, leaving the tensor cores
-    idle). Round r of warpgroup WG waits for phase r of its turn barrier: warpgroup 1 completes
-    warpgroup 0's phase 0 before its first round, and each warpgroup passes the turn once it has
-    issued a round's wgmmas."""
+    """Pingpong (FA3): the consumer warpgroups issue their wgmmas in turns, round robin, so one's
+    softmax runs while the others' GEMMs keep the tensor cores busy (without an order they wait
+    for the same K tile, issue together and then do their softmax together, leaving the tensor
+    cores idle). Round r of warpgroup WG waits for phase r of its turn barrier: the last
+    warpgroup completes warpgroup 0's phase 0 before its first round (``_first_turn``), and each
+    warpgroup passes the turn to the next once it has issued a round's wgmmas. A barrier is at
+    most one phase ahead of its waiter: the next pass to it needs this one's."""
     if PINGPONG:
         mbarrier.wait(turn.index(WG), r & 1)
 
@@ -354,7 +359,13 @@ def _take_turn(turn, WG: gl.constexpr, r, PINGPONG: gl.constexpr):
 @gluon.jit
 def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
     if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG), count=1)
+        mbarrier.arrive(turn.index((WG + 1) % turn.shape[0]), count=1)
+
+
+@gluon.jit
+def _first_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG and WG == turn.shape[0] - 1:
+        mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
 
 
 @gluon.jit
@@ -464,8 +475,7 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_
               seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right, qk_scale_log2,
               WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr):
-    if PINGPONG and WG == 1:
-        mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
+    _first_turn(turn, WG, PINGPONG)
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                              v_empty, v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                              window_left, window_right, qk_scale_log2, 0, 0, 0, WG, STAGES,
@@ -530,8 +540,7 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
     fastest (a head's tiles run together, sharing K/V in L2) and heaviest (last) first."""
     n_m = gl.cdiv(seqlen_q_fixed, q_smem.shape[0] * HALF_M)
     total = n_m * n_bh
-    if PINGPONG and WG == 1:
-        mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
+    _first_turn(turn, WG, PINGPONG)
     it = n_bh * 0  # key tiles consumed so far (ring position)
     tc = n_bh * 0  # tiles with work so far (q_bar's phase)
     rnd = n_bh * 0  # pingpong rounds so far
@@ -568,8 +577,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     gl.static_assert(not (PERSISTENT and (IS_VARLEN or PAGED)),
                      "the persistent form covers batched (not varlen or paged) problems")
-    gl.static_assert(WGS == 2 or (WGS == 3 and not PINGPONG),
-                     "three consumer warpgroups: no pingpong")
+    gl.static_assert(WGS == 2 or WGS == 3, "two or three consumer warpgroups")
     if not PERSISTENT:
         (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
          n_tiles) = query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
@@ -584,7 +592,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     q_bar = barriers(1, 1)
     q_empty = barriers(1, WGS)  # persistent: one arrive per consumer warpgroup
     v_fixed = barriers(1, 1)
-    turn = barriers(2, 1)  # pingpong: one per consumer warpgroup
+    turn = barriers(WGS, 1)  # pingpong: one per consumer warpgroup
     k_full = barriers(STAGES, 1)
     v_full = barriers(STAGES, 1)
     k_empty = barriers(STAGES, WGS)  # one arrive per consumer warpgroup
@@ -706,7 +714,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     invalidate(q_bar, 1)
     invalidate(q_empty, 1)
     invalidate(v_fixed, 1)
-    invalidate(turn, 2)
+    invalidate(turn, WGS)
     invalidate(k_full, STAGES)
     invalidate(v_full, STAGES)
     invalidate(k_empty, STAGES)
@@ -801,7 +809,7 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         p.softmax_scale * LOG2E, p.window_left, p.window_right,
         IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
         STAGES=stages, CONSUMER_REGS_=regs, PRODUCER_REGS_=PRODUCER_REGS,
-        BLOCK_N=block_n, PAGED=False, PAGE=1, PINGPONG=_pingpong(d) and wgs == 2,
+        BLOCK_N=block_n, PAGED=False, PAGE=1, PINGPONG=_pingpong(d, wgs),
         PERSISTENT=persistent, WGS=wgs,
         DYNAMIC=dynamic, COUNTER=counter, num_warps=4,
     )
@@ -863,6 +871,6 @@ def attn_fwd_sm90_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         softmax_scale * LOG2E, window_left, window_right,
         IS_VARLEN=False, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0,
         STAGES=_stages(d), CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS,
-        BLOCK_N=block_n, PAGED=True, PAGE=page, PINGPONG=_pingpong(d), PERSISTENT=False,
+        BLOCK_N=block_n, PAGED=True, PAGE=page, PINGPONG=_pingpong(d, 2), PERSISTENT=False,
         num_warps=4,
     )

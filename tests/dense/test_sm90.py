@@ -94,13 +94,16 @@ WG3_CASES = [Case(113, 203, d=64), Case(203, 113, d=64, causal=True),
 
 
 @needs_sm90
+@pytest.mark.parametrize("pingpong", ["auto", "1"], ids=["default", "pingpong"])
 @pytest.mark.parametrize("c", WG3_CASES, ids=lambda c: "sm90-wg3-" + c.id)
-def test_sm90_fwd_three_warpgroups(c: Case, monkeypatch):
+def test_sm90_fwd_three_warpgroups(c: Case, pingpong, monkeypatch):
     """d=64 forward with three consumer warpgroups (192-row tiles; the default, which
-    IOATTN_SM90_FWD_WG3=0 turns off), batched and varlen."""
+    IOATTN_SM90_FWD_WG3=0 turns off), batched and varlen; and with their GEMMs issued in turns,
+    round robin (IOATTN_SM90_PINGPONG=1)."""
     from ioattn.dense import sm90_fwd
 
     monkeypatch.setattr(sm90_fwd, "WG3", True)
+    monkeypatch.setattr(sm90_fwd, "PINGPONG", pingpong)
     q, k, v, kw, out = _forward_only(c)
     _matches_varlen(c, q, k, v, kw, out)
 
@@ -116,23 +119,26 @@ PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
 
 
 @needs_sm90
-@pytest.mark.parametrize("mode", ["0", "static", "dynamic", "dynamic-wg3"],
-                         ids=["off", "snake", "dynamic", "dynamic-wg3"])
+@pytest.mark.parametrize("mode", ["0", "static", "dynamic", "dynamic-wg3", "dynamic-wg3-pingpong"],
+                         ids=["off", "snake", "dynamic", "dynamic-wg3", "dynamic-wg3-pingpong"])
 @pytest.mark.parametrize("c", PERSISTENT_CASES, ids=lambda c: "sm90-persistent-" + c.id)
 def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     """The sm90 forward's tile schedules (IOATTN_SM90_PERSISTENT; by default dynamic at d=64 and
     128): one CTA per tile; persistent CTAs walking the tiles in static snake order, or with ids
     drawn from an atomic counter and passed to the consumers through shared memory (the K/V
     ring and the barrier phases run on across tiles, O is stored from registers while the next
-    tile's Q loads); at d=64 also with three consumer warpgroups (IOATTN_SM90_WG3_PERSISTENT).
+    tile's Q loads); at d=64 also with three consumer warpgroups (IOATTN_SM90_WG3_PERSISTENT),
+    and those taking turns round robin (IOATTN_SM90_PINGPONG=1: the turns run on across tiles).
     Run twice: the counter is zeroed per launch."""
     from ioattn.dense import sm90_fwd
 
-    if mode == "dynamic-wg3":
+    if mode.startswith("dynamic-wg3"):
         if c.d != 64:
             pytest.skip("three consumer warpgroups run at d=64 only")
         monkeypatch.setattr(sm90_fwd, "WG3", True)
         monkeypatch.setattr(sm90_fwd, "WG3_PERSISTENT", True)
+        if mode.endswith("pingpong"):
+            monkeypatch.setattr(sm90_fwd, "PINGPONG", "1")
         mode = "dynamic"
     monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", mode)
     _forward_only(c)
@@ -413,7 +419,8 @@ def test_sm90_forward_preference_rule():
         assert not sm90_fwd.preferred(64, True, 2048, 2048)
     assert sm90_fwd.preferred(64, True, 4096, 4096) == sm90_fwd.WG3
     if sm90_fwd.PINGPONG == "auto":
-        assert [sm90_fwd._pingpong(d) for d in (64, 128, 256)] == [False, False, True]
+        assert [sm90_fwd._pingpong(d, 2) for d in (64, 128, 256)] == [False, False, True]
+        assert not sm90_fwd._pingpong(64, 3)
 
 
 def test_sm90_backward_preference_rule(monkeypatch):
@@ -432,6 +439,12 @@ def test_sm90_backward_preference_rule(monkeypatch):
                                                   (128, True))] == ["alt", "alt", "lag", "after"]
     monkeypatch.setattr(sm90_bwd, "DQ_ORDER", "alt")
     assert sm90_bwd.dq_order(128, False) == "after"  # alt needs the full-width partial (d=64)
+    monkeypatch.setattr(sm90_bwd, "SEGMENTS", "auto")  # the step loops: d=64 without a mask
+    assert [sm90_bwd.segments(d, m) for d, m in ((64, False), (64, True), (128, False),
+                                                  (128, True))] == [True, False, False, False]
+    monkeypatch.setattr(sm90_bwd, "SEGMENTS", "sometimes")
+    with pytest.raises(ValueError, match="IOATTN_SM90_BWD_SEGMENTS"):
+        sm90_bwd.segments(64, False)
     monkeypatch.setattr(sm90_bwd, "DQ_ORDER", "late")
     with pytest.raises(ValueError, match="IOATTN_SM90_BWD_DQ_ORDER"):
         sm90_bwd.dq_order(128, False)
@@ -462,9 +475,10 @@ def test_sm90_kernel_compiles_for_hopper():
     # fwd (also paged): d = 64, 128, 256; bwd dK/dV (also fused with dQ) and dQ: d = 64, 128;
     # the d=64 persistent forward on three consumer warpgroups, the fused backward with dQ
     # issued first, one step late or (d=64) in turn, the d=256 backward's two kernels, the
-    # causal fused backward with its steps in masked / unmasked loops, and the dK/dV kernels with
-    # LSE / delta held in registers (IOATTN_SM90_BWD_ROW_STATS=0)
-    assert len(reports) == 59, names
+    # causal fused backward with its steps in masked / unmasked loops (or in one), the dK/dV
+    # kernels with LSE / delta held in registers (IOATTN_SM90_BWD_ROW_STATS=0), and the d=64
+    # persistent forward on three warpgroups taking turns round robin (opt-in)
+    assert len(reports) == 60, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
