@@ -127,9 +127,9 @@ def graph_vs_eager(s: int = 2048) -> dict:
     """FA-grid cells at seqlen s (16k tokens, hidden 2048), bf16, forward (no grad) and backward
     (autograd.grad on a kept graph): median ms under do_bench (the benchmark's timer: a cache
     flush, then the call, host time included wherever the GPU waits for it) and under
-    do_bench_cudagraph (replays: kernel time only), for ioattn (auto) and SDPA-cuDNN."""
+    CUDA-graph replays (kernel time only: ``_replay_ms``), for ioattn (auto) and SDPA-cuDNN."""
     import torch.nn.functional as F
-    from triton.testing import do_bench, do_bench_cudagraph
+    from triton.testing import do_bench
 
     out = {}
     for d in (64, 128, 256):
@@ -148,24 +148,48 @@ def graph_vs_eager(s: int = 2048) -> dict:
                 ctx = (torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
                        if name == "cudnn" else contextlib.nullcontext())
                 with ctx:
-                    o = fwd()
                     cell = f"d{d} {'C' if causal else 'N'} {name}"
-                    for mode, fn in (("fwd", lambda: _no_grad(fwd)),
-                                     ("bwd", lambda: torch.autograd.grad(o, leaves, g,
-                                                                         retain_graph=True))):
-                        row = {}
-                        for timer, bench in (("eager", lambda f: do_bench(f, return_mode="median")),
-                                             ("graph", lambda f: do_bench_cudagraph(
-                                                 f, return_mode="median"))):
-                            try:
-                                row[timer] = round(bench(fn), 4)
-                            except Exception as e:  # a capture failure is a finding, not a stop
-                                row[timer] = f"{type(e).__name__}: {str(e)[:120]}"
+                    side = torch.cuda.Stream()
+                    o = fwd()
+                    with torch.cuda.stream(side):  # the graphs' forward, on their stream:
+                        o_side = fwd()  # autograd runs a backward op on its forward's stream
+                    side.synchronize()
+                    for mode, fn, fn_side in (
+                            ("fwd", lambda: _no_grad(fwd), lambda: _no_grad(fwd)),
+                            ("bwd", lambda: torch.autograd.grad(o, leaves, g, retain_graph=True),
+                             lambda: torch.autograd.grad(o_side, leaves, g, retain_graph=True))):
+                        row = {"eager": round(do_bench(fn, return_mode="median"), 4)}
+                        try:
+                            row["graph"] = round(_replay_ms(fn_side, side), 4)
+                        except Exception as e:  # a capture failure is a finding, not a stop
+                            row["graph"] = f"{type(e).__name__}: {str(e)[:120]}"
                         out[f"{mode} {cell}"] = row
                         print(f"{mode} {cell}: {row}", flush=True)
-            del q, k, v, qt, kt, vt, o
+            del q, k, v, qt, kt, vt, o, o_side
             torch.cuda.empty_cache()
     return out
+
+
+def _replay_ms(fn, stream, calls: int = 20, reps: int = 10) -> float:
+    """Median ms per call of ``calls`` calls of fn captured in one CUDA graph on ``stream`` and
+    replayed ``reps`` times (the L2 is not flushed between the calls of a replay)."""
+    with torch.cuda.stream(stream):
+        fn()
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            graph.replay()
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
 
 
 def _no_grad(fn):
