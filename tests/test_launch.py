@@ -241,3 +241,22 @@ def test_repeat_calls_on_the_gpu(backend):
 
         lau = launch.launcher(sm90_fwd._attn_fwd_sm90)
         assert any(c is not False for c in lau.cache.values())
+
+
+def test_int_and_float_keys_match_tritons_specialization():
+    """Two values the launcher keys alike must be specialized alike by Triton itself (else a
+    kernel compiled for one would run the other): checked against Triton's own specializer for
+    ints around the 1 / 16 / 32-bit / 64-bit edges and for floats, as a non-constexpr argument
+    with and without alignment specialization."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    ints = [0, 1, 2, 15, 16, 17, 32, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**32,
+            -2**31, -2**31 - 1, -2**31 - 16, 2**63 - 16, 2**63, 2**64 - 16, 2**64 - 1]
+    floats = [0.0, 1.0, -2.5, 1e30, float("inf")]
+    for values, sig in ((ints, launch._int_sig), (floats, launch._float_sig)):
+        for align in (True, False):
+            seen = {}
+            for x in values:
+                triton_key = native_specialize_impl(BaseBackend, x, False, True, align)
+                assert seen.setdefault(sig(x), triton_key) == triton_key, (x, sig(x))
