@@ -333,7 +333,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                            causal: bool = False, window_size: Sequence[int] = (-1, -1),
                            softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
-                           deterministic: bool = False, return_attn_probs: bool = False, *,
+                           deterministic: bool = False, return_attn_probs: bool = False,
+                           block_table: Optional[Tensor] = None, *,
                            learnable_sink: Optional[Tensor] = None, backend: str = "auto"):
     """Attention over packed variable-length sequences (FlashAttention-2 semantics).
 
@@ -341,7 +342,18 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     cu_seqlens_q / cu_seqlens_k int32 (batch + 1,) prefix sums (zero-length sequences allowed);
     max_seqlen_* are the longest lengths. LSE (with return_attn_probs) is [nheads, total_q] fp32,
     natural log. Other arguments as ``flash_attn_func``.
+
+    block_table: int32 [batch, max_pages_per_seq] (FlashAttention's paged varlen call, as vLLM
+    makes it): k and v are then paged caches [num_pages, page_size, nheads_k, headdim], any page
+    size >= 1, and sequence i's keys are the first cu_seqlens_k[i + 1] - cu_seqlens_k[i] slots
+    of its pages (causal aligns its queries with the last ones). They are copied into packed
+    K/V of batch * max_pages_per_seq * page_size rows (``ioattn.decode.op.gather_pages``, no
+    host sync), then the varlen kernels run. Forward only: the caches get no gradients, and
+    caches that require them are refused (dropout is refused too).
     """
+    if block_table is not None:
+        k, v = _paged_keys(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, block_table,
+                           dropout_p, backend)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 3)
     _check_common(q, k, v, dropout_p, window_size, softcap, softmax_scale)
@@ -377,6 +389,92 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                                alibi_slopes, float(dropout_p), rng, impl, bwd_impl,
                                bool(deterministic))
     return _finish(out, lse, return_attn_probs, learnable_sink, varlen=True)
+
+
+def _paged_keys(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                max_seqlen_k: int, block_table: Tensor, dropout_p: float,
+                backend: str) -> tuple[Tensor, Tensor]:
+    """(``flash_attn_varlen_func`` with block_table) the checks of the paged caches and table,
+    then the keys packed as the varlen kernels read them: [batch * capacity, nheads_k, d]."""
+    _check_tensor("q", q, 3)
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            _fail(f"with block_table, {name} must be a paged cache [num_pages, page_size, nheads_k, "
+                  f"headdim], got {tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}",
+                  TypeError if not isinstance(t, Tensor) else ValueError)
+        if t.dtype != q.dtype:
+            _fail(f"{name} has dtype {t.dtype} but q has {q.dtype}", TypeError)
+        if t.device != q.device:
+            _fail(f"{name} is on {t.device} but q is on {q.device}")
+        if t.stride(-1) != 1:
+            _fail(f"{name} (a paged cache) must have a contiguous last dim")
+    if v.shape != k.shape:
+        _fail(f"with block_table, v must be a paged cache of k's shape {tuple(k.shape)}, got "
+              f"{tuple(v.shape)} (headdim_v != headdim is not covered for paged caches)")
+    if dropout_p:
+        _fail("dropout_p must be 0 with block_table (paged caches serve inference)")
+    if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+        _fail("the paged caches k / v get no gradients through block_table; pass them detached "
+              "(or under torch.no_grad()): q's gradient is supported")
+    if not isinstance(block_table, Tensor):
+        _fail("block_table must be a torch.Tensor of int32 [batch, max_pages_per_seq]", TypeError)
+    if block_table.dtype != torch.int32:
+        _fail(f"block_table must be int32, got {block_table.dtype} (use .to(torch.int32))", TypeError)
+    if not isinstance(cu_seqlens_q, Tensor) or cu_seqlens_q.dim() != 1:
+        _fail("cu_seqlens_q must be an int32 tensor (batch + 1,)", TypeError)
+    batch = cu_seqlens_q.shape[0] - 1
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        _fail(f"block_table must have shape [batch={batch}, max_pages_per_seq], got "
+              f"{tuple(block_table.shape)}")
+    if block_table.device != q.device:
+        _fail(f"block_table is on {block_table.device} but q is on {q.device}")
+    page = k.shape[1]
+    capacity = block_table.shape[1] * page
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch * capacity, max_seqlen_k, batch, q.device)
+    _check_pages(cu_seqlens_k, block_table, page, k.shape[0])
+    if backend == "reference":
+        return _gather_pages_torch(k, v, cu_seqlens_k, block_table)
+    from ioattn.decode import op as decode_op  # (decode.op imports this module)
+
+    run = decode_op.gather_pages_op if torch.compiler.is_compiling() else decode_op.gather_pages
+    return run(k, v, cu_seqlens_k, block_table)
+
+
+def _check_pages(cu_seqlens_k: Tensor, block_table: Tensor, page: int, n_pages: int) -> None:
+    """Each sequence's keys fit its block-table row, and the entries they use index the caches
+    (the rest of a row may hold anything): once per state of the tensors (``Validated``)."""
+    params = ("paged varlen", page, n_pages)
+    tensors = (cu_seqlens_k, block_table)
+    if skip_value_checks(cu_seqlens_k) or VALIDATED.seen(tensors, params):
+        return
+    cu = cu_seqlens_k.tolist()
+    width = block_table.shape[1]
+    table = block_table.tolist()
+    for i, (a, b) in enumerate(zip(cu, cu[1:])):
+        used = -(-(b - a) // page)
+        if used > width:
+            _fail(f"sequence {i} has {b - a} keys but its block_table row holds {width} pages of "
+                  f"{page} ({width * page} keys)")
+        bad = [p for p in table[i][:used] if not 0 <= p < n_pages]
+        if bad:
+            _fail(f"block_table[{i}] uses page {bad[0]}, outside the caches' {n_pages} pages")
+    VALIDATED.add(tensors, params)
+
+
+def _gather_pages_torch(k: Tensor, v: Tensor, cu_seqlens_k: Tensor,
+                        block_table: Tensor) -> tuple[Tensor, Tensor]:
+    """``decode.op.gather_pages`` in plain torch (backend='reference')."""
+    b, width = block_table.shape
+    page = k.shape[1]
+    k_out = k.new_zeros((b * width * page,) + tuple(k.shape[2:]))
+    v_out = v.new_zeros(k_out.shape[:1] + tuple(v.shape[2:]))
+    cu = cu_seqlens_k.tolist()
+    for i, (a, n) in enumerate(zip(cu, [b_ - a_ for a_, b_ in zip(cu, cu[1:])])):
+        if n:
+            pages = block_table[i, :-(-n // page)].long()
+            k_out[a:a + n] = k[pages].flatten(0, 1)[:n]
+            v_out[a:a + n] = v[pages].flatten(0, 1)[:n]
+    return k_out, v_out
 
 
 def _unpack(packed: Tensor, name: str, axis: int, n: int) -> tuple[Tensor, ...]:

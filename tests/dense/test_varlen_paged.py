@@ -1,0 +1,158 @@
+"""flash_attn_varlen_func with block_table (FlashAttention's paged varlen call, as vLLM makes it):
+paged caches of any page size, ragged sequences with empty ones, GQA, masks, softcap and ALiBi,
+checked against the reference on the same keys stored contiguously; q's gradient; the errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ioattn
+from ioattn.reference import attention_varlen_ref
+from ioattn.testing import alibi_slopes, assert_close_rule, cu_seqlens, random_seqlens
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+def _paged(lk: list[int], page: int, h_k: int, d: int, dtype, device, spare: int = 2):
+    """Contiguous packed K/V of lengths lk, and the same keys in a shuffled paged cache with a
+    block table whose rows have `spare` unused pages past each sequence's (holding -1: rows
+    may hold anything there)."""
+    k = torch.randn(sum(lk), h_k, d, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    used = [-(-n // page) for n in lk]
+    width = max(used) + spare
+    n_pages = sum(used) + 3  # pages nobody uses too
+    perm = torch.randperm(n_pages)[:sum(used)].tolist()
+    k_cache = torch.randn(n_pages, page, h_k, d, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.full((len(lk), width), -1, dtype=torch.int32)
+    start, nxt = 0, 0
+    for i, n in enumerate(lk):
+        for j in range(used[i]):
+            p = perm[nxt]
+            nxt += 1
+            table[i, j] = p
+            rows = slice(j * page, min(n, (j + 1) * page))
+            cnt = rows.stop - rows.start
+            k_cache[p, :cnt] = k[start + rows.start:start + rows.stop]
+            v_cache[p, :cnt] = v[start + rows.start:start + rows.stop]
+        start += n
+    return k, v, k_cache, v_cache, table.to(device)
+
+
+CASES = [  # (page, d, h, h_k, causal, window, softcap, alibi, dtype)
+    (16, 64, 4, 2, True, (-1, -1), 0.0, False, BF16),
+    (1, 64, 2, 2, False, (-1, -1), 0.0, False, FP16),
+    (3, 96, 6, 2, True, (-1, -1), 0.0, False, BF16),
+    (64, 128, 4, 1, False, (40, 10), 0.0, False, FP16),
+    (16, 64, 4, 4, True, (-1, -1), 5.0, True, BF16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"page{c[0]}-d{c[1]}-h{c[2]}-{c[3]}"
+                         f"{'-causal' if c[4] else ''}{'-window' if c[5][0] >= 0 else ''}"
+                         f"{'-softcap' if c[6] else ''}{'-alibi' if c[7] else ''}")
+def test_paged_varlen_matches_contiguous(case, device):
+    page, d, h, h_k, causal, window, softcap, alibi, dtype = case
+    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+    b = 4
+    lk = random_seqlens(b, 150, g)
+    lq = [min(n, m) for n, m in zip(random_seqlens(b, 90, g), lk)] if causal else \
+        random_seqlens(b, 90, g)
+    lq[0], lk[2] = 0, 0  # an empty query side and an empty key side
+    if causal:
+        lq[2] = 0  # (causal: at most as many queries as keys)
+    k, v, k_cache, v_cache, table = _paged(lk, page, h_k, d, dtype, device)
+    q = torch.randn(sum(lq), h, d, device=device, dtype=dtype)
+    cq, ck = cu_seqlens(lq, device), cu_seqlens(lk, device)
+    slopes = alibi_slopes(None, h, device) if alibi else None
+    kw = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
+    out, lse, _ = ioattn.flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, max(lq), max(lk),
+                                                return_attn_probs=True, block_table=table, **kw)
+    ref, lse_ref = attention_varlen_ref(q, k, v, cq, ck, **kw)
+    pt, _ = attention_varlen_ref(q, k, v, cq, ck, upcast=False, **kw)
+    assert_close_rule("out", out, ref, pt)
+    assert lse.shape == (h, q.shape[0])
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite], lse_ref[finite], atol=1e-3, rtol=1e-3)
+    # the reference backend's own gather gives the same
+    want = ioattn.flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, max(lq), max(lk),
+                                         block_table=table, backend="reference", **kw)
+    assert_close_rule("out (reference backend)", out, want.float(), pt)
+
+
+def test_paged_varlen_q_gradient(device):
+    """q's gradient through the paged call equals the contiguous call's, bitwise (the caches are
+    constants of the call; deterministic: dQ without atomics)."""
+    lk, lq = [70, 33, 0], [20, 33, 0]
+    k, v, k_cache, v_cache, table = _paged(lk, 16, 2, 64, BF16, device)
+    q = torch.randn(sum(lq), 4, 64, device=device, dtype=BF16, requires_grad=True)
+    cq, ck = cu_seqlens(lq, device), cu_seqlens(lk, device)
+    out = ioattn.flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, 33, 70, causal=True,
+                                        deterministic=True, block_table=table)
+    dout = torch.randn_like(out)
+    (dq,) = torch.autograd.grad(out, q, dout)
+    q2 = q.detach().requires_grad_()
+    out2 = ioattn.flash_attn_varlen_func(q2, k, v, cq, ck, 33, 70, causal=True, deterministic=True)
+    (dq2,) = torch.autograd.grad(out2, q2, dout)
+    torch.testing.assert_close(out, out2, atol=0, rtol=0)
+    torch.testing.assert_close(dq, dq2, atol=0, rtol=0)
+
+
+def test_paged_varlen_errors(device):
+    lk, lq = [40, 20], [10, 5]
+    k, v, k_cache, v_cache, table = _paged(lk, 16, 2, 64, BF16, device, spare=0)
+    q = torch.randn(sum(lq), 2, 64, device=device, dtype=BF16)
+    cq, ck = cu_seqlens(lq, device), cu_seqlens(lk, device)
+
+    def call(**kw):
+        args = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=10,
+                    max_seqlen_k=40, block_table=table)
+        args.update(kw)
+        return ioattn.flash_attn_varlen_func(**args)
+
+    with pytest.raises(ValueError, match="paged cache"):
+        call(k=k)  # packed keys with a block table
+    with pytest.raises(TypeError, match="int32"):
+        call(block_table=table.long())
+    with pytest.raises(ValueError, match=r"block_table must have shape \[batch=2"):
+        call(block_table=table[:1])
+    with pytest.raises(ValueError, match="holds 3 pages"):
+        call(cu_seqlens_k=cu_seqlens([49, 20], device), max_seqlen_k=49)
+    bad = table.clone()
+    bad[1, 0] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="outside the caches"):
+        call(block_table=bad)
+    with pytest.raises(ValueError, match="get no gradients"):
+        call(k=k_cache.clone().requires_grad_())
+    with pytest.raises(ValueError, match="dropout_p must be 0"):
+        call(dropout_p=0.1)
+    with pytest.raises(ValueError, match="k's shape"):
+        call(v=v_cache[:, :, :, :32])
+
+
+def test_paged_varlen_compiles_fullgraph(device):
+    """The paged call traces without a graph break (the gather is a torch.library op with a
+    fake) and gives the eager result."""
+    from tests.dense.test_op import BACKEND
+
+    torch._dynamo.reset()
+    lk, lq = [50, 17], [9, 17]
+    k, v, k_cache, v_cache, table = _paged(lk, 16, 2, 64, BF16, device)
+    q = torch.randn(sum(lq), 4, 64, device=device, dtype=BF16)
+    cq, ck = cu_seqlens(lq, device), cu_seqlens(lk, device)
+
+    def f(q, k_cache, v_cache):
+        return ioattn.flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, 17, 50, causal=True,
+                                             block_table=table)
+
+    got = torch.compile(f, fullgraph=True, backend=BACKEND)(q, k_cache, v_cache)
+    torch.testing.assert_close(got, f(q, k_cache, v_cache), atol=2e-2, rtol=0)
+
+
+def test_gather_pages_opcheck(device):
+    from ioattn.decode.op import gather_pages_op
+
+    _, _, k_cache, v_cache, table = _paged([30, 0, 17], 8, 2, 64, BF16, device)
+    torch.library.opcheck(gather_pages_op, (k_cache, v_cache, cu_seqlens([30, 0, 17], device), table))
