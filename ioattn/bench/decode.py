@@ -179,7 +179,13 @@ def run_prefill(cells, device, warmup, rep, h=32, h_k=8, d=128, dtype=torch.bflo
         # the same pages as two contiguous pools (vLLM's layout: k_cache and v_cache tensors of
         # [pages, page, h_k, d]); FlashInfer's interleaved [pages, 2, ...] cache is not one
         k_pool, v_pool = cache[:, 0].contiguous(), cache[:, 1].contiguous()
+        # FlashAttention's paged varlen call (vLLM's prefill): ragged queries, keys by block table
+        cu_q = torch.arange(0, (b + 1) * new, new, dtype=torch.int32, device=device)
+        cu_k = torch.arange(0, (b + 1) * total, total, dtype=torch.int32, device=device)
+        q_flat = q.flatten(0, 1)
         fns = {
+            "ioattn_varlen_paged": lambda: ioattn.flash_attn_varlen_func(
+                q_flat, k_pool, v_pool, cu_q, cu_k, new, total, causal=True, block_table=table),
             "ioattn_kvcache": lambda: ioattn.flash_attn_with_kvcache(
                 q, cache[:, 0], cache[:, 1], cache_seqlens=lens, block_table=table, causal=True),
             "ioattn_kvcache_pools": lambda: ioattn.flash_attn_with_kvcache(
@@ -240,7 +246,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  "contiguous pools (vLLM's layout; the sm90 paged forward on "
                                  "Hopper); "
                                  "gather_dense: pages copied to contiguous K/V, then the dense "
-                                 "forward (the copy is timed)",
+                                 "forward (the copy is timed); ioattn_varlen_paged: "
+                                 "flash_attn_varlen_func with block_table over the pools "
+                                 "(FlashAttention's paged varlen call)",
               "timer": "triton.testing.do_bench median" if device.type == "cuda" else "wall clock",
               "anchors": "SDPA on the same K/V in contiguous [b, h_k, s, d] form (enable_gqa)",
               "max_abs_err": "decode rows: against SDPA on fp32 copies of q, k, v"}
