@@ -745,8 +745,11 @@ SM90_DECODE_MERGE = os.environ.get("IOATTN_SM90_DECODE_MERGE", "1").lower() not 
 # portable kernel: at 1 x 32k (134 MB) the sm90 kernel runs 36 us on the GPU against 53, but
 # run() costs 150 us of host time against 90, and eager timing went from 2.03 to 1.27 TB/s; at
 # 16 x 8k (537 MB) eager gained (3.42 -> 3.61). results/tune/profile_decode_sm90dec{1,0}.json,
-# results/decode_8ca8970_*.json. 200 MiB sits between the two.
-SM90_DECODE_MIN_BYTES = 200 << 20
+# results/decode_8ca8970_*.json. 200 MiB sits between the two. Measured before the serving
+# kernels launched through ``ioattn.launch`` (TMA descriptors as plain fields, no per-call
+# binding), which cuts the sm90 launch's host time: IOATTN_SM90_DECODE_MIN_BYTES (bytes) sets
+# it, to measure again (0: the sm90 kernel for every eager plan it covers)
+SM90_DECODE_MIN_BYTES = int(os.environ.get("IOATTN_SM90_DECODE_MIN_BYTES", str(200 << 20)))
 
 
 def _sm90_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
