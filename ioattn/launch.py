@@ -81,7 +81,10 @@ def _value_sig(x):
 
 def _int_sig(x: int):
     """What Triton specializes a (non-constexpr) int on: its width, == 1 (then a constant of
-    the compiled kernel), and 16 | x (an alignment hint)."""
+    the compiled kernel), and 16 | x (an alignment hint). Outside int64 / uint64 there is no
+    key: Triton's call refuses the value (its launcher would wrap a u64 silently)."""
+    if not -2**63 <= x < 2**64:
+        raise KeyError(x)
     width = 0 if -2**31 <= x < 2**31 else (2 if x >= 2**63 else 1)
     return int, width, x == 1, x % 16 == 0
 
@@ -90,9 +93,13 @@ def _float_sig(x: float):
     return float  # fp32 whatever the value
 
 
+def _float_value_sig(x: float):
+    return float, repr(x)  # (a constexpr: 0.0 and -0.0 are equal, but compile apart)
+
+
 # by value: constexpr parameters and keyword launch options; _SPEC: the other parameters
 _SIG = {torch.Tensor: _tensor_sig, torch.nn.Parameter: _tensor_sig, Desc: _desc_sig,
-        int: _value_sig, bool: _value_sig, float: _value_sig, str: _value_sig,
+        int: _value_sig, bool: _value_sig, float: _float_value_sig, str: _value_sig,
         type(None): _value_sig, torch.dtype: _value_sig}
 _SPEC = {**_SIG, int: _int_sig, float: _float_sig}
 

@@ -243,6 +243,19 @@ def test_repeat_calls_on_the_gpu(backend):
         assert any(c is not False for c in lau.cache.values())
 
 
+def test_ints_triton_refuses_and_signed_zero_constexprs_go_to_triton(fast):
+    """An int outside int64 / uint64 has no key (Triton's call refuses it; its launcher would
+    wrap a u64), and a constexpr 0.0 and -0.0 compile apart, so they key apart."""
+    kernel, lau = fast
+    x = torch.randn(8, 8)
+    lau[(1,)](x, 2**63, None, BLOCK=4)
+    lau[(1,)](x, 2**64 + 5, None, BLOCK=4)
+    assert len(kernel.plain) == 2 and not kernel.compiled.runs
+    lau[(1,)](x, 3, None, BLOCK=0.0)
+    lau[(1,)](x, 3, None, BLOCK=-0.0)
+    assert len(kernel.plain) == 4 and not kernel.compiled.runs
+
+
 def test_int_and_float_keys_match_tritons_specialization():
     """Two values the launcher keys alike must be specialized alike by Triton itself (else a
     kernel compiled for one would run the other): checked against Triton's own specializer for
