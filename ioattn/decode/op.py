@@ -184,20 +184,31 @@ def kvcache_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Ten
     return out, lse
 
 
-def gather_pages(k_pages: Tensor, v_pages: Tensor, cu_seqlens_k: Tensor,
-                 block_table: Tensor) -> tuple[Tensor, Tensor]:
+def paged_capacity(block_table: Tensor, page_size: int, max_seqlen_k: int) -> int:
+    """Packed rows per sequence of a paged varlen call: its longest sequence's keys, at most
+    what a block-table row holds (engines pass full-width tables)."""
+    return max(0, min(block_table.shape[1] * page_size, max_seqlen_k))
+
+
+def gather_pages(k_pages: Tensor, v_pages: Tensor, cu_seqlens_k: Tensor, block_table: Tensor,
+                 max_seqlen_k: int) -> tuple[Tensor, Tensor]:
     """A paged varlen call's keys (``flash_attn_varlen_func(..., block_table=...)``): sequence
     i's first cu_seqlens_k[i + 1] - cu_seqlens_k[i] cache slots, through its block-table row,
     copied into packed K/V [batch * capacity, h_k, d] at rows cu_seqlens_k[i].. (zeros after
-    the last key; capacity = pages per row * page size). Lengths stay on the device: no host
-    sync, so CUDA graphs capture it."""
-    b, width = block_table.shape
-    rows = b * width * k_pages.shape[1]
-    k_out = _new_output(k_pages, (rows,) + tuple(k_pages.shape[2:]))
-    v_out = _new_output(v_pages, (rows,) + tuple(v_pages.shape[2:]))
-    seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
-    cu_packed = cu_seqlens_k.new_empty(b + 1)  # (the same prefix sums as cu_seqlens_k)
-    gather_kv(k_pages, v_pages, seqlens, None, block_table, None, k_out, v_out, cu_packed)
+    the last key; capacity = ``paged_capacity``). Lengths stay on the device: no host sync, so
+    CUDA graphs capture it."""
+    b = block_table.shape[0]
+    capacity = paged_capacity(block_table, k_pages.shape[1], max_seqlen_k)
+    rows = b * capacity
+    with _on_device(k_pages):
+        k_out = _new_output(k_pages, (rows,) + tuple(k_pages.shape[2:]))
+        v_out = _new_output(v_pages, (rows,) + tuple(v_pages.shape[2:]))
+        cu = cu_seqlens_k.contiguous()
+        seqlens = (cu[1:] - cu[:-1]).to(torch.int32)
+        cu_packed = cu.new_empty(b + 1)  # (the same prefix sums as cu_seqlens_k)
+        # (the kernel reads a table row with unit stride)
+        gather_kv(k_pages, v_pages, seqlens, None, block_table.contiguous(), None, k_out, v_out,
+                  cu_packed, capacity)
     return k_out, v_out
 
 
@@ -205,8 +216,8 @@ gather_pages_op = torch.library.custom_op("ioattn::gather_pages", gather_pages, 
 
 
 @gather_pages_op.register_fake
-def _(k_pages, v_pages, cu_seqlens_k, block_table):
-    rows = block_table.shape[0] * block_table.shape[1] * k_pages.shape[1]
+def _(k_pages, v_pages, cu_seqlens_k, block_table, max_seqlen_k):
+    rows = block_table.shape[0] * paged_capacity(block_table, k_pages.shape[1], max_seqlen_k)
     return (k_pages.new_empty((rows,) + tuple(k_pages.shape[2:])),
             v_pages.new_empty((rows,) + tuple(v_pages.shape[2:])))
 

@@ -591,17 +591,19 @@ def kvcache_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
 def gather_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, seqlens_k: torch.Tensor,
               leftpad: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
               cache_batch_idx: Optional[torch.Tensor], k_out: torch.Tensor, v_out: torch.Tensor,
-              cu_k: torch.Tensor) -> None:
+              cu_k: torch.Tensor, capacity: Optional[int] = None) -> None:
     """Each sequence's keys (cache positions [leftpad, seqlens_k)) copied out of the cache into
     packed varlen K/V for the dense kernels. Caches as ``kvcache_attn``. k_out / v_out: contiguous
     [b * capacity, h_k, d] (any dtype: the cache is converted) get the keys, zeros past the last
     key; cu_k int32 [b + 1] their cu_seqlens, computed on the device: no host sync, so CUDA graphs
-    capture the call."""
+    capture the call. capacity: the cache positions per sequence (a block-table row's, or a
+    contiguous cache's), or fewer (keys past it are not copied)."""
     b = seqlens_k.shape[0]
     h_k, d = k_pages.shape[2], k_pages.shape[3]
     page_size = k_pages.shape[1]
     paged = block_table is not None
-    capacity = block_table.shape[1] * page_size if paged else page_size
+    full = block_table.shape[1] * page_size if paged else page_size
+    capacity = full if capacity is None else min(capacity, full)
     dummy = seqlens_k
     launcher(_pack_offsets_kernel)[(1,)](
         seqlens_k, leftpad if leftpad is not None else dummy, cu_k, b, capacity,

@@ -120,7 +120,7 @@ def skip_value_checks(t: Tensor) -> bool:
 
 
 def _check_cu_seqlens(name: str, cu: Tensor, total: int, max_seqlen: int, batch: Optional[int],
-                      device: torch.device) -> None:
+                      device: torch.device, values: bool = True) -> None:
     if not isinstance(cu, Tensor):
         _fail(f"{name} must be a torch.Tensor (int32, shape (batch + 1,))", TypeError)
     if cu.dtype != torch.int32:
@@ -133,7 +133,7 @@ def _check_cu_seqlens(name: str, cu: Tensor, total: int, max_seqlen: int, batch:
     if not isinstance(max_seqlen, int) or max_seqlen < 0:
         _fail(f"max_seqlen for {name} must be an int >= 0, got {max_seqlen!r}")
     params = (name, total, max_seqlen)
-    if skip_value_checks(cu) or VALIDATED.seen((cu,), params):
+    if not values or skip_value_checks(cu) or VALIDATED.seen((cu,), params):
         return  # value checks need a host sync: once per state of the tensor (``Validated``)
     vals = cu.tolist()
     lens = [b - a for a, b in zip(vals, vals[1:])]
@@ -347,9 +347,9 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     makes it): k and v are then paged caches [num_pages, page_size, nheads_k, headdim], any page
     size >= 1, and sequence i's keys are the first cu_seqlens_k[i + 1] - cu_seqlens_k[i] slots
     of its pages (causal aligns its queries with the last ones). They are copied into packed
-    K/V of batch * max_pages_per_seq * page_size rows (``ioattn.decode.op.gather_pages``, no
-    host sync), then the varlen kernels run. Forward only: the caches get no gradients, and
-    caches that require them are refused (dropout is refused too).
+    K/V of batch * max_seqlen_k rows (``ioattn.decode.op.gather_pages``, no host sync), then the
+    varlen kernels run. Forward only: the caches get no gradients, and caches that require them
+    are refused (dropout is refused too).
     """
     if block_table is not None:
         k, v = _paged_keys(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, block_table,
@@ -395,7 +395,10 @@ def _paged_keys(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
                 max_seqlen_k: int, block_table: Tensor, dropout_p: float,
                 backend: str) -> tuple[Tensor, Tensor]:
     """(``flash_attn_varlen_func`` with block_table) the checks of the paged caches and table,
-    then the keys packed as the varlen kernels read them: [batch * capacity, nheads_k, d]."""
+    then the keys packed as the varlen kernels read them: [batch * capacity, nheads_k, d],
+    capacity = ``decode.op.paged_capacity`` (max_seqlen_k, at most a table row's slots)."""
+    from ioattn.decode import op as decode_op  # (decode.op imports this module)
+
     _check_tensor("q", q, 3)
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
@@ -411,6 +414,8 @@ def _paged_keys(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     if v.shape != k.shape:
         _fail(f"with block_table, v must be a paged cache of k's shape {tuple(k.shape)}, got "
               f"{tuple(v.shape)} (headdim_v != headdim is not covered for paged caches)")
+    if k.shape[1] < 1:
+        _fail(f"the paged caches' page_size (k.shape[1]) must be >= 1, got {k.shape[1]}")
     if dropout_p:
         _fail("dropout_p must be 0 with block_table (paged caches serve inference)")
     if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
@@ -420,53 +425,65 @@ def _paged_keys(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
         _fail("block_table must be a torch.Tensor of int32 [batch, max_pages_per_seq]", TypeError)
     if block_table.dtype != torch.int32:
         _fail(f"block_table must be int32, got {block_table.dtype} (use .to(torch.int32))", TypeError)
-    if not isinstance(cu_seqlens_q, Tensor) or cu_seqlens_q.dim() != 1:
-        _fail("cu_seqlens_q must be an int32 tensor (batch + 1,)", TypeError)
+    if not isinstance(cu_seqlens_q, Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
+        _fail("cu_seqlens_q must be an int32 tensor of shape (batch + 1,)", TypeError
+              if not isinstance(cu_seqlens_q, Tensor) else ValueError)
     batch = cu_seqlens_q.shape[0] - 1
     if block_table.dim() != 2 or block_table.shape[0] != batch:
         _fail(f"block_table must have shape [batch={batch}, max_pages_per_seq], got "
               f"{tuple(block_table.shape)}")
     if block_table.device != q.device:
         _fail(f"block_table is on {block_table.device} but q is on {q.device}")
-    page = k.shape[1]
-    capacity = block_table.shape[1] * page
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch * capacity, max_seqlen_k, batch, q.device)
-    _check_pages(cu_seqlens_k, block_table, page, k.shape[0])
+    # (its values: ``_check_pages``)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, 0, max_seqlen_k, batch, q.device, values=False)
+    capacity = decode_op.paged_capacity(block_table, k.shape[1], max_seqlen_k)
+    _check_pages(cu_seqlens_k, block_table, k.shape[1], k.shape[0], max_seqlen_k, batch * capacity)
     if backend == "reference":
-        return _gather_pages_torch(k, v, cu_seqlens_k, block_table)
-    from ioattn.decode import op as decode_op  # (decode.op imports this module)
-
+        return _gather_pages_torch(k, v, cu_seqlens_k, block_table, capacity)
     run = decode_op.gather_pages_op if torch.compiler.is_compiling() else decode_op.gather_pages
-    return run(k, v, cu_seqlens_k, block_table)
+    return run(k, v, cu_seqlens_k, block_table, int(max_seqlen_k))
 
 
-def _check_pages(cu_seqlens_k: Tensor, block_table: Tensor, page: int, n_pages: int) -> None:
-    """Each sequence's keys fit its block-table row, and the entries they use index the caches
-    (the rest of a row may hold anything): once per state of the tensors (``Validated``)."""
-    params = ("paged varlen", page, n_pages)
+def _check_pages(cu_seqlens_k: Tensor, block_table: Tensor, page: int, n_pages: int,
+                 max_seqlen_k: int, rows: int) -> None:
+    """cu_seqlens_k of a paged varlen call (start at 0, non-decreasing, no sequence longer than
+    max_seqlen_k or its block-table row), and the table entries its keys use (the rest of a row
+    may hold anything) within the caches' pages: once per state of the tensors (``Validated``),
+    which then also covers the packed call's check of cu_seqlens_k over the packed rows."""
+    params = ("paged varlen", page, n_pages, max_seqlen_k)
     tensors = (cu_seqlens_k, block_table)
     if skip_value_checks(cu_seqlens_k) or VALIDATED.seen(tensors, params):
         return
     cu = cu_seqlens_k.tolist()
+    lens = [b - a for a, b in zip(cu, cu[1:])]
+    if cu[0] != 0 or any(n < 0 for n in lens):
+        _fail(f"cu_seqlens_k must start at 0 and be non-decreasing, got {cu[:8]}...")
     width = block_table.shape[1]
-    table = block_table.tolist()
-    for i, (a, b) in enumerate(zip(cu, cu[1:])):
-        used = -(-(b - a) // page)
-        if used > width:
-            _fail(f"sequence {i} has {b - a} keys but its block_table row holds {width} pages of "
+    for i, n in enumerate(lens):
+        if n > width * page:
+            _fail(f"sequence {i} has {n} keys but its block_table row holds {width} pages of "
                   f"{page} ({width * page} keys)")
-        bad = [p for p in table[i][:used] if not 0 <= p < n_pages]
-        if bad:
-            _fail(f"block_table[{i}] uses page {bad[0]}, outside the caches' {n_pages} pages")
+    if lens and max(lens) > max_seqlen_k:
+        _fail(f"a sequence in cu_seqlens_k has length {max(lens)} > max_seqlen_k {max_seqlen_k}; "
+              "pass the true max")
+    if width and lens:  # the entries in use, checked on the device: one sync
+        used = torch.tensor([-(-n // page) for n in lens], device=block_table.device)
+        cols = torch.arange(width, device=block_table.device)
+        bad = (cols[None, :] < used[:, None]) & ((block_table < 0) | (block_table >= n_pages))
+        if bool(bad.any()):
+            i, j = (int(x) for x in bad.nonzero()[0])
+            _fail(f"block_table[{i}, {j}] = {int(block_table[i, j])} is outside the caches' "
+                  f"{n_pages} pages")
     VALIDATED.add(tensors, params)
+    VALIDATED.add((cu_seqlens_k,), ("cu_seqlens_k", rows, max_seqlen_k))  # (the packed call's)
 
 
-def _gather_pages_torch(k: Tensor, v: Tensor, cu_seqlens_k: Tensor,
-                        block_table: Tensor) -> tuple[Tensor, Tensor]:
+def _gather_pages_torch(k: Tensor, v: Tensor, cu_seqlens_k: Tensor, block_table: Tensor,
+                        capacity: int) -> tuple[Tensor, Tensor]:
     """``decode.op.gather_pages`` in plain torch (backend='reference')."""
-    b, width = block_table.shape
+    b = block_table.shape[0]
     page = k.shape[1]
-    k_out = k.new_zeros((b * width * page,) + tuple(k.shape[2:]))
+    k_out = k.new_zeros((b * capacity,) + tuple(k.shape[2:]))
     v_out = v.new_zeros(k_out.shape[:1] + tuple(v.shape[2:]))
     cu = cu_seqlens_k.tolist()
     for i, (a, n) in enumerate(zip(cu, [b_ - a_ for a_, b_ in zip(cu, cu[1:])])):

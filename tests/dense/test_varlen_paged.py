@@ -130,6 +130,31 @@ def test_paged_varlen_errors(device):
         call(dropout_p=0.1)
     with pytest.raises(ValueError, match="k's shape"):
         call(v=v_cache[:, :, :, :32])
+    with pytest.raises(ValueError, match="page_size"):
+        call(k=k_cache[:, :0], v=v_cache[:, :0])
+    with pytest.raises(ValueError, match="cu_seqlens_q must be"):
+        call(cu_seqlens_q=cq[:0])
+    with pytest.raises(ValueError, match="pass the true max"):
+        call(max_seqlen_k=30)
+
+
+def test_paged_varlen_strided_table_and_narrow_packing(device):
+    """A block table that is a strided view reads its logical entries (the gather reads rows
+    with unit stride: it gets a contiguous copy), and the packed K/V take max_seqlen_k rows per
+    sequence, not a full-width row's (engines pass tables sized for the longest context)."""
+    from ioattn.decode.op import gather_pages
+
+    lk, lq = [40, 7, 0], [5, 7, 0]
+    k, v, k_cache, v_cache, table = _paged(lk, 4, 2, 64, FP16, device, spare=30)
+    wide = torch.full((3, 2 * table.shape[1]), -7, dtype=torch.int32, device=device)
+    wide[:, ::2] = table
+    cq, ck = cu_seqlens(lq, device), cu_seqlens(lk, device)
+    q = torch.randn(sum(lq), 4, 64, device=device, dtype=FP16)
+    got = ioattn.flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, 7, 40, block_table=wide[:, ::2])
+    want = ioattn.flash_attn_varlen_func(q, k, v, cq, ck, 7, 40)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    k_packed, _ = gather_pages(k_cache, v_cache, ck, table, 40)
+    assert k_packed.shape[0] == 3 * 40  # not 3 x (table width x page size)
 
 
 def test_paged_varlen_compiles_fullgraph(device):
@@ -155,4 +180,5 @@ def test_gather_pages_opcheck(device):
     from ioattn.decode.op import gather_pages_op
 
     _, _, k_cache, v_cache, table = _paged([30, 0, 17], 8, 2, 64, BF16, device)
-    torch.library.opcheck(gather_pages_op, (k_cache, v_cache, cu_seqlens([30, 0, 17], device), table))
+    torch.library.opcheck(gather_pages_op, (k_cache, v_cache, cu_seqlens([30, 0, 17], device),
+                                            table, 30))
