@@ -199,19 +199,22 @@ for step in $steps; do
              --no-plots --out /tmp/rowstats_seg.json > "$OUT/rowstats_seg.log" 2>&1
            echo "== row_stats=1 segments=1"; grep -E "^bwd" "$OUT/rowstats_seg.log" ;;
     sm90-wg3pp) # the d=64 forward on three consumer warpgroups taking turns round robin (FA3's
-           # warp-scheduler barrier at d=64), persistent and not: tests, then timed against the
-           # three-warpgroup form without turns and the default (two warpgroups, dynamic)
-           IOATTN_SM90_PINGPONG=1 timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
+           # warp-scheduler barrier at d=64), persistent and not, and on FA3's 192x128 tile
+           # (wide_): tests, then timed against the three-warpgroup form without turns and the
+           # default (two warpgroups, dynamic). Logs in /tmp (the device returns 8 files)
+           timeout 200 python -m pytest -q -n 8 -p no:cacheprovider \
              tests/dense/test_sm90.py -k "wg3" > "$OUT/tests_wg3pp.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_wg3pp.log"; tail -1 "$OUT/tests_wg3pp.log"
-           for v in pp3p wg3p default pp3; do
+           for v in pp3p wide_pp3p wide_wg3p wg3p default pp3; do
              case $v in pp3p) e="IOATTN_SM90_WG3_PERSISTENT=1 IOATTN_SM90_PINGPONG=1" ;;
+               wide_pp3p) e="IOATTN_SM90_WG3_PERSISTENT=1 IOATTN_SM90_PINGPONG=1 IOATTN_SM90_WG3_BLOCK_N=128" ;;
+               wide_wg3p) e="IOATTN_SM90_WG3_PERSISTENT=1 IOATTN_SM90_WG3_BLOCK_N=128" ;;
                wg3p) e=IOATTN_SM90_WG3_PERSISTENT=1 ;; pp3) e="IOATTN_SM90_PERSISTENT=0 IOATTN_SM90_PINGPONG=1" ;;
                *) e=X=1 ;; esac
              env $e timeout 150 python -m ioattn bench --modes fwd --dims 64 \
                --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
-               --out "$OUT/sm90_fwd_wg3pp_$v.json" > "$OUT/wg3pp_$v.log" 2>&1
-             echo "== $v"; grep -E "^fwd" "$OUT/wg3pp_$v.log"; done ;;
+               --out "$OUT/sm90_fwd_wg3pp_$v.json" > "/tmp/wg3pp_$v.log" 2>&1
+             echo "== $v"; grep -E "^fwd" "/tmp/wg3pp_$v.log"; done ;;
     sm90-pp128) # pingpong at d=128 again, in today's persistent form (FA3 runs its scheduler
            # barrier there; measured within noise in session 3, before the persistent form)
            for v in 1 auto; do IOATTN_SM90_PINGPONG=$v timeout 150 python -m ioattn bench --modes fwd \

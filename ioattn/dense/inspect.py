@@ -273,15 +273,19 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                          dict(q_desc=64, do_desc=64, k_desc=dq_bn, v_desc=dq_bn), d,
                          dict(flags, STAGES=sm90_bwd.DQ_STAGES)))
         if d == 64:  # (opt-in, IOATTN_SM90_WG3_PERSISTENT) the persistent form on 3 warpgroups,
-            # and (opt-in, IOATTN_SM90_PINGPONG=1) with their turns round robin
+            # and (opt-in, IOATTN_SM90_PINGPONG=1) with their turns round robin; and (opt-in,
+            # IOATTN_SM90_WG3_BLOCK_N=128) FA3's 192x128 tile, non-causal, with the turns
             tile_n, stages, cregs = sm90_fwd._tile(d, 3)
-            jobs += [(f"sm90 fwd d{d} causal persistent 192x{tile_n}{' pingpong' if pp else ''} ws",
+            wg3 = [("causal", True, tile_n, stages, False), ("causal", True, tile_n, stages, True),
+                   ("full", False, 128, 3, True)]
+            jobs += [(f"sm90 fwd d{d} {tag_} persistent 192x{bn_}{' pingpong' if pp else ''} ws",
                       sm90_fwd._attn_fwd_sm90,
-                      dict(q_desc=64, o_desc=64, k_desc=tile_n, v_desc=tile_n), d,
-                      dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True,
+                      dict(q_desc=64, o_desc=64, k_desc=bn_, v_desc=bn_), d,
+                      dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=right,
                            PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, CONSUMER_REGS_=cregs,
-                           STAGES=stages, BLOCK_N=tile_n, PAGED=False, PAGE=1, PINGPONG=pp,
-                           PERSISTENT=True, WGS=3, DYNAMIC=True)) for pp in (False, True)]
+                           STAGES=st_, BLOCK_N=bn_, PAGED=False, PAGE=1, PINGPONG=pp,
+                           PERSISTENT=True, WGS=3, DYNAMIC=True))
+                     for tag_, right, bn_, st_, pp in wg3]
         # the KV-cache forward over pages of 16 (one TMA copy per page)
         jobs.append((f"sm90 fwd paged16 d{d} causal 128x{bn} ws", sm90_fwd._attn_fwd_sm90,
                      dict(q_desc=64, o_desc=64, k_desc=16, v_desc=16), d,

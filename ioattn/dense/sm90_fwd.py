@@ -71,6 +71,10 @@ WG3 = os.environ.get("IOATTN_SM90_FWD_WG3", "1").lower() not in ("0", "false", "
 # three consumer warpgroups in the persistent form too (d=64 batched problems, where the dynamic
 # scheduler otherwise runs two): opt-in until measured on the H200
 WG3_PERSISTENT = os.environ.get("IOATTN_SM90_WG3_PERSISTENT", "0").lower() in ("1", "true", "on")
+# keys per tile of the three-warpgroup forms (``_tile``): 64, or 128 (FlashAttention-3's d=64
+# tile, 192 x 128; opt-in until measured: at 160 registers its persistent non-causal form
+# spills 8 B in the sm90 compile, its causal and per-tile forms 350-410 B)
+WG3_BLOCK_N = int(os.environ.get("IOATTN_SM90_WG3_BLOCK_N", "64"))
 
 
 def _block_n(head_dim: int) -> int:
@@ -100,9 +104,14 @@ def _tile(head_dim: int, wgs: int) -> tuple[int, int, int]:
     """(BLOCK_N, STAGES, consumer registers) of the forward. Three 4-warp consumers and the
     producer's warpgroup share 64K registers: 3 x 128 x 160 + 128 x 24 = 64512 (the default
     partition, consumer 0, gets what the workers leave), so at 160 registers the 64x128 S tile
-    of 128-key tiles spills ~400 B: three warpgroups take 64-key tiles (spill-free) and 4
-    stages (90 KB of shared memory)."""
+    of 128-key tiles spills in most forms (350-410 B; 8 B persistent non-causal): three
+    warpgroups take 64-key tiles (spill-free) and 4 stages (90 KB of shared memory), or with
+    ``WG3_BLOCK_N`` = 128 FlashAttention-3's 128-key tiles and 3 stages (123 KB)."""
     if wgs == 3:
+        if WG3_BLOCK_N == 128:
+            return 128, 3, 160
+        if WG3_BLOCK_N != 64:
+            raise ValueError(f"IOATTN_SM90_WG3_BLOCK_N={WG3_BLOCK_N}: expected 64 or 128")
         return 64, 4, 160
     return _block_n(head_dim), _stages(head_dim), CONSUMER_REGS
 

@@ -94,16 +94,18 @@ WG3_CASES = [Case(113, 203, d=64), Case(203, 113, d=64, causal=True),
 
 
 @needs_sm90
-@pytest.mark.parametrize("pingpong", ["auto", "1"], ids=["default", "pingpong"])
+@pytest.mark.parametrize("pingpong,block_n", [("auto", 64), ("1", 64), ("auto", 128), ("1", 128)],
+                         ids=["default", "pingpong", "wide", "wide-pingpong"])
 @pytest.mark.parametrize("c", WG3_CASES, ids=lambda c: "sm90-wg3-" + c.id)
-def test_sm90_fwd_three_warpgroups(c: Case, pingpong, monkeypatch):
+def test_sm90_fwd_three_warpgroups(c: Case, pingpong, block_n, monkeypatch):
     """d=64 forward with three consumer warpgroups (192-row tiles; the default, which
-    IOATTN_SM90_FWD_WG3=0 turns off), batched and varlen; and with their GEMMs issued in turns,
-    round robin (IOATTN_SM90_PINGPONG=1)."""
+    IOATTN_SM90_FWD_WG3=0 turns off), batched and varlen; with their GEMMs issued in turns,
+    round robin (IOATTN_SM90_PINGPONG=1), and on 128-key tiles (IOATTN_SM90_WG3_BLOCK_N=128)."""
     from ioattn.dense import sm90_fwd
 
     monkeypatch.setattr(sm90_fwd, "WG3", True)
     monkeypatch.setattr(sm90_fwd, "PINGPONG", pingpong)
+    monkeypatch.setattr(sm90_fwd, "WG3_BLOCK_N", block_n)
     q, k, v, kw, out = _forward_only(c)
     _matches_varlen(c, q, k, v, kw, out)
 
@@ -119,8 +121,8 @@ PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
 
 
 @needs_sm90
-@pytest.mark.parametrize("mode", ["0", "static", "dynamic", "dynamic-wg3", "dynamic-wg3-pingpong"],
-                         ids=["off", "snake", "dynamic", "dynamic-wg3", "dynamic-wg3-pingpong"])
+@pytest.mark.parametrize("mode", ["0", "static", "dynamic", "dynamic-wg3", "dynamic-wg3-pingpong",
+                                  "dynamic-wg3-wide-pingpong"])
 @pytest.mark.parametrize("c", PERSISTENT_CASES, ids=lambda c: "sm90-persistent-" + c.id)
 def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     """The sm90 forward's tile schedules (IOATTN_SM90_PERSISTENT; by default dynamic at d=64 and
@@ -139,6 +141,8 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
         monkeypatch.setattr(sm90_fwd, "WG3_PERSISTENT", True)
         if mode.endswith("pingpong"):
             monkeypatch.setattr(sm90_fwd, "PINGPONG", "1")
+        if "wide" in mode:  # FA3's d=64 tile: 192 x 128
+            monkeypatch.setattr(sm90_fwd, "WG3_BLOCK_N", 128)
         mode = "dynamic"
     monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", mode)
     _forward_only(c)
@@ -477,8 +481,9 @@ def test_sm90_kernel_compiles_for_hopper():
     # issued first, one step late or (d=64) in turn, the d=256 backward's two kernels, the
     # causal fused backward with its steps in masked / unmasked loops (or in one), the dK/dV
     # kernels with LSE / delta held in registers (IOATTN_SM90_BWD_ROW_STATS=0), and the d=64
-    # persistent forward on three warpgroups taking turns round robin (opt-in)
-    assert len(reports) == 60, names
+    # persistent forward on three warpgroups taking turns round robin, also on FA3's 192x128
+    # tile (opt-in)
+    assert len(reports) == 61, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
