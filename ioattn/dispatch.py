@@ -20,8 +20,29 @@ BACKENDS = ("auto", "triton", "sm90", "reference")
 GLUON_TRITON_SERIES = "3.6."
 
 
+_REASONS: dict = {}  # (kernels, device, interpreting) -> the *_unavailable_reason answers
+
+
+def _once(kernels: str, device: torch.device, find: Callable[[torch.device], Optional[str]]):
+    """``find(device)`` answered once per device (every call's dispatch asks; on the H200 host
+    the CUDA capability query alone took ~10 us a call), except while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return find(device)
+    index = device.index
+    if index is None and device.type == "cuda":
+        index = torch.cuda.current_device()
+    key = (kernels, device.type, index, interpreting())
+    if key not in _REASONS:
+        _REASONS[key] = find(device)
+    return _REASONS[key]
+
+
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the Triton kernels cannot run on ``device`` (None when they can)."""
+    return _once("triton", device, _triton_unavailable_reason)
+
+
+def _triton_unavailable_reason(device: torch.device) -> str | None:
     if device.type == "cuda":
         major, _ = torch.cuda.get_device_capability(device)
         if major < 8:
@@ -35,21 +56,9 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     return f"device type {device.type!r} is not supported (use CUDA tensors)"
 
 
-_SM90_REASONS: dict = {}  # (device, interpreting) -> sm90_unavailable_reason's answer
-
-
 def sm90_unavailable_reason(device: torch.device) -> str | None:
-    """Why the Gluon Hopper kernels cannot run on ``device`` at all (None when they can).
-    Answered once per device (every call's dispatch asks), except while torch.compile traces."""
-    if torch.compiler.is_compiling():
-        return _sm90_unavailable_reason(device)
-    index = device.index
-    if index is None and device.type == "cuda":
-        index = torch.cuda.current_device()
-    key = (device.type, index, interpreting())
-    if key not in _SM90_REASONS:
-        _SM90_REASONS[key] = _sm90_unavailable_reason(device)
-    return _SM90_REASONS[key]
+    """Why the Gluon Hopper kernels cannot run on ``device`` at all (None when they can)."""
+    return _once("sm90", device, _sm90_unavailable_reason)
 
 
 def _sm90_unavailable_reason(device: torch.device) -> str | None:
