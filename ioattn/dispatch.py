@@ -110,10 +110,20 @@ def resolve_backend(backend: str, device: torch.device,
     return "triton"
 
 
+_SMS: dict = {}  # CUDA device index -> streaming multiprocessors
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (4 off CUDA: the interpreter's stand-in), the unit
-    of the launch-shape rules (split counts, work items, persistent grids)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    of the launch-shape rules (split counts, work items, persistent grids); asked of the driver
+    once per device."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SMS.get(index)
+    if n is None:
+        n = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
 
 
 # Environment switches of kernel variants, for measurement (``python -m ioattn info`` lists them
