@@ -212,6 +212,75 @@ def gather_pages(k_pages: Tensor, v_pages: Tensor, cu_seqlens_k: Tensor, block_t
     return k_out, v_out
 
 
+def paged_varlen_attn(q: Tensor, k_pages: Tensor, v_pages: Tensor, cu_seqlens_q: Tensor,
+                      cu_seqlens_k: Tensor, block_table: Tensor, max_seqlen_q: int,
+                      softmax_scale: float, window_left: int, window_right: int,
+                      softcap: float) -> tuple[Tensor, Tensor]:
+    """A paged varlen call's attention straight over the pages (the planned prefill kernel,
+    without packing the keys): for calls whose packed K/V would be too large to copy
+    (``PAGED_VARLEN_MAX_BYTES``). q [total_q, h, d] -> out [total_q, h, d], LSE [h, total_q]
+    (natural log). The work list covers max_seqlen_q's row blocks for every request, built on
+    the device (no host sync); blocks past a request's rows exit at once."""
+    from ioattn.decode.triton_decode import paged_attn, paged_tiles
+
+    total_q, h, d = q.shape
+    b, width = block_table.shape
+    group = h // k_pages.shape[2]
+    block_m = paged_tiles(group, d, rows_per_request=max(max_seqlen_q, 1),
+                          extras=softcap > 0 or window_right >= 0 or window_left >= 0)[0]
+    blocks = max(1, -(-max(max_seqlen_q, 1) * group // block_m))
+    with _on_device(q):
+        out = _new_output(q, (total_q, h, v_pages.shape[-1]))
+        lse = _new_output(q, (total_q, h), dtype=torch.float32)
+        dev = q.device
+        cu_k = cu_seqlens_k.to(torch.int32)
+        lens = cu_k[1:] - cu_k[:-1]
+        kv_indptr = torch.arange(0, (b + 1) * width, width, dtype=torch.int32, device=dev)
+        seqlens_indptr = torch.cat([lens, kv_indptr, cu_seqlens_q.to(torch.int32)])
+        items = torch.arange(b * blocks, dtype=torch.int32, device=dev)
+        work = torch.stack([items // blocks, items % blocks, torch.zeros_like(items),
+                            torch.full_like(items, width * k_pages.shape[1]),
+                            torch.full_like(items, -1)], 1).contiguous()
+        n_work = torch.full((1,), b * blocks, dtype=torch.int32, device=dev)
+        if b * blocks and total_q:
+            paged_attn(q, k_pages, v_pages, block_table.contiguous().view(-1), seqlens_indptr,
+                       work, n_work, None, b * blocks, 1, block_m, lse, lse, softmax_scale,
+                       window_left, window_right, softcap, out, lse, lse_base2=False)
+        else:
+            out.zero_()
+            lse.fill_(float("-inf"))
+    return out, lse.t().contiguous()
+
+
+# packed K + V bytes above which a paged varlen call attends over the pages instead of copying
+# them (``paged_varlen_attn``); None: that rule, True / False: always / never (tests)
+PAGED_VARLEN_MAX_BYTES = 1 << 30
+FORCE_PAGED_VARLEN: Optional[bool] = None
+
+
+def paged_varlen_copies(k_pages: Tensor, batch: int, capacity: int) -> bool:
+    """Whether a paged varlen call packs its keys (``gather_pages``) or attends over the pages
+    (``paged_varlen_attn``): the copy runs the dense varlen kernels (sm90 on Hopper) at the
+    price of moving each key once and holding batch * capacity rows of K and V."""
+    if FORCE_PAGED_VARLEN is not None:
+        return not FORCE_PAGED_VARLEN
+    rows = batch * capacity
+    return 2 * rows * k_pages.shape[2] * k_pages.shape[3] * k_pages.element_size() \
+        <= PAGED_VARLEN_MAX_BYTES
+
+
+paged_varlen_attn_op = torch.library.custom_op("ioattn::paged_varlen_attn", paged_varlen_attn,
+                                               mutates_args=())
+
+
+@paged_varlen_attn_op.register_fake
+def _(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, softmax_scale,
+      window_left, window_right, softcap):
+    total_q, h, _ = q.shape
+    return (q.new_empty((total_q, h, v_pages.shape[-1])),
+            q.new_empty((h, total_q), dtype=torch.float32))
+
+
 gather_pages_op = torch.library.custom_op("ioattn::gather_pages", gather_pages, mutates_args=())
 
 

@@ -103,6 +103,8 @@ def _kvcache_attn_kernel(
         q_row0 = tl.load(SEQLENS_K + 2 * batch + 1 + off_b)
         seqlen_q = tl.load(SEQLENS_K + 2 * batch + 2 + off_b) - q_row0
         q_row0 = q_row0.to(tl.int64)
+        if i_m * BLOCK_M >= seqlen_q * kv_group:
+            return  # (a grid sized on the device: row blocks past this request's rows)
     else:
         i_split = tl.program_id(0)
         i_bh = tl.program_id(2)

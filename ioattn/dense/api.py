@@ -348,12 +348,19 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     size >= 1, and sequence i's keys are the first cu_seqlens_k[i + 1] - cu_seqlens_k[i] slots
     of its pages (causal aligns its queries with the last ones). They are copied into packed
     K/V of batch * max_seqlen_k rows (``ioattn.decode.op.gather_pages``, no host sync), then the
-    varlen kernels run. Forward only: the caches get no gradients, and caches that require them
-    are refused (dropout is refused too).
+    varlen kernels run; where those would exceed ``decode.op.PAGED_VARLEN_MAX_BYTES`` (1 GiB),
+    calls without ALiBi and without q's gradient attend over the pages instead
+    (``paged_varlen_attn``). Forward only: the caches get no gradients, and caches that require
+    them are refused (dropout is refused too).
     """
     if block_table is not None:
-        k, v = _paged_keys(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, block_table,
-                           dropout_p, backend)
+        packed = _paged_keys(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, block_table,
+                             dropout_p, alibi_slopes, backend)
+        if packed is None:  # packed K/V would be too large: attention over the pages
+            return _paged_direct(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
+                                 softmax_scale, causal, window_size, softcap, return_attn_probs,
+                                 learnable_sink)
+        k, v = packed
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 3)
     _check_common(q, k, v, dropout_p, window_size, softcap, softmax_scale)
@@ -393,10 +400,11 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
 
 def _paged_keys(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                 max_seqlen_k: int, block_table: Tensor, dropout_p: float,
-                backend: str) -> tuple[Tensor, Tensor]:
+                alibi_slopes: Optional[Tensor], backend: str) -> Optional[tuple[Tensor, Tensor]]:
     """(``flash_attn_varlen_func`` with block_table) the checks of the paged caches and table,
     then the keys packed as the varlen kernels read them: [batch * capacity, nheads_k, d],
-    capacity = ``decode.op.paged_capacity`` (max_seqlen_k, at most a table row's slots)."""
+    capacity = ``decode.op.paged_capacity`` (max_seqlen_k, at most a table row's slots); or
+    None where the call attends over the pages instead (``decode.op.paged_varlen_copies``)."""
     from ioattn.decode import op as decode_op  # (decode.op imports this module)
 
     _check_tensor("q", q, 3)
@@ -440,8 +448,31 @@ def _paged_keys(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     _check_pages(cu_seqlens_k, block_table, k.shape[1], k.shape[0], max_seqlen_k, batch * capacity)
     if backend == "reference":
         return _gather_pages_torch(k, v, cu_seqlens_k, block_table, capacity)
+    if (alibi_slopes is None and not (torch.is_grad_enabled() and q.requires_grad)
+            and not decode_op.paged_varlen_copies(k, batch, capacity)):
+        return None
     run = decode_op.gather_pages_op if torch.compiler.is_compiling() else decode_op.gather_pages
     return run(k, v, cu_seqlens_k, block_table, int(max_seqlen_k))
+
+
+def _paged_direct(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                  max_seqlen_q: int, block_table: Tensor, softmax_scale, causal: bool,
+                  window_size, softcap: float, return_attn_probs: bool,
+                  learnable_sink: Optional[Tensor]):
+    """(``flash_attn_varlen_func`` with block_table, after ``_paged_keys``) the attention over
+    the pages, for calls too large to pack (no ALiBi, no gradient): the planned prefill kernel."""
+    from ioattn.decode import op as decode_op
+
+    _check_common(q, k, v, 0.0, window_size, softcap, softmax_scale)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, None, q.device)
+    _check_sink(learnable_sink, q.shape[1], q.device)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    left, right = _window(causal, window_size)
+    run = (decode_op.paged_varlen_attn_op if torch.compiler.is_compiling()
+           else decode_op.paged_varlen_attn)
+    out, lse = run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, int(max_seqlen_q),
+                   float(scale), left, right, float(softcap))
+    return _finish(out, lse, return_attn_probs, learnable_sink, varlen=True)
 
 
 def _check_pages(cu_seqlens_k: Tensor, block_table: Tensor, page: int, n_pages: int,

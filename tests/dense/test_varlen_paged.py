@@ -49,10 +49,20 @@ CASES = [  # (page, d, h, h_k, causal, window, softcap, alibi, dtype)
 ]
 
 
+@pytest.fixture(params=["copy", "pages"])
+def path(request, monkeypatch):
+    """The keys packed then the varlen kernels (the default), or attention over the pages (the
+    path of calls too large to pack; ALiBi and q's gradient keep the copy)."""
+    from ioattn.decode import op
+
+    monkeypatch.setattr(op, "FORCE_PAGED_VARLEN", request.param == "pages")
+    return request.param
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"page{c[0]}-d{c[1]}-h{c[2]}-{c[3]}"
                          f"{'-causal' if c[4] else ''}{'-window' if c[5][0] >= 0 else ''}"
                          f"{'-softcap' if c[6] else ''}{'-alibi' if c[7] else ''}")
-def test_paged_varlen_matches_contiguous(case, device):
+def test_paged_varlen_matches_contiguous(case, path, device):
     page, d, h, h_k, causal, window, softcap, alibi, dtype = case
     g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
     b = 4
@@ -82,7 +92,7 @@ def test_paged_varlen_matches_contiguous(case, device):
     assert_close_rule("out (reference backend)", out, want.float(), pt)
 
 
-def test_paged_varlen_q_gradient(device):
+def test_paged_varlen_q_gradient(path, device):
     """q's gradient through the paged call equals the contiguous call's, bitwise (the caches are
     constants of the call; deterministic: dQ without atomics)."""
     lk, lq = [70, 33, 0], [20, 33, 0]
@@ -157,7 +167,7 @@ def test_paged_varlen_strided_table_and_narrow_packing(device):
     assert k_packed.shape[0] == 3 * 40  # not 3 x (table width x page size)
 
 
-def test_paged_varlen_compiles_fullgraph(device):
+def test_paged_varlen_compiles_fullgraph(path, device):
     """The paged call traces without a graph break (the gather is a torch.library op with a
     fake) and gives the eager result."""
     from tests.dense.test_op import BACKEND
@@ -176,9 +186,23 @@ def test_paged_varlen_compiles_fullgraph(device):
     torch.testing.assert_close(got, f(q, k_cache, v_cache), atol=2e-2, rtol=0)
 
 
-def test_gather_pages_opcheck(device):
-    from ioattn.decode.op import gather_pages_op
+def test_paged_ops_opcheck(device):
+    from ioattn.decode.op import gather_pages_op, paged_varlen_attn_op
 
     _, _, k_cache, v_cache, table = _paged([30, 0, 17], 8, 2, 64, BF16, device)
-    torch.library.opcheck(gather_pages_op, (k_cache, v_cache, cu_seqlens([30, 0, 17], device),
-                                            table, 30))
+    ck = cu_seqlens([30, 0, 17], device)
+    torch.library.opcheck(gather_pages_op, (k_cache, v_cache, ck, table, 30))
+    q = torch.randn(12, 4, 64, device=device, dtype=BF16)
+    torch.library.opcheck(paged_varlen_attn_op, (q, k_cache, v_cache, cu_seqlens([5, 0, 7], device),
+                                                 ck, table, 7, 0.125, -1, 0, 0.0))
+
+
+def test_paged_varlen_path_rule(monkeypatch):
+    """Calls whose packed K + V stay within PAGED_VARLEN_MAX_BYTES are packed; larger ones
+    attend over the pages."""
+    from ioattn.decode import op
+
+    monkeypatch.setattr(op, "FORCE_PAGED_VARLEN", None)
+    k = torch.empty(4, 16, 8, 128, dtype=BF16)
+    rows = op.PAGED_VARLEN_MAX_BYTES // (2 * 8 * 128 * 2)
+    assert op.paged_varlen_copies(k, 1, rows) and not op.paged_varlen_copies(k, 1, rows + 1)
