@@ -223,6 +223,7 @@ def paged_varlen_attn(q: Tensor, k_pages: Tensor, v_pages: Tensor, cu_seqlens_q:
     the device (no host sync); blocks past a request's rows exit at once."""
     from ioattn.decode.triton_decode import paged_attn, paged_tiles
 
+    q = q if q.stride(-1) == 1 else q.contiguous()  # (the kernel reads q's rows contiguous)
     total_q, h, d = q.shape
     b, width = block_table.shape
     group = h // k_pages.shape[2]
@@ -235,7 +236,7 @@ def paged_varlen_attn(q: Tensor, k_pages: Tensor, v_pages: Tensor, cu_seqlens_q:
         dev = q.device
         cu_k = cu_seqlens_k.to(torch.int32)
         lens = cu_k[1:] - cu_k[:-1]
-        kv_indptr = torch.arange(0, (b + 1) * width, width, dtype=torch.int32, device=dev)
+        kv_indptr = torch.arange(b + 1, dtype=torch.int32, device=dev) * width
         seqlens_indptr = torch.cat([lens, kv_indptr, cu_seqlens_q.to(torch.int32)])
         items = torch.arange(b * blocks, dtype=torch.int32, device=dev)
         work = torch.stack([items // blocks, items % blocks, torch.zeros_like(items),

@@ -448,7 +448,10 @@ def _paged_keys(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     _check_pages(cu_seqlens_k, block_table, k.shape[1], k.shape[0], max_seqlen_k, batch * capacity)
     if backend == "reference":
         return _gather_pages_torch(k, v, cu_seqlens_k, block_table, capacity)
-    if (alibi_slopes is None and not (torch.is_grad_enabled() and q.requires_grad)
+    # (the pages' kernel is the portable one: 'sm90' and unknown names take the copy, whose
+    # backend pick runs them or says why not)
+    if (backend in ("auto", "triton") and alibi_slopes is None
+            and not (torch.is_grad_enabled() and q.requires_grad)
             and not decode_op.paged_varlen_copies(k, batch, capacity)):
         return None
     run = decode_op.gather_pages_op if torch.compiler.is_compiling() else decode_op.gather_pages

@@ -197,6 +197,25 @@ def test_paged_ops_opcheck(device):
                                                  ck, table, 7, 0.125, -1, 0, 0.0))
 
 
+def test_paged_varlen_odd_inputs(path, device):
+    """A q whose last dim is strided, a zero-width block table, and backend names the pages'
+    path does not serve (unknown: refused by name; 'sm90' off Hopper: refused with the reason)."""
+    lk, lq = [30, 9], [4, 9]
+    k, v, k_cache, v_cache, table = _paged(lk, 8, 2, 64, FP16, device)
+    cq, ck = cu_seqlens(lq, device), cu_seqlens(lk, device)
+    q_t = torch.randn(4, 64, sum(lq), device=device, dtype=FP16).permute(2, 0, 1)
+    got = ioattn.flash_attn_varlen_func(q_t, k_cache, v_cache, cq, ck, 9, 30, causal=True,
+                                        block_table=table)
+    want = ioattn.flash_attn_varlen_func(q_t.contiguous(), k, v, cq, ck, 9, 30, causal=True)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+    empty = ioattn.flash_attn_varlen_func(q_t, k_cache, v_cache, cq, cu_seqlens([0, 0], device),
+                                          9, 0, block_table=table[:, :0])
+    assert empty.shape == q_t.shape and not empty.isnan().any()
+    with pytest.raises(ValueError, match="backend"):
+        ioattn.flash_attn_varlen_func(q_t, k_cache, v_cache, cq, ck, 9, 30, block_table=table,
+                                      backend="bogus")
+
+
 def test_paged_varlen_path_rule(monkeypatch):
     """Calls whose packed K + V stay within PAGED_VARLEN_MAX_BYTES are packed; larger ones
     attend over the pages."""
