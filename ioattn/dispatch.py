@@ -13,38 +13,21 @@ from typing import Callable, Optional
 
 import torch
 
-from ioattn.dense.configs import interpreting
+from ioattn.dense.configs import capability, interpreting, per_device
 
 BACKENDS = ("auto", "triton", "sm90", "reference")
 # Gluon releases this code is written against (its API is experimental and changes per release)
 GLUON_TRITON_SERIES = "3.6."
 
 
-_REASONS: dict = {}  # (kernels, device, interpreting) -> the *_unavailable_reason answers
-
-
-def _once(kernels: str, device: torch.device, find: Callable[[torch.device], Optional[str]]):
-    """``find(device)`` answered once per device (every call's dispatch asks; on the H200 host
-    the CUDA capability query alone took ~10 us a call), except while torch.compile traces."""
-    if torch.compiler.is_compiling():
-        return find(device)
-    index = device.index
-    if index is None and device.type == "cuda":
-        index = torch.cuda.current_device()
-    key = (kernels, device.type, index, interpreting())
-    if key not in _REASONS:
-        _REASONS[key] = find(device)
-    return _REASONS[key]
-
-
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the Triton kernels cannot run on ``device`` (None when they can)."""
-    return _once("triton", device, _triton_unavailable_reason)
+    return per_device("triton", device, _triton_unavailable_reason)
 
 
 def _triton_unavailable_reason(device: torch.device) -> str | None:
     if device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(device)
+        major, _ = capability(device)
         if major < 8:
             return f"the Triton kernels need compute capability >= 8.0, {device} has {major}.x"
         return None
@@ -58,7 +41,7 @@ def _triton_unavailable_reason(device: torch.device) -> str | None:
 
 def sm90_unavailable_reason(device: torch.device) -> str | None:
     """Why the Gluon Hopper kernels cannot run on ``device`` at all (None when they can)."""
-    return _once("sm90", device, _sm90_unavailable_reason)
+    return per_device("sm90", device, _sm90_unavailable_reason)
 
 
 def _sm90_unavailable_reason(device: torch.device) -> str | None:
@@ -68,7 +51,7 @@ def _sm90_unavailable_reason(device: torch.device) -> str | None:
         return f"the sm90 kernels need a CUDA device (Hopper), got {device.type}"
     if interpreting():
         return "the sm90 kernels are Gluon, which the Triton interpreter cannot run"
-    cap = torch.cuda.get_device_capability(device)
+    cap = capability(device)
     if cap != (9, 0):
         return f"the sm90 kernels need compute capability 9.0 (H100/H200), {device} has {cap[0]}.{cap[1]}"
     if not triton.__version__.startswith(GLUON_TRITON_SERIES):
@@ -110,20 +93,13 @@ def resolve_backend(backend: str, device: torch.device,
     return "triton"
 
 
-_SMS: dict = {}  # CUDA device index -> streaming multiprocessors
-
-
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (4 off CUDA: the interpreter's stand-in), the unit
-    of the launch-shape rules (split counts, work items, persistent grids); asked of the driver
-    once per device."""
+    of the launch-shape rules (split counts, work items, persistent grids); once per device."""
     if device.type != "cuda":
         return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    n = _SMS.get(index)
-    if n is None:
-        n = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return n
+    return per_device("sm_count", device,
+                      lambda dev: torch.cuda.get_device_properties(dev).multi_processor_count)
 
 
 # Environment switches of kernel variants, for measurement (``python -m ioattn info`` lists them

@@ -135,7 +135,12 @@ def _check_cu_seqlens(name: str, cu: Tensor, total: int, max_seqlen: int, batch:
     params = (name, total, max_seqlen)
     if not values or skip_value_checks(cu) or VALIDATED.seen((cu,), params):
         return  # value checks need a host sync: once per state of the tensor (``Validated``)
-    vals = cu.tolist()
+    _check_cu_values(name, cu.tolist(), total, max_seqlen)
+    VALIDATED.add((cu,), params)
+
+
+def _check_cu_values(name: str, vals: list, total: int, max_seqlen: int) -> None:
+    """``_check_cu_seqlens``' checks of the values (read back to the host)."""
     lens = [b - a for a, b in zip(vals, vals[1:])]
     if vals[0] != 0 or any(n < 0 for n in lens):
         _fail(f"{name} must start at 0 and be non-decreasing, got {vals[:8]}...")
@@ -143,7 +148,6 @@ def _check_cu_seqlens(name: str, cu: Tensor, total: int, max_seqlen: int, batch:
         _fail(f"{name}[-1] = {vals[-1]} exceeds the {total} rows of the packed tensor")
     if lens and max(lens) > max_seqlen:
         _fail(f"a sequence in {name} has length {max(lens)} > max_seqlen {max_seqlen}; pass the true max")
-    VALIDATED.add((cu,), params)
 
 
 def _window(causal: bool, window_size: Sequence[int]) -> tuple[int, int]:
@@ -355,7 +359,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     """
     if block_table is not None:
         packed = _paged_keys(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, block_table,
-                             dropout_p, alibi_slopes, backend)
+                             dropout_p, window_size, softcap, softmax_scale, alibi_slopes, backend)
         if packed is None:  # packed K/V would be too large: attention over the pages
             return _paged_direct(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
                                  softmax_scale, causal, window_size, softcap, return_attn_probs,
@@ -399,8 +403,9 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
 
 
 def _paged_keys(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                max_seqlen_k: int, block_table: Tensor, dropout_p: float,
-                alibi_slopes: Optional[Tensor], backend: str) -> Optional[tuple[Tensor, Tensor]]:
+                max_seqlen_k: int, block_table: Tensor, dropout_p: float, window_size,
+                softcap: float, softmax_scale, alibi_slopes: Optional[Tensor],
+                backend: str) -> Optional[tuple[Tensor, Tensor]]:
     """(``flash_attn_varlen_func`` with block_table) the checks of the paged caches and table,
     then the keys packed as the varlen kernels read them: [batch * capacity, nheads_k, d],
     capacity = ``decode.op.paged_capacity`` (max_seqlen_k, at most a table row's slots); or
@@ -413,12 +418,9 @@ def _paged_keys(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
             _fail(f"with block_table, {name} must be a paged cache [num_pages, page_size, nheads_k, "
                   f"headdim], got {tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}",
                   TypeError if not isinstance(t, Tensor) else ValueError)
-        if t.dtype != q.dtype:
-            _fail(f"{name} has dtype {t.dtype} but q has {q.dtype}", TypeError)
-        if t.device != q.device:
-            _fail(f"{name} is on {t.device} but q is on {q.device}")
         if t.stride(-1) != 1:
             _fail(f"{name} (a paged cache) must have a contiguous last dim")
+    _check_common(q, k, v, dropout_p, window_size, softcap, softmax_scale)  # (dtypes, heads...)
     if v.shape != k.shape:
         _fail(f"with block_table, v must be a paged cache of k's shape {tuple(k.shape)}, got "
               f"{tuple(v.shape)} (headdim_v != headdim is not covered for paged caches)")
@@ -466,7 +468,7 @@ def _paged_direct(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
     the pages, for calls too large to pack (no ALiBi, no gradient): the planned prefill kernel."""
     from ioattn.decode import op as decode_op
 
-    _check_common(q, k, v, 0.0, window_size, softcap, softmax_scale)
+    # (q, k and v passed ``_check_common`` in ``_paged_keys``)
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, None, q.device)
     _check_sink(learnable_sink, q.shape[1], q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -490,16 +492,12 @@ def _check_pages(cu_seqlens_k: Tensor, block_table: Tensor, page: int, n_pages: 
         return
     cu = cu_seqlens_k.tolist()
     lens = [b - a for a, b in zip(cu, cu[1:])]
-    if cu[0] != 0 or any(n < 0 for n in lens):
-        _fail(f"cu_seqlens_k must start at 0 and be non-decreasing, got {cu[:8]}...")
     width = block_table.shape[1]
-    for i, n in enumerate(lens):
+    for i, n in enumerate(lens):  # (first: a longer sequence would also overflow the packed rows)
         if n > width * page:
             _fail(f"sequence {i} has {n} keys but its block_table row holds {width} pages of "
                   f"{page} ({width * page} keys)")
-    if lens and max(lens) > max_seqlen_k:
-        _fail(f"a sequence in cu_seqlens_k has length {max(lens)} > max_seqlen_k {max_seqlen_k}; "
-              "pass the true max")
+    _check_cu_values("cu_seqlens_k", cu, rows, max_seqlen_k)
     if width and lens:  # the entries in use, checked on the device: one sync
         used = torch.tensor([-(-n // page) for n in lens], device=block_table.device)
         cols = torch.arange(width, device=block_table.device)

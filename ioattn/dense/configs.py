@@ -37,17 +37,28 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_CAPS: dict = {}  # CUDA device index -> compute capability
+_PER_DEVICE: dict = {}  # (what, device type, index, interpreting) -> its answer
+
+
+def per_device(what: str, device: torch.device, find):
+    """``find(device)`` answered once per device (the capability, the SM count, whether the
+    kernels can run: every call asks, and the driver's answers took ~10 us of host time each on
+    the H200 machine), except while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return find(device)
+    index = device.index
+    if index is None and device.type == "cuda":
+        index = torch.cuda.current_device()
+    key = (what, device.type, index, interpreting())
+    if key not in _PER_DEVICE:
+        _PER_DEVICE[key] = find(device)
+    return _PER_DEVICE[key]
 
 
 def capability(device: torch.device) -> tuple[int, int]:
-    """``torch.cuda.get_device_capability(device)``, asked once per device: the launch-config
-    rules ask it on every call, and it took ~10 us of host time a call on the H200 machine."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = _CAPS.get(index)
-    if cap is None:
-        cap = _CAPS[index] = tuple(torch.cuda.get_device_capability(index))
-    return cap
+    """``torch.cuda.get_device_capability(device)``, once per device (``per_device``)."""
+    return per_device("capability", device,
+                      lambda dev: tuple(torch.cuda.get_device_capability(dev)))
 
 
 def pad_dim(d: int) -> int:
