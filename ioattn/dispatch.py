@@ -114,8 +114,9 @@ ENV_SWITCHES = (
      "snake order, 0: one CTA per tile"),
     ("IOATTN_SM90_FWD_WG3", "1", "sm90 forward at d=64: three consumer warpgroups (192-row "
      "tiles)"),
-    ("IOATTN_SM90_WG3_BLOCK_N", "64", "sm90 forward on three warpgroups (d=64): keys per tile, "
-     "64 or 128 (FlashAttention-3's 192x128 tile)"),
+    ("IOATTN_SM90_WG3_BLOCK_N", "auto", "sm90 forward on three warpgroups (d=64): keys per "
+     "tile; auto: 128 (FlashAttention-3's 192x128 tile, persistent) for batched causal problems "
+     "from 4k queries, else 64; 64 / 128 force"),
     ("IOATTN_SM90_WG3_PERSISTENT", "0", "sm90 forward at d=64: three consumer warpgroups in the "
      "persistent form too (else two there)"),
     ("IOATTN_SM90_BWD_DQ_ORDER", "auto", "sm90 fused backward: where each step's dQ partial is "

@@ -228,9 +228,11 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
         for tag, causal, varlen in (("full", False, False), ("causal", True, False),
                                     ("varlen causal", True, True)):
             flags = dict(IS_VARLEN=varlen, HAS_LEFT=False, HAS_RIGHT=causal, **regs)
-            # the forward as launched: three consumer warpgroups (192-row tiles) at d=64
-            wgs = sm90_fwd._wgs(d, varlen)
-            tile_n, stages, cregs = sm90_fwd._tile(d, wgs)
+            # the forward as launched on long problems: three consumer warpgroups (192-row
+            # tiles) at d=64, on 128-key tiles when causal and batched
+            wide = sm90_fwd._wide(d, varlen, causal, 1 << 14)
+            wgs = sm90_fwd._wgs(d, varlen, wide=wide)
+            tile_n, stages, cregs = sm90_fwd._tile(d, wgs, wide)
             jobs.append((f"sm90 fwd d{d} {tag} {64 * wgs}x{tile_n} ws", sm90_fwd._attn_fwd_sm90,
                          dict(q_desc=64, o_desc=64, k_desc=tile_n, v_desc=tile_n), d,
                          dict(flags, CONSUMER_REGS_=cregs, STAGES=stages, BLOCK_N=tile_n, PAGED=False,
@@ -274,7 +276,7 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                          dict(flags, STAGES=sm90_bwd.DQ_STAGES)))
         if d == 64:  # (opt-in, IOATTN_SM90_WG3_PERSISTENT) the persistent form on 3 warpgroups,
             # and (opt-in, IOATTN_SM90_PINGPONG=1) with their turns round robin; and (opt-in,
-            # IOATTN_SM90_WG3_BLOCK_N=128) FA3's 192x128 tile, non-causal, with the turns
+            # IOATTN_SM90_WG3_BLOCK_N=128) FA3's 192x128 tile non-causal, with the turns
             tile_n, stages, cregs = sm90_fwd._tile(d, 3)
             wg3 = [("causal", True, tile_n, stages, False), ("causal", True, tile_n, stages, True),
                    ("full", False, 128, 3, True)]

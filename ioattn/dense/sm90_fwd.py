@@ -71,10 +71,15 @@ WG3 = os.environ.get("IOATTN_SM90_FWD_WG3", "1").lower() not in ("0", "false", "
 # three consumer warpgroups in the persistent form too (d=64 batched problems, where the dynamic
 # scheduler otherwise runs two): opt-in until measured on the H200
 WG3_PERSISTENT = os.environ.get("IOATTN_SM90_WG3_PERSISTENT", "0").lower() in ("1", "true", "on")
-# keys per tile of the three-warpgroup forms (``_tile``): 64, or 128 (FlashAttention-3's d=64
-# tile, 192 x 128; opt-in until measured: at 160 registers its persistent non-causal form
-# spills 8 B in the sm90 compile, its causal and per-tile forms 350-410 B)
-WG3_BLOCK_N = int(os.environ.get("IOATTN_SM90_WG3_BLOCK_N", "64"))
+# keys per tile of the three-warpgroup forms (``_wide``, ``_tile``): "auto" (default) takes
+# FlashAttention-3's d=64 tile, 192 x 128, for batched causal problems from 4k queries, where
+# it ran 1.02-1.14x the two-warpgroup persistent default on the H200 (401 / 473 / 480 against
+# 394 / 414 / 442 TFLOP/s at 4k / 8k / 16k, results/sm90_fwd_wg3pp_{wide_wg3p,default}_*.json;
+# at 2k 331 against 349; non-causal 0.76-0.80x), even though its causal form spills ~350 B at
+# 160 registers; "64" / "128" force 64- / 128-key tiles wherever three warpgroups run
+WG3_BLOCK_N = os.environ.get("IOATTN_SM90_WG3_BLOCK_N", "auto").lower()
+if WG3_BLOCK_N not in ("auto", "64", "128"):
+    raise ValueError(f"IOATTN_SM90_WG3_BLOCK_N={WG3_BLOCK_N!r}: expected auto, 64 or 128")
 
 
 def _block_n(head_dim: int) -> int:
@@ -92,27 +97,33 @@ def _pingpong(head_dim: int, wgs: int) -> bool:
     return PINGPONG != "0"
 
 
-def _wgs(head_dim: int, varlen: bool, paged: bool = False) -> int:
-    # consumer warpgroups: 3 at d=64 when WG3 asks for it (persistent: when WG3_PERSISTENT
-    # does too), else 2
-    if head_dim == 64 and not paged and WG3 and (WG3_PERSISTENT or not _persistent(head_dim, varlen)):
+def _wide(head_dim: int, varlen: bool, causal: bool, max_seqlen_q: int) -> bool:
+    """Whether the d=64 forward takes three warpgroups on 128-key tiles (``WG3_BLOCK_N``)."""
+    if head_dim != 64 or not WG3 or WG3_BLOCK_N == "64":
+        return False
+    if WG3_BLOCK_N == "128":
+        return True
+    return _persistent(64, varlen) and causal and max_seqlen_q >= 4096
+
+
+def _wgs(head_dim: int, varlen: bool, paged: bool = False, wide: bool = False) -> int:
+    # consumer warpgroups: 3 at d=64 when WG3 asks for it (persistent: on the wide tile, or when
+    # WG3_PERSISTENT asks too), else 2
+    if head_dim == 64 and not paged and WG3 and (wide or WG3_PERSISTENT
+                                                 or not _persistent(head_dim, varlen)):
         return 3
     return 2
 
 
-def _tile(head_dim: int, wgs: int) -> tuple[int, int, int]:
+def _tile(head_dim: int, wgs: int, wide: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, STAGES, consumer registers) of the forward. Three 4-warp consumers and the
     producer's warpgroup share 64K registers: 3 x 128 x 160 + 128 x 24 = 64512 (the default
     partition, consumer 0, gets what the workers leave), so at 160 registers the 64x128 S tile
     of 128-key tiles spills in most forms (350-410 B; 8 B persistent non-causal): three
-    warpgroups take 64-key tiles (spill-free) and 4 stages (90 KB of shared memory), or with
-    ``WG3_BLOCK_N`` = 128 FlashAttention-3's 128-key tiles and 3 stages (123 KB)."""
+    warpgroups take 64-key tiles (spill-free) and 4 stages (90 KB of shared memory), or
+    (``wide``) FlashAttention-3's 128-key tiles and 3 stages (123 KB)."""
     if wgs == 3:
-        if WG3_BLOCK_N == 128:
-            return 128, 3, 160
-        if WG3_BLOCK_N != 64:
-            raise ValueError(f"IOATTN_SM90_WG3_BLOCK_N={WG3_BLOCK_N}: expected 64 or 128")
-        return 64, 4, 160
+        return (128, 3, 160) if wide else (64, 4, 160)
     return _block_n(head_dim), _stages(head_dim), CONSUMER_REGS
 
 
@@ -791,7 +802,8 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """Launch the sm90 forward into ``out`` / ``lse`` (layouts as ``triton_fwd.attn_fwd``)."""
     d = p.head_dim
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
-    wgs = _wgs(d, p.is_varlen)
+    wide = _wide(d, p.is_varlen, p.window_right >= 0 and p.window_left < 0, p.max_seqlen_q)
+    wgs = _wgs(d, p.is_varlen, wide=wide)
     grid = (-(-p.max_seqlen_q // (wgs * HALF_M.value)), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
@@ -799,7 +811,7 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     persistent = schedule is not None
     if persistent:  # one CTA per SM (a CTA takes most of the shared memory)
         grid = (min(grid[0] * grid[1], sm_count(q.device)),)
-    block_n, stages, regs = _tile(d, wgs)
+    block_n, stages, regs = _tile(d, wgs, wide)
     q_desc = rows_descriptor(q, p.is_varlen, HALF_M.value)
     k_desc = rows_descriptor(k, p.is_varlen, block_n)
     v_desc = rows_descriptor(v, p.is_varlen, block_n)
