@@ -74,9 +74,11 @@ WG3_PERSISTENT = os.environ.get("IOATTN_SM90_WG3_PERSISTENT", "0").lower() in ("
 # keys per tile of the three-warpgroup forms (``_wide``, ``_tile``): "auto" (default) takes
 # FlashAttention-3's d=64 tile, 192 x 128, for batched causal problems from 4k queries, where
 # it ran 1.02-1.14x the two-warpgroup persistent default on the H200 (401 / 473 / 480 against
-# 394 / 414 / 442 TFLOP/s at 4k / 8k / 16k, results/sm90_fwd_wg3pp_{wide_wg3p,default}_*.json;
-# at 2k 331 against 349; non-causal 0.76-0.80x), even though its causal form spills ~350 B at
-# 160 registers; "64" / "128" force 64- / 128-key tiles wherever three warpgroups run
+# 394 / 414 / 442 TFLOP/s at 4k / 8k / 16k, results/tune/sm90_fwd_wg3pp_{wide,default}_29beb84_*.log;
+# at 2k 331 against 349; non-causal 0.76-0.80x), even though its causal form spills ~410 B at
+# 160 registers; in the next run of record 457 / 511 at 8k / 16k against 423 / 433 in the one
+# before (results/dense_{7484f8a,700c91d}_*.json); "64" / "128" force 64- / 128-key tiles
+# wherever three warpgroups run
 WG3_BLOCK_N = os.environ.get("IOATTN_SM90_WG3_BLOCK_N", "auto").lower()
 if WG3_BLOCK_N not in ("auto", "64", "128"):
     raise ValueError(f"IOATTN_SM90_WG3_BLOCK_N={WG3_BLOCK_N!r}: expected auto, 64 or 128")
