@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [profile-fwd64]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -229,6 +229,32 @@ for step in $steps; do
                --cells 1x32768x16,16x8192x16,64x4096x16,128x2048x16 --prefill-cells "" \
                --out "$OUT/decode_eager_min$m.json" > "$OUT/decode_eager_$m.log" 2>&1
              echo "== min_bytes=$m"; grep -E "ioattn_paged |cudnn" "$OUT/decode_eager_$m.log"; done ;;
+    sm90-exp-early) # each key block's exponentials before the wait for PV_{j-1} (opt-in,
+           # IOATTN_SM90_FWD_EXP_EARLY): the forward's tests with it, then timed on / off
+           IOATTN_SM90_FWD_EXP_EARLY=1 timeout 200 python -m pytest -q -n 8 -p no:cacheprovider \
+             tests/dense/test_sm90.py -k "fwd or persistent or wg3 or paged or varlen" \
+             > "$OUT/tests_exp_early.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_exp_early.log"; tail -1 "$OUT/tests_exp_early.log"
+           for v in 1 0; do IOATTN_SM90_FWD_EXP_EARLY=$v timeout 200 python -m ioattn bench --modes fwd \
+             --dims 64,128,256 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn \
+             --no-plots --out "$OUT/sm90_fwd_exp_early$v.json" > "/tmp/exp_early_$v.log" 2>&1
+             echo "== exp_early=$v"; grep -E "^fwd" "/tmp/exp_early_$v.log"; done ;;
+    profile-fwd64) # ncu sections (pipes, warp stalls) of the d=64 non-causal 8k forward: two
+           # warpgroups (default), the 192x128 tile (0.78x of it non-causal, 1.1x causal), and
+           # both with the exponentials early
+           for v in default wide wide_causal early wide_early; do
+             a="--seqlen 8192"; e=X=1
+             case $v in wide) e=IOATTN_SM90_WG3_BLOCK_N=128 ;;
+               wide_causal) e=IOATTN_SM90_WG3_BLOCK_N=128; a="$a --causal" ;;
+               early) e=IOATTN_SM90_FWD_EXP_EARLY=1 ;;
+               wide_early) e="IOATTN_SM90_WG3_BLOCK_N=128 IOATTN_SM90_FWD_EXP_EARLY=all" ;; esac
+             env $e timeout 100 ncu --clock-control none -k regex:attn_fwd_sm90 --launch-skip 2 \
+               --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+               --section WarpStateStats --section Occupancy python benchmarks/profile_fwd.py --d 64 \
+               $a > "/tmp/ncu64_$v.txt" 2>&1
+             echo "== $v"; grep -E "Duration|Issue Slots Busy|Executed Ipc A|Stall|Warp Cycles Per Issued" \
+               "/tmp/ncu64_$v.txt" | head -12; done
+           cat /tmp/ncu64_*.txt > "$OUT/ncu_fwd64.txt" ;;
     *) echo "unknown step $step" ;;
   esac
 done

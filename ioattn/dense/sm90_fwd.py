@@ -84,6 +84,18 @@ if WG3_BLOCK_N not in ("auto", "64", "128"):
     raise ValueError(f"IOATTN_SM90_WG3_BLOCK_N={WG3_BLOCK_N!r}: expected auto, 64 or 128")
 
 
+# the steady state's exponentials before the wait for PV_{j-1} (FA3's intra-warpgroup overlap as
+# written, ``_softmax_step``'s IN_BRANCH): in the sm90 SASS ptxas otherwise hoists that wait
+# above ~53 of a thread's 66 exponentials per 128-key block, so they run after PV_{j-1} instead
+# of under it. IOATTN_SM90_FWD_EXP_EARLY=1: every form but the 192x128 tile (the others' spills
+# stay or fall: d=128 causal persistent 68 -> 20 B); "all": that tile too (at 160 registers its
+# forms then spill 430-1300 B, against 8-412); 0 (default until measured on the H200): off
+EXP_EARLY = gl.constexpr({"0": 0, "1": 1, "all": 2}.get(
+    os.environ.get("IOATTN_SM90_FWD_EXP_EARLY", "0").lower(), -1))
+if EXP_EARLY.value < 0:
+    raise ValueError("IOATTN_SM90_FWD_EXP_EARLY: expected 0, 1 or all")
+
+
 def _block_n(head_dim: int) -> int:
     # d=256: the 64x256 fp32 accumulator takes 128 of a consumer's 240 registers
     return 64 if head_dim == 256 else 128
@@ -330,11 +342,21 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, 
 
 
 @gluon.jit
+def _exp_step(s, m_i, m_use, l_i, qk_scale_log2):
+    p = gl.exp2(s * qk_scale_log2 - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    return p, alpha, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
 def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_right, qk_scale_log2,
-                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IN_BRANCH: gl.constexpr = False):
     """One key block's online-softmax update in the log2 domain (scores = s * qk_scale_log2).
 
     Returns (p, alpha, m_new, l_new); p unnormalized, alpha the rescale of the running sums.
+    IN_BRANCH: the exponentials inside the masked / unmasked branches, so they end a basic block
+    that the wait for PV_{j-1} follows: ptxas schedules within blocks, and after the join it
+    hoists that wait above most of them (``EXP_EARLY``).
     """
     s_layout: gl.constexpr = s.type.layout
     ROWS: gl.constexpr = s.shape[0]
@@ -356,13 +378,16 @@ def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_ri
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
         # a row that has seen no key keeps m = -inf: shift by 0 so exp2 sees -inf, not NaN
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        if IN_BRANCH:
+            p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2)
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
         m_use = m_new
-    p = gl.exp2(s * qk_scale_log2 - m_use[:, None])
-    alpha = gl.exp2(m_i - m_use)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    return p, alpha, m_new, l_i
+        if IN_BRANCH:
+            p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2)
+    if not IN_BRANCH:
+        p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2)
+    return p, alpha, m_new, l_new
 
 
 @gluon.jit
@@ -411,6 +436,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
     the input dtype, lse in natural log; rows that saw no key give out 0 and LSE -inf."""
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
+    WGS: gl.constexpr = q_smem.shape[0]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_acc_layout(HEAD_D)
@@ -457,7 +483,9 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
             mbarrier.arrive(k_empty.index(st), count=1)  # K_j is consumed: the producer refills it
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo + j * BLOCK_N, row0, seqlen_k, off,
                                                window_left, window_right, qk_scale_log2,
-                                               HAS_LEFT, HAS_RIGHT)
+                                               HAS_LEFT, HAS_RIGHT,
+                                               EXP_EARLY == 2 or (EXP_EARLY == 1 and (
+                                                   WGS == 2 or BLOCK_N == 64)))
             acc = warpgroup_mma_wait(0, deps=[acc_tok])
             mbarrier.arrive(v_empty.index(prev), count=1)  # V_{j-1} is consumed
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
