@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [profile-fwd64]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [profile-fwd64]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -239,6 +239,16 @@ for step in $steps; do
              --dims 64,128,256 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn \
              --no-plots --out "$OUT/sm90_fwd_exp_early$v.json" > "/tmp/exp_early_$v.log" 2>&1
              echo "== exp_early=$v"; grep -E "^fwd" "/tmp/exp_early_$v.log"; done ;;
+    sm90-bwd-exp-early) # each step's exponentials before the wait for dPᵀ (opt-in,
+           # IOATTN_SM90_BWD_EXP_EARLY): the backward's tests with it, then timed on / off
+           IOATTN_SM90_BWD_EXP_EARLY=1 timeout 200 python -m pytest -q -n 8 -p no:cacheprovider \
+             tests/dense/test_sm90.py -k "bwd or fused or varlen or segments or rowstats" \
+             > "$OUT/tests_bwd_exp_early.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_bwd_exp_early.log"; tail -1 "$OUT/tests_bwd_exp_early.log"
+           for v in 1 0; do IOATTN_SM90_BWD_EXP_EARLY=$v timeout 200 python -m ioattn bench --modes bwd \
+             --dims 64,128 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn \
+             --no-plots --out "$OUT/sm90_bwd_exp_early$v.json" > "/tmp/bwd_exp_early_$v.log" 2>&1
+             echo "== bwd exp_early=$v"; grep -E "^bwd" "/tmp/bwd_exp_early_$v.log"; done ;;
     profile-fwd64) # ncu sections (pipes, warp stalls) of the d=64 non-causal 8k forward: two
            # warpgroups (default), the 192x128 tile (0.78x of it non-causal, 1.1x causal), and
            # both with the exponentials early

@@ -115,6 +115,8 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_FWD_EXP_EARLY", "0", "sm90 forward: each key block's exponentials kept before "
      "the wait for the previous block's PV GEMM (1: every form but the 192x128 tile; all: that "
      "one too; 0: off, ptxas then runs most of them after it)"),
+    ("IOATTN_SM90_BWD_EXP_EARLY", "0", "sm90 backward (dK/dV kernels): each step's exponentials "
+     "kept before the wait for dP's GEMM (1: on; 0: off, ptxas then runs most of them after it)"),
     ("IOATTN_SM90_FWD_WG3", "1", "sm90 forward at d=64: three consumer warpgroups (192-row "
      "tiles)"),
     ("IOATTN_SM90_WG3_BLOCK_N", "auto", "sm90 forward on three warpgroups (d=64): keys per "

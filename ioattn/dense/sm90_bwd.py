@@ -101,6 +101,14 @@ SEGMENTS = os.environ.get("IOATTN_SM90_BWD_SEGMENTS", "auto").lower()
 # global-load form
 ROW_STATS = os.environ.get("IOATTN_SM90_BWD_ROW_STATS", "1").lower() in ("1", "true", "on")
 DQ_ORDER = os.environ.get("IOATTN_SM90_BWD_DQ_ORDER", "auto").lower()
+# (the dK/dV kernels) Pᵀ's exponentials kept before the wait for dPᵀ, so they run while dPᵀ is on
+# the tensor cores: in the sm90 SASS ptxas otherwise hoists that wait above 27-28 of a thread's
+# 32 exponentials (d=64 alt, d=128 lag orders). They go in a branch of their own on the step's
+# first row being in the sequence (always true: a step past it would have P = 0, as its else
+# gives), whose block ends before the wait: ptxas schedules within blocks.
+# IOATTN_SM90_BWD_EXP_EARLY=1 turns it on (off by default until measured on the H200)
+EXP_EARLY = gl.constexpr(os.environ.get("IOATTN_SM90_BWD_EXP_EARLY", "0").lower()
+                         in ("1", "true", "on"))
 
 
 @gluon.jit
@@ -302,7 +310,13 @@ def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELT
                              window_left, window_right, HAS_LEFT, HAS_RIGHT)
     if ROW_STATS:  # the rows' LSE (base 2) and delta from shared memory, just before each use
         lse2 = ld_smem.index(2 * st).load(row_l)
-    p = gl.exp2(s * qk_scale_log2 - lse2[None, :])
+    if EXP_EARLY:
+        if m0 < seqlen_q:  # always: a block boundary that keeps the wait for dPᵀ after them
+            p = gl.exp2(s * qk_scale_log2 - lse2[None, :])
+        else:
+            p = s_zero
+    else:
+        p = gl.exp2(s * qk_scale_log2 - lse2[None, :])
     dp = warpgroup_mma_wait(0, deps=[dp_tok])
     if ROW_STATS:
         delta = ld_smem.index(2 * st + 1).load(row_l)

@@ -527,47 +527,61 @@ def test_sm90_kernel_compiles_for_hopper():
 
 
 _EXP_ORDER_SCRIPT = r'''
-import os, re, subprocess, sys, tempfile
+import os, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from ioattn.dense import inspect as ins, sm90_fwd
+from ioattn.dense import inspect as ins
 
-d = int(sys.argv[1])
-fn = sm90_fwd._attn_fwd_sm90
-bn, stages = sm90_fwd._block_n(d), sm90_fwd._stages(d)
-sig = ins._gluon_signature(fn, "bf16", dict(q_desc=64, o_desc=64, k_desc=bn, v_desc=bn), d)
-ce = dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=False, PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS,
-          CONSUMER_REGS_=sm90_fwd.CONSUMER_REGS, STAGES=stages, BLOCK_N=bn, PAGED=False, PAGE=1,
-          PINGPONG=False, PERSISTENT=True, WGS=2, DYNAMIC=True)
-ce = {**{p.name: p.default for p in fn.params if sig.get(p.name) == "constexpr" and p.has_default}, **ce}
-k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=ce, attrs=ins._launch_attrs(fn, sig)),
-                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+# compile one kernel of the sm90 compile report as its launcher configures it, by name
+want, d, per_block = sys.argv[1], int(sys.argv[2]), 0
+cubins = []
+
+
+def capture(name, fn, sig, ce, arch=90, **options):
+    if name == want:
+        ce = {**{p.name: p.default for p in fn.params
+                 if sig.get(p.name) == "constexpr" and p.has_default}, **ce}
+        k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=ce,
+                                          attrs=ins._launch_attrs(fn, sig)),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        cubins.append(k.asm["cubin"])
+
+
+ins.gluon_report = capture
+ins.gluon_reports(head_dims=(d,))
+assert len(cubins) == 1, want
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "k.cubin")
-    open(path, "wb").write(k.asm["cubin"])
+    open(path, "wb").write(cubins[0])
     sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
-# the steady state: from the first wait that leaves one wgmma group (PV_{j-1}) in flight to the
-# wait for it
+# the steady state: from the first wait that leaves one wgmma group (PV_{j-1}; dPᵀ) in flight to
+# the wait for it
 i = sass.index("WARPGROUP.DEPBAR.LE gsb0, 0x1")
 j = sass.index("WARPGROUP.DEPBAR.LE gsb0, 0x0", i)
 print(sass[i:j].count("MUFU.EX2"))
 '''
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_sm90_exp_early_schedule(d):
-    """IOATTN_SM90_FWD_EXP_EARLY=1 keeps a 128-key block's exponentials (64 per thread, in its
-    masked or its unmasked branch) before the wait for PV_{j-1} in the sm90 SASS, so they run
-    under that GEMM (FA3's intra-warpgroup overlap); off, ptxas hoists the wait above most."""
+@pytest.mark.parametrize("env,name,d,exps", [
+    ("IOATTN_SM90_FWD_EXP_EARLY", "sm90 fwd d64 full 128x128 ws", 64, 64),
+    ("IOATTN_SM90_FWD_EXP_EARLY", "sm90 fwd d128 full 128x128 ws", 128, 64),
+    ("IOATTN_SM90_BWD_EXP_EARLY", "sm90 bwd dkdv+dq alt d64 full 128 keys ws", 64, 32),
+    ("IOATTN_SM90_BWD_EXP_EARLY", "sm90 bwd dkdv+dq lag d128 full 128 keys ws", 128, 32)],
+    ids=["fwd-d64", "fwd-d128", "bwd-d64", "bwd-d128"])
+def test_sm90_exp_early_schedule(env, name, d, exps):
+    """IOATTN_SM90_FWD_EXP_EARLY=1 / IOATTN_SM90_BWD_EXP_EARLY=1 keep a step's exponentials (a
+    thread's 64 of a forward 128-key block, in its masked or unmasked branch; 32 of a backward
+    step's Pᵀ) before the wait for the GEMM they should overlap (PV_{j-1}; dPᵀ) in the sm90
+    SASS; off, ptxas hoists that wait above most of them."""
     import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["IOATTN_SM90_FWD_EXP_EARLY"] = "1"
-    res = subprocess.run([sys.executable, "-c", _EXP_ORDER_SCRIPT, str(d)], env=env,
-                         capture_output=True, text=True, timeout=300)
+    env_ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env_[env] = "1"
+    res = subprocess.run([sys.executable, "-c", _EXP_ORDER_SCRIPT, name, str(d)], env=env_,
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert int(res.stdout.strip()) >= 64, res.stdout
+    assert int(res.stdout.strip()) >= exps, res.stdout
