@@ -14,7 +14,7 @@ for step in $steps; do
     tests) # 14 workers: a cold Triton cache took more than 240 s with 8
            timeout 450 python -m pytest -q -n 14 -p no:cacheprovider -rf tests > "$OUT/tests_gpu.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_gpu.log"; tail -1 "$OUT/tests_gpu.log" ;;
-    bench) timeout 420 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes bf16 --rounds 3 \
+    bench) timeout 560 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes bf16 --rounds 3 \
              --out "$OUT/dense_nvidia-h200_$(date +%F).json" > "$OUT/bench.log" 2>&1
            grep -E "geomean" "$OUT/bench.log" ;;
     long)  timeout 120 python benchmarks/long_context.py --out "$OUT" > "$OUT/long.log" 2>&1
@@ -73,7 +73,7 @@ for step in $steps; do
            ncu --import "$OUT/fwd128.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
            ncu --import "$OUT/fwd128.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_sass.csv" 2>&1
            grep -E "Duration|Tensor is|Issue Slots|No Eligible" "$OUT/ncu_details.txt" ;;
-    bench-fp16) timeout 420 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes fp16 --rounds 3 \
+    bench-fp16) timeout 560 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes fp16 --rounds 3 \
              --out "$OUT/dense_fp16_nvidia-h200_$(date +%F).json" > "$OUT/bench_fp16.log" 2>&1
            grep -E "geomean" "$OUT/bench_fp16.log" ;;
     sm90-decode) # the Gluon decode kernel (default on Hopper): its tests, then the decode suite on / off
