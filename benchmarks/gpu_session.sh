@@ -167,7 +167,7 @@ for step in $steps; do
            grep -E "^bwd" "$OUT/bwd_d256.log" ;;
     tests-variants) # the dense suite with sm90 forced and opt-in variants on (VARIANT_ENV, e.g.
            # "IOATTN_SM90_BWD_SEGMENTS=1"): the check before making them defaults
-           env ${VARIANT_ENV:-X=1} IOATTN_TEST_SM90=always timeout 300 python -m pytest \
+           env ${VARIANT_ENV:-X=1} IOATTN_TEST_SM90=always timeout 450 python -m pytest \
              -q -n 14 -p no:cacheprovider -rf tests/dense > "$OUT/tests_variants.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_variants.log"; tail -1 "$OUT/tests_variants.log" ;;
     sm90-bwd-seg) # the backward's steps in masked / unmasked loops (opt-in): its tests, then on / off

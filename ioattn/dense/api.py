@@ -339,6 +339,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
                            deterministic: bool = False, return_attn_probs: bool = False,
                            block_table: Optional[Tensor] = None, *,
+                           seqused_k: Optional[Tensor] = None,
                            learnable_sink: Optional[Tensor] = None, backend: str = "auto"):
     """Attention over packed variable-length sequences (FlashAttention-2 semantics).
 
@@ -356,10 +357,19 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     calls without ALiBi and without q's gradient attend over the pages instead
     (``paged_varlen_attn``). Forward only: the caches get no gradients, and caches that require
     them are refused (dropout is refused too).
+
+    seqused_k: int32 (batch,), with block_table and cu_seqlens_k=None (FlashAttention-3's form of
+    the paged call, as vLLM's FlashAttention backend makes it): sequence i's keys are the first
+    seqused_k[i] slots of its pages. Read on the device (its prefix sum stands in for
+    cu_seqlens_k); its values are checked on the host once per state of the tensor.
     """
+    if seqused_k is not None:
+        cu_seqlens_k = _cu_from_seqused(seqused_k, cu_seqlens_k, block_table, cu_seqlens_q,
+                                        max_seqlen_k, q)
     if block_table is not None:
         packed = _paged_keys(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, block_table,
-                             dropout_p, window_size, softcap, softmax_scale, alibi_slopes, backend)
+                             dropout_p, window_size, softcap, softmax_scale, alibi_slopes, backend,
+                             seqused_k)
         if packed is None:  # packed K/V would be too large: attention over the pages
             return _paged_direct(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
                                  softmax_scale, causal, window_size, softcap, return_attn_probs,
@@ -372,7 +382,9 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         _fail(f"k has {k.shape[0]} rows but v has {v.shape[0]}; they must match")
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, None, q.device)
     batch = cu_seqlens_q.shape[0] - 1
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, batch, q.device)
+    # (a prefix sum of seqused_k: its values were checked through seqused_k's)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, batch, q.device,
+                      values=seqused_k is None)
     h, d = q.shape[1], q.shape[2]
     _check_alibi(alibi_slopes, batch, h, q.device)
     _check_sink(learnable_sink, h, q.device)
@@ -402,10 +414,42 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     return _finish(out, lse, return_attn_probs, learnable_sink, varlen=True)
 
 
+def _cu_from_seqused(seqused_k, cu_seqlens_k, block_table, cu_seqlens_q, max_seqlen_k: int,
+                     q) -> Tensor:
+    """(``flash_attn_varlen_func``) cu_seqlens_k of a paged call that gives seqused_k: its prefix
+    sum, made on the device every call (a kept copy would go stale under writes that bypass the
+    version counter, such as a graph replay's); the values of seqused_k are checked on the host
+    once per state (``Validated``), as the paged call's checks are keyed on it."""
+    if block_table is None:
+        _fail("seqused_k is supported with block_table (paged caches); with packed k / v pass "
+              "cu_seqlens_k of the keys each sequence uses")
+    if cu_seqlens_k is not None:
+        _fail("with block_table, pass cu_seqlens_k or seqused_k, not both (seqused_k gives "
+              "each sequence's key count; pass cu_seqlens_k=None)")
+    if not isinstance(seqused_k, Tensor):
+        _fail("seqused_k must be a torch.Tensor of int32 (batch,)", TypeError)
+    if seqused_k.dtype != torch.int32:
+        _fail(f"seqused_k must be int32, got {seqused_k.dtype} (use .to(torch.int32))", TypeError)
+    batch = (cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, Tensor)
+             and cu_seqlens_q.dim() == 1 else None)
+    if seqused_k.dim() != 1 or (batch is not None and seqused_k.shape[0] != batch):
+        _fail(f"seqused_k must have shape (batch,) = ({batch},), cu_seqlens_q's length minus "
+              f"one, got {tuple(seqused_k.shape)}")
+    if isinstance(q, Tensor) and seqused_k.device != q.device:
+        _fail(f"seqused_k is on {seqused_k.device} but q is on {q.device}")
+    params = ("seqused_k", max_seqlen_k)
+    if not skip_value_checks(seqused_k) and not VALIDATED.seen((seqused_k,), params):
+        for i, n in enumerate(seqused_k.tolist()):
+            if n < 0 or n > max_seqlen_k:
+                _fail(f"seqused_k[{i}] = {n} must be in [0, max_seqlen_k={max_seqlen_k}]")
+        VALIDATED.add((seqused_k,), params)
+    return torch.nn.functional.pad(seqused_k.cumsum(0, dtype=torch.int32), (1, 0))
+
+
 def _paged_keys(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                 max_seqlen_k: int, block_table: Tensor, dropout_p: float, window_size,
                 softcap: float, softmax_scale, alibi_slopes: Optional[Tensor],
-                backend: str) -> Optional[tuple[Tensor, Tensor]]:
+                backend: str, seqused_k: Optional[Tensor] = None) -> Optional[tuple[Tensor, Tensor]]:
     """(``flash_attn_varlen_func`` with block_table) the checks of the paged caches and table,
     then the keys packed as the varlen kernels read them: [batch * capacity, nheads_k, d],
     capacity = ``decode.op.paged_capacity`` (max_seqlen_k, at most a table row's slots); or
@@ -447,7 +491,8 @@ def _paged_keys(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     # (its values: ``_check_pages``)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, 0, max_seqlen_k, batch, q.device, values=False)
     capacity = decode_op.paged_capacity(block_table, k.shape[1], max_seqlen_k)
-    _check_pages(cu_seqlens_k, block_table, k.shape[1], k.shape[0], max_seqlen_k, batch * capacity)
+    _check_pages(cu_seqlens_k, block_table, k.shape[1], k.shape[0], max_seqlen_k, batch * capacity,
+                 seqused_k)
     if backend == "reference":
         return _gather_pages_torch(k, v, cu_seqlens_k, block_table, capacity)
     # (the pages' kernel is the portable one: 'sm90' and unknown names take the copy, whose
@@ -481,13 +526,14 @@ def _paged_direct(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
 
 
 def _check_pages(cu_seqlens_k: Tensor, block_table: Tensor, page: int, n_pages: int,
-                 max_seqlen_k: int, rows: int) -> None:
+                 max_seqlen_k: int, rows: int, seqused_k: Optional[Tensor] = None) -> None:
     """cu_seqlens_k of a paged varlen call (start at 0, non-decreasing, no sequence longer than
     max_seqlen_k or its block-table row), and the table entries its keys use (the rest of a row
     may hold anything) within the caches' pages: once per state of the tensors (``Validated``),
-    which then also covers the packed call's check of cu_seqlens_k over the packed rows."""
+    which then also covers the packed call's check of cu_seqlens_k over the packed rows. With
+    seqused_k (cu_seqlens_k its prefix sum, new each call) the memo is keyed on seqused_k."""
     params = ("paged varlen", page, n_pages, max_seqlen_k)
-    tensors = (cu_seqlens_k, block_table)
+    tensors = (cu_seqlens_k if seqused_k is None else seqused_k, block_table)
     if skip_value_checks(cu_seqlens_k) or VALIDATED.seen(tensors, params):
         return
     cu = cu_seqlens_k.tolist()
@@ -507,7 +553,8 @@ def _check_pages(cu_seqlens_k: Tensor, block_table: Tensor, page: int, n_pages: 
             _fail(f"block_table[{i}, {j}] = {int(block_table[i, j])} is outside the caches' "
                   f"{n_pages} pages")
     VALIDATED.add(tensors, params)
-    VALIDATED.add((cu_seqlens_k,), ("cu_seqlens_k", rows, max_seqlen_k))  # (the packed call's)
+    if seqused_k is None:
+        VALIDATED.add((cu_seqlens_k,), ("cu_seqlens_k", rows, max_seqlen_k))  # (the packed call's)
 
 
 def _gather_pages_torch(k: Tensor, v: Tensor, cu_seqlens_k: Tensor, block_table: Tensor,

@@ -148,6 +148,65 @@ def test_paged_varlen_errors(device):
         call(max_seqlen_k=30)
 
 
+def test_paged_varlen_seqused_k(path, device):
+    """FlashAttention-3's form of the paged call (vLLM's): cu_seqlens_k=None and seqused_k, each
+    sequence's key count. The same result as cu_seqlens_k, bitwise; again after seqused_k is
+    updated in place (a decode step's longer sequences: its prefix sum is made every call);
+    eager and compiled fullgraph."""
+    from tests.dense.test_op import BACKEND
+
+    lk, lq = [61, 0, 35], [9, 0, 35]
+    k, v, k_cache, v_cache, table = _paged(lk, 16, 2, 64, BF16, device, spare=1)
+    q = torch.randn(sum(lq), 4, 64, device=device, dtype=BF16)
+    cq = cu_seqlens(lq, device)
+    used = torch.tensor(lk, dtype=torch.int32, device=device)
+
+    def with_used(used_):
+        return ioattn.flash_attn_varlen_func(q, k_cache, v_cache, cq, None, 35, 64, causal=True,
+                                             block_table=table, seqused_k=used_)
+
+    for lens in (lk, [64, 0, 40]):  # (within the pages their rows hold: 4 and 3 of 16)
+        used.copy_(torch.tensor(lens, dtype=torch.int32))
+        want = ioattn.flash_attn_varlen_func(q, k_cache, v_cache, cq, cu_seqlens(lens, device), 35,
+                                             64, causal=True, block_table=table)
+        for _ in range(2):  # (the second call: seqused_k's checks memoized)
+            torch.testing.assert_close(with_used(used), want, atol=0, rtol=0)
+    torch._dynamo.reset()
+    got = torch.compile(with_used, fullgraph=True, backend=BACKEND)(used)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+
+
+def test_paged_varlen_seqused_k_errors(device):
+    lk, lq = [40, 20], [10, 5]
+    _, _, k_cache, v_cache, table = _paged(lk, 16, 2, 64, BF16, device, spare=0)
+    q = torch.randn(sum(lq), 2, 64, device=device, dtype=BF16)
+    cq = cu_seqlens(lq, device)
+    used = torch.tensor(lk, dtype=torch.int32, device=device)
+
+    def call(**kw):
+        args = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cq, cu_seqlens_k=None, max_seqlen_q=10,
+                    max_seqlen_k=40, block_table=table, seqused_k=used)
+        args.update(kw)
+        return ioattn.flash_attn_varlen_func(**args)
+
+    with pytest.raises(ValueError, match="seqused_k is supported with block_table"):
+        call(block_table=None, k=k_cache.flatten(0, 1), v=v_cache.flatten(0, 1))
+    with pytest.raises(ValueError, match="not both"):
+        call(cu_seqlens_k=cu_seqlens(lk, device))
+    with pytest.raises(TypeError, match="seqused_k must be int32"):
+        call(seqused_k=used.long())
+    with pytest.raises(TypeError, match="seqused_k must be a torch.Tensor"):
+        call(seqused_k=lk)
+    with pytest.raises(ValueError, match=r"seqused_k must have shape \(batch,\) = \(2,\)"):
+        call(seqused_k=used[:1])
+    with pytest.raises(ValueError, match=r"seqused_k\[1\] = -1"):
+        call(seqused_k=torch.tensor([40, -1], dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match=r"seqused_k\[0\] = 41 must be in \[0, max_seqlen_k=40\]"):
+        call(seqused_k=torch.tensor([41, 1], dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="holds 3 pages"):  # (a row of 3 pages of 16: 48 keys)
+        call(seqused_k=torch.tensor([49, 1], dtype=torch.int32, device=device), max_seqlen_k=49)
+
+
 def test_paged_varlen_strided_table_and_narrow_packing(device):
     """A block table that is a strided view reads its logical entries (the gather reads rows
     with unit stride: it gets a contiguous copy), and the packed K/V take max_seqlen_k rows per
