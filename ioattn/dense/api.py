@@ -414,6 +414,13 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     return _finish(out, lse, return_attn_probs, learnable_sink, varlen=True)
 
 
+def _check_int32(name: str, t, shape: str) -> None:
+    if not isinstance(t, Tensor):
+        _fail(f"{name} must be a torch.Tensor of int32 {shape}", TypeError)
+    if t.dtype != torch.int32:
+        _fail(f"{name} must be int32, got {t.dtype} (use .to(torch.int32))", TypeError)
+
+
 def _cu_from_seqused(seqused_k, cu_seqlens_k, block_table, cu_seqlens_q, max_seqlen_k: int,
                      q) -> Tensor:
     """(``flash_attn_varlen_func``) cu_seqlens_k of a paged call that gives seqused_k: its prefix
@@ -426,10 +433,7 @@ def _cu_from_seqused(seqused_k, cu_seqlens_k, block_table, cu_seqlens_q, max_seq
     if cu_seqlens_k is not None:
         _fail("with block_table, pass cu_seqlens_k or seqused_k, not both (seqused_k gives "
               "each sequence's key count; pass cu_seqlens_k=None)")
-    if not isinstance(seqused_k, Tensor):
-        _fail("seqused_k must be a torch.Tensor of int32 (batch,)", TypeError)
-    if seqused_k.dtype != torch.int32:
-        _fail(f"seqused_k must be int32, got {seqused_k.dtype} (use .to(torch.int32))", TypeError)
+    _check_int32("seqused_k", seqused_k, "(batch,)")
     batch = (cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, Tensor)
              and cu_seqlens_q.dim() == 1 else None)
     if seqused_k.dim() != 1 or (batch is not None and seqused_k.shape[0] != batch):
@@ -475,10 +479,7 @@ def _paged_keys(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
         _fail("the paged caches k / v get no gradients through block_table; pass them detached "
               "(or under torch.no_grad()): q's gradient is supported")
-    if not isinstance(block_table, Tensor):
-        _fail("block_table must be a torch.Tensor of int32 [batch, max_pages_per_seq]", TypeError)
-    if block_table.dtype != torch.int32:
-        _fail(f"block_table must be int32, got {block_table.dtype} (use .to(torch.int32))", TypeError)
+    _check_int32("block_table", block_table, "[batch, max_pages_per_seq]")
     if not isinstance(cu_seqlens_q, Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
         _fail("cu_seqlens_q must be an int32 tensor of shape (batch + 1,)", TypeError
               if not isinstance(cu_seqlens_q, Tensor) else ValueError)
