@@ -238,7 +238,13 @@ for step in $steps; do
            for v in 1 0; do IOATTN_SM90_FWD_EXP_EARLY=$v timeout 200 python -m ioattn bench --modes fwd \
              --dims 64,128,256 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn \
              --no-plots --out "$OUT/sm90_fwd_exp_early$v.json" > "/tmp/exp_early_$v.log" 2>&1
-             echo "== exp_early=$v"; grep -E "^fwd" "/tmp/exp_early_$v.log"; done ;;
+             echo "== exp_early=$v"; grep -E "^fwd" "/tmp/exp_early_$v.log"; done
+           # the 192x128 tile everywhere at d=64 with them early (non-causal it ran 0.78x before)
+           IOATTN_SM90_WG3_BLOCK_N=128 IOATTN_SM90_FWD_EXP_EARLY=1 timeout 120 python -m ioattn bench \
+             --modes fwd --dims 64 --seqlens 2048,4096,8192,16384 --dtypes bf16 \
+             --impls ioattn_sm90,sdpa_cudnn --no-plots --out "$OUT/sm90_fwd_exp_early1_wide.json" \
+             > /tmp/exp_early_wide.log 2>&1
+           echo "== exp_early=1 192x128 at d=64"; grep -E "^fwd" /tmp/exp_early_wide.log ;;
     sm90-bwd-exp-early) # each step's exponentials before the wait for dPᵀ (opt-in,
            # IOATTN_SM90_BWD_EXP_EARLY): the backward's tests with it, then timed on / off
            IOATTN_SM90_BWD_EXP_EARLY=1 timeout 200 python -m pytest -q -n 8 -p no:cacheprovider \
@@ -257,7 +263,7 @@ for step in $steps; do
              case $v in wide) e=IOATTN_SM90_WG3_BLOCK_N=128 ;;
                wide_causal) e=IOATTN_SM90_WG3_BLOCK_N=128; a="$a --causal" ;;
                early) e=IOATTN_SM90_FWD_EXP_EARLY=1 ;;
-               wide_early) e="IOATTN_SM90_WG3_BLOCK_N=128 IOATTN_SM90_FWD_EXP_EARLY=all" ;; esac
+               wide_early) e="IOATTN_SM90_WG3_BLOCK_N=128 IOATTN_SM90_FWD_EXP_EARLY=1" ;; esac
              env $e timeout 100 ncu --clock-control none -k regex:attn_fwd_sm90 --launch-skip 2 \
                --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
                --section WarpStateStats --section Occupancy python benchmarks/profile_fwd.py --d 64 \

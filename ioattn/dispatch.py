@@ -112,9 +112,9 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_PERSISTENT", "auto", "sm90 forward: persistent CTAs over query tiles (batched); "
      "auto: dynamic at d=64/128, dynamic: tiles handed out by an atomic counter, 1: static "
      "snake order, 0: one CTA per tile"),
-    ("IOATTN_SM90_FWD_EXP_EARLY", "0", "sm90 forward: each key block's exponentials kept before "
-     "the wait for the previous block's PV GEMM (1: every form but the 192x128 tile; all: that "
-     "one too; 0: off, ptxas then runs most of them after it)"),
+    ("IOATTN_SM90_FWD_EXP_EARLY", "0", "sm90 forward: each key block's exponentials (and P's "
+     "conversion) kept before the wait for the previous block's PV GEMM (1: on; 0: off, ptxas "
+     "then runs most of them after it)"),
     ("IOATTN_SM90_BWD_EXP_EARLY", "0", "sm90 backward (dK/dV kernels): each step's exponentials "
      "kept before the wait for dP's GEMM (1: on; 0: off, ptxas then runs most of them after it)"),
     ("IOATTN_SM90_FWD_WG3", "1", "sm90 forward at d=64: three consumer warpgroups (192-row "

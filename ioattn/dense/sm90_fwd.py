@@ -85,15 +85,14 @@ if WG3_BLOCK_N not in ("auto", "64", "128"):
 
 
 # the steady state's exponentials before the wait for PV_{j-1} (FA3's intra-warpgroup overlap as
-# written, ``_softmax_step``'s IN_BRANCH): in the sm90 SASS ptxas otherwise hoists that wait
-# above ~53 of a thread's 66 exponentials per 128-key block, so they run after PV_{j-1} instead
-# of under it. IOATTN_SM90_FWD_EXP_EARLY=1: every form but the 192x128 tile (the others' spills
-# stay or fall: d=128 causal persistent 68 -> 20 B); "all": that tile too (at 160 registers its
-# forms then spill 430-1300 B, against 8-412); 0 (default until measured on the H200): off
-EXP_EARLY = gl.constexpr({"0": 0, "1": 1, "all": 2}.get(
-    os.environ.get("IOATTN_SM90_FWD_EXP_EARLY", "0").lower(), -1))
-if EXP_EARLY.value < 0:
-    raise ValueError("IOATTN_SM90_FWD_EXP_EARLY: expected 0, 1 or all")
+# written, ``_softmax_step``'s IN_BRANCH), P converted to PV's register operand in the same
+# block: in the sm90 SASS ptxas otherwise hoists that wait above ~56 of a thread's 66
+# exponentials per 128-key block, so they run after PV_{j-1} instead of under it. Spills stay
+# or fall in every form (converting early frees P's fp32 registers before the wait): the 192x128
+# tile 412 -> 124 B causal, 8 -> 0 non-causal; d=128 causal persistent 68 -> 0.
+# IOATTN_SM90_FWD_EXP_EARLY=1 turns it on (off by default until measured on the H200)
+EXP_EARLY = gl.constexpr(os.environ.get("IOATTN_SM90_FWD_EXP_EARLY", "0").lower()
+                         in ("1", "true", "on"))
 
 
 def _block_n(head_dim: int) -> int:
@@ -342,15 +341,20 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, 
 
 
 @gluon.jit
-def _exp_step(s, m_i, m_use, l_i, qk_scale_log2):
+def _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE: gl.constexpr,
+              OP_LAYOUT: gl.constexpr):
     p = gl.exp2(s * qk_scale_log2 - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
-    return p, alpha, l_i * alpha + gl.sum(p, axis=1)
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    if OP_LAYOUT is not None:  # P as PV's register operand already (its fp32 form dies here)
+        p = gl.convert_layout(p.to(OP_DTYPE), OP_LAYOUT)
+    return p, alpha, l_new
 
 
 @gluon.jit
 def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_right, qk_scale_log2,
-                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IN_BRANCH: gl.constexpr = False):
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IN_BRANCH: gl.constexpr = False,
+                  OP_DTYPE: gl.constexpr = None, OP_LAYOUT: gl.constexpr = None):
     """One key block's online-softmax update in the log2 domain (scores = s * qk_scale_log2).
 
     Returns (p, alpha, m_new, l_new); p unnormalized, alpha the rescale of the running sums.
@@ -379,14 +383,14 @@ def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_ri
         # a row that has seen no key keeps m = -inf: shift by 0 so exp2 sees -inf, not NaN
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         if IN_BRANCH:
-            p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2)
+            p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE, OP_LAYOUT)
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
         m_use = m_new
         if IN_BRANCH:
-            p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2)
+            p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE, OP_LAYOUT)
     if not IN_BRANCH:
-        p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2)
+        p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE, OP_LAYOUT)
     return p, alpha, m_new, l_new
 
 
@@ -436,7 +440,6 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
     the input dtype, lse in natural log; rows that saw no key give out 0 and LSE -inf."""
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    WGS: gl.constexpr = q_smem.shape[0]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_acc_layout(HEAD_D)
@@ -463,8 +466,14 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
         _pass_turn(turn, WG, PINGPONG)
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(st0), count=1)
+        # EARLY: the steady state's exponentials before the wait for PV_{j-1} (``EXP_EARLY``),
+        # and P carried as PV's bf16 / fp16 register operand (converted in the same block)
+        EARLY: gl.constexpr = EXP_EARLY
+        op_dtype: gl.constexpr = dtype if EARLY else None
+        op_layout: gl.constexpr = p_layout if EARLY else None
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo, row0, seqlen_k, off, window_left,
-                                           window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT)
+                                           window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT,
+                                           EARLY, op_dtype, op_layout)
         # steady state: QK_j issued before PV_{j-1}; wait(1) retires QK_j, the softmax of block j
         # then overlaps PV_{j-1}
         for j in range(1, n_tiles):
@@ -473,7 +482,10 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
             prev = (it - 1) % STAGES
             mbarrier.wait(k_full.index(st), (it // STAGES) & 1)
             mbarrier.wait(v_full.index(prev), ((it - 1) // STAGES) & 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            if EARLY:
+                p_op = p
+            else:
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
             _take_turn(turn, WG, rnd0 + j, PINGPONG)
             s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
@@ -483,9 +495,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
             mbarrier.arrive(k_empty.index(st), count=1)  # K_j is consumed: the producer refills it
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo + j * BLOCK_N, row0, seqlen_k, off,
                                                window_left, window_right, qk_scale_log2,
-                                               HAS_LEFT, HAS_RIGHT,
-                                               EXP_EARLY == 2 or (EXP_EARLY == 1 and (
-                                                   WGS == 2 or BLOCK_N == 64)))
+                                               HAS_LEFT, HAS_RIGHT, EARLY, op_dtype, op_layout)
             acc = warpgroup_mma_wait(0, deps=[acc_tok])
             mbarrier.arrive(v_empty.index(prev), count=1)  # V_{j-1} is consumed
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -499,7 +509,10 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
         if ZERO_TAIL:
             if lo + n_tiles * BLOCK_N > seqlen_k:  # the producer zeroes rows past the end
                 mbarrier.wait(v_fixed, 0)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        if EARLY:
+            p_op = p
+        else:
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
         _take_turn(turn, WG, rnd0 + n_tiles, PINGPONG)
         acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         _pass_turn(turn, WG, PINGPONG)

@@ -567,14 +567,15 @@ print(sass[i:j].count("MUFU.EX2"))
 @pytest.mark.parametrize("env,name,d,exps", [
     ("IOATTN_SM90_FWD_EXP_EARLY", "sm90 fwd d64 full 128x128 ws", 64, 64),
     ("IOATTN_SM90_FWD_EXP_EARLY", "sm90 fwd d128 full 128x128 ws", 128, 64),
+    ("IOATTN_SM90_FWD_EXP_EARLY", "sm90 fwd d64 full persistent 192x128 pingpong ws", 64, 64),
     ("IOATTN_SM90_BWD_EXP_EARLY", "sm90 bwd dkdv+dq alt d64 full 128 keys ws", 64, 32),
     ("IOATTN_SM90_BWD_EXP_EARLY", "sm90 bwd dkdv+dq lag d128 full 128 keys ws", 128, 32)],
-    ids=["fwd-d64", "fwd-d128", "bwd-d64", "bwd-d128"])
+    ids=["fwd-d64", "fwd-d128", "fwd-d64-192x128", "bwd-d64", "bwd-d128"])
 def test_sm90_exp_early_schedule(env, name, d, exps):
     """IOATTN_SM90_FWD_EXP_EARLY=1 / IOATTN_SM90_BWD_EXP_EARLY=1 keep a step's exponentials (a
-    thread's 64 of a forward 128-key block, in its masked or unmasked branch; 32 of a backward
-    step's Pᵀ) before the wait for the GEMM they should overlap (PV_{j-1}; dPᵀ) in the sm90
-    SASS; off, ptxas hoists that wait above most of them."""
+    thread's 64 of a forward 128-key block, in its masked or unmasked branch, also on the d=64
+    192x128 tile; 32 of a backward step's Pᵀ) before the wait for the GEMM they should overlap
+    (PV_{j-1}; dPᵀ) in the sm90 SASS; off, ptxas hoists that wait above most of them."""
     import os
     import subprocess
     import sys
