@@ -22,6 +22,7 @@ cache slots may hold NaN, and a masked P of 0 times NaN is NaN).
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -42,6 +43,16 @@ BLOCK_N = 64  # keys per tile
 # 128 registers a thread at launch (MAXNREG; the consumer warpgroup grows to 232 through
 # setmaxnreg, spill-free), so two CTAs fit on an SM: six tiles in flight
 STAGES = 3
+# fp8 caches (``FP8``): the ring holds fp8 tiles (16 KB a stage at d=128) and the consumer
+# converts each into two operand tiles of q's dtype (32 KB): 4 stages keep the CTA at 114,944 B,
+# two a SM, 128 KB of K/V in flight per SM
+STAGES_FP8 = 4
+# fp8 caches (FlashInfer's kv_data_type e4m3 / e5m2) on this kernel, their tiles converted in
+# shared memory (``_convert_tile``): opt-in (IOATTN_SM90_DECODE_FP8=1) until measured on the H200;
+# otherwise they run the portable kernel (1.80-1.83 TB/s of fp8 bytes at 64 x 4k and 128 x 2k,
+# results/decode_eager_mindefault_29beb84_*.json: 0.89x the bf16 rows' time for half the bytes)
+FP8 = os.environ.get("IOATTN_SM90_DECODE_FP8", "0").lower() in ("1", "true", "on")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 MAXNREG = 128
 SUPPORTED_HEAD_DIMS = (64, 128)
 PRODUCER_REGS = 24
@@ -50,7 +61,7 @@ PRODUCER_REGS = 24
 @gluon.jit
 def _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, bt_row,
                      n_pages_b, start, n_tiles, n_keys, row_off, page_rows, col,
-                     PAGE: gl.constexpr, STAGES_: gl.constexpr):
+                     PAGE: gl.constexpr, STAGES_: gl.constexpr, CONVERT: gl.constexpr):
     """TMA loads of the item's key tiles [start + j * BLOCK_N, ...) into the ring: per tile one
     copy per page run (``PAGE`` keys, or the whole tile when pages are larger), at row page *
     page_rows + row_off (the head's, HND) + key % PAGE of the views. Page-table entries past the request's
@@ -71,15 +82,34 @@ def _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDIC
             tma.async_copy_global_to_shared(v_desc, [row, col], full.index(st),
                                             v_smem.index(st).slice(i * BOX, BOX, dim=0))
     # the last tile's slots past the request's keys: zero their V rows before P·V reads them
-    zero_last_key_tile(full, v_fixed, v_smem, v_smem, n_tiles, n_keys, STAGES_, False)
+    # (CONVERT: the consumer zeroes them as it converts the tile)
+    if not CONVERT:
+        zero_last_key_tile(full, v_fixed, v_smem, v_smem, n_tiles, n_keys, STAGES_, False)
 
 
 @gluon.jit
-def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, full, empty, v_fixed,
+def _convert_tile(src, dst, n_valid):
+    """dst = src in dst's dtype (a [BLOCK_N, d] fp8 tile to fp16), rows >= n_valid zeroed:
+    one consumer warpgroup, 16 values a thread a row piece (16-byte shared loads)."""
+    ROWS_: gl.constexpr = src.shape[0]
+    COLS: gl.constexpr = src.shape[1]
+    LANES_C: gl.constexpr = COLS // 16
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // LANES_C, LANES_C], [4, 1], [1, 0])
+    x = src.load(layout).to(dst.dtype)
+    if n_valid < ROWS_:
+        rows = gl.arange(0, ROWS_, layout=gl.SliceLayout(1, layout))
+        x = gl.where((rows < n_valid)[:, None], x, gl.zeros_like(x))
+    dst.store(x)
+
+
+@gluon.jit
+def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
+                     full, empty, v_fixed,
                      q_row, stride_qs, stride_qh, stride_os, stride_oh, h0, group, n_heads, part,
                      start, lo, hi, n_tiles, qk_scale_log2, COUNT, SLOT_START, off_b,
                      HEAD_D: gl.constexpr, STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr,
-                     MERGE: gl.constexpr, GROUP_P2: gl.constexpr, MERGE_SLOTS: gl.constexpr):
+                     MERGE: gl.constexpr, GROUP_P2: gl.constexpr, MERGE_SLOTS: gl.constexpr,
+                     CONVERT: gl.constexpr):
     BLOCK_N_: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N_)
@@ -96,7 +126,16 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, full, 
     live = rows_o < group
     q_ptrs = (Q + q_row * stride_qs + (h0 + rows_o)[:, None].to(gl.int64) * stride_qh
               + cols_o[None, :])
-    q_smem.store(gl.load(q_ptrs, mask=live[:, None], other=0.0))
+    q_tile = gl.load(q_ptrs, mask=live[:, None], other=0.0)
+    if CONVERT:
+        # (fp16 operands) q scaled by a power of two so that its largest |value| fits fp16
+        # (<= 2^15), which the score scale undoes exactly (as the portable kernel does)
+        q_f = q_tile.to(gl.float32)
+        q_amax = gl.max(gl.max(gl.abs(q_f), axis=1), axis=0)
+        q_exp = gl.maximum(gl.ceil(gl.log2(q_amax)) - 15.0, 0.0)
+        q_tile = q_f * gl.exp2(-q_exp)
+        qk_scale_log2 = qk_scale_log2 * gl.exp2(q_exp)
+    q_smem.store(q_tile.to(dtype))
     fence_async_shared()
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
@@ -107,7 +146,21 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, full, 
         st = j % STAGES_
         mbarrier.wait(full.index(st), (j // STAGES_) & 1)
         key0 = start + j * BLOCK_N_
-        s_tok = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
+        if CONVERT:
+            # an fp8 cache: the stage's K and V converted to fp16 in the operand buffers (exact:
+            # e4m3 / e5m2 values are fp16 values), V's slots past the request's keys zeroed on
+            # the way (stale slots may hold NaN); the stage is then free
+            _convert_tile(k_smem.index(st), kc_smem, BLOCK_N_)
+            _convert_tile(v_smem.index(st), vc_smem, hi - key0)
+            fence_async_shared()
+            gl.thread_barrier()  # every warp's stores, before the warpgroup's wgmma reads them
+            mbarrier.arrive(empty.index(st), count=1)
+            k_op = kc_smem
+            v_op = vc_smem
+        else:
+            k_op = k_smem.index(st)
+            v_op = v_smem.index(st)
+        s_tok = warpgroup_mma(q_smem, k_op.permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
         s = warpgroup_mma_wait(0, deps=[s_tok])
         if (key0 < lo) | (key0 + BLOCK_N_ > hi):
@@ -120,13 +173,15 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, full, 
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        if j == n_tiles - 1:
-            if key0 + BLOCK_N_ > hi:  # the producer zeroes V rows past the request's keys
-                mbarrier.wait(v_fixed, 0)
-        acc_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(st), acc,
+        if not CONVERT:
+            if j == n_tiles - 1:
+                if key0 + BLOCK_N_ > hi:  # the producer zeroes V rows past the request's keys
+                    mbarrier.wait(v_fixed, 0)
+        acc_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_op, acc,
                                 is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc_tok])
-        mbarrier.arrive(empty.index(st), count=1)
+        if not CONVERT:
+            mbarrier.arrive(empty.index(st), count=1)
 
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
@@ -159,7 +214,7 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, full, 
                 gl.store(COUNT, 0)
     else:
         gl.store(O + q_row * stride_os + heads_o[:, None] * stride_oh + cols_o[None, :],
-                 acc.to(dtype), mask=live[:, None])
+                 acc.to(O.dtype.element_ty), mask=live[:, None])
         gl.store(LSE + q_row * n_heads + heads_l, lse, mask=rows_l < group)
 
 
@@ -225,7 +280,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                  PAGE: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N_: gl.constexpr,
                  STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
                  MERGE: gl.constexpr = False, GROUP_P2: gl.constexpr = 1,
-                 MERGE_SLOTS: gl.constexpr = 1):
+                 MERGE_SLOTS: gl.constexpr = 1, CONVERT: gl.constexpr = False):
     # MERGE: split requests are merged in the kernel by their last item (COUNTS [batch * KV
     # heads] int32 tickets, zero between launches; SLOT_START [batch + 1] the partial slots),
     # GROUP_P2 / MERGE_SLOTS the merge's tile (``_merge_parts``)
@@ -251,10 +306,21 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
     start = lo - lo % BLOCK_N_
     n_tiles = gl.cdiv(gl.maximum(hi - start, 0), BLOCK_N_)
 
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], k_desc.dtype)
-    q_smem = gl.allocate_shared_memory(k_desc.dtype, [ROWS, HEAD_D], q_layout)
+    # CONVERT: an fp8 cache (the ring holds fp8 tiles): the wgmma operands are fp16 (e4m3 / e5m2
+    # -> fp16 is one conversion per pair of values, -> bf16 two more per value; q is staged in
+    # fp16, P in [0, 1] loses nothing), else q's dtype
+    op_dtype: gl.constexpr = gl.float16 if CONVERT else Q.dtype.element_ty
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], op_dtype)
+    q_smem = gl.allocate_shared_memory(op_dtype, [ROWS, HEAD_D], q_layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES_, BLOCK_N_, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES_, BLOCK_N_, HEAD_D], v_desc.layout)
+    if CONVERT:
+        op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N_, HEAD_D], op_dtype)
+        kc_smem = gl.allocate_shared_memory(op_dtype, [BLOCK_N_, HEAD_D], op_layout)
+        vc_smem = gl.allocate_shared_memory(op_dtype, [BLOCK_N_, HEAD_D], op_layout)
+    else:
+        kc_smem = q_smem  # (unused)
+        vc_smem = q_smem
     full = barriers(STAGES_, 1)
     empty = barriers(STAGES_, 1)
     v_fixed = barriers(1, 1)
@@ -262,15 +328,16 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
 
     h0 = off_hk * group
     gl.warp_specialize([
-        (_decode_consumer, (Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, full, empty,
+        (_decode_consumer, (Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem,
+                            vc_smem, full, empty,
                             v_fixed.index(0), q_row, stride_qs, stride_qh, stride_os, stride_oh,
                             h0, group, n_heads, part, start, lo, hi, n_tiles, qk_scale_log2,
                             COUNTS + off_b * gl.num_programs(1) + off_hk, SLOT_START, off_b,
-                            HEAD_D, STAGES_, LSE_BASE2, MERGE, GROUP_P2, MERGE_SLOTS)),
+                            HEAD_D, STAGES_, LSE_BASE2, MERGE, GROUP_P2, MERGE_SLOTS, CONVERT)),
         (_decode_producer, (k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed.index(0),
                             INDICES, bt_row, n_pages_b, start, n_tiles, hi - start,
                             off_hk.to(gl.int64) * head_rows, page_rows, off_hk * head_cols, PAGE,
-                            STAGES_)),
+                            STAGES_, CONVERT)),
     ], [1], [PRODUCER_REGS_])
 
     invalidate(full, STAGES_)
@@ -313,8 +380,10 @@ def coverage_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows_per
                 "or window")
     if d not in SUPPORTED_HEAD_DIMS or v.shape[-1] != d:
         return f"head_dim {d}: the sm90 decode kernel takes {SUPPORTED_HEAD_DIMS}"
-    if q.dtype not in OPERAND_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return "the sm90 decode kernel takes fp16/bf16 caches of q's dtype (not fp8)"
+    fp8 = FP8 and k.dtype in FP8_DTYPES
+    if q.dtype not in OPERAND_DTYPES or (k.dtype != q.dtype and not fp8) or v.dtype != k.dtype:
+        return ("the sm90 decode kernel takes fp16/bf16 caches of q's dtype"
+                + ("" if FP8 else " (fp8 caches: IOATTN_SM90_DECODE_FP8=1)"))
     if group > ROWS.value:
         return f"a GQA group of {group} query heads is more than the {ROWS.value} rows of a tile"
     page = k.shape[1]
@@ -368,13 +437,15 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     page_rows, head_rows, head_cols = view[:3]
     group = h // h_k
     group_p2 = 1 << (group - 1).bit_length()
+    fp8 = k.dtype != q.dtype  # (an fp8 cache: ``coverage_problem``)
     counts, slot_start = merge if merge is not None else (n_work, n_work)
     launcher(_decode_sm90)[(max_items, h_k)](
         k_desc, v_desc, q, out, lse, o_part, lse_part, seqlens_indptr, indices, work, n_work,
         counts, slot_start,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), batch, h, group,
         indices.shape[0] * page, page_rows, head_rows, head_cols, softmax_scale * LOG2E,
-        PAGE=page, HEAD_D=d, BLOCK_N_=BLOCK_N, STAGES_=STAGES, LSE_BASE2=lse_base2,
-        PRODUCER_REGS_=PRODUCER_REGS, MERGE=merge is not None, GROUP_P2=group_p2,
-        MERGE_SLOTS=max(1, min(32, 8192 // (group_p2 * d))), num_warps=4, maxnreg=MAXNREG,
+        PAGE=page, HEAD_D=d, BLOCK_N_=BLOCK_N, STAGES_=STAGES_FP8 if fp8 else STAGES,
+        LSE_BASE2=lse_base2, PRODUCER_REGS_=PRODUCER_REGS, MERGE=merge is not None,
+        GROUP_P2=group_p2, MERGE_SLOTS=max(1, min(32, 8192 // (group_p2 * d))), CONVERT=fp8,
+        num_warps=4, maxnreg=MAXNREG,
     )

@@ -321,13 +321,21 @@ def gluon_report(name: str, fn, sig: dict, constexprs: dict, arch: int = 90,
 
 
 def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
-                        arch: int = 90, merge: bool = False, group: int = 4) -> KernelReport:
-    """The sm90 paged decode kernel (``ioattn.decode.sm90_decode``) as its launcher specializes it."""
+                        arch: int = 90, merge: bool = False, group: int = 4,
+                        kv_dtype: str | None = None) -> KernelReport:
+    """The sm90 paged decode kernel (``ioattn.decode.sm90_decode``) as its launcher specializes it
+    (kv_dtype "fp8e4nv" / "fp8e5": an fp8 cache, converted in shared memory)."""
     from ioattn.decode import sm90_decode as sd
 
     fn = sd._decode_sm90
     box = min(page, sd.BLOCK_N)
-    desc = f"tensordesc<{dtype}[{box}, {d}],{_TMA_LAYOUT.format(bits=16)}>"
+    kv = kv_dtype or dtype
+    fp8 = kv != dtype
+    bits = 8 if fp8 else 16
+    swizzle = min(128, d * bits // 8)
+    lay = _TMA_LAYOUT.format(bits=bits).replace("swizzle_byte_width=128",
+                                                f"swizzle_byte_width={swizzle}")
+    desc = f"tensordesc<{kv}[{box}, {d}],{lay}>"
     ptrs = dict(Q=f"*{dtype}", O=f"*{dtype}", LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32",
                 SEQ="*i32", INDICES="*i32", WORK="*i32", N_WORK="*i32", COUNTS="*i32",
                 SLOT_START="*i32")
@@ -336,11 +344,11 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
            for n in fn.arg_names}
     sig["qk_scale_log2"] = "fp32"
     gp = 1 << (group - 1).bit_length()
-    ce = dict(PAGE=page, HEAD_D=d, BLOCK_N_=sd.BLOCK_N, STAGES_=sd.STAGES, LSE_BASE2=True,
-              PRODUCER_REGS_=sd.PRODUCER_REGS, MERGE=merge, GROUP_P2=gp,
-              MERGE_SLOTS=max(1, min(32, 8192 // (gp * d))))
-    return gluon_report(f"sm90 paged decode d{d} page{page}{' merge' if merge else ''} ws", fn,
-                        sig, ce, arch, maxnreg=sd.MAXNREG)
+    ce = dict(PAGE=page, HEAD_D=d, BLOCK_N_=sd.BLOCK_N, STAGES_=sd.STAGES_FP8 if fp8 else sd.STAGES,
+              LSE_BASE2=True, PRODUCER_REGS_=sd.PRODUCER_REGS, MERGE=merge, GROUP_P2=gp,
+              MERGE_SLOTS=max(1, min(32, 8192 // (gp * d))), CONVERT=fp8)
+    return gluon_report(f"sm90 paged decode d{d} page{page}{' merge' if merge else ''}"
+                        f"{' ' + kv if fp8 else ''} ws", fn, sig, ce, arch, maxnreg=sd.MAXNREG)
 
 
 def main(argv=None) -> int:

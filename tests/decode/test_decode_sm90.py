@@ -1,8 +1,8 @@
 """The sm90 paged decode kernel (``ioattn.decode.sm90_decode``, on by default on Hopper)
 behind ``BatchDecodeWithPagedKVCacheWrapper``: its coverage rules and cache row views (anywhere),
 and on Hopper its outputs against per-request references, split requests, empty requests, NaN in
-stale cache slots and CUDA-graph replay. Windows, RoPE, softcap and fp8 stay on the portable
-kernel."""
+stale cache slots and CUDA-graph replay; fp8 caches on it (opt-in, IOATTN_SM90_DECODE_FP8=1).
+Windows, RoPE and softcap stay on the portable kernel."""
 from __future__ import annotations
 
 import math
@@ -67,7 +67,8 @@ def test_row_views_of_cache_layouts():
     (dict(page=3), "page_size 3"), (dict(page=24), "page_size 24"), (dict(d=96), "head_dim 96"),
     (dict(fp8=True), "fp8"), (dict(group=65), "GQA group"), (dict(extras=True), "RoPE"),
     (dict(rows=2), "one query row")])
-def test_coverage_rules(kw, match):
+def test_coverage_rules(kw, match, monkeypatch):
+    monkeypatch.setattr(sm90_decode, "FP8", False)
     kw = dict(kw)
     fp8, group, extras, rows = (kw.pop(n, dflt) for n, dflt in
                                 (("fp8", False), ("group", 4), ("extras", False), ("rows", 1)))
@@ -80,6 +81,21 @@ def test_coverage_rules(kw, match):
         assert problem is None
     else:
         assert problem is not None and match in problem, problem
+
+
+def test_fp8_coverage_opt_in(monkeypatch):
+    """fp8 caches (e4m3 / e5m2) with fp16 / bf16 queries are covered once IOATTN_SM90_DECODE_FP8
+    is on; an fp8 q or mixed k / v dtypes still are not."""
+    monkeypatch.setattr(sm90_decode, "FP8", True)
+    for dtype in (BF16, FP16):
+        k, v = _views(dtype=dtype)
+        q = torch.randn(3, 4 * k.shape[2], k.shape[-1], dtype=dtype)
+        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+            assert sm90_decode.coverage_problem(q, k.to(fp8), v.to(fp8), 1, False) is None
+        assert sm90_decode.coverage_problem(q, k.to(torch.float8_e4m3fn),
+                                            v.to(torch.float8_e5m2), 1, False) is not None
+        assert sm90_decode.coverage_problem(q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn),
+                                            v.to(torch.float8_e4m3fn), 1, False) is not None
 
 
 def test_small_plans_stay_portable_in_eager_calls(monkeypatch):
@@ -166,6 +182,56 @@ def test_sm90_decode(c, merge, monkeypatch):
     for b, n in enumerate(lens):
         k, v = _gather(cache, c["layout"], indices, indptr, b, n)
         lse_ref = _check_request(f"out[{b}]", out[b:b + 1], q[b:b + 1], k, v)
+        if n == 0:
+            assert (out[b] == 0).all() and torch.isinf(lse[b]).all()
+        else:
+            torch.testing.assert_close(lse[b], lse_ref[:, 0] / math.log(2), atol=1e-3, rtol=1e-3)
+
+
+FP8_CASES = [dict(CASES[0], big_q=True), CASES[1], CASES[2], CASES[4], CASES[6]]
+
+
+@needs_sm90
+@pytest.mark.parametrize("merge", [False, True], ids=["combine", "merge-in-kernel"])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("c", FP8_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_sm90_decode_fp8(c, fp8, merge, monkeypatch):
+    """An fp8 cache (kv_data_type) on the sm90 kernel (IOATTN_SM90_DECODE_FP8), its tiles
+    converted in shared memory, with k_scale / v_scale, against attention over the dequantized
+    cache; NaN in stale slots of each request's last page must not reach the outputs. big_q: bf16
+    queries past fp16's range (the kernel scales them by a power of two)."""
+    monkeypatch.setattr(sm90_decode, "FP8", True)
+    calls = _sm90_decode_on(monkeypatch, merge)
+    c = dict(c)
+    dtype = c.pop("dtype", BF16)
+    big_q = c.pop("big_q", False)
+    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+    lens, indptr, indices, last, cache = _paged(c["batch"], c["h_k"], c["d"], c["page"], dtype,
+                                                "cuda", c["layout"], c.get("max_len", 120), g=g)
+    for b, n in enumerate(lens):  # stale slots of each request's last page (NaN in fp8 too)
+        if n % c["page"]:
+            p = indices[indptr[b + 1] - 1].item()
+            if c["layout"] == "NHD":
+                cache[p, :, n % c["page"]:] = float("nan")
+            else:
+                cache[p, :, :, n % c["page"]:] = float("nan")
+    cache8 = cache.to(fp8)
+    k_scale, v_scale = 0.5, 2.0
+    deq = torch.stack([cache8[:, 0].to(dtype) * k_scale, cache8[:, 1].to(dtype) * v_scale], 1)
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), kv_layout=c["layout"])
+    scale = (2.0 ** -15 if big_q else 1.0) / math.sqrt(c["d"])
+    wrapper.plan(indptr, indices.cuda(), last, c["h"], c["h_k"], c["d"], c["page"],
+                 q_data_type=dtype, kv_data_type=fp8, fixed_split_size=c.get("split"),
+                 sm_scale=scale)
+    q = torch.randn(c["batch"], c["h"], c["d"], device="cuda", dtype=dtype)
+    if big_q:  # |q| up to ~2^17, past fp16's 65504, with a score scale to match
+        q = q * 2.0 ** 15
+    out, lse = wrapper.run(q, cache8, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+    assert calls, "the sm90 decode kernel did not run"
+    for b, n in enumerate(lens):
+        k, v = _gather(deq, c["layout"], indices, indptr, b, n)
+        lse_ref = _check_request(f"out[{b}]", out[b:b + 1], q[b:b + 1], k, v, softmax_scale=scale)
         if n == 0:
             assert (out[b] == 0).all() and torch.isinf(lse[b]).all()
         else:
