@@ -152,6 +152,22 @@ CASES = [
 ]
 
 
+def _stale_paged(c, dtype):
+    """A random paged cache for case c whose stale slots (past each request's last key, in its
+    last page) hold NaN."""
+    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+    lens, indptr, indices, last, cache = _paged(c["batch"], c["h_k"], c["d"], c["page"], dtype,
+                                                "cuda", c["layout"], c.get("max_len", 120), g=g)
+    for b, n in enumerate(lens):
+        if n % c["page"]:
+            p = indices[indptr[b + 1] - 1].item()
+            if c["layout"] == "NHD":
+                cache[p, :, n % c["page"]:] = float("nan")
+            else:
+                cache[p, :, :, n % c["page"]:] = float("nan")
+    return lens, indptr, indices, last, cache
+
+
 @needs_sm90
 @pytest.mark.parametrize("merge", [False, True], ids=["combine", "merge-in-kernel"])
 @pytest.mark.parametrize("c", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
@@ -162,16 +178,7 @@ def test_sm90_decode(c, merge, monkeypatch):
     calls = _sm90_decode_on(monkeypatch, merge)
     c = dict(c)
     dtype = c.pop("dtype", BF16)
-    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
-    lens, indptr, indices, last, cache = _paged(c["batch"], c["h_k"], c["d"], c["page"], dtype,
-                                                "cuda", c["layout"], c.get("max_len", 120), g=g)
-    for b, n in enumerate(lens):  # stale slots of each request's last page
-        if n % c["page"]:
-            p = indices[indptr[b + 1] - 1].item()
-            if c["layout"] == "NHD":
-                cache[p, :, n % c["page"]:] = float("nan")
-            else:
-                cache[p, :, :, n % c["page"]:] = float("nan")
+    lens, indptr, indices, last, cache = _stale_paged(c, dtype)
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
         torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), kv_layout=c["layout"])
     wrapper.plan(indptr, indices.cuda(), last, c["h"], c["h_k"], c["d"], c["page"],
@@ -205,17 +212,8 @@ def test_sm90_decode_fp8(c, fp8, merge, monkeypatch):
     c = dict(c)
     dtype = c.pop("dtype", BF16)
     big_q = c.pop("big_q", False)
-    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
-    lens, indptr, indices, last, cache = _paged(c["batch"], c["h_k"], c["d"], c["page"], dtype,
-                                                "cuda", c["layout"], c.get("max_len", 120), g=g)
-    for b, n in enumerate(lens):  # stale slots of each request's last page (NaN in fp8 too)
-        if n % c["page"]:
-            p = indices[indptr[b + 1] - 1].item()
-            if c["layout"] == "NHD":
-                cache[p, :, n % c["page"]:] = float("nan")
-            else:
-                cache[p, :, :, n % c["page"]:] = float("nan")
-    cache8 = cache.to(fp8)
+    lens, indptr, indices, last, cache = _stale_paged(c, dtype)
+    cache8 = cache.to(fp8)  # (NaN in the stale slots stays NaN)
     k_scale, v_scale = 0.5, 2.0
     deq = torch.stack([cache8[:, 0].to(dtype) * k_scale, cache8[:, 1].to(dtype) * v_scale], 1)
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
