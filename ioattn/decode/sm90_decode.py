@@ -44,7 +44,7 @@ BLOCK_N = 64  # keys per tile
 # setmaxnreg, spill-free), so two CTAs fit on an SM: six tiles in flight
 STAGES = 3
 # fp8 caches (``FP8``): the ring holds fp8 tiles (16 KB a stage at d=128) and the consumer
-# converts each into two operand tiles of q's dtype (32 KB): 4 stages keep the CTA at 114,944 B,
+# converts each into two operand tiles of fp16 (32 KB): 4 stages keep the CTA at 114,892 B,
 # two a SM, 128 KB of K/V in flight per SM
 STAGES_FP8 = 4
 # fp8 caches (FlashInfer's kv_data_type e4m3 / e5m2) on this kernel, their tiles converted in
@@ -131,7 +131,8 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_sme
         # (fp16 operands) q scaled by a power of two so that its largest |value| fits fp16
         # (<= 2^15), which the score scale undoes exactly (as the portable kernel does)
         q_f = q_tile.to(gl.float32)
-        q_amax = gl.max(gl.max(gl.abs(q_f), axis=1), axis=0)
+        q_abs = gl.abs(q_f)  # (over finite values: an inf must not zero the group's other heads)
+        q_amax = gl.max(gl.max(gl.where(q_abs < float("inf"), q_abs, 0.0), axis=1), axis=0)
         q_exp = gl.maximum(gl.ceil(gl.log2(q_amax)) - 15.0, 0.0)
         q_tile = q_f * gl.exp2(-q_exp)
         qk_scale_log2 = qk_scale_log2 * gl.exp2(q_exp)

@@ -153,7 +153,8 @@ def _kvcache_attn_kernel(
             # where bf16 takes three (sm90 PTX; benchmarks/NOTES.md: 1.50 -> 1.81 TB/s at 64x4k
             # with the tile change). q is scaled by a power of two so that its largest |value|
             # fits fp16 (<= 2^15), which the score scales undo exactly.
-            q_amax = tl.max(tl.max(tl.abs(b_q.to(tl.float32)), 1), 0)
+            q_abs = tl.abs(b_q.to(tl.float32))  # (finite values: an inf poisons its row only)
+            q_amax = tl.max(tl.max(tl.where(q_abs < float("inf"), q_abs, 0.0), 1), 0)
             q_exp = tl.maximum(tl.ceil(tl.log2(q_amax)) - 15.0, 0.0)
             b_q = (b_q.to(tl.float32) * tl.exp2(-q_exp)).to(tl.float16)
             qk_scale_log2 = qk_scale_log2 * tl.exp2(q_exp)
