@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -14,6 +14,13 @@ for step in $steps; do
     tests) # 14 workers: a cold Triton cache took more than 240 s with 8
            timeout 450 python -m pytest -q -n 14 -p no:cacheprovider -rf tests > "$OUT/tests_gpu.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_gpu.log"; tail -1 "$OUT/tests_gpu.log" ;;
+    warm)  # the compile caches (Triton's, inductor's for Flex) filled by six processes at once,
+           # one per head dim and mode, before a timed run: `warm bench` (WARM_DTYPES=fp16 before
+           # bench-fp16); a cold bench spent its first minutes compiling, one kernel at a time
+           for d in 64 128 256; do for m in fwd bwd; do
+             timeout 240 python -m ioattn bench --modes $m --dims $d --dtypes ${WARM_DTYPES:-bf16} \
+               --warmup 1 --rep 1 --no-plots --out /tmp/warm_${m}_$d.json > /tmp/warm_${m}_$d.log 2>&1 &
+           done; done; wait; echo "warm: done" ;;
     bench) timeout 560 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes bf16 --rounds 3 \
              --out "$OUT/dense_nvidia-h200_$(date +%F).json" > "$OUT/bench.log" 2>&1
            grep -E "geomean" "$OUT/bench.log" ;;
