@@ -16,12 +16,12 @@ for step in $steps; do
            grep -E "^FAILED" "$OUT/tests_gpu.log"; tail -1 "$OUT/tests_gpu.log" ;;
     warm)  # the compile caches (Triton's, inductor's for Flex) filled by six processes at once,
            # one per head dim and mode, before a timed run: `warm bench` (WARM_DTYPES=fp16 before
-           # bench-fp16); a cold bench spent its first minutes compiling, one kernel at a time
+           # bench-fp16, 120 + 460 s in one call); a cold bench spent its first minutes compiling
            for d in 64 128 256; do for m in fwd bwd; do
-             timeout 240 python -m ioattn bench --modes $m --dims $d --dtypes ${WARM_DTYPES:-bf16} \
+             timeout 120 python -m ioattn bench --modes $m --dims $d --dtypes ${WARM_DTYPES:-bf16} \
                --warmup 1 --rep 1 --no-plots --out /tmp/warm_${m}_$d.json > /tmp/warm_${m}_$d.log 2>&1 &
            done; done; wait; echo "warm: done" ;;
-    bench) timeout 560 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes bf16 --rounds 3 \
+    bench) timeout 460 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes bf16 --rounds 3 \
              --out "$OUT/dense_nvidia-h200_$(date +%F).json" > "$OUT/bench.log" 2>&1
            grep -E "geomean" "$OUT/bench.log" ;;
     long)  timeout 120 python benchmarks/long_context.py --out "$OUT" > "$OUT/long.log" 2>&1
@@ -80,7 +80,7 @@ for step in $steps; do
            ncu --import "$OUT/fwd128.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
            ncu --import "$OUT/fwd128.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_sass.csv" 2>&1
            grep -E "Duration|Tensor is|Issue Slots|No Eligible" "$OUT/ncu_details.txt" ;;
-    bench-fp16) timeout 560 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes fp16 --rounds 3 \
+    bench-fp16) timeout 460 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes fp16 --rounds 3 \
              --out "$OUT/dense_fp16_nvidia-h200_$(date +%F).json" > "$OUT/bench_fp16.log" 2>&1
            grep -E "geomean" "$OUT/bench_fp16.log" ;;
     sm90-decode) # the Gluon decode kernel (default on Hopper): its tests, then the decode suite on / off
@@ -205,7 +205,9 @@ for step in $steps; do
              --modes bwd --dims 64,128 --seqlens 2048,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn \
              --no-plots --out /tmp/rowstats_seg.json > "$OUT/rowstats_seg.log" 2>&1
            echo "== row_stats=1 segments=1"; grep -E "^bwd" "$OUT/rowstats_seg.log" ;;
-    sm90-wg3pp) # the d=64 forward on three consumer warpgroups taking turns round robin (FA3's
+    sm90-wg3pp) # (session 11; since 7484f8a its default / wg3p / pp3p rows take the 192x128 tile
+           # for causal cells from 4k: add IOATTN_SM90_WG3_BLOCK_N=64 to rerun them as they ran)
+           # the d=64 forward on three consumer warpgroups taking turns round robin (FA3's
            # warp-scheduler barrier at d=64), persistent and not, and on FA3's 192x128 tile
            # (wide_): tests, then timed against the three-warpgroup form without turns and the
            # default (two warpgroups, dynamic). Logs in /tmp (the device returns 8 files)
@@ -238,27 +240,32 @@ for step in $steps; do
              echo "== min_bytes=$m"; grep -E "ioattn_paged |cudnn" "$OUT/decode_eager_$m.log"; done ;;
     sm90-exp-early) # each key block's exponentials before the wait for PV_{j-1} (opt-in,
            # IOATTN_SM90_FWD_EXP_EARLY): the forward's tests with it, then timed on / off
-           IOATTN_SM90_FWD_EXP_EARLY=1 timeout 200 python -m pytest -q -n 8 -p no:cacheprovider \
-             tests/dense/test_sm90.py -k "fwd or persistent or wg3 or paged or varlen" \
+           # (step total within the 600 s of a call: 150 + 100 + 2 x 120 + 90)
+           IOATTN_SM90_FWD_EXP_EARLY=1 timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
+             tests/dense/test_sm90.py -k "fwd or persistent or wg3 or varlen" \
              > "$OUT/tests_exp_early.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_exp_early.log"; tail -1 "$OUT/tests_exp_early.log"
-           for v in 1 0; do IOATTN_SM90_FWD_EXP_EARLY=$v timeout 200 python -m ioattn bench --modes fwd \
+           IOATTN_SM90_FWD_EXP_EARLY=1 timeout 100 python -m pytest -q -n 8 -p no:cacheprovider \
+             tests/decode/test_kvcache_sm90.py > "$OUT/tests_exp_early_paged.log" 2>&1  # (paged fwd)
+           grep -E "^FAILED" "$OUT/tests_exp_early_paged.log"; tail -1 "$OUT/tests_exp_early_paged.log"
+           for v in 1 0; do IOATTN_SM90_FWD_EXP_EARLY=$v timeout 120 python -m ioattn bench --modes fwd \
              --dims 64,128,256 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn \
              --no-plots --out "$OUT/sm90_fwd_exp_early$v.json" > "/tmp/exp_early_$v.log" 2>&1
              echo "== exp_early=$v"; grep -E "^fwd" "/tmp/exp_early_$v.log"; done
            # the 192x128 tile everywhere at d=64 with them early (non-causal it ran 0.78x before)
-           IOATTN_SM90_WG3_BLOCK_N=128 IOATTN_SM90_FWD_EXP_EARLY=1 timeout 120 python -m ioattn bench \
+           IOATTN_SM90_WG3_BLOCK_N=128 IOATTN_SM90_FWD_EXP_EARLY=1 timeout 90 python -m ioattn bench \
              --modes fwd --dims 64 --seqlens 2048,4096,8192,16384 --dtypes bf16 \
              --impls ioattn_sm90,sdpa_cudnn --no-plots --out "$OUT/sm90_fwd_exp_early1_wide.json" \
              > /tmp/exp_early_wide.log 2>&1
            echo "== exp_early=1 192x128 at d=64"; grep -E "^fwd" /tmp/exp_early_wide.log ;;
     sm90-bwd-exp-early) # each step's exponentials before the wait for dPᵀ (opt-in,
            # IOATTN_SM90_BWD_EXP_EARLY): the backward's tests with it, then timed on / off
-           IOATTN_SM90_BWD_EXP_EARLY=1 timeout 200 python -m pytest -q -n 8 -p no:cacheprovider \
+           # (150 + 2 x 190 s: within a call's 600)
+           IOATTN_SM90_BWD_EXP_EARLY=1 timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
              tests/dense/test_sm90.py -k "bwd or fused or varlen or segments or rowstats" \
              > "$OUT/tests_bwd_exp_early.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_bwd_exp_early.log"; tail -1 "$OUT/tests_bwd_exp_early.log"
-           for v in 1 0; do IOATTN_SM90_BWD_EXP_EARLY=$v timeout 200 python -m ioattn bench --modes bwd \
+           for v in 1 0; do IOATTN_SM90_BWD_EXP_EARLY=$v timeout 190 python -m ioattn bench --modes bwd \
              --dims 64,128 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn \
              --no-plots --out "$OUT/sm90_bwd_exp_early$v.json" > "/tmp/bwd_exp_early_$v.log" 2>&1
              echo "== bwd exp_early=$v"; grep -E "^bwd" "/tmp/bwd_exp_early_$v.log"; done ;;
@@ -268,7 +275,10 @@ for step in $steps; do
              tests/decode/test_decode_sm90.py tests/paged/test_flashinfer.py -k "fp8 or sm90_decode" \
              > "$OUT/tests_decode_fp8.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_decode_fp8.log"; tail -1 "$OUT/tests_decode_fp8.log"
-           for v in 1 0; do IOATTN_SM90_DECODE_FP8=$v timeout 150 python -m ioattn bench --suite decode \
+           # (every eager plan on the sm90 kernel where it covers it: the 1 x 32k fp8 plan is
+           # under the small-plan threshold)
+           for v in 1 0; do IOATTN_SM90_DECODE_FP8=$v IOATTN_SM90_DECODE_MIN_BYTES=0 timeout 150 \
+             python -m ioattn bench --suite decode \
              --cells 1x32768x16,16x8192x16,64x4096x16,128x2048x16 --prefill-cells "" \
              --out "$OUT/decode_fp8_sm90$v.json" > "/tmp/decode_fp8_$v.log" 2>&1
              echo "== sm90 fp8=$v"; grep -E "ioattn_paged |_fp8|cudnn " "/tmp/decode_fp8_$v.log"; done ;;

@@ -115,15 +115,15 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_FWD_EXP_EARLY", "0", "sm90 forward: each key block's exponentials (and P's "
      "conversion) kept before the wait for the previous block's PV GEMM (1: on; 0: off, ptxas "
      "then runs most of them after it)"),
-    ("IOATTN_SM90_BWD_EXP_EARLY", "0", "sm90 backward (dK/dV kernels): each step's exponentials "
+    ("IOATTN_SM90_BWD_EXP_EARLY", "0", "sm90 backward (d<=128 dK/dV kernels): each step's exponentials "
      "kept before the wait for dP's GEMM (1: on; 0: off, ptxas then runs most of them after it)"),
     ("IOATTN_SM90_FWD_WG3", "1", "sm90 forward at d=64: three consumer warpgroups (192-row "
      "tiles)"),
     ("IOATTN_SM90_WG3_BLOCK_N", "auto", "sm90 forward on three warpgroups (d=64): keys per "
      "tile; auto: 128 (FlashAttention-3's 192x128 tile, persistent) for batched causal problems "
-     "from 4k queries, else 64; 64 / 128 force"),
-    ("IOATTN_SM90_WG3_PERSISTENT", "0", "sm90 forward at d=64: three consumer warpgroups in the "
-     "persistent form too (else two there)"),
+     "from 4k queries, else 64; 64: never 128; 128: for every d=64 forward"),
+    ("IOATTN_SM90_WG3_PERSISTENT", "0", "sm90 forward at d=64: three consumer warpgroups on 64-key "
+     "tiles in the persistent form too (else two there, or the 192x128 tile)"),
     ("IOATTN_SM90_BWD_DQ_ORDER", "auto", "sm90 fused backward: where each step's dQ partial is "
      "issued: after dK's update, first (before it), lag (one step late, overlapping the next "
      "step's dS), alt (d=64: one warpgroup a step, in turn, over all 128 keys); auto: alt at "

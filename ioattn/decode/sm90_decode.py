@@ -12,13 +12,18 @@ One CTA runs one work item of the plan (request, key range, partial slot) for on
 GQA group's query heads are the rows of a 64-row wgmma tile (rows past the group are zero and
 never stored), S = Q·Kᵀ and O += P·V on the tensor cores, online softmax in registers (one
 consumer warpgroup). Items of a split request write fp32 partials to their slots, merged by the
-portable combine kernel; the others write out and the LSE directly, as the portable kernel does.
+request's last item inside the kernel (MERGE) or by the portable combine kernel; the others write
+out and the LSE directly, as the portable kernel does.
 
 The cache is read through 2-D TMA views whose rows are key slots: NHD pages [pages, page_size,
 H_kv, D] (a row holds every head; the head is a column offset) or HND [pages, H_kv, page_size, D]
 (a row holds one head; the head is a row offset), interleaved K/V pages or separate pools.
 Slots past a request's last key are masked; the producer zeroes them in the last V tile (stale
 cache slots may hold NaN, and a masked P of 0 times NaN is NaN).
+
+fp8 caches (CONVERT, opt-in ``FP8``): the ring holds the fp8 tiles; the consumer converts each
+stage to fp16 operand tiles in shared memory (zeroing V's slots past the request's keys there
+instead of the producer) and frees the stage before its wgmmas.
 """
 from __future__ import annotations
 
@@ -383,8 +388,8 @@ def coverage_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows_per
         return f"head_dim {d}: the sm90 decode kernel takes {SUPPORTED_HEAD_DIMS}"
     fp8 = FP8 and k.dtype in FP8_DTYPES
     if q.dtype not in OPERAND_DTYPES or (k.dtype != q.dtype and not fp8) or v.dtype != k.dtype:
-        return ("the sm90 decode kernel takes fp16/bf16 caches of q's dtype"
-                + ("" if FP8 else " (fp8 caches: IOATTN_SM90_DECODE_FP8=1)"))
+        return ("the sm90 decode kernel takes fp16/bf16 caches of q's dtype" + (
+            " (fp8 caches: IOATTN_SM90_DECODE_FP8=1)" if k.dtype in FP8_DTYPES and not FP8 else ""))
     if group > ROWS.value:
         return f"a GQA group of {group} query heads is more than the {ROWS.value} rows of a tile"
     page = k.shape[1]

@@ -358,10 +358,11 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     (``paged_varlen_attn``). Forward only: the caches get no gradients, and caches that require
     them are refused (dropout is refused too).
 
-    seqused_k: int32 (batch,), with block_table and cu_seqlens_k=None (FlashAttention-3's form of
-    the paged call, as vLLM's FlashAttention backend makes it): sequence i's keys are the first
-    seqused_k[i] slots of its pages. Read on the device (its prefix sum stands in for
-    cu_seqlens_k); its values are checked on the host once per state of the tensor.
+    seqused_k: int32 (batch,), with block_table and cu_seqlens_k=None passed explicitly
+    (FlashAttention-3's form of the paged call): sequence i's keys are the first seqused_k[i]
+    slots of its pages. Read on the device (its prefix sum stands in for cu_seqlens_k); its
+    values are checked on the host once per state of the tensor. FA3's other arguments (out,
+    seqused_q, num_splits, scheduler_metadata, descales) are not taken.
     """
     if seqused_k is not None:
         cu_seqlens_k = _cu_from_seqused(seqused_k, cu_seqlens_k, block_table, cu_seqlens_q,
@@ -428,15 +429,17 @@ def _cu_from_seqused(seqused_k, cu_seqlens_k, block_table, cu_seqlens_q, max_seq
     version counter, such as a graph replay's); the values of seqused_k are checked on the host
     once per state (``Validated``), as the paged call's checks are keyed on it."""
     if block_table is None:
-        _fail("seqused_k is supported with block_table (paged caches); with packed k / v pass "
-              "cu_seqlens_k of the keys each sequence uses")
+        _fail("seqused_k is supported with block_table (paged caches); with packed k / v, pack "
+              "only the keys each sequence uses and pass their cu_seqlens_k, or pass block_table")
     if cu_seqlens_k is not None:
         _fail("with block_table, pass cu_seqlens_k or seqused_k, not both (seqused_k gives "
               "each sequence's key count; pass cu_seqlens_k=None)")
     _check_int32("seqused_k", seqused_k, "(batch,)")
-    batch = (cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, Tensor)
-             and cu_seqlens_q.dim() == 1 else None)
-    if seqused_k.dim() != 1 or (batch is not None and seqused_k.shape[0] != batch):
+    if not isinstance(cu_seqlens_q, Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
+        _fail("cu_seqlens_q must be an int32 tensor of shape (batch + 1,)", TypeError
+              if not isinstance(cu_seqlens_q, Tensor) else ValueError)
+    batch = cu_seqlens_q.shape[0] - 1
+    if seqused_k.dim() != 1 or seqused_k.shape[0] != batch:
         _fail(f"seqused_k must have shape (batch,) = ({batch},), cu_seqlens_q's length minus "
               f"one, got {tuple(seqused_k.shape)}")
     if isinstance(q, Tensor) and seqused_k.device != q.device:
@@ -490,6 +493,9 @@ def _paged_keys(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     if block_table.device != q.device:
         _fail(f"block_table is on {block_table.device} but q is on {q.device}")
     # (its values: ``_check_pages``)
+    if cu_seqlens_k is None:
+        _fail("with block_table, pass cu_seqlens_k (int32 (batch + 1,)) or seqused_k (int32 "
+              "(batch,), each sequence's key count) with cu_seqlens_k=None", TypeError)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, 0, max_seqlen_k, batch, q.device, values=False)
     capacity = decode_op.paged_capacity(block_table, k.shape[1], max_seqlen_k)
     _check_pages(cu_seqlens_k, block_table, k.shape[1], k.shape[0], max_seqlen_k, batch * capacity,

@@ -20,7 +20,8 @@ from triton.language.core import builtin
 
 from ioattn.launch import Desc
 
-# tensor dtypes the TMA descriptors lay out (fp32: the fused backward's dQ accumulator)
+# tensor dtypes the TMA descriptors lay out (fp32: the fused backward's dQ accumulator; fp8: the
+# decode kernel's cache tiles, converted to fp16 operands in shared memory)
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
              torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
 OPERAND_DTYPES = (torch.bfloat16, torch.float16)  # what the kernels' wgmma operands take

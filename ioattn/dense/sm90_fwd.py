@@ -68,8 +68,9 @@ PERSISTENT_MODE = os.environ.get("IOATTN_SM90_PERSISTENT", "auto").lower()
 # H200 (results/sm90_fwd_wg3_{1,0}_*.json; causal 4k-16k within 3%), IOATTN_SM90_FWD_WG3=0 turns
 # it off. Environment switches are read at import (``dispatch.ENV_SWITCHES``)
 WG3 = os.environ.get("IOATTN_SM90_FWD_WG3", "1").lower() not in ("0", "false", "off")
-# three consumer warpgroups in the persistent form too (d=64 batched problems, where the dynamic
-# scheduler otherwise runs two): opt-in until measured on the H200
+# three consumer warpgroups on 64-key tiles in the persistent form too (d=64 batched problems,
+# where the dynamic scheduler otherwise runs two, or the 192x128 tile, ``_wide``): measured and
+# left opt-in (README, "Hopper fast path")
 WG3_PERSISTENT = os.environ.get("IOATTN_SM90_WG3_PERSISTENT", "0").lower() in ("1", "true", "on")
 # keys per tile of the three-warpgroup forms (``_wide``, ``_tile``): "auto" (default) takes
 # FlashAttention-3's d=64 tile, 192 x 128, for batched causal problems from 4k queries, where
@@ -77,8 +78,8 @@ WG3_PERSISTENT = os.environ.get("IOATTN_SM90_WG3_PERSISTENT", "0").lower() in ("
 # 394 / 414 / 442 TFLOP/s at 4k / 8k / 16k, results/tune/sm90_fwd_wg3pp_{wide,default}_29beb84_*.log;
 # at 2k 331 against 349; non-causal 0.76-0.80x), even though its causal form spills ~410 B at
 # 160 registers; in the next run of record 457 / 511 at 8k / 16k against 423 / 433 in the one
-# before (results/dense_{7484f8a,700c91d}_*.json); "64" / "128" force 64- / 128-key tiles
-# wherever three warpgroups run
+# before (results/dense_{7484f8a,700c91d}_*.json); "64" never takes it, "128" takes it for
+# every d=64 forward (three warpgroups then, persistent or not)
 WG3_BLOCK_N = os.environ.get("IOATTN_SM90_WG3_BLOCK_N", "auto").lower()
 if WG3_BLOCK_N not in ("auto", "64", "128"):
     raise ValueError(f"IOATTN_SM90_WG3_BLOCK_N={WG3_BLOCK_N!r}: expected auto, 64 or 128")
@@ -104,7 +105,8 @@ def _pingpong(head_dim: int, wgs: int) -> bool:
     # H200, two warpgroups, pingpong on vs off in one session
     # (results/sm90_fwd_pp{0,1_run1,1_run2}_*.json): d=256 non-causal +2-4% from 4k, d=128 within
     # noise to -2% at 8k-16k, d=64 -1-2%. Three warpgroups (d=64) take their turns round robin
-    # (FA3's warp-scheduler barrier at d=64): not measured yet, so only when forced
+    # (FA3's warp-scheduler barrier at d=64) only when forced: 0.95-1.00x without them
+    # (results/sm90_fwd_wg3pp_{pp3p,wg3p}_29beb84_*.json)
     if PINGPONG == "auto":
         return head_dim == 256 and wgs == 2
     return PINGPONG != "0"
@@ -119,11 +121,10 @@ def _wide(head_dim: int, varlen: bool, causal: bool, max_seqlen_q: int) -> bool:
     return _persistent(64, varlen) and causal and max_seqlen_q >= 4096
 
 
-def _wgs(head_dim: int, varlen: bool, paged: bool = False, wide: bool = False) -> int:
+def _wgs(head_dim: int, varlen: bool, wide: bool = False) -> int:
     # consumer warpgroups: 3 at d=64 when WG3 asks for it (persistent: on the wide tile, or when
-    # WG3_PERSISTENT asks too), else 2
-    if head_dim == 64 and not paged and WG3 and (wide or WG3_PERSISTENT
-                                                 or not _persistent(head_dim, varlen)):
+    # WG3_PERSISTENT asks too), else 2 (the paged forward always runs 2)
+    if head_dim == 64 and WG3 and (wide or WG3_PERSISTENT or not _persistent(head_dim, varlen)):
         return 3
     return 2
 
@@ -357,7 +358,8 @@ def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_ri
                   OP_DTYPE: gl.constexpr = None, OP_LAYOUT: gl.constexpr = None):
     """One key block's online-softmax update in the log2 domain (scores = s * qk_scale_log2).
 
-    Returns (p, alpha, m_new, l_new); p unnormalized, alpha the rescale of the running sums.
+    Returns (p, alpha, m_new, l_new); p unnormalized (with OP_LAYOUT: already PV's OP_DTYPE
+    register operand), alpha the rescale of the running sums.
     IN_BRANCH: the exponentials inside the masked / unmasked branches, so they end a basic block
     that the wait for PV_{j-1} follows: ptxas schedules within blocks, and after the join it
     hoists that wait above most of them (``EXP_EARLY``).
@@ -392,6 +394,15 @@ def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_ri
     if not IN_BRANCH:
         p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE, OP_LAYOUT)
     return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _pv_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, EARLY: gl.constexpr):
+    """P as PV's register operand (EARLY: ``_softmax_step`` converted it already)."""
+    if EARLY:
+        return p
+    else:
+        return gl.convert_layout(p.to(dtype), p_layout)
 
 
 @gluon.jit
@@ -482,10 +493,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
             prev = (it - 1) % STAGES
             mbarrier.wait(k_full.index(st), (it // STAGES) & 1)
             mbarrier.wait(v_full.index(prev), ((it - 1) // STAGES) & 1)
-            if EARLY:
-                p_op = p
-            else:
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
+            p_op = _pv_operand(p, dtype, p_layout, EARLY)
             _take_turn(turn, WG, rnd0 + j, PINGPONG)
             s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
@@ -509,10 +517,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
         if ZERO_TAIL:
             if lo + n_tiles * BLOCK_N > seqlen_k:  # the producer zeroes rows past the end
                 mbarrier.wait(v_fixed, 0)
-        if EARLY:
-            p_op = p
-        else:
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        p_op = _pv_operand(p, dtype, p_layout, EARLY)
         _take_turn(turn, WG, rnd0 + n_tiles, PINGPONG)
         acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         _pass_turn(turn, WG, PINGPONG)
@@ -845,6 +850,7 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """Launch the sm90 forward into ``out`` / ``lse`` (layouts as ``triton_fwd.attn_fwd``)."""
     d = p.head_dim
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
+    # (causal: a right window without a left one, as measured for causal masks)
     wide = _wide(d, p.is_varlen, p.window_right >= 0 and p.window_left < 0, p.max_seqlen_q)
     wgs = _wgs(d, p.is_varlen, wide=wide)
     grid = (-(-p.max_seqlen_q // (wgs * HALF_M.value)), p.batch * n_heads)

@@ -534,7 +534,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from ioattn.dense import inspect as ins
 
 # compile one kernel of the sm90 compile report as its launcher configures it, by name
-want, d, per_block = sys.argv[1], int(sys.argv[2]), 0
+want, d = sys.argv[1], int(sys.argv[2])
 cubins = []
 
 
@@ -576,11 +576,12 @@ def test_sm90_exp_early_schedule(env, name, d, exps):
     thread's 64 of a forward 128-key block, in its masked or unmasked branch, also on the d=64
     192x128 tile; 32 of a backward step's Pᵀ) before the wait for the GEMM they should overlap
     (PV_{j-1}; dPᵀ) in the sm90 SASS; off, ptxas hoists that wait above most of them."""
-    import os
     import subprocess
     import sys
 
-    env_ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # (the other switches at their defaults: the kernel names are the default launches')
+    env_ = {k: v for k, v in os.environ.items()
+            if k != "TRITON_INTERPRET" and not k.startswith("IOATTN_")}
     env_[env] = "1"
     res = subprocess.run([sys.executable, "-c", _EXP_ORDER_SCRIPT, name, str(d)], env=env_,
                          capture_output=True, text=True, timeout=600)

@@ -205,6 +205,10 @@ def test_paged_varlen_seqused_k_errors(device):
         call(seqused_k=torch.tensor([41, 1], dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="holds 3 pages"):  # (a row of 3 pages of 16: 48 keys)
         call(seqused_k=torch.tensor([49, 1], dtype=torch.int32, device=device), max_seqlen_k=49)
+    with pytest.raises(TypeError, match="or seqused_k"):
+        call(seqused_k=None)  # neither
+    with pytest.raises(ValueError, match="cu_seqlens_q must be"):
+        call(cu_seqlens_q=cq[:0])
 
 
 def test_paged_varlen_strided_table_and_narrow_packing(device):
