@@ -419,6 +419,16 @@ def _descriptor(t: torch.Tensor, view: tuple, box: int) -> Desc:
                 shared_layout(box, t.shape[-1], t.dtype))
 
 
+def launch_constexprs(d: int, page: int, group: int, fp8: bool, merge: bool) -> dict:
+    """The kernel's constexprs for a cache of head dim d and pages of ``page`` keys, a GQA group
+    of ``group`` query heads, an fp8 cache or not, the merge in the kernel or not (the launch
+    and the compile checks of ``ioattn.dense.inspect``); LSE_BASE2 is the caller's."""
+    group_p2 = 1 << (group - 1).bit_length()
+    return dict(PAGE=page, HEAD_D=d, BLOCK_N_=BLOCK_N, STAGES_=STAGES_FP8 if fp8 else STAGES,
+                PRODUCER_REGS_=PRODUCER_REGS, MERGE=merge, GROUP_P2=group_p2,
+                MERGE_SLOTS=max(1, min(32, 8192 // (group_p2 * d))), CONVERT=fp8)
+
+
 def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
                       seqlens_indptr: torch.Tensor, work: torch.Tensor, n_work: torch.Tensor,
                       max_items: int, o_part: torch.Tensor, lse_part: torch.Tensor,
@@ -442,7 +452,6 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     v_desc = _descriptor(v, _row_view(v), box)
     page_rows, head_rows, head_cols = view[:3]
     group = h // h_k
-    group_p2 = 1 << (group - 1).bit_length()
     fp8 = k.dtype != q.dtype  # (an fp8 cache: ``coverage_problem``)
     counts, slot_start = merge if merge is not None else (n_work, n_work)
     launcher(_decode_sm90)[(max_items, h_k)](
@@ -450,8 +459,6 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
         counts, slot_start,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), batch, h, group,
         indices.shape[0] * page, page_rows, head_rows, head_cols, softmax_scale * LOG2E,
-        PAGE=page, HEAD_D=d, BLOCK_N_=BLOCK_N, STAGES_=STAGES_FP8 if fp8 else STAGES,
-        LSE_BASE2=lse_base2, PRODUCER_REGS_=PRODUCER_REGS, MERGE=merge is not None,
-        GROUP_P2=group_p2, MERGE_SLOTS=max(1, min(32, 8192 // (group_p2 * d))), CONVERT=fp8,
+        LSE_BASE2=lse_base2, **launch_constexprs(d, page, group, fp8, merge is not None),
         num_warps=4, maxnreg=MAXNREG,
     )

@@ -230,15 +230,12 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
             flags = dict(IS_VARLEN=varlen, HAS_LEFT=False, HAS_RIGHT=causal, **regs)
             # the forward as launched on long problems: three consumer warpgroups (192-row
             # tiles) at d=64, on 128-key tiles when causal and batched
-            wide = sm90_fwd._wide(d, varlen, causal, 1 << 14)
-            wgs = sm90_fwd._wgs(d, varlen, wide=wide)
-            tile_n, stages, cregs = sm90_fwd._tile(d, wgs, wide)
-            jobs.append((f"sm90 fwd d{d} {tag} {64 * wgs}x{tile_n} ws", sm90_fwd._attn_fwd_sm90,
+            form = sm90_fwd.launch_form(d, varlen, causal, 1 << 14)
+            tile_n = form["BLOCK_N"]
+            jobs.append((f"sm90 fwd d{d} {tag} {64 * form['WGS']}x{tile_n} ws",
+                         sm90_fwd._attn_fwd_sm90,
                          dict(q_desc=64, o_desc=64, k_desc=tile_n, v_desc=tile_n), d,
-                         dict(flags, CONSUMER_REGS_=cregs, STAGES=stages, BLOCK_N=tile_n, PAGED=False,
-                              PAGE=1, PINGPONG=sm90_fwd._pingpong(d, wgs),
-                              PERSISTENT=sm90_fwd._persistent(d, varlen), WGS=wgs,
-                              DYNAMIC=sm90_fwd._schedule(d, varlen) == "dynamic")))
+                         dict(flags, PAGED=False, PAGE=1, **form)))
             bwd_desc = dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64)
             dq_bn = sm90_bwd._dq_block_n(d)
             # the other row-stats form (LSE / delta in shared memory or held in registers)
@@ -343,10 +340,7 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
                                                         n.endswith("_") else "i32")
            for n in fn.arg_names}
     sig["qk_scale_log2"] = "fp32"
-    gp = 1 << (group - 1).bit_length()
-    ce = dict(PAGE=page, HEAD_D=d, BLOCK_N_=sd.BLOCK_N, STAGES_=sd.STAGES_FP8 if fp8 else sd.STAGES,
-              LSE_BASE2=True, PRODUCER_REGS_=sd.PRODUCER_REGS, MERGE=merge, GROUP_P2=gp,
-              MERGE_SLOTS=max(1, min(32, 8192 // (gp * d))), CONVERT=fp8)
+    ce = dict(LSE_BASE2=True, **sd.launch_constexprs(d, page, group, fp8, merge))
     return gluon_report(f"sm90 paged decode d{d} page{page}{' merge' if merge else ''}"
                         f"{' ' + kv if fp8 else ''} ws", fn, sig, ce, arch, maxnreg=sd.MAXNREG)
 

@@ -845,22 +845,32 @@ def _persistent(head_dim: int, varlen: bool) -> bool:
     return _schedule(head_dim, varlen) is not None
 
 
+def launch_form(head_dim: int, varlen: bool, causal: bool, max_seqlen_q: int) -> dict:
+    """The forward's constexprs that depend on the problem's shape (``attn_fwd_sm90``, and the
+    compile checks of ``inspect``): consumer warpgroups, keys per tile, ring stages, consumer
+    registers, pingpong, persistence and its scheduler."""
+    wide = _wide(head_dim, varlen, causal, max_seqlen_q)
+    wgs = _wgs(head_dim, varlen, wide=wide)
+    block_n, stages, regs = _tile(head_dim, wgs, wide)
+    schedule = _schedule(head_dim, varlen)
+    return dict(WGS=wgs, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=regs,
+                PINGPONG=_pingpong(head_dim, wgs), PERSISTENT=schedule is not None,
+                DYNAMIC=schedule == "dynamic")
+
+
 def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor) -> None:
     """Launch the sm90 forward into ``out`` / ``lse`` (layouts as ``triton_fwd.attn_fwd``)."""
     d = p.head_dim
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
     # (causal: a right window without a left one, as measured for causal masks)
-    wide = _wide(d, p.is_varlen, p.window_right >= 0 and p.window_left < 0, p.max_seqlen_q)
-    wgs = _wgs(d, p.is_varlen, wide=wide)
-    grid = (-(-p.max_seqlen_q // (wgs * HALF_M.value)), p.batch * n_heads)
+    form = launch_form(d, p.is_varlen, p.window_right >= 0 and p.window_left < 0, p.max_seqlen_q)
+    grid = (-(-p.max_seqlen_q // (form["WGS"] * HALF_M.value)), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
-    schedule = _schedule(d, p.is_varlen)
-    persistent = schedule is not None
-    if persistent:  # one CTA per SM (a CTA takes most of the shared memory)
+    if form["PERSISTENT"]:  # one CTA per SM (a CTA takes most of the shared memory)
         grid = (min(grid[0] * grid[1], sm_count(q.device)),)
-    block_n, stages, regs = _tile(d, wgs, wide)
+    block_n = form["BLOCK_N"]
     q_desc = rows_descriptor(q, p.is_varlen, HALF_M.value)
     k_desc = rows_descriptor(k, p.is_varlen, block_n)
     v_desc = rows_descriptor(v, p.is_varlen, block_n)
@@ -869,8 +879,7 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # tiles after the first G come from a counter of this launch's own (a shared one would let
     # concurrent launches on other streams take each other's tiles); stream-ordered by the
     # caching allocator, and in a captured graph's pool under capture
-    dynamic = schedule == "dynamic"
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else None
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if form["DYNAMIC"] else None
     launcher(_attn_fwd_sm90)[grid](
         q_desc, k_desc, v_desc, o_desc, out, lse,
         p.cu_seqlens_q if p.is_varlen else dummy, p.cu_seqlens_k if p.is_varlen else dummy, dummy,
@@ -878,10 +887,7 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, p.batch * n_heads,
         p.softmax_scale * LOG2E, p.window_left, p.window_right,
         IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
-        STAGES=stages, CONSUMER_REGS_=regs, PRODUCER_REGS_=PRODUCER_REGS,
-        BLOCK_N=block_n, PAGED=False, PAGE=1, PINGPONG=_pingpong(d, wgs),
-        PERSISTENT=persistent, WGS=wgs,
-        DYNAMIC=dynamic, COUNTER=counter, num_warps=4,
+        PRODUCER_REGS_=PRODUCER_REGS, PAGED=False, PAGE=1, **form, COUNTER=counter, num_warps=4,
     )
 
 
