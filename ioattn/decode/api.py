@@ -10,22 +10,11 @@ from torch import Tensor
 
 from ioattn.decode.op import eager as kvcache_eager
 from ioattn.decode.op import kvcache_fwd
-from ioattn.dense.api import (VALIDATED, _check_alibi, _check_common, _check_sink,
+from ioattn.dense.api import (VALIDATED, _check_alibi, _check_common, _check_index, _check_sink,
                               _check_tensor, _fail, _with_sink,
                               skip_value_checks)
 from ioattn.dispatch import resolve_backend
 from ioattn.reference import kvcache_attention_ref
-
-
-def _check_index(name: str, t, shape: tuple, device: torch.device) -> None:
-    if not isinstance(t, Tensor):
-        _fail(f"{name} must be a torch.Tensor of int32, shape {shape}", TypeError)
-    if t.dtype != torch.int32:
-        _fail(f"{name} must be int32, got {t.dtype} (use .to(torch.int32))", TypeError)
-    if tuple(t.shape) != shape:
-        _fail(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if t.device != device:
-        _fail(f"{name} is on {t.device} but q is on {device}")
 
 
 

@@ -415,11 +415,26 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     return _finish(out, lse, return_attn_probs, learnable_sink, varlen=True)
 
 
-def _check_int32(name: str, t, shape: str) -> None:
+def _check_index(name: str, t, shape: tuple, device: torch.device, doc: str | None = None) -> None:
+    """An int32 index tensor of ``shape`` on q's device (``doc``: the shape as the message says
+    it, e.g. "(batch,) = (4,)")."""
+    doc = doc or str(shape)
     if not isinstance(t, Tensor):
-        _fail(f"{name} must be a torch.Tensor of int32 {shape}", TypeError)
+        _fail(f"{name} must be a torch.Tensor of int32, shape {doc}", TypeError)
     if t.dtype != torch.int32:
         _fail(f"{name} must be int32, got {t.dtype} (use .to(torch.int32))", TypeError)
+    if tuple(t.shape) != tuple(shape):
+        _fail(f"{name} must have shape {doc}, got {tuple(t.shape)}")
+    if t.device != device:
+        _fail(f"{name} is on {t.device} but q is on {device}")
+
+
+def _paged_batch(cu_seqlens_q) -> int:
+    """(a paged varlen call) The batch size from cu_seqlens_q's shape (its values: later)."""
+    if not isinstance(cu_seqlens_q, Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
+        _fail("cu_seqlens_q must be an int32 tensor of shape (batch + 1,)", TypeError
+              if not isinstance(cu_seqlens_q, Tensor) else ValueError)
+    return cu_seqlens_q.shape[0] - 1
 
 
 def _cu_from_seqused(seqused_k, cu_seqlens_k, block_table, cu_seqlens_q, max_seqlen_k: int,
@@ -434,16 +449,10 @@ def _cu_from_seqused(seqused_k, cu_seqlens_k, block_table, cu_seqlens_q, max_seq
     if cu_seqlens_k is not None:
         _fail("with block_table, pass cu_seqlens_k or seqused_k, not both (seqused_k gives "
               "each sequence's key count; pass cu_seqlens_k=None)")
-    _check_int32("seqused_k", seqused_k, "(batch,)")
-    if not isinstance(cu_seqlens_q, Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
-        _fail("cu_seqlens_q must be an int32 tensor of shape (batch + 1,)", TypeError
-              if not isinstance(cu_seqlens_q, Tensor) else ValueError)
-    batch = cu_seqlens_q.shape[0] - 1
-    if seqused_k.dim() != 1 or seqused_k.shape[0] != batch:
-        _fail(f"seqused_k must have shape (batch,) = ({batch},), cu_seqlens_q's length minus "
-              f"one, got {tuple(seqused_k.shape)}")
-    if isinstance(q, Tensor) and seqused_k.device != q.device:
-        _fail(f"seqused_k is on {seqused_k.device} but q is on {q.device}")
+    _check_tensor("q", q, 3)
+    batch = _paged_batch(cu_seqlens_q)
+    _check_index("seqused_k", seqused_k, (batch,), q.device,
+                 f"(batch,) = ({batch},), cu_seqlens_q's length minus one")
     params = ("seqused_k", max_seqlen_k)
     if not skip_value_checks(seqused_k) and not VALIDATED.seen((seqused_k,), params):
         for i, n in enumerate(seqused_k.tolist()):
@@ -482,16 +491,11 @@ def _paged_keys(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
         _fail("the paged caches k / v get no gradients through block_table; pass them detached "
               "(or under torch.no_grad()): q's gradient is supported")
-    _check_int32("block_table", block_table, "[batch, max_pages_per_seq]")
-    if not isinstance(cu_seqlens_q, Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
-        _fail("cu_seqlens_q must be an int32 tensor of shape (batch + 1,)", TypeError
-              if not isinstance(cu_seqlens_q, Tensor) else ValueError)
-    batch = cu_seqlens_q.shape[0] - 1
-    if block_table.dim() != 2 or block_table.shape[0] != batch:
-        _fail(f"block_table must have shape [batch={batch}, max_pages_per_seq], got "
-              f"{tuple(block_table.shape)}")
-    if block_table.device != q.device:
-        _fail(f"block_table is on {block_table.device} but q is on {q.device}")
+    batch = _paged_batch(cu_seqlens_q)
+    width = block_table.shape[1] if isinstance(block_table, Tensor) and block_table.dim() == 2 \
+        else -1  # (any width)
+    _check_index("block_table", block_table, (batch, width), q.device,
+                 f"[batch={batch}, max_pages_per_seq]")
     # (its values: ``_check_pages``)
     if cu_seqlens_k is None:
         _fail("with block_table, pass cu_seqlens_k (int32 (batch + 1,)) or seqused_k (int32 "

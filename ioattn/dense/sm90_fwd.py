@@ -86,7 +86,7 @@ if WG3_BLOCK_N not in ("auto", "64", "128"):
 
 
 # the steady state's exponentials before the wait for PV_{j-1} (FA3's intra-warpgroup overlap as
-# written, ``_softmax_step``'s IN_BRANCH), P converted to PV's register operand in the same
+# written, ``_softmax_step`` with OP_LAYOUT), P converted to PV's register operand in the same
 # block: in the sm90 SASS ptxas otherwise hoists that wait above ~56 of a thread's 66
 # exponentials per 128-key block, so they run after PV_{j-1} instead of under it. Spills stay
 # or fall in every form (converting early frees P's fp32 registers before the wait): the 192x128
@@ -354,13 +354,13 @@ def _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE: gl.constexpr,
 
 @gluon.jit
 def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_right, qk_scale_log2,
-                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IN_BRANCH: gl.constexpr = False,
-                  OP_DTYPE: gl.constexpr = None, OP_LAYOUT: gl.constexpr = None):
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, OP_DTYPE: gl.constexpr = None,
+                  OP_LAYOUT: gl.constexpr = None):
     """One key block's online-softmax update in the log2 domain (scores = s * qk_scale_log2).
 
     Returns (p, alpha, m_new, l_new); p unnormalized (with OP_LAYOUT: already PV's OP_DTYPE
     register operand), alpha the rescale of the running sums.
-    IN_BRANCH: the exponentials inside the masked / unmasked branches, so they end a basic block
+    With OP_LAYOUT: the exponentials inside the masked / unmasked branches, so they end a basic block
     that the wait for PV_{j-1} follows: ptxas schedules within blocks, and after the join it
     hoists that wait above most of them (``EXP_EARLY``).
     """
@@ -384,14 +384,14 @@ def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_ri
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
         # a row that has seen no key keeps m = -inf: shift by 0 so exp2 sees -inf, not NaN
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        if IN_BRANCH:
+        if OP_LAYOUT is not None:
             p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE, OP_LAYOUT)
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
         m_use = m_new
-        if IN_BRANCH:
+        if OP_LAYOUT is not None:
             p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE, OP_LAYOUT)
-    if not IN_BRANCH:
+    if OP_LAYOUT is None:
         p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE, OP_LAYOUT)
     return p, alpha, m_new, l_new
 
@@ -484,7 +484,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
         op_layout: gl.constexpr = p_layout if EARLY else None
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo, row0, seqlen_k, off, window_left,
                                            window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT,
-                                           EARLY, op_dtype, op_layout)
+                                           op_dtype, op_layout)
         # steady state: QK_j issued before PV_{j-1}; wait(1) retires QK_j, the softmax of block j
         # then overlaps PV_{j-1}
         for j in range(1, n_tiles):
@@ -503,7 +503,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
             mbarrier.arrive(k_empty.index(st), count=1)  # K_j is consumed: the producer refills it
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo + j * BLOCK_N, row0, seqlen_k, off,
                                                window_left, window_right, qk_scale_log2,
-                                               HAS_LEFT, HAS_RIGHT, EARLY, op_dtype, op_layout)
+                                               HAS_LEFT, HAS_RIGHT, op_dtype, op_layout)
             acc = warpgroup_mma_wait(0, deps=[acc_tok])
             mbarrier.arrive(v_empty.index(prev), count=1)  # V_{j-1} is consumed
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
