@@ -112,16 +112,18 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_PERSISTENT", "auto", "sm90 forward: persistent CTAs over query tiles (batched); "
      "auto: dynamic at d=64/128, dynamic: tiles handed out by an atomic counter, 1: static "
      "snake order, 0: one CTA per tile"),
-    ("IOATTN_SM90_FWD_EXP_EARLY", "0", "sm90 forward: each key block's exponentials (and P's "
-     "conversion) kept before the wait for the previous block's PV GEMM (1: on; 0: off, ptxas "
-     "then runs most of them after it)"),
+    ("IOATTN_SM90_FWD_EXP_EARLY", "auto", "sm90 forward: each key block's exponentials (and P's "
+     "conversion) kept before the wait for the previous block's PV GEMM (auto: on the d=64 "
+     "192x128 tile without a mask; 1: everywhere; 0: nowhere, ptxas then runs most of them "
+     "after it, and the d=64 forward without a mask keeps 128x128 tiles)"),
     ("IOATTN_SM90_BWD_EXP_EARLY", "0", "sm90 backward (d<=128 dK/dV kernels): each step's exponentials "
      "kept before the wait for dP's GEMM (1: on; 0: off, ptxas then runs most of them after it)"),
     ("IOATTN_SM90_FWD_WG3", "1", "sm90 forward at d=64: three consumer warpgroups (192-row "
      "tiles)"),
     ("IOATTN_SM90_WG3_BLOCK_N", "auto", "sm90 forward on three warpgroups (d=64): keys per "
-     "tile; auto: 128 (FlashAttention-3's 192x128 tile, persistent) for batched causal problems "
-     "from 4k queries, else 64; 64: never 128; 128: for every d=64 forward"),
+     "tile; auto: 128 (FlashAttention-3's 192x128 tile, persistent) for batched problems from "
+     "2k queries without a mask and from 4k causal, else 64; 64: never 128; 128: for every "
+     "d=64 forward"),
     ("IOATTN_SM90_WG3_PERSISTENT", "0", "sm90 forward at d=64: three consumer warpgroups on 64-key "
      "tiles in the persistent form too (else two there, or the 192x128 tile)"),
     ("IOATTN_SM90_BWD_DQ_ORDER", "auto", "sm90 fused backward: where each step's dQ partial is "
@@ -138,8 +140,8 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_FUSED_BWD", "1", "sm90 backward: one kernel, dQ by TMA reduce-add (0: two "
      "kernels without atomics, as deterministic=True)"),
     ("IOATTN_SM90_DECODE", "1", "planned paged decode on the sm90 Gluon kernel"),
-    ("IOATTN_SM90_DECODE_FP8", "0", "sm90 decode: fp8 caches too (their tiles converted to fp16 "
-     "in shared memory; else the portable kernel)"),
+    ("IOATTN_SM90_DECODE_FP8", "1", "sm90 decode: fp8 caches too (their tiles converted to fp16 "
+     "in shared memory; 0: the portable kernel takes them)"),
     ("IOATTN_SM90_DECODE_MIN_BYTES", str(200 << 20), "planned eager decode: K+V bytes below "
      "which a plan keeps the portable kernel (its launch was cheaper on the host)"),
     ("IOATTN_SM90_DECODE_MERGE", "1", "sm90 decode: split requests merged in the kernel by "

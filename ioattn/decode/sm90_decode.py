@@ -53,10 +53,11 @@ STAGES = 3
 # two a SM, 128 KB of K/V in flight per SM
 STAGES_FP8 = 4
 # fp8 caches (FlashInfer's kv_data_type e4m3 / e5m2) on this kernel, their tiles converted in
-# shared memory (``_convert_tile``): opt-in (IOATTN_SM90_DECODE_FP8=1) until measured on the H200;
-# otherwise they run the portable kernel (1.80-1.83 TB/s of fp8 bytes at 64 x 4k and 128 x 2k,
-# results/decode_eager_mindefault_29beb84_*.json: 0.89x the bf16 rows' time for half the bytes)
-FP8 = os.environ.get("IOATTN_SM90_DECODE_FP8", "0").lower() in ("1", "true", "on")
+# shared memory (``_convert_tile``): on by default since it measured 1.24-1.26x the portable
+# kernel on the H200 (2.29 / 2.25 against 1.84 / 1.80 TB/s of fp8 bytes at 64 x 4k / 128 x 2k,
+# 1.67 against 1.33 at 16 x 8k; results/decode_fp8_sm90{1,0}_5952fd0_*.json);
+# IOATTN_SM90_DECODE_FP8=0 sends them to the portable kernel
+FP8 = os.environ.get("IOATTN_SM90_DECODE_FP8", "1").lower() not in ("0", "false", "off")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 MAXNREG = 128
 SUPPORTED_HEAD_DIMS = (64, 128)

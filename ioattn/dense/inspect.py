@@ -230,7 +230,7 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
             flags = dict(IS_VARLEN=varlen, HAS_LEFT=False, HAS_RIGHT=causal, **regs)
             # the forward as launched on long problems: three consumer warpgroups (192-row
             # tiles) at d=64, on 128-key tiles when causal and batched
-            form = sm90_fwd.launch_form(d, varlen, causal, 1 << 14)
+            form = sm90_fwd.launch_form(d, varlen, "causal" if causal else "none", 1 << 14)
             tile_n = form["BLOCK_N"]
             jobs.append((f"sm90 fwd d{d} {tag} {64 * form['WGS']}x{tile_n} ws",
                          sm90_fwd._attn_fwd_sm90,
@@ -283,14 +283,27 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                       dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=right,
                            PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, CONSUMER_REGS_=cregs,
                            STAGES=st_, BLOCK_N=bn_, PAGED=False, PAGE=1, PINGPONG=pp,
-                           PERSISTENT=True, WGS=3, DYNAMIC=True))
+                           PERSISTENT=True, WGS=3, DYNAMIC=True,
+                           EXP_EARLY=sm90_fwd._exp_early(d, bn_ == 128,
+                                                         "causal" if right else "none")))
                      for tag_, right, bn_, st_, pp in wg3]
+            # the batched causal forward as launched below 4k queries (two warpgroups, 128-key
+            # tiles, persistent)
+            form = sm90_fwd.launch_form(d, False, "causal", 2048)
+            jobs.append((f"sm90 fwd d{d} causal 2k {64 * form['WGS']}x{form['BLOCK_N']} ws",
+                         sm90_fwd._attn_fwd_sm90,
+                         dict(q_desc=64, o_desc=64, k_desc=form["BLOCK_N"],
+                              v_desc=form["BLOCK_N"]), d,
+                         dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True,
+                              PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1,
+                              **form)))
         # the KV-cache forward over pages of 16 (one TMA copy per page)
         jobs.append((f"sm90 fwd paged16 d{d} causal 128x{bn} ws", sm90_fwd._attn_fwd_sm90,
                      dict(q_desc=64, o_desc=64, k_desc=16, v_desc=16), d,
                      dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True, **regs,
                           STAGES=sm90_fwd._stages(d), BLOCK_N=bn, PAGED=True, PAGE=16,
-                          PINGPONG=sm90_fwd._pingpong(d, 2), PERSISTENT=False, WGS=2)))
+                          PINGPONG=sm90_fwd._pingpong(d, 2), PERSISTENT=False, WGS=2,
+                          EXP_EARLY=sm90_fwd._exp_early(d, False, "causal"))))
     return [gluon_report(name, fn, _gluon_signature(fn, dtype, desc_rows, d), ce, arch)
             for name, fn, desc_rows, d, ce in jobs]
 

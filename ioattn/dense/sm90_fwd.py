@@ -91,9 +91,20 @@ if WG3_BLOCK_N not in ("auto", "64", "128"):
 # exponentials per 128-key block, so they run after PV_{j-1} instead of under it. Spills stay
 # or fall in every form (converting early frees P's fp32 registers before the wait): the 192x128
 # tile 412 -> 124 B causal, 8 -> 0 non-causal; d=128 causal persistent 68 -> 0.
-# IOATTN_SM90_FWD_EXP_EARLY=1 turns it on (off by default until measured on the H200)
-EXP_EARLY = gl.constexpr(os.environ.get("IOATTN_SM90_FWD_EXP_EARLY", "0").lower()
-                         in ("1", "true", "on"))
+# IOATTN_SM90_FWD_EXP_EARLY: "auto" (default) on the 192x128 tile without a mask only, where it
+# measured 1.12-1.17x the default form at d=64 from 4k on the H200 (511 / 504 / 510 TFLOP/s at 4k
+# / 8k / 16k against 436-448, results/sm90_fwd_exp_early{1_wide,1,0}_5952fd0_*.json): it is what
+# made that tile slow without a mask (0.76-0.80x before); on the tile's causal form it ran
+# 0.96-0.99x and on the other forms -8% to +8% by cell with no consistent sign, so they keep the
+# wait's own order; "1" / "0" force it on / off everywhere
+EXP_EARLY_MODE = os.environ.get("IOATTN_SM90_FWD_EXP_EARLY", "auto").lower()
+if EXP_EARLY_MODE in ("true", "on"):
+    EXP_EARLY_MODE = "1"
+if EXP_EARLY_MODE in ("false", "off"):
+    EXP_EARLY_MODE = "0"
+if EXP_EARLY_MODE not in ("auto", "1", "0"):
+    raise ValueError(f"IOATTN_SM90_FWD_EXP_EARLY={EXP_EARLY_MODE!r}: expected auto, 1 or 0")
+
 
 
 def _block_n(head_dim: int) -> int:
@@ -112,13 +123,25 @@ def _pingpong(head_dim: int, wgs: int) -> bool:
     return PINGPONG != "0"
 
 
-def _wide(head_dim: int, varlen: bool, causal: bool, max_seqlen_q: int) -> bool:
-    """Whether the d=64 forward takes three warpgroups on 128-key tiles (``WG3_BLOCK_N``)."""
+def _wide(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> bool:
+    """Whether the d=64 forward takes three warpgroups on 128-key tiles (``WG3_BLOCK_N``);
+    mask is "none", "causal" or "window"."""
     if head_dim != 64 or not WG3 or WG3_BLOCK_N == "64":
         return False
     if WG3_BLOCK_N == "128":
         return True
-    return _persistent(64, varlen) and causal and max_seqlen_q >= 4096
+    if not _persistent(64, varlen):
+        return False
+    if mask == "none":  # (with its exponentials early, ``EXP_EARLY_MODE``)
+        return max_seqlen_q >= 2048 and EXP_EARLY_MODE != "0"
+    return mask == "causal" and max_seqlen_q >= 4096
+
+
+def _exp_early(head_dim: int, wide: bool, mask: str) -> bool:
+    """Whether the forward's exponentials go before the wait for PV_{j-1} (``EXP_EARLY_MODE``)."""
+    if EXP_EARLY_MODE == "auto":
+        return head_dim == 64 and wide and mask == "none"
+    return EXP_EARLY_MODE == "1"
 
 
 def _wgs(head_dim: int, varlen: bool, wide: bool = False) -> int:
@@ -362,7 +385,7 @@ def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_ri
     register operand), alpha the rescale of the running sums.
     With OP_LAYOUT: the exponentials inside the masked / unmasked branches, so they end a basic block
     that the wait for PV_{j-1} follows: ptxas schedules within blocks, and after the join it
-    hoists that wait above most of them (``EXP_EARLY``).
+    hoists that wait above most of them (``_exp_early``).
     """
     s_layout: gl.constexpr = s.type.layout
     ROWS: gl.constexpr = s.shape[0]
@@ -445,7 +468,8 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                   v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles, window_left,
                   window_right, qk_scale_log2, it0, rnd0, q_phase, WG: gl.constexpr,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                  ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
+                  ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+                  EXP_EARLY: gl.constexpr):
     """One warpgroup's 64 query rows of a tile: key tiles from ring position it0, pingpong rounds
     from rnd0, Q's load completing phase q_phase of q_bar. Returns (out, lse): out normalized in
     the input dtype, lse in natural log; rows that saw no key give out 0 and LSE -inf."""
@@ -477,7 +501,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
         _pass_turn(turn, WG, PINGPONG)
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(st0), count=1)
-        # EARLY: the steady state's exponentials before the wait for PV_{j-1} (``EXP_EARLY``),
+        # EARLY: the steady state's exponentials before the wait for PV_{j-1} (``_exp_early``),
         # and P carried as PV's bf16 / fp16 register operand (converted in the same block)
         EARLY: gl.constexpr = EXP_EARLY
         op_dtype: gl.constexpr = dtype if EARLY else None
@@ -542,12 +566,12 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_
               v_empty, v_fixed, turn, o_row, o_col, o_base_off, stride_om, lse_off, start_m,
               seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right, qk_scale_log2,
               WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-              ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr):
+              ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, EXP_EARLY: gl.constexpr):
     _first_turn(turn, WG, PINGPONG)
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                              v_empty, v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                              window_left, window_right, qk_scale_log2, 0, 0, 0, WG, STAGES,
-                             HAS_LEFT, HAS_RIGHT, ZERO_TAIL, PINGPONG, False)
+                             HAS_LEFT, HAS_RIGHT, ZERO_TAIL, PINGPONG, False, EXP_EARLY)
     row0 = start_m + WG * HALF_M
     _store_lse(LSE, lse, lse_off, row0, seqlen_q)
     if row0 + HALF_M <= seqlen_q:
@@ -567,7 +591,7 @@ def _consume_persistent_tile(t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_b
                              seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right,
                              qk_scale_log2, WG: gl.constexpr, STAGES: gl.constexpr,
                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                             PINGPONG: gl.constexpr):
+                             PINGPONG: gl.constexpr, EXP_EARLY: gl.constexpr):
     """One warpgroup's rows of tile t; returns the updated ring position, tiles-with-work count
     and pingpong rounds."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -578,7 +602,8 @@ def _consume_persistent_tile(t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_b
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                              v_empty, v_fixed, turn, start_m, seqlen_q_fixed, seqlen_k_fixed,
                              lo, n_tiles, window_left, window_right, qk_scale_log2, it, rnd,
-                             tc & 1, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG, True)
+                             tc & 1, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG, True,
+                             EXP_EARLY)
     # the output offsets, recomputed here rather than kept live through the key loop; Q's
     # buffer already holds the next tile's Q, so O is stored from registers
     (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
@@ -601,7 +626,8 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
                          n_bh, window_left, window_right, qk_scale_log2, tile_smem, tile_full,
                          tile_empty, WG: gl.constexpr,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr):
+                         PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr,
+                         EXP_EARLY: gl.constexpr):
     """A persistent CTA's tiles, in the producer's order: program_id, program_id + programs, ...
     in snake order (``_snake``), or (DYNAMIC) the ids the producer draws from the tile counter
     and passes on through shared memory; tiles run over (query tile, batch * head), query tiles
@@ -619,7 +645,7 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
             t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
             k_empty, v_empty, v_fixed, turn, CU_Q, CU_K, stride_om, stride_oh, stride_lb,
             stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
-            window_right, qk_scale_log2, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG)
+            window_right, qk_scale_log2, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_EARLY)
         k += 1
         t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
 
@@ -634,7 +660,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    PRODUCER_REGS_: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr,
                    PAGE: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                    WGS: gl.constexpr = 2,
-                   DYNAMIC: gl.constexpr = False, COUNTER=None):
+                   DYNAMIC: gl.constexpr = False, COUNTER=None, EXP_EARLY: gl.constexpr = False):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # PAGED: batched queries over a paged KV cache (``attn_fwd_sm90_paged``): CU_K holds the key
     # counts, BT the page table [batch, bt_width] (row stride stride_btb), k_desc / v_desc view
@@ -681,21 +707,24 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
                                         tile_smem, tile_full, tile_empty,
-                                        0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
+                                        0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
+                                        EXP_EARLY)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
                                         tile_smem, tile_full, tile_empty,
-                                        1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
+                                        1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
+                                        EXP_EARLY)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
                                         tile_smem, tile_full, tile_empty,
-                                        2, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
+                                        2, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
+                                        EXP_EARLY)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
@@ -711,14 +740,16 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
                                         tile_smem, tile_full, tile_empty,
-                                        0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
+                                        0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
+                                        EXP_EARLY)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
                                         tile_smem, tile_full, tile_empty,
-                                        1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC)),
+                                        1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
+                                        EXP_EARLY)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
@@ -739,19 +770,19 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG)),
+                             PINGPONG, EXP_EARLY)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG)),
+                             PINGPONG, EXP_EARLY)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 2, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG)),
+                             PINGPONG, EXP_EARLY)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
@@ -765,13 +796,13 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG)),
+                             PINGPONG, EXP_EARLY)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG)),
+                             PINGPONG, EXP_EARLY)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
@@ -845,17 +876,20 @@ def _persistent(head_dim: int, varlen: bool) -> bool:
     return _schedule(head_dim, varlen) is not None
 
 
-def launch_form(head_dim: int, varlen: bool, causal: bool, max_seqlen_q: int) -> dict:
+def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> dict:
     """The forward's constexprs that depend on the problem's shape (``attn_fwd_sm90``, and the
     compile checks of ``inspect``): consumer warpgroups, keys per tile, ring stages, consumer
-    registers, pingpong, persistence and its scheduler."""
-    wide = _wide(head_dim, varlen, causal, max_seqlen_q)
+    registers, pingpong, persistence and its scheduler, the exponentials' place. mask: "none",
+    "causal" (a right window without a left one, as measured for causal masks) or "window"."""
+    if mask not in ("none", "causal", "window"):
+        raise ValueError(f"mask={mask!r}: expected 'none', 'causal' or 'window'")
+    wide = _wide(head_dim, varlen, mask, max_seqlen_q)
     wgs = _wgs(head_dim, varlen, wide=wide)
     block_n, stages, regs = _tile(head_dim, wgs, wide)
     schedule = _schedule(head_dim, varlen)
     return dict(WGS=wgs, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=regs,
                 PINGPONG=_pingpong(head_dim, wgs), PERSISTENT=schedule is not None,
-                DYNAMIC=schedule == "dynamic")
+                DYNAMIC=schedule == "dynamic", EXP_EARLY=_exp_early(head_dim, wide, mask))
 
 
 def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -863,8 +897,9 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """Launch the sm90 forward into ``out`` / ``lse`` (layouts as ``triton_fwd.attn_fwd``)."""
     d = p.head_dim
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
-    # (causal: a right window without a left one, as measured for causal masks)
-    form = launch_form(d, p.is_varlen, p.window_right >= 0 and p.window_left < 0, p.max_seqlen_q)
+    mask = ("none" if p.window_left < 0 and p.window_right < 0
+            else "causal" if p.window_left < 0 else "window")
+    form = launch_form(d, p.is_varlen, mask, p.max_seqlen_q)
     grid = (-(-p.max_seqlen_q // (form["WGS"] * HALF_M.value)), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
@@ -948,5 +983,6 @@ def attn_fwd_sm90_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         IS_VARLEN=False, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0,
         STAGES=_stages(d), CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS,
         BLOCK_N=block_n, PAGED=True, PAGE=page, PINGPONG=_pingpong(d, 2), PERSISTENT=False,
+        EXP_EARLY=_exp_early(d, False, "none" if window_left < 0 and window_right < 0 else "window"),
         num_warps=4,
     )

@@ -1,7 +1,7 @@
 """The sm90 paged decode kernel (``ioattn.decode.sm90_decode``, on by default on Hopper)
 behind ``BatchDecodeWithPagedKVCacheWrapper``: its coverage rules and cache row views (anywhere),
 and on Hopper its outputs against per-request references, split requests, empty requests, NaN in
-stale cache slots and CUDA-graph replay; fp8 caches on it (opt-in, IOATTN_SM90_DECODE_FP8=1).
+stale cache slots and CUDA-graph replay; fp8 caches on it (on by default; IOATTN_SM90_DECODE_FP8=0 turns them off).
 Windows, RoPE and softcap stay on the portable kernel."""
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ def test_coverage_rules(kw, match, monkeypatch):
         assert problem is not None and match in problem, problem
 
 
-def test_fp8_coverage_opt_in(monkeypatch):
-    """fp8 caches (e4m3 / e5m2) with fp16 / bf16 queries are covered once IOATTN_SM90_DECODE_FP8
+def test_fp8_coverage(monkeypatch):
+    """fp8 caches (e4m3 / e5m2) with fp16 / bf16 queries are covered while IOATTN_SM90_DECODE_FP8
     is on; an fp8 q or mixed k / v dtypes still are not."""
     monkeypatch.setattr(sm90_decode, "FP8", True)
     for dtype in (BF16, FP16):

@@ -165,19 +165,33 @@ def test_sm90_persistent_schedule_rule(monkeypatch):
     assert sm90_fwd._wgs(64, False) == 2 and sm90_fwd._wgs(64, True) == 3
     monkeypatch.setattr(sm90_fwd, "WG3_PERSISTENT", True)
     assert sm90_fwd._wgs(64, False) == 3 and sm90_fwd._wgs(128, False) == 2
-    # FA3's 192x128 tile: batched causal d=64 from 4k queries; the switch forces 64 / 128
+    # FA3's 192x128 tile: batched d=64 from 2k queries without a mask (with the exponentials
+    # early, or not at all) and from 4k causal; the switch forces 64 / 128
     monkeypatch.setattr(sm90_fwd, "WG3_PERSISTENT", False)
     monkeypatch.setattr(sm90_fwd, "WG3_BLOCK_N", "auto")
-    wide = sm90_fwd._wide
-    assert wide(64, False, True, 4096) and not wide(64, False, True, 2048)
-    assert not wide(64, False, False, 16384) and not wide(64, True, True, 16384)
-    assert not wide(128, False, True, 16384)
+    monkeypatch.setattr(sm90_fwd, "EXP_EARLY_MODE", "auto")
+    wide, early = sm90_fwd._wide, sm90_fwd._exp_early
+    assert wide(64, False, "causal", 4096) and not wide(64, False, "causal", 2048)
+    assert wide(64, False, "none", 2048) and not wide(64, False, "none", 1024)
+    assert not wide(64, False, "window", 16384) and not wide(64, True, "causal", 16384)
+    assert not wide(64, True, "none", 16384) and not wide(128, False, "causal", 16384)
+    assert early(64, True, "none") and not early(64, True, "causal")
+    assert not early(64, False, "none") and not early(128, False, "none")
+    form = sm90_fwd.launch_form(64, False, "none", 8192)
+    assert (form["WGS"], form["BLOCK_N"], form["EXP_EARLY"]) == (3, 128, True)
+    assert not sm90_fwd.launch_form(64, False, "causal", 8192)["EXP_EARLY"]
+    with pytest.raises(ValueError, match="mask"):
+        sm90_fwd.launch_form(64, False, "full", 8192)
     assert sm90_fwd._wgs(64, False, wide=True) == 3 and sm90_fwd._tile(64, 3, True)[0] == 128
     assert sm90_fwd._tile(64, 3)[0] == 64
+    monkeypatch.setattr(sm90_fwd, "EXP_EARLY_MODE", "0")  # then the 128x128 tile without a mask
+    assert not wide(64, False, "none", 16384) and not early(64, True, "none")
+    monkeypatch.setattr(sm90_fwd, "EXP_EARLY_MODE", "1")
+    assert early(128, False, "causal")
     monkeypatch.setattr(sm90_fwd, "WG3_BLOCK_N", "128")
-    assert wide(64, True, False, 100)
+    assert wide(64, True, "window", 100)
     monkeypatch.setattr(sm90_fwd, "WG3_BLOCK_N", "64")
-    assert not wide(64, False, True, 16384)
+    assert not wide(64, False, "causal", 16384)
     for mode, want in (("0", None), ("1", "static"), ("static", "static"), ("dynamic", "dynamic")):
         monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", mode)
         assert sm90_fwd._schedule(256, False) == want
@@ -498,8 +512,8 @@ def test_sm90_kernel_compiles_for_hopper():
     # causal fused backward with its steps in masked / unmasked loops (or in one), the dK/dV
     # kernels with LSE / delta held in registers (IOATTN_SM90_BWD_ROW_STATS=0), and the d=64
     # persistent forward on three warpgroups taking turns round robin, also on FA3's 192x128
-    # tile (opt-in)
-    assert len(reports) == 61, names
+    # tile (opt-in), and the d=64 causal forward as launched at 2k (two warpgroups)
+    assert len(reports) == 62, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
@@ -565,24 +579,26 @@ print(sass[i:j].count("MUFU.EX2"))
 
 
 @pytest.mark.parametrize("env,name,d,exps", [
-    ("IOATTN_SM90_FWD_EXP_EARLY", "sm90 fwd d64 full 128x128 ws", 64, 64),
+    ("", "sm90 fwd d64 full 192x128 ws", 64, 64),  # (the default: early on this tile)
     ("IOATTN_SM90_FWD_EXP_EARLY", "sm90 fwd d128 full 128x128 ws", 128, 64),
     ("IOATTN_SM90_FWD_EXP_EARLY", "sm90 fwd d64 full persistent 192x128 pingpong ws", 64, 64),
     ("IOATTN_SM90_BWD_EXP_EARLY", "sm90 bwd dkdv+dq alt d64 full 128 keys ws", 64, 32),
     ("IOATTN_SM90_BWD_EXP_EARLY", "sm90 bwd dkdv+dq lag d128 full 128 keys ws", 128, 32)],
-    ids=["fwd-d64", "fwd-d128", "fwd-d64-192x128", "bwd-d64", "bwd-d128"])
+    ids=["fwd-d64-192x128", "fwd-d128", "fwd-d64-192x128-pingpong", "bwd-d64", "bwd-d128"])
 def test_sm90_exp_early_schedule(env, name, d, exps):
-    """IOATTN_SM90_FWD_EXP_EARLY=1 / IOATTN_SM90_BWD_EXP_EARLY=1 keep a step's exponentials (a
-    thread's 64 of a forward 128-key block, in its masked or unmasked branch, also on the d=64
-    192x128 tile; 32 of a backward step's Pᵀ) before the wait for the GEMM they should overlap
-    (PV_{j-1}; dPᵀ) in the sm90 SASS; off, ptxas hoists that wait above most of them."""
+    """The d=64 192x128 tile without a mask by default, and the other forms with
+    IOATTN_SM90_FWD_EXP_EARLY=1 / IOATTN_SM90_BWD_EXP_EARLY=1, keep a step's exponentials (a
+    thread's 64 of a forward 128-key block, in its masked or unmasked branch; 32 of a backward
+    step's Pᵀ) before the wait for the GEMM they should overlap (PV_{j-1}; dPᵀ) in the sm90
+    SASS; off, ptxas hoists that wait above most of them."""
     import subprocess
     import sys
 
     # (the other switches at their defaults: the kernel names are the default launches')
     env_ = {k: v for k, v in os.environ.items()
             if k != "TRITON_INTERPRET" and not k.startswith("IOATTN_")}
-    env_[env] = "1"
+    if env:
+        env_[env] = "1"
     res = subprocess.run([sys.executable, "-c", _EXP_ORDER_SCRIPT, name, str(d)], env=env_,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
