@@ -92,8 +92,8 @@ if WG3_BLOCK_N not in ("auto", "64", "128"):
 # or fall in every form (converting early frees P's fp32 registers before the wait): the 192x128
 # tile 412 -> 124 B causal, 8 -> 0 non-causal; d=128 causal persistent 68 -> 0.
 # IOATTN_SM90_FWD_EXP_EARLY: "auto" (default) on the 192x128 tile without a mask only, where it
-# measured 1.12-1.17x the default form at d=64 from 4k on the H200 (511 / 504 / 510 TFLOP/s at 4k
-# / 8k / 16k against 436-448, results/sm90_fwd_exp_early{1_wide,1,0}_5952fd0_*.json): it is what
+# measured 1.16-1.18x the default form at d=64 from 4k on the H200 (511 / 504 / 510 TFLOP/s at 4k
+# / 8k / 16k against 435 / 436 / 438, results/sm90_fwd_exp_early{1_wide,0}_5952fd0_*.json): it is what
 # made that tile slow without a mask (0.76-0.80x before); on the tile's causal form it ran
 # 0.96-0.99x and on the other forms -8% to +8% by cell with no consistent sign, so they keep the
 # wait's own order; "1" / "0" force it on / off everywhere
