@@ -817,7 +817,7 @@ def _consumer_xtile(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_fu
             pt = t
         else:
             if pend > 0:
-                _flush_tile(p, acc, m_i, l_i, pt, it - 1, v_smem, v_full, v_empty, O, LSE, CU_Q,
+                acc = _flush_tile(p, acc, m_i, l_i, pt, it - 1, v_smem, v_full, v_empty, O, LSE, CU_Q,
                             CU_K, stride_om, stride_oh, stride_lb, stride_lh, n_heads, kv_group,
                             seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right, WG,
                             TILE_M, STAGES, HAS_LEFT, HAS_RIGHT, EXP_EARLY)
@@ -829,7 +829,7 @@ def _consumer_xtile(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_fu
         k += 1
         t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
     if pend > 0:
-        _flush_tile(p, acc, m_i, l_i, pt, it - 1, v_smem, v_full, v_empty, O, LSE, CU_Q, CU_K,
+        acc = _flush_tile(p, acc, m_i, l_i, pt, it - 1, v_smem, v_full, v_empty, O, LSE, CU_Q, CU_K,
                     stride_om, stride_oh, stride_lb, stride_lh, n_heads, kv_group,
                     seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right, WG, TILE_M,
                     STAGES, HAS_LEFT, HAS_RIGHT, EXP_EARLY)
@@ -842,7 +842,7 @@ def _flush_tile(p, acc, m_i, l_i, t, it, v_smem, v_full, v_empty, O, LSE, CU_Q, 
                 TILE_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                 HAS_RIGHT: gl.constexpr, EARLY: gl.constexpr):
     """(``_consumer_xtile``) Tile t's last PV on its own (ring position it), then its rows
-    normalized and stored."""
+    normalized and stored; returns the accumulator."""
     dtype: gl.constexpr = v_smem.dtype
     p_layout: gl.constexpr = wgmma_a_operand(acc.type.layout)
     st = it % STAGES
@@ -855,6 +855,7 @@ def _flush_tile(p, acc, m_i, l_i, t, it, v_smem, v_full, v_empty, O, LSE, CU_Q, 
     _store_tile(out, lse, t, O, LSE, CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh,
                 n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
                 window_right, WG, TILE_M, v_smem.shape[1], HAS_LEFT, HAS_RIGHT)
+    return acc
 
 
 @gluon.jit
