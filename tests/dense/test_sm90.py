@@ -135,8 +135,9 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     tile's Q loads); at d=64 also with three consumer warpgroups (IOATTN_SM90_WG3_PERSISTENT),
     and those taking turns round robin (IOATTN_SM90_PINGPONG=1: the turns run on across tiles);
     and the tiles as one pipeline (IOATTN_SM90_FWD_XTILE=1: Q in two buffers, each tile's last
-    PV after the next tile's first QKᵀ; also on the d=64 192x128 tile). Run twice: the counter
-    is zeroed per launch."""
+    PV after the next tile's first QKᵀ; also on the d=64 192x128 tile), on 3 CTAs so that each
+    runs many tiles (masked ones, and tiles with no key block after ones with work). Run twice:
+    the counter is zeroed per launch."""
     from ioattn.dense import sm90_fwd
 
     if mode.endswith("xtile") or mode.endswith("xtile-wide"):
@@ -146,6 +147,13 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
                 pytest.skip("the 192x128 tile runs at d=64 only")
             monkeypatch.setattr(sm90_fwd, "WG3_BLOCK_N", "128")
         mode = mode.split("-")[0]
+        monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", mode)
+        # (as the launcher reads the mask: a left window makes it a window)
+        mask = ("none" if c.window == (-1, -1) and not c.causal
+                else "causal" if c.window[0] < 0 else "window")
+        if not sm90_fwd.launch_form(c.d, False, mask, c.s_q)["XTILE"]:
+            pytest.skip("this form runs one tile at a time (d=256, or the 192x128 tile masked)")
+        monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: 3)
 
     if mode.startswith("dynamic-wg3"):
         if c.d != 64:
@@ -193,6 +201,9 @@ def test_sm90_persistent_schedule_rule(monkeypatch):
     assert sm90_fwd.launch_form(64, False, "none", 8192)["XTILE"]
     assert not sm90_fwd.launch_form(64, True, "none", 8192)["XTILE"]  # (varlen: one CTA a tile)
     assert sm90_fwd.launch_form(128, False, "causal", 8192)["STAGES"] == 2
+    assert not sm90_fwd.launch_form(256, False, "none", 8192)["XTILE"]  # (shared memory)
+    assert not sm90_fwd.launch_form(64, False, "causal", 8192)["XTILE"]  # (192x128: spills)
+    assert sm90_fwd.launch_form(64, False, "causal", 2048)["XTILE"]  # (two warpgroups)
     monkeypatch.setattr(sm90_fwd, "XTILE", False)
     assert not sm90_fwd.launch_form(64, False, "causal", 8192)["EXP_EARLY"]
     with pytest.raises(ValueError, match="mask"):
@@ -528,8 +539,8 @@ def test_sm90_kernel_compiles_for_hopper():
     # kernels with LSE / delta held in registers (IOATTN_SM90_BWD_ROW_STATS=0), and the d=64
     # persistent forward on three warpgroups taking turns round robin, also on FA3's 192x128
     # tile (opt-in), the d=64 causal forward as launched at 2k (two warpgroups), and the
-    # persistent tiles as one pipeline (opt-in, d=64 full, d=128 full and causal)
-    assert len(reports) == 65, names
+    # persistent tiles as one pipeline (opt-in: d=64 full and causal at 2k, d=128 full and causal)
+    assert len(reports) == 66, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
