@@ -104,6 +104,12 @@ def _sass_counts(cubin: bytes) -> dict:
     """Counts of the Hopper SASS opcodes in SASS_OPS, through the cuobjdump Triton's wheel carries:
     HGMMA (async warpgroup MMA), UTMALDG/UTMASTG (TMA), USETMAXREG (register reallocation), SYNCS
     (mbarrier ops)."""
+    # (addresses grow past four hex digits in kernels over 64 KB of code)
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", _sass_text(cubin))
+    return {op: ops.count(op) for op in SASS_OPS}
+
+
+def _sass_text(cubin: bytes) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
@@ -112,9 +118,7 @@ def _sass_counts(cubin: bytes) -> dict:
         res = subprocess.run([tool, "-sass", path], capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"{tool} failed ({res.returncode}): {res.stderr[-2000:]}")
-    # (addresses grow past four hex digits in kernels over 64 KB of code)
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", res.stdout)
-    return {op: ops.count(op) for op in SASS_OPS}
+    return res.stdout
 
 
 def compile_report(name: str, fn, constexprs: dict, num_warps: int, num_stages: int,
@@ -218,6 +222,21 @@ def _gluon_signature(fn, dtype: str, desc_rows: dict, d: int) -> dict:
 
 def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16") -> list[KernelReport]:
     """The sm90 Gluon kernels (sm90_fwd.py, sm90_bwd.py) compiled as their launchers configure them."""
+    return [gluon_report(*job, arch) for job in gluon_jobs(head_dims, dtype)]
+
+
+def gluon_sass(name: str, head_dim: int, arch: int = 90, dtype: str = "bf16") -> str:
+    """The SASS of one kernel of ``gluon_reports`` (by its report name), as cuobjdump prints it."""
+    jobs = [job for job in gluon_jobs((head_dim,), dtype) if job[0] == name]
+    if len(jobs) != 1:
+        raise ValueError(f"{name!r}: {len(jobs)} kernels of that name at d={head_dim}")
+    _, fn, sig, ce = jobs[0]
+    return _sass_text(_gluon_compile(fn, sig, ce, arch, {}).asm["cubin"])
+
+
+def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
+    """(name, kernel, signature, constexprs) of each sm90 Gluon kernel form ``gluon_reports``
+    compiles."""
     from ioattn.dense import sm90_bwd, sm90_fwd
 
     regs = dict(CONSUMER_REGS_=sm90_fwd.CONSUMER_REGS, PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS)
@@ -324,23 +343,27 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16")
                           STAGES=sm90_fwd._stages(d), BLOCK_N=bn, PAGED=True, PAGE=16,
                           PINGPONG=sm90_fwd._pingpong(d, 2), PERSISTENT=False, WGS=2,
                           EXP_EARLY=sm90_fwd._exp_early(d, False, "causal"))))
-    return [gluon_report(name, fn, _gluon_signature(fn, dtype, desc_rows, d), ce, arch)
+    return [(name, fn, _gluon_signature(fn, dtype, desc_rows, d), ce)
             for name, fn, desc_rows, d, ce in jobs]
 
 
-def gluon_report(name: str, fn, sig: dict, constexprs: dict, arch: int = 90,
-                 **options) -> KernelReport:
-    """Compile one Gluon kernel for sm_{arch} (signature and constexprs as ``triton.compile``
-    takes them, with the launcher's divisibility hints) and report what it compiled to."""
+def _gluon_compile(fn, sig: dict, constexprs: dict, arch: int, options: dict):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     # every constexpr parameter explicitly, defaults included: Triton 3.6's compile cache keys on
     # the constexpr values without their names, so {A: True} and {B: True} would share a kernel
     constexprs = {**{prm.name: prm.default for prm in fn.params
                      if sig.get(prm.name) == "constexpr" and prm.has_default}, **constexprs}
-    k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=constexprs,
-                                      attrs=_launch_attrs(fn, sig)),
-                       target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4, **options))
+    return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=constexprs,
+                                         attrs=_launch_attrs(fn, sig)),
+                          target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4, **options))
+
+
+def gluon_report(name: str, fn, sig: dict, constexprs: dict, arch: int = 90,
+                 **options) -> KernelReport:
+    """Compile one Gluon kernel for sm_{arch} (signature and constexprs as ``triton.compile``
+    takes them, with the launcher's divisibility hints) and report what it compiled to."""
+    k = _gluon_compile(fn, sig, constexprs, arch, options)
     ptx = k.asm["ptx"]
     regs_used, st, ld = _ptxas_usage(ptx, arch)
     return KernelReport(

@@ -572,35 +572,11 @@ def test_sm90_kernel_compiles_for_hopper():
 
 
 _EXP_ORDER_SCRIPT = r'''
-import os, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
+import sys
 from ioattn.dense import inspect as ins
 
-# compile one kernel of the sm90 compile report as its launcher configures it, by name
-want, d = sys.argv[1], int(sys.argv[2])
-cubins = []
-
-
-def capture(name, fn, sig, ce, arch=90, **options):
-    if name == want:
-        ce = {**{p.name: p.default for p in fn.params
-                 if sig.get(p.name) == "constexpr" and p.has_default}, **ce}
-        k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=ce,
-                                          attrs=ins._launch_attrs(fn, sig)),
-                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-        cubins.append(k.asm["cubin"])
-
-
-ins.gluon_report = capture
-ins.gluon_reports(head_dims=(d,))
-assert len(cubins) == 1, want
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-with tempfile.TemporaryDirectory() as tmp:
-    path = os.path.join(tmp, "k.cubin")
-    open(path, "wb").write(cubins[0])
-    sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+# one kernel of the sm90 compile report, as its launcher configures it, by name
+sass = ins.gluon_sass(sys.argv[1], int(sys.argv[2]))
 # the steady state: from the first wait that leaves one wgmma group (PV_{j-1}; dPᵀ) in flight to
 # the wait for it
 i = sass.index("WARPGROUP.DEPBAR.LE gsb0, 0x1")
