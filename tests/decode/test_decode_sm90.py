@@ -170,6 +170,18 @@ def _stale_paged(c, dtype):
     return lens, indptr, indices, last, cache
 
 
+def _check_requests(out, lse, q, cache, layout, lens, indices, indptr, **kw):
+    """Each request's output and base-2 LSE against the reference over its gathered pages (kw:
+    the attention's arguments); empty requests give out 0 and LSE -inf."""
+    for b, n in enumerate(lens):
+        k, v = _gather(cache, layout, indices, indptr, b, n)
+        lse_ref = _check_request(f"out[{b}]", out[b:b + 1], q[b:b + 1], k, v, **kw)
+        if n == 0:
+            assert (out[b] == 0).all() and (lse[b] == float("-inf")).all()
+        else:
+            torch.testing.assert_close(lse[b], lse_ref[:, 0] / math.log(2), atol=1e-3, rtol=1e-3)
+
+
 @needs_sm90
 @pytest.mark.parametrize("merge", [False, True], ids=["combine", "merge-in-kernel"])
 @pytest.mark.parametrize("c", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
@@ -188,13 +200,7 @@ def test_sm90_decode(c, merge, monkeypatch):
     q = torch.randn(c["batch"], c["h"], c["d"], device="cuda", dtype=dtype)
     out, lse = wrapper.run(q, cache, return_lse=True)
     assert calls, "the sm90 decode kernel did not run"
-    for b, n in enumerate(lens):
-        k, v = _gather(cache, c["layout"], indices, indptr, b, n)
-        lse_ref = _check_request(f"out[{b}]", out[b:b + 1], q[b:b + 1], k, v)
-        if n == 0:
-            assert (out[b] == 0).all() and (lse[b] == float("-inf")).all()
-        else:
-            torch.testing.assert_close(lse[b], lse_ref[:, 0] / math.log(2), atol=1e-3, rtol=1e-3)
+    _check_requests(out, lse, q, cache, c["layout"], lens, indices, indptr)
 
 
 FP8_CASES = [dict(CASES[0], big_q=True), CASES[1], CASES[2], CASES[4], CASES[6], CASES[7]]
@@ -229,13 +235,7 @@ def test_sm90_decode_fp8(c, fp8, merge, monkeypatch):
         q = q * 2.0 ** 15
     out, lse = wrapper.run(q, cache8, k_scale=k_scale, v_scale=v_scale, return_lse=True)
     assert calls, "the sm90 decode kernel did not run"
-    for b, n in enumerate(lens):
-        k, v = _gather(deq, c["layout"], indices, indptr, b, n)
-        lse_ref = _check_request(f"out[{b}]", out[b:b + 1], q[b:b + 1], k, v, softmax_scale=scale)
-        if n == 0:
-            assert (out[b] == 0).all() and (lse[b] == float("-inf")).all()
-        else:
-            torch.testing.assert_close(lse[b], lse_ref[:, 0] / math.log(2), atol=1e-3, rtol=1e-3)
+    _check_requests(out, lse, q, deq, c["layout"], lens, indices, indptr, softmax_scale=scale)
 
 
 @needs_sm90
