@@ -34,9 +34,9 @@ for step in $steps; do
              --impls ioattn,ioattn_sm90,ioattn_triton,sdpa_cudnn,flex --no-plots \
              --out "$OUT/sm90_bwd_quick_nvidia-h200_$(date +%F).json" > "$OUT/sm90_bwd_quick.log" 2>&1
            grep -E "^bwd|geomean" "$OUT/sm90_bwd_quick.log" ;;
-    decode) timeout 300 python -m ioattn bench --suite decode \
+    decode) timeout 420 python -m ioattn bench --suite decode \
              --out "$OUT/decode_nvidia-h200_$(date +%F).json" > "$OUT/decode.log" 2>&1
-           grep -vE "^/" "$OUT/decode.log" | tail -50 ;;
+           grep -vE "^/" "$OUT/decode.log" | tail -70 ;;
     sm90-bwd-fused) # the fused backward (dQ writer warp): its tests, then fused / two-kernel timed
            IOATTN_SM90_FUSED_BWD=1 timeout 120 python -m pytest -q -n 8 -p no:cacheprovider \
              tests/dense/test_sm90.py > "$OUT/tests_fused_bwd.log" 2>&1; tail -1 "$OUT/tests_fused_bwd.log"
