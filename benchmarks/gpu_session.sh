@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-xtile]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-xtile] [sm90-decode-balanced]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -292,6 +292,16 @@ for step in $steps; do
              --impls ioattn_sm90,sdpa_cudnn --no-plots --out "$OUT/sm90_fwd_xtile$v.json" \
              > "/tmp/xtile_$v.log" 2>&1
              echo "== xtile=$v"; grep -E "^fwd" "/tmp/xtile_$v.log"; done ;;
+    sm90-decode-balanced) # FlashInfer's balanced split on the sm90 decode kernel (opt-in,
+           # IOATTN_SM90_DECODE_BALANCED): its tests, then the decode cells on / off (120 + 2 x 200 s)
+           IOATTN_SM90_DECODE_BALANCED=1 timeout 120 python -m pytest -q -n 8 -p no:cacheprovider \
+             tests/decode/test_decode_sm90.py tests/paged/test_flashinfer.py -k "balanced or sm90_decode" \
+             > "$OUT/tests_decode_balanced.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_decode_balanced.log"; tail -1 "$OUT/tests_decode_balanced.log"
+           for v in 1 0; do IOATTN_SM90_DECODE_BALANCED=$v timeout 200 python -m ioattn bench --suite decode \
+             --cells 64x4096x16,16x8192x16,1x32768x16,128x2048x16 --prefill-cells "" \
+             --out "$OUT/decode_balanced$v.json" > "/tmp/decode_bal_$v.log" 2>&1
+             echo "== balanced=$v"; grep -E "ioattn_paged |ioattn_paged_graph|cudnn" "/tmp/decode_bal_$v.log"; done ;;
     profile-fwd64) # ncu sections (pipes, warp stalls) of the d=64 non-causal 8k forward: two
            # warpgroups (default), the 192x128 tile (0.78x of it non-causal, 1.1x causal), and
            # both with the exponentials early

@@ -144,6 +144,8 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_DECODE", "1", "planned paged decode on the sm90 Gluon kernel"),
     ("IOATTN_SM90_DECODE_FP8", "1", "sm90 decode: fp8 caches too (their tiles converted to fp16 "
      "in shared memory; 0: the portable kernel takes them)"),
+    ("IOATTN_SM90_DECODE_BALANCED", "0", "planned decode: FlashInfer's balanced split (equal runs "
+     "of key tiles, one sm90 CTA per run and KV head looping over its pieces)"),
     ("IOATTN_SM90_DECODE_MIN_BYTES", str(200 << 20), "planned eager decode: K+V bytes below "
      "which a plan keeps the portable kernel (its launch was cheaper on the host)"),
     ("IOATTN_SM90_DECODE_MERGE", "1", "sm90 decode: split requests merged in the kernel by "

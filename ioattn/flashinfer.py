@@ -35,7 +35,7 @@ from ioattn.decode.merge import merge_state, merge_state_in_place, merge_states 
 from ioattn.decode import triton_decode
 from ioattn.decode.triton_decode import kvcache_attn, paged_attn, paged_tiles
 from ioattn.launch import launcher
-from ioattn.paged.plan import kv_lengths, max_work_items, split_work
+from ioattn.paged.plan import kv_lengths, max_work_items, split_work, split_work_balanced
 
 _LAYOUTS = ("NHD", "HND")
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, torch.float16: torch.float16,
@@ -406,8 +406,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
         lengths = kv_lengths(ip, lp, page_size)
         sms = sm_count(self._device)
         max_items = max_work_items(batch, num_kv_heads, sms)
-        plan = split_work(lengths, num_kv_heads, sms,
-                          fixed_chunk=max(lengths + [1]) if disable_split_kv else fixed_split_size)
+        # (opt-in, ``triton_decode.SM90_DECODE_BALANCED``) FlashInfer's balanced split, unless
+        # the caller fixes the split
+        balanced = (triton_decode.SM90_DECODE_BALANCED and not disable_split_kv
+                    and fixed_split_size is None)
+        if self._use_cuda_graph and getattr(self, "_balanced", balanced) != balanced:
+            _fail("use_cuda_graph=True fixes the split mode at the first plan (fixed_split_size "
+                  "/ disable_split_kv given or not)")
+        plan = split_work_balanced(lengths, num_kv_heads, sms) if balanced else split_work(
+            lengths, num_kv_heads, sms,
+            fixed_chunk=max(lengths + [1]) if disable_split_kv else fixed_split_size)
         if len(plan.work) > max_items:
             if self._use_cuda_graph:
                 _fail(f"fixed_split_size={fixed_split_size} gives {len(plan.work)} work items, more "
@@ -421,6 +429,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._seqlens_indptr = torch.zeros(3 * batch + 2, dtype=torch.int32, device=dev)
             self._slot_start = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
             self._max_items = max_items
+        cols = getattr(self, "_columns", None)
+        if balanced and (cols is None or cols.numel() != len(plan.columns)):
+            # (the column count depends on the SMs and KV heads only: graphs replay later plans)
+            if self._use_cuda_graph and cols is not None:
+                _fail(f"use_cuda_graph=True fixes the KV head count at the first plan; got "
+                      f"{num_kv_heads}")
+            self._columns = torch.zeros(len(plan.columns), dtype=torch.int32, device=self._device)
         if getattr(self, "_counts", None) is None or self._counts.numel() < batch * num_kv_heads:
             # the sm90 decode's in-kernel merge tickets (zero between launches)
             if self._use_cuda_graph and getattr(self, "_counts", None) is not None:
@@ -445,6 +460,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._seqlens_indptr.copy_(torch.tensor(lengths + ip + list(range(batch + 1)), dtype=torch.int32),
                                    non_blocking=non_blocking)
         self._slot_start.copy_(torch.tensor(plan.slot_start, dtype=torch.int32), non_blocking=non_blocking)
+        self._balanced = balanced
+        if balanced:
+            self._columns.copy_(torch.tensor(plan.columns, dtype=torch.int32),
+                                non_blocking=non_blocking)
         # no request split: run() skips the merge launch, unless a captured graph must keep it
         # for later plans
         self._merge = self._use_cuda_graph or plan.slot_start[-1] > 0
@@ -484,7 +503,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                    -(-(c["h"] // c["h_k"]) // block_m), block_m,
                    self._o_part, self._lse_part, scale, wl, -1, c["softcap"], out,
                    lse if lse is not None else self._lse_keep, lse_base2=True, rope=c["rope"],
-                   decode=True, small=self._small, counts=self._counts)
+                   decode=True, small=self._small, counts=self._counts,
+                   columns=self._columns if self._balanced else None)
         if v_scale is not None:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out

@@ -67,16 +67,18 @@ PRODUCER_REGS = 24
 @gluon.jit
 def _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, bt_row,
                      n_pages_b, start, n_tiles, n_keys, row_off, page_rows, col,
-                     PAGE: gl.constexpr, STAGES_: gl.constexpr, CONVERT: gl.constexpr):
-    """TMA loads of the item's key tiles [start + j * BLOCK_N, ...) into the ring: per tile one
-    copy per page run (``PAGE`` keys, or the whole tile when pages are larger), at row page *
-    page_rows + row_off (the head's, HND) + key % PAGE of the views. Page-table entries past the request's
-    pages read as page 0 (those keys are masked; their V rows zeroed)."""
+                     PAGE: gl.constexpr, STAGES_: gl.constexpr, CONVERT: gl.constexpr, it0=0,
+                     SELF_ZERO: gl.constexpr = False):
+    """TMA loads of the item's key tiles [start + j * BLOCK_N, ...) into the ring from ring
+    position it0: per tile one copy per page run (``PAGE`` keys, or the whole tile when pages
+    are larger), at row page * page_rows + row_off (the head's, HND) + key % PAGE of the views.
+    Page-table entries past the request's pages read as page 0 (those keys are masked; their V
+    rows zeroed, here or, SELF_ZERO or CONVERT, by the consumer)."""
     BLOCK_N_: gl.constexpr = k_smem.shape[1]
     BOX: gl.constexpr = k_desc.block_type.shape[0]
     for j in range(n_tiles):
-        st = j % STAGES_
-        mbarrier.wait(empty.index(st), ((j // STAGES_) & 1) ^ 1)
+        st = (it0 + j) % STAGES_
+        mbarrier.wait(empty.index(st), (((it0 + j) // STAGES_) & 1) ^ 1)
         mbarrier.expect(full.index(st), 2 * (BLOCK_N_ // BOX) * k_desc.block_type.nbytes)
         for i in gl.static_range(BLOCK_N_ // BOX):
             key = start + j * BLOCK_N_ + i * BOX
@@ -89,8 +91,8 @@ def _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDIC
                                             v_smem.index(st).slice(i * BOX, BOX, dim=0))
     # the last tile's slots past the request's keys: zero their V rows before P·V reads them
     # (CONVERT: the consumer zeroes them as it converts the tile)
-    if not CONVERT:
-        zero_last_key_tile(full, v_fixed, v_smem, v_smem, n_tiles, n_keys, STAGES_, False)
+    if not CONVERT and not SELF_ZERO:
+        zero_last_key_tile(full, v_fixed, v_smem, v_smem, n_tiles, n_keys, STAGES_, False, it0)
 
 
 @gluon.jit
@@ -115,7 +117,9 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_sme
                      start, lo, hi, n_tiles, qk_scale_log2, COUNT, SLOT_START, off_b,
                      HEAD_D: gl.constexpr, STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr,
                      MERGE: gl.constexpr, GROUP_P2: gl.constexpr, MERGE_SLOTS: gl.constexpr,
-                     CONVERT: gl.constexpr):
+                     CONVERT: gl.constexpr, it0=0, SELF_ZERO: gl.constexpr = False):
+    """One item for one KV head, its key tiles from ring position it0; SELF_ZERO: the last
+    tile's V rows past the request's keys zeroed here (else the producer zeroes them)."""
     BLOCK_N_: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N_)
@@ -150,8 +154,8 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_sme
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=o_layout)
     s_zero = gl.zeros([ROWS, BLOCK_N_], gl.float32, layout=s_layout)
     for j in range(n_tiles):
-        st = j % STAGES_
-        mbarrier.wait(full.index(st), (j // STAGES_) & 1)
+        st = (it0 + j) % STAGES_
+        mbarrier.wait(full.index(st), ((it0 + j) // STAGES_) & 1)
         key0 = start + j * BLOCK_N_
         if CONVERT:
             # an fp8 cache: the stage's K and V converted to fp16 in the operand buffers (exact:
@@ -182,8 +186,13 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_sme
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         if not CONVERT:
             if j == n_tiles - 1:
-                if key0 + BLOCK_N_ > hi:  # the producer zeroes V rows past the request's keys
-                    mbarrier.wait(v_fixed, 0)
+                if key0 + BLOCK_N_ > hi:  # V rows past the request's keys: zeroed
+                    if SELF_ZERO:  # (in place, by the warpgroup, before its wgmma reads them)
+                        _convert_tile(v_smem.index(st), v_smem.index(st), hi - key0)
+                        fence_async_shared()
+                        gl.thread_barrier()
+                    else:  # (by the producer)
+                        mbarrier.wait(v_fixed, 0)
         acc_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_op, acc,
                                 is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc_tok])
@@ -280,24 +289,9 @@ def _merge_parts(O, LSE, O_PART, LSE_PART, slot0, n_parts, q_row, h0, group, n_h
 
 
 @gluon.jit
-def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK, N_WORK,
-                 COUNTS, SLOT_START,
-                 stride_qs, stride_qh, stride_os, stride_oh, batch, n_heads, group, capacity,
-                 page_rows, head_rows, head_cols, qk_scale_log2,
-                 PAGE: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N_: gl.constexpr,
-                 STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
-                 MERGE: gl.constexpr = False, GROUP_P2: gl.constexpr = 1,
-                 MERGE_SLOTS: gl.constexpr = 1, CONVERT: gl.constexpr = False):
-    # MERGE: split requests are merged in the kernel by their last item (COUNTS [batch * KV
-    # heads] int32 tickets, zero between launches; SLOT_START [batch + 1] the partial slots),
-    # GROUP_P2 / MERGE_SLOTS the merge's tile (``_merge_parts``)
-    # work item w = (request, row block, first key, end key, partial slot or -1) of the plan
-    # (``ioattn.paged.plan``); SEQ holds the kv lengths [batch], kv indptr [batch + 1] and qo
-    # indptr [batch + 1]; the grid is (items a plan may produce, KV heads)
-    w = gl.program_id(0)
-    off_hk = gl.program_id(1)
-    if w >= gl.load(N_WORK):
-        return
+def _item(WORK, SEQ, w, batch, capacity, BLOCK_N_: gl.constexpr):
+    """Work item w of the plan: (request, partial slot, first key, end key, first tile's key,
+    key tiles, the request's page-table row and pages, its query row)."""
     off_b = gl.load(WORK + 5 * w)
     w_lo = gl.load(WORK + 5 * w + 2)
     w_hi = gl.load(WORK + 5 * w + 3)
@@ -312,6 +306,75 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
     # the request's own earlier keys (written, finite), masked
     start = lo - lo % BLOCK_N_
     n_tiles = gl.cdiv(gl.maximum(hi - start, 0), BLOCK_N_)
+    return off_b, part, lo, hi, start, n_tiles, bt_row, n_pages_b, q_row
+
+
+@gluon.jit
+def _decode_consumer_items(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
+                           full, empty, v_fixed, WORK, SEQ, p0, p1, batch, capacity, stride_qs,
+                           stride_qh, stride_os, stride_oh, h0, group, n_heads, qk_scale_log2,
+                           COUNTS, SLOT_START, off_hk, HEAD_D: gl.constexpr,
+                           STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr, MERGE: gl.constexpr,
+                           GROUP_P2: gl.constexpr, MERGE_SLOTS: gl.constexpr,
+                           CONVERT: gl.constexpr):
+    """(BALANCED) The consumer over items p0 .. p1 - 1, the ring running on from one to the
+    next; it zeroes V's rows past each request's keys itself (a producer ahead by two items
+    would otherwise complete ``v_fixed``'s phases faster than they are waited for)."""
+    BLOCK_N_: gl.constexpr = k_smem.shape[1]
+    it = p0 * 0  # key tiles consumed so far (ring position)
+    for w in range(p0, p1):
+        off_b, part, lo, hi, start, n_tiles, bt_row, n_pages_b, q_row = _item(
+            WORK, SEQ, w, batch, capacity, BLOCK_N_)
+        gl.thread_barrier()  # the last item's wgmmas have read Q before it is replaced
+        _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
+                         full, empty, v_fixed, q_row, stride_qs, stride_qh, stride_os, stride_oh,
+                         h0, group, n_heads, part, start, lo, hi, n_tiles, qk_scale_log2,
+                         COUNTS + off_b * gl.num_programs(1) + off_hk, SLOT_START, off_b,
+                         HEAD_D, STAGES_, LSE_BASE2, MERGE, GROUP_P2, MERGE_SLOTS, CONVERT, it,
+                         True)
+        it += n_tiles
+
+
+@gluon.jit
+def _decode_producer_items(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, WORK,
+                           SEQ, p0, p1, batch, capacity, row_off, page_rows, col,
+                           PAGE: gl.constexpr, STAGES_: gl.constexpr, CONVERT: gl.constexpr):
+    """(BALANCED) The producer over items p0 .. p1 - 1, the ring running on."""
+    BLOCK_N_: gl.constexpr = k_smem.shape[1]
+    it = p0 * 0
+    for w in range(p0, p1):
+        off_b, part, lo, hi, start, n_tiles, bt_row, n_pages_b, q_row = _item(
+            WORK, SEQ, w, batch, capacity, BLOCK_N_)
+        _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, bt_row,
+                         n_pages_b, start, n_tiles, hi - start, row_off, page_rows, col, PAGE,
+                         STAGES_, CONVERT, it, True)
+        it += n_tiles
+
+
+@gluon.jit
+def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK, N_WORK,
+                 COUNTS, SLOT_START,
+                 stride_qs, stride_qh, stride_os, stride_oh, batch, n_heads, group, capacity,
+                 page_rows, head_rows, head_cols, qk_scale_log2,
+                 PAGE: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N_: gl.constexpr,
+                 STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
+                 MERGE: gl.constexpr = False, GROUP_P2: gl.constexpr = 1,
+                 MERGE_SLOTS: gl.constexpr = 1, CONVERT: gl.constexpr = False,
+                 BALANCED: gl.constexpr = False, COLS=None):
+    # MERGE: split requests are merged in the kernel by their last item (COUNTS [batch * KV
+    # heads] int32 tickets, zero between launches; SLOT_START [batch + 1] the partial slots),
+    # GROUP_P2 / MERGE_SLOTS the merge's tile (``_merge_parts``)
+    # work item w = (request, row block, first key, end key, partial slot or -1) of the plan
+    # (``ioattn.paged.plan``); SEQ holds the kv lengths [batch], kv indptr [batch + 1] and qo
+    # indptr [batch + 1]; the grid is (items a plan may produce, KV heads), or (BALANCED) the
+    # plan's columns x KV heads, column c's items being WORK rows COLS[c] .. COLS[c + 1] - 1
+    w = gl.program_id(0)
+    off_hk = gl.program_id(1)
+    if not BALANCED:
+        if w >= gl.load(N_WORK):
+            return
+        off_b, part, lo, hi, start, n_tiles, bt_row, n_pages_b, q_row = _item(
+            WORK, SEQ, w, batch, capacity, BLOCK_N_)
 
     # CONVERT: an fp8 cache (the ring holds fp8 tiles): the wgmma operands are fp16 (e4m3 / e5m2
     # -> fp16 is one conversion per pair of values, -> bf16 two more per value; q is staged in
@@ -334,18 +397,35 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
     fence_async_shared()
 
     h0 = off_hk * group
-    gl.warp_specialize([
-        (_decode_consumer, (Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem,
-                            vc_smem, full, empty,
-                            v_fixed.index(0), q_row, stride_qs, stride_qh, stride_os, stride_oh,
-                            h0, group, n_heads, part, start, lo, hi, n_tiles, qk_scale_log2,
-                            COUNTS + off_b * gl.num_programs(1) + off_hk, SLOT_START, off_b,
-                            HEAD_D, STAGES_, LSE_BASE2, MERGE, GROUP_P2, MERGE_SLOTS, CONVERT)),
-        (_decode_producer, (k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed.index(0),
-                            INDICES, bt_row, n_pages_b, start, n_tiles, hi - start,
-                            off_hk.to(gl.int64) * head_rows, page_rows, off_hk * head_cols, PAGE,
-                            STAGES_, CONVERT)),
-    ], [1], [PRODUCER_REGS_])
+    if BALANCED:
+        p0 = gl.load(COLS + w)
+        p1 = gl.load(COLS + w + 1)
+        gl.warp_specialize([
+            (_decode_consumer_items, (Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem,
+                                      kc_smem, vc_smem, full, empty, v_fixed.index(0), WORK, SEQ,
+                                      p0, p1, batch, capacity, stride_qs, stride_qh, stride_os,
+                                      stride_oh, h0, group, n_heads, qk_scale_log2, COUNTS,
+                                      SLOT_START, off_hk, HEAD_D, STAGES_, LSE_BASE2, MERGE,
+                                      GROUP_P2, MERGE_SLOTS, CONVERT)),
+            (_decode_producer_items, (k_desc, v_desc, k_smem, v_smem, full, empty,
+                                      v_fixed.index(0), INDICES, WORK, SEQ, p0, p1, batch,
+                                      capacity, off_hk.to(gl.int64) * head_rows, page_rows,
+                                      off_hk * head_cols, PAGE, STAGES_, CONVERT)),
+        ], [1], [PRODUCER_REGS_])
+    else:
+        gl.warp_specialize([
+            (_decode_consumer, (Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem,
+                                vc_smem, full, empty,
+                                v_fixed.index(0), q_row, stride_qs, stride_qh, stride_os,
+                                stride_oh, h0, group, n_heads, part, start, lo, hi, n_tiles,
+                                qk_scale_log2, COUNTS + off_b * gl.num_programs(1) + off_hk,
+                                SLOT_START, off_b, HEAD_D, STAGES_, LSE_BASE2, MERGE, GROUP_P2,
+                                MERGE_SLOTS, CONVERT)),
+            (_decode_producer, (k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed.index(0),
+                                INDICES, bt_row, n_pages_b, start, n_tiles, hi - start,
+                                off_hk.to(gl.int64) * head_rows, page_rows, off_hk * head_cols,
+                                PAGE, STAGES_, CONVERT)),
+        ], [1], [PRODUCER_REGS_])
 
     invalidate(full, STAGES_)
     invalidate(empty, STAGES_)
@@ -420,26 +500,31 @@ def _descriptor(t: torch.Tensor, view: tuple, box: int) -> Desc:
                 shared_layout(box, t.shape[-1], t.dtype))
 
 
-def launch_constexprs(d: int, page: int, group: int, fp8: bool, merge: bool) -> dict:
+def launch_constexprs(d: int, page: int, group: int, fp8: bool, merge: bool,
+                      balanced: bool = False) -> dict:
     """The kernel's constexprs for a cache of head dim d and pages of ``page`` keys, a GQA group
-    of ``group`` query heads, an fp8 cache or not, the merge in the kernel or not (the launch
-    and the compile checks of ``ioattn.dense.inspect``); LSE_BASE2 is the caller's."""
+    of ``group`` query heads, an fp8 cache or not, the merge in the kernel or not, a balanced
+    plan's columns or one item a CTA (the launch and the compile checks of
+    ``ioattn.dense.inspect``); LSE_BASE2 is the caller's."""
     group_p2 = 1 << (group - 1).bit_length()
     return dict(PAGE=page, HEAD_D=d, BLOCK_N_=BLOCK_N, STAGES_=STAGES_FP8 if fp8 else STAGES,
                 PRODUCER_REGS_=PRODUCER_REGS, MERGE=merge, GROUP_P2=group_p2,
-                MERGE_SLOTS=max(1, min(32, 8192 // (group_p2 * d))), CONVERT=fp8)
+                MERGE_SLOTS=max(1, min(32, 8192 // (group_p2 * d))), CONVERT=fp8,
+                BALANCED=balanced)
 
 
 def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
                       seqlens_indptr: torch.Tensor, work: torch.Tensor, n_work: torch.Tensor,
                       max_items: int, o_part: torch.Tensor, lse_part: torch.Tensor,
                       softmax_scale: float, out: torch.Tensor, lse: torch.Tensor,
-                      lse_base2: bool, merge: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-                      ) -> None:
+                      lse_base2: bool, merge: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                      columns: Optional[torch.Tensor] = None) -> None:
     """The planned decode's attention launch (``triton_decode.paged_attn``'s arguments) on the
     sm90 kernel. Split requests' partials are merged by the caller, or, with merge=(counts
     [batch * KV heads] int32 zeros, slot_start [batch + 1]), by the kernel itself (the last
-    item of each request; counts return to zero). Covered calls: ``unsupported_reason``."""
+    item of each request; counts return to zero). columns [C + 1] (a balanced plan,
+    ``ioattn.paged.plan.split_work_balanced``): one CTA per column and KV head, looping over the
+    column's items. Covered calls: ``unsupported_reason``."""
     total_q, h, d = q.shape
     h_k, page = k.shape[2], k.shape[1]
     batch = (seqlens_indptr.shape[0] - 2) // 3
@@ -455,11 +540,13 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     group = h // h_k
     fp8 = k.dtype != q.dtype  # (an fp8 cache: ``coverage_problem``)
     counts, slot_start = merge if merge is not None else (n_work, n_work)
-    launcher(_decode_sm90)[(max_items, h_k)](
+    grid = (max_items if columns is None else columns.numel() - 1, h_k)
+    launcher(_decode_sm90)[grid](
         k_desc, v_desc, q, out, lse, o_part, lse_part, seqlens_indptr, indices, work, n_work,
         counts, slot_start,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), batch, h, group,
         indices.shape[0] * page, page_rows, head_rows, head_cols, softmax_scale * LOG2E,
-        LSE_BASE2=lse_base2, **launch_constexprs(d, page, group, fp8, merge is not None),
-        num_warps=4, maxnreg=MAXNREG,
+        LSE_BASE2=lse_base2,
+        **launch_constexprs(d, page, group, fp8, merge is not None, columns is not None),
+        COLS=columns, num_warps=4, maxnreg=MAXNREG,
     )

@@ -670,7 +670,8 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
                rope: Optional[tuple[float, float]] = None,
                mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                decode: bool = False, small: bool = False,
-               counts: Optional[torch.Tensor] = None) -> None:
+               counts: Optional[torch.Tensor] = None,
+               columns: Optional[torch.Tensor] = None) -> None:
     """Planned attention (plan()/run()) of ragged q [total_q, h, d] over pages [pages, page_size,
     h_k, d] (strided views serve NHD and HND) through the CSR page table ``indices``.
     ``seqlens_indptr`` holds the per-request kv lengths, kv indptr and qo indptr ([batch],
@@ -682,7 +683,9 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
     [batch + 1]) is FlashInfer's packed custom mask (True = attend). Launches a fixed grid, so CUDA graphs replay it under new plans; allocates
     nothing. decode: one query row per request (the decode wrapper); on Hopper such calls run
     the sm90 decode kernel where it covers them
-    (``ioattn.decode.sm90_decode``)."""
+    (``ioattn.decode.sm90_decode``); columns [C + 1] (a balanced plan, ``split_work_balanced``)
+    makes it run one CTA per column and KV head over the column's items (the portable kernel
+    runs the items one a program either way)."""
     total_q, h, d = q.shape
     b = slot_start.shape[0] - 1 if slot_start is not None else (seqlens_indptr.shape[0] - 2) // 3
     h_k = k_pages.shape[2]
@@ -699,7 +702,7 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
         merge = (counts, slot_start) if SM90_DECODE_MERGE and counts is not None \
             and slot_start is not None else None
         paged_decode_sm90(q, k_pages, v_pages, indices, seqlens_indptr, work, n_work, max_items,
-                          o_part, lse_part, softmax_scale, out, lse, lse_base2, merge)
+                          o_part, lse_part, softmax_scale, out, lse, lse_base2, merge, columns)
         if merge is not None:
             return
     else:
@@ -744,6 +747,12 @@ SM90_DECODE = os.environ.get("IOATTN_SM90_DECODE", "1").lower() not in ("0", "fa
 # 3.64 at 16 x 8k, 4.17 vs 4.12 at 64 x 4k; results/decode_merge{1,0}_*.json);
 # IOATTN_SM90_DECODE_MERGE=0 turns it off
 SM90_DECODE_MERGE = os.environ.get("IOATTN_SM90_DECODE_MERGE", "1").lower() not in ("0", "false", "off")
+# FlashInfer's balanced split for planned decode (``ioattn.paged.plan.split_work_balanced``): the
+# key tiles cut into equal runs, one sm90 CTA per run and KV head, all resident at once, each
+# looping over its run's pieces. Today's split gives 64 x 4k 512 equal CTAs on 264 slots (1.94
+# waves: the second leaves 16 slots idle) and 16 x 8k 384 (1.45 waves, 0.90x cuDNN);
+# IOATTN_SM90_DECODE_BALANCED=1 turns it on (opt-in until measured on the H200)
+SM90_DECODE_BALANCED = os.environ.get("IOATTN_SM90_DECODE_BALANCED", "0").lower() in ("1", "true", "on")
 
 
 # K+V bytes of a plan below which eager decode calls (wrappers without use_cuda_graph) keep the

@@ -375,9 +375,10 @@ def gluon_report(name: str, fn, sig: dict, constexprs: dict, arch: int = 90,
 
 def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
                         arch: int = 90, merge: bool = False, group: int = 4,
-                        kv_dtype: str | None = None) -> KernelReport:
+                        kv_dtype: str | None = None, balanced: bool = False) -> KernelReport:
     """The sm90 paged decode kernel (``ioattn.decode.sm90_decode``) as its launcher specializes it
-    (kv_dtype "fp8e4nv" / "fp8e5": an fp8 cache, converted in shared memory)."""
+    (kv_dtype "fp8e4nv" / "fp8e5": an fp8 cache, converted in shared memory; balanced: a
+    balanced plan's columns, each CTA looping over its items)."""
     from ioattn.decode import sm90_decode as sd
 
     fn = sd._decode_sm90
@@ -391,14 +392,17 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
     desc = f"tensordesc<{kv}[{box}, {d}],{lay}>"
     ptrs = dict(Q=f"*{dtype}", O=f"*{dtype}", LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32",
                 SEQ="*i32", INDICES="*i32", WORK="*i32", N_WORK="*i32", COUNTS="*i32",
-                SLOT_START="*i32")
+                SLOT_START="*i32", **(dict(COLS="*i32") if balanced else {}))
     sig = {n: desc if n.endswith("_desc") else ptrs.get(n, "constexpr" if n.isupper() or
                                                         n.endswith("_") else "i32")
            for n in fn.arg_names}
     sig["qk_scale_log2"] = "fp32"
-    ce = dict(LSE_BASE2=True, **sd.launch_constexprs(d, page, group, fp8, merge))
+    ce = dict(LSE_BASE2=True, **sd.launch_constexprs(d, page, group, fp8, merge, balanced))
+    if not balanced:
+        ce["COLS"] = None
     return gluon_report(f"sm90 paged decode d{d} page{page}{' merge' if merge else ''}"
-                        f"{' ' + kv if fp8 else ''} ws", fn, sig, ce, arch, maxnreg=sd.MAXNREG)
+                        f"{' ' + kv if fp8 else ''}{' balanced' if balanced else ''} ws", fn, sig,
+                        ce, arch, maxnreg=sd.MAXNREG)
 
 
 def main(argv=None) -> int:

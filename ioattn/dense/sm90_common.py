@@ -143,19 +143,21 @@ def zero_tail_rows(tile, first):
 
 @gluon.jit
 def zero_last_key_tile(full, fixed, a_smem, b_smem, n_tiles, n_keys, STAGES: gl.constexpr,
-                       BOTH: gl.constexpr):
+                       BOTH: gl.constexpr, it0=0):
     """Producer side of ``zero_tail_rows`` for a stream of key tiles whose last one may run past
-    the last packed sequence (n_keys keys from the stream's first): once that tile has landed
-    (``full``), zero its rows past the end in a_smem (and b_smem when BOTH), then arrive on
-    ``fixed``, which the consumers wait for before reading the last tile."""
+    the last packed sequence (n_keys keys from the stream's first, its tiles from ring position
+    it0): once that tile has landed (``full``), zero its rows past the end in a_smem (and b_smem
+    when BOTH), then arrive on ``fixed``, which the consumers wait for before reading the last
+    tile."""
     BLOCK_N: gl.constexpr = a_smem.shape[1]
     last = n_tiles - 1
     first = n_keys - last * BLOCK_N
     if (n_tiles > 0) & (first < BLOCK_N):
-        mbarrier.wait(full.index(last % STAGES), (last // STAGES) & 1)
-        zero_tail_rows(a_smem.index(last % STAGES), first)
+        st = (it0 + last) % STAGES
+        mbarrier.wait(full.index(st), ((it0 + last) // STAGES) & 1)
+        zero_tail_rows(a_smem.index(st), first)
         if BOTH:
-            zero_tail_rows(b_smem.index(last % STAGES), first)
+            zero_tail_rows(b_smem.index(st), first)
         fence_async_shared()
         mbarrier.arrive(fixed, count=1)
 

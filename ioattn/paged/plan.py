@@ -28,6 +28,13 @@ class DecodePlan:
     work: list[tuple[int, int, int, int, int]]  # (request, row block, first key, end key, slot or -1)
     slot_start: list[int]  # [batch + 1]: request b's partial slots are [slot_start[b], [b + 1])
     chunk: int
+    # (``split_work_balanced``) [columns + 1]: column c's items are work[columns[c]:columns[c + 1]]
+    columns: list[int] | None = None
+
+
+def balanced_columns(n_heads_k: int, sms: int) -> int:
+    """Columns of ``split_work_balanced``: one CTA per column and KV head, two per SM."""
+    return max(1, 2 * sms // max(n_heads_k, 1))
 
 
 def split_work(lengths: list[int], n_heads_k: int, sms: int, min_chunk: int = 256,
@@ -54,3 +61,52 @@ def split_work(lengths: list[int], n_heads_k: int, sms: int, min_chunk: int = 25
     return DecodePlan(work, slot_start, chunk)
 
 
+
+
+def split_work_balanced(lengths: list[int], n_heads_k: int, sms: int, block: int = 64) -> DecodePlan:
+    """FlashInfer's balanced split: the requests' key tiles (``block`` keys) laid end to end and
+    cut into ``balanced_columns`` runs of equal tiles, so that the sm90 decode kernel's CTAs (one
+    per column and KV head, all resident at once) each read the same bytes, looping over their
+    column's pieces; a request cut into several pieces writes partials merged afterwards, as
+    ``split_work``'s split requests do. Every KV head splits the same way. The pieces are work
+    items in ``split_work``'s format (the portable kernel runs them one per program); at most
+    columns + batch of them (each cut adds one piece)."""
+    cols = balanced_columns(n_heads_k, sms)
+    tiles = [-(-n // block) for n in lengths]
+    total = sum(tiles)
+    # column c covers tiles [c * total // cols, (c + 1) * total // cols) of the whole run
+    bounds = [c * total // cols for c in range(cols + 1)]
+    pieces = []  # (request, first key, end key, column)
+    col, pos = 0, 0  # pos: tiles of the whole run before this request's next piece
+    for b, n in enumerate(lengths):
+        if n == 0:  # (an item all the same: it writes out 0 and LSE -inf)
+            pieces.append((b, 0, 0, col))
+            continue
+        t0 = 0
+        while t0 < tiles[b]:
+            while bounds[col + 1] <= pos:  # (columns of no tiles stay empty)
+                col += 1
+            take = min(tiles[b] - t0, bounds[col + 1] - pos)
+            pieces.append((b, t0 * block, min((t0 + take) * block, n), col))
+            t0 += take
+            pos += take
+    counts = [0] * len(lengths)
+    for b, *_ in pieces:
+        counts[b] += 1
+    work, slot = [], 0
+    slot_start = [0] * (len(lengths) + 1)
+    for b, lo, hi, _ in pieces:
+        if counts[b] > 1:
+            work.append((b, 0, lo, hi, slot))
+            slot += 1
+        else:
+            work.append((b, 0, lo, hi, -1))
+        slot_start[b + 1] = slot
+    for b in range(len(lengths)):  # (requests of one piece: an empty slot range)
+        slot_start[b + 1] = max(slot_start[b + 1], slot_start[b])
+    columns = [0] * (cols + 1)
+    for i, (*_, c) in enumerate(pieces):
+        columns[c + 1] = i + 1
+    for c in range(cols):
+        columns[c + 1] = max(columns[c + 1], columns[c])
+    return DecodePlan(work, slot_start, -(-total // cols) * block, columns)

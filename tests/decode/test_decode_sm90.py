@@ -21,11 +21,13 @@ needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200) 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _sm90_decode_on(monkeypatch, merge=False):
+def _sm90_decode_on(monkeypatch, merge=False, balanced=False):
     """The planned decode forced onto the sm90 kernel, small plans too (merge: split requests
-    merged inside it); returns the list each of its launches appends to."""
+    merged inside it; balanced: FlashInfer's balanced split, each CTA looping over its column's
+    items); returns the list each of its launches appends to."""
     monkeypatch.setattr(triton_decode, "SM90_DECODE", True)
     monkeypatch.setattr(triton_decode, "SM90_DECODE_MERGE", merge)
+    monkeypatch.setattr(triton_decode, "SM90_DECODE_BALANCED", balanced)
     monkeypatch.setattr(triton_decode, "SM90_DECODE_MIN_BYTES", 0)
     calls = []
     orig = sm90_decode.paged_decode_sm90
@@ -183,13 +185,17 @@ def _check_requests(out, lse, q, cache, layout, lens, indices, indptr, **kw):
 
 
 @needs_sm90
-@pytest.mark.parametrize("merge", [False, True], ids=["combine", "merge-in-kernel"])
+@pytest.mark.parametrize("merge", [False, True, "balanced"],
+                         ids=["combine", "merge-in-kernel", "balanced"])
 @pytest.mark.parametrize("c", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_sm90_decode(c, merge, monkeypatch):
     """Outputs and base-2 LSE against per-request references; slots past each request's last key
     hold NaN (stale cache entries) and must not reach the outputs. merge: split requests merged
-    by their last item inside the kernel (IOATTN_SM90_DECODE_MERGE) instead of the combine."""
-    calls = _sm90_decode_on(monkeypatch, merge)
+    by their last item inside the kernel (IOATTN_SM90_DECODE_MERGE) instead of the combine;
+    balanced: the balanced split (IOATTN_SM90_DECODE_BALANCED, merged in the kernel), each CTA
+    looping over its column's items (explicit splits keep the plain split)."""
+    balanced = merge == "balanced"
+    calls = _sm90_decode_on(monkeypatch, bool(merge), balanced)
     c = dict(c)
     dtype = c.pop("dtype", BF16)
     lens, indptr, indices, last, cache = _stale_paged(c, dtype)
@@ -207,7 +213,8 @@ FP8_CASES = [dict(CASES[0], big_q=True), CASES[1], CASES[2], CASES[4], CASES[6],
 
 
 @needs_sm90
-@pytest.mark.parametrize("merge", [False, True], ids=["combine", "merge-in-kernel"])
+@pytest.mark.parametrize("merge", [False, True, "balanced"],
+                         ids=["combine", "merge-in-kernel", "balanced"])
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("c", FP8_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_sm90_decode_fp8(c, fp8, merge, monkeypatch):
@@ -216,7 +223,7 @@ def test_sm90_decode_fp8(c, fp8, merge, monkeypatch):
     cache; NaN in stale slots of each request's last page must not reach the outputs. big_q: bf16
     queries past fp16's range (the kernel scales them by a power of two)."""
     monkeypatch.setattr(sm90_decode, "FP8", True)
-    calls = _sm90_decode_on(monkeypatch, merge)
+    calls = _sm90_decode_on(monkeypatch, bool(merge), merge == "balanced")
     c = dict(c)
     dtype = c.pop("dtype", BF16)
     big_q = c.pop("big_q", False)
@@ -239,12 +246,13 @@ def test_sm90_decode_fp8(c, fp8, merge, monkeypatch):
 
 
 @needs_sm90
-@pytest.mark.parametrize("merge", [False, True], ids=["combine", "merge-in-kernel"])
+@pytest.mark.parametrize("merge", [False, True, "balanced"],
+                         ids=["combine", "merge-in-kernel", "balanced"])
 def test_sm90_decode_graph_capture_short_replay_long(merge, monkeypatch):
     """run() through the sm90 decode kernel captured at short lengths, replayed after a plan with
     long ones (split requests): the fixed grid covers any plan; with the in-kernel merge, the
-    tickets return to zero between replays."""
-    _sm90_decode_on(monkeypatch, merge)
+    tickets return to zero between replays (balanced: the columns' items replanned too)."""
+    _sm90_decode_on(monkeypatch, bool(merge), merge == "balanced")
     g = torch.Generator().manual_seed(5)
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
         torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,

@@ -49,12 +49,14 @@ for name, kv, d, paged in [("gather kv paged", "*bf16", 128, True),
                            HAS_CACHE_IDX=not paged, HAS_LEFTPAD=True), 8, num_stages=1)
     out.append(r.__dict__)
 from ioattn.dense.inspect import decode_gluon_report
-for d, page, merge, kv in ((128, 16, False, None), (64, 8, False, None), (128, 128, False, None),
-                           (128, 16, True, None), (64, 16, True, None),
-                           (128, 16, False, "fp8e4nv"), (64, 8, False, "fp8e5"),
-                           (128, 128, True, "fp8e4nv")):  # the sm90 decode kernel (Gluon, TMA
-    # per page run; merge: split requests merged in the kernel; kv: an fp8 cache, converted)
-    r = decode_gluon_report(d, page, merge=merge, kv_dtype=kv)
+for d, page, merge, kv, bal in ((128, 16, False, None, False), (64, 8, False, None, False),
+                                (128, 128, False, None, False), (128, 16, True, None, False),
+                                (64, 16, True, None, False), (128, 16, False, "fp8e4nv", False),
+                                (64, 8, False, "fp8e5", False), (128, 128, True, "fp8e4nv", False),
+                                (128, 16, True, None, True), (64, 8, True, "fp8e4nv", True)):
+    # the sm90 decode kernel (Gluon, TMA per page run; merge: split requests merged in the
+    # kernel; kv: an fp8 cache, converted; bal: a balanced plan's columns, looped over)
+    r = decode_gluon_report(d, page, merge=merge, kv_dtype=kv, balanced=bal)
     assert r.tma and r.warp_specialized and r.registers <= 128, r  # two CTAs per SM
     out.append(r.__dict__)
 print(json.dumps(out))

@@ -105,6 +105,52 @@ def test_batch_decode(c, device):
             torch.testing.assert_close(lse[b], lse_ref[:, 0] / math.log(2), atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("c", [CASES[0], CASES[1], CASES[2], CASES[5]],
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_batch_decode_balanced(c, device, monkeypatch):
+    """The balanced split (IOATTN_SM90_DECODE_BALANCED): the same outputs as the reference, on
+    whichever kernel runs the plan (its pieces are work items; on Hopper the sm90 kernel loops
+    over each column's). Few SMs, so that requests are cut into many pieces."""
+    from ioattn.decode import triton_decode
+
+    monkeypatch.setattr(triton_decode, "SM90_DECODE_BALANCED", True)
+    monkeypatch.setattr(fi, "sm_count", lambda device: 3)
+    test_batch_decode(c, device)
+
+
+def test_balanced_plan():
+    """split_work_balanced: each request's keys covered once, in order, cut on 64-key tiles;
+    columns of equal tiles (within one); split requests' slots consecutive; at most
+    columns + batch items, inside the bound the wrapper's buffers are sized by."""
+    from ioattn.paged.plan import balanced_columns, max_work_items, split_work_balanced
+
+    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+    cases = [[4096] * 64, [8192] * 16, [32768], [0, 5, 700, 0, 64, 129], [1] * 300, [0, 0],
+             torch.randint(0, 5000, (37,), generator=g).tolist()]
+    for lengths in cases:
+        for h_k, sms in ((8, 132), (2, 132), (1, 3), (4, 1)):
+            plan = split_work_balanced(lengths, h_k, sms)
+            cols = balanced_columns(h_k, sms)
+            assert len(plan.columns) == cols + 1 and plan.columns[0] == 0
+            assert plan.columns[-1] == len(plan.work) <= max_work_items(len(lengths), h_k, sms)
+            assert all(a <= b for a, b in zip(plan.columns, plan.columns[1:]))
+            keys = {b: 0 for b in range(len(lengths))}
+            for b, row, lo, hi, slot in plan.work:
+                assert row == 0 and lo == keys[b] and lo % 64 == 0 and hi <= max(lengths[b], 0)
+                keys[b] = hi
+            assert all(keys[b] == n for b, n in enumerate(lengths))
+            tiles = [sum(-(-(hi - lo) // 64) for _, _, lo, hi, _ in plan.work[a:e])
+                     for a, e in zip(plan.columns, plan.columns[1:])]
+            assert max(tiles) - min(tiles) <= 1, tiles
+            for b in range(len(lengths)):
+                items = [w for w in plan.work if w[0] == b]
+                slots = [w[4] for w in items]
+                if len(items) == 1:
+                    assert slots == [-1] and plan.slot_start[b] == plan.slot_start[b + 1]
+                else:
+                    assert slots == list(range(plan.slot_start[b], plan.slot_start[b + 1]))
+
+
 def test_plan_reuse_with_new_lengths(device):
     """run() after a second plan with other lengths (what a CUDA graph replay does) is right, and
     the buffers it launches on keep their addresses."""
