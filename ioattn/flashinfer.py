@@ -403,6 +403,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._use_cuda_graph and self._batch is not None and batch != self._batch:
             _fail(f"use_cuda_graph=True fixes the batch size at the first plan ({self._batch}); "
                   f"got {batch}")
+        kv_heads0 = getattr(self, "_plan_kv_heads", None)
+        if self._use_cuda_graph and kv_heads0 is not None and num_kv_heads != kv_heads0:
+            # (checked before any buffer is replaced: a captured graph keeps reading them)
+            _fail(f"use_cuda_graph=True fixes the KV head count at the first plan ({kv_heads0}); "
+                  f"got {num_kv_heads}")
         lengths = kv_lengths(ip, lp, page_size)
         sms = sm_count(self._device)
         max_items = max_work_items(batch, num_kv_heads, sms)
@@ -411,6 +416,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         balanced = (triton_decode.SM90_DECODE_BALANCED and not disable_split_kv
                     and fixed_split_size is None)
         if self._use_cuda_graph and getattr(self, "_balanced", balanced) != balanced:
+            # (before any buffer is replaced)
             _fail("use_cuda_graph=True fixes the split mode at the first plan (fixed_split_size "
                   "/ disable_split_kv given or not)")
         plan = split_work_balanced(lengths, num_kv_heads, sms) if balanced else split_work(
@@ -431,10 +437,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._max_items = max_items
         cols = getattr(self, "_columns", None)
         if balanced and (cols is None or cols.numel() != len(plan.columns)):
-            # (the column count depends on the SMs and KV heads only: graphs replay later plans)
-            if self._use_cuda_graph and cols is not None:
-                _fail(f"use_cuda_graph=True fixes the KV head count at the first plan; got "
-                      f"{num_kv_heads}")
+            # (the column count depends on the SMs and KV heads only, fixed under graphs)
             self._columns = torch.zeros(len(plan.columns), dtype=torch.int32, device=self._device)
         if getattr(self, "_counts", None) is None or self._counts.numel() < batch * num_kv_heads:
             # the sm90 decode's in-kernel merge tickets (zero between launches)
@@ -460,7 +463,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._seqlens_indptr.copy_(torch.tensor(lengths + ip + list(range(batch + 1)), dtype=torch.int32),
                                    non_blocking=non_blocking)
         self._slot_start.copy_(torch.tensor(plan.slot_start, dtype=torch.int32), non_blocking=non_blocking)
-        self._balanced = balanced
         if balanced:
             self._columns.copy_(torch.tensor(plan.columns, dtype=torch.int32),
                                 non_blocking=non_blocking)
@@ -485,6 +487,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                          scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
                          dtype=dt, kv_dtype=kv_dt, rope=rope,
                          block_m=paged_tiles(num_qo_heads // num_kv_heads, head_dim)[0])
+        self._balanced = balanced
+        self._plan_kv_heads = num_kv_heads
         self._planned = True
 
     def run(self, q: Tensor, paged_kv_cache, *args, q_scale: Optional[float] = None,

@@ -19,7 +19,8 @@ The cache is read through 2-D TMA views whose rows are key slots: NHD pages [pag
 H_kv, D] (a row holds every head; the head is a column offset) or HND [pages, H_kv, page_size, D]
 (a row holds one head; the head is a row offset), interleaved K/V pages or separate pools.
 Slots past a request's last key are masked; the producer zeroes them in the last V tile (stale
-cache slots may hold NaN, and a masked P of 0 times NaN is NaN).
+cache slots may hold NaN, and a masked P of 0 times NaN is NaN), or, in the balanced form (one
+CTA looping over several items, ``BALANCED``), the consumer does.
 
 fp8 caches (CONVERT, opt-in ``FP8``): the ring holds the fp8 tiles; the consumer converts each
 stage to fp16 operand tiles in shared memory (zeroing V's slots past the request's keys there

@@ -29,10 +29,12 @@ def _sm90_decode_on(monkeypatch, merge=False, balanced=False):
     monkeypatch.setattr(triton_decode, "SM90_DECODE_MERGE", merge)
     monkeypatch.setattr(triton_decode, "SM90_DECODE_BALANCED", balanced)
     monkeypatch.setattr(triton_decode, "SM90_DECODE_MIN_BYTES", 0)
-    calls = []
+    if balanced:  # (few SMs: the columns hold several items, requests cut many times)
+        monkeypatch.setattr(fi, "sm_count", lambda device: 4)
+    calls = []  # per launch: whether it ran the balanced form (the columns, argument 15)
     orig = sm90_decode.paged_decode_sm90
     monkeypatch.setattr(sm90_decode, "paged_decode_sm90",
-                        lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+                        lambda *a, **kw: calls.append(a[15] is not None) or orig(*a, **kw))
     return calls
 
 
@@ -206,6 +208,7 @@ def test_sm90_decode(c, merge, monkeypatch):
     q = torch.randn(c["batch"], c["h"], c["d"], device="cuda", dtype=dtype)
     out, lse = wrapper.run(q, cache, return_lse=True)
     assert calls, "the sm90 decode kernel did not run"
+    assert all(calls) == (balanced and "split" not in c), calls  # (explicit splits stay plain)
     _check_requests(out, lse, q, cache, c["layout"], lens, indices, indptr)
 
 
@@ -242,6 +245,7 @@ def test_sm90_decode_fp8(c, fp8, merge, monkeypatch):
         q = q * 2.0 ** 15
     out, lse = wrapper.run(q, cache8, k_scale=k_scale, v_scale=v_scale, return_lse=True)
     assert calls, "the sm90 decode kernel did not run"
+    assert all(calls) == (merge == "balanced" and "split" not in c), calls
     _check_requests(out, lse, q, deq, c["layout"], lens, indices, indptr, softmax_scale=scale)
 
 

@@ -109,11 +109,13 @@ def test_batch_decode(c, device):
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_batch_decode_balanced(c, device, monkeypatch):
     """The balanced split (IOATTN_SM90_DECODE_BALANCED): the same outputs as the reference, on
-    whichever kernel runs the plan (its pieces are work items; on Hopper the sm90 kernel loops
-    over each column's). Few SMs, so that requests are cut into many pieces."""
+    whichever kernel runs the plan (its pieces are work items; on Hopper the sm90 kernel, small
+    plans too, loops over each column's where it covers the call). Few SMs, so that requests
+    are cut into many pieces."""
     from ioattn.decode import triton_decode
 
     monkeypatch.setattr(triton_decode, "SM90_DECODE_BALANCED", True)
+    monkeypatch.setattr(triton_decode, "SM90_DECODE_MIN_BYTES", 0)
     monkeypatch.setattr(fi, "sm_count", lambda device: 3)
     test_batch_decode(c, device)
 
@@ -149,6 +151,31 @@ def test_balanced_plan():
                     assert slots == [-1] and plan.slot_start[b] == plan.slot_start[b + 1]
                 else:
                     assert slots == list(range(plan.slot_start[b], plan.slot_start[b + 1]))
+
+
+def test_graph_wrapper_plan_fixes_its_launch(device, monkeypatch):
+    """A use_cuda_graph wrapper refuses, before replacing any buffer a captured graph reads, a
+    later plan with another batch size, KV head count or split mode (balanced or fixed)."""
+    from ioattn.decode import triton_decode
+
+    monkeypatch.setattr(triton_decode, "SM90_DECODE_BALANCED", True)
+    g = torch.Generator().manual_seed(2)
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(8 << 20, dtype=torch.uint8, device=device), use_cuda_graph=True,
+        paged_kv_indices_buffer=torch.empty(1000, dtype=torch.int32, device=device))
+    lens, indptr, indices, last, cache = _paged(3, 2, 64, 4, BF16, device, max_len=50, g=g)
+    wrapper.plan(indptr, indices.to(device), last, 4, 2, 64, 4, q_data_type=BF16)
+    bufs = (wrapper._work, wrapper._slot_start, wrapper._columns, wrapper._counts)
+    for kw, match in ((dict(num_kv_heads=1, num_qo_heads=4), "KV head count"),
+                      (dict(fixed_split_size=16), "split mode")):
+        args = dict(num_qo_heads=4, num_kv_heads=2)
+        args.update(kw)
+        with pytest.raises(ValueError, match=match):
+            wrapper.plan(indptr, indices.to(device), last, args["num_qo_heads"],
+                         args["num_kv_heads"], 64, 4, q_data_type=BF16,
+                         fixed_split_size=args.get("fixed_split_size"))
+        assert all(a is b for a, b in zip(bufs, (wrapper._work, wrapper._slot_start,
+                                                 wrapper._columns, wrapper._counts)))
 
 
 def test_plan_reuse_with_new_lengths(device):
