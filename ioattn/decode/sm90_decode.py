@@ -112,6 +112,23 @@ def _convert_tile(src, dst, n_valid):
 
 
 @gluon.jit
+def _zero_rows_from(tile, first):
+    """Rows [first, ROWS) of a [ROWS, d] shared-memory tile zeroed by one warpgroup, in slices
+    of 8 rows (16 at d=64), 8 values a thread: only the slices that hold such rows are read."""
+    ROWS_: gl.constexpr = tile.shape[0]
+    COLS: gl.constexpr = tile.shape[1]
+    WARPS_C: gl.constexpr = 4 if COLS >= 128 else COLS // 32
+    H: gl.constexpr = 8 * (4 // WARPS_C)
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4 // WARPS_C, WARPS_C], [1, 0])
+    r = gl.arange(0, H, layout=gl.SliceLayout(1, layout))
+    for c in gl.static_range(ROWS_ // H):
+        if c * H + H > first:
+            piece = tile.slice(c * H, H, dim=0)
+            x = piece.load(layout)
+            piece.store(gl.where((c * H + r >= first)[:, None], gl.zeros_like(x), x))
+
+
+@gluon.jit
 def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
                      full, empty, v_fixed,
                      q_row, stride_qs, stride_qh, stride_os, stride_oh, h0, group, n_heads, part,
@@ -189,7 +206,7 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_sme
             if j == n_tiles - 1:
                 if key0 + BLOCK_N_ > hi:  # V rows past the request's keys: zeroed
                     if SELF_ZERO:  # (in place, by the warpgroup, before its wgmma reads them)
-                        _convert_tile(v_smem.index(st), v_smem.index(st), hi - key0)
+                        _zero_rows_from(v_smem.index(st), hi - key0)
                         fence_async_shared()
                         gl.thread_barrier()
                     else:  # (by the producer)
