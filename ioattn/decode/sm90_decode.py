@@ -39,7 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ioattn.dense.common import LOG2E
 from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, invalidate, shared_layout,
-                                      wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile)
+                                      wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile,
+                                      zero_tail_rows)
 from ioattn.launch import Desc, launcher
 
 ROWS = gl.constexpr(64)  # wgmma's M: the GQA group's query heads, zero-padded
@@ -93,7 +94,7 @@ def _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDIC
     # the last tile's slots past the request's keys: zero their V rows before P·V reads them
     # (CONVERT: the consumer zeroes them as it converts the tile)
     if not CONVERT and not SELF_ZERO:
-        zero_last_key_tile(full, v_fixed, v_smem, v_smem, n_tiles, n_keys, STAGES_, False, it0)
+        zero_last_key_tile(full, v_fixed, v_smem, v_smem, n_tiles, n_keys, STAGES_, False)
 
 
 @gluon.jit
@@ -109,23 +110,6 @@ def _convert_tile(src, dst, n_valid):
         rows = gl.arange(0, ROWS_, layout=gl.SliceLayout(1, layout))
         x = gl.where((rows < n_valid)[:, None], x, gl.zeros_like(x))
     dst.store(x)
-
-
-@gluon.jit
-def _zero_rows_from(tile, first):
-    """Rows [first, ROWS) of a [ROWS, d] shared-memory tile zeroed by one warpgroup, in slices
-    of 8 rows (16 at d=64), 8 values a thread: only the slices that hold such rows are read."""
-    ROWS_: gl.constexpr = tile.shape[0]
-    COLS: gl.constexpr = tile.shape[1]
-    WARPS_C: gl.constexpr = 4 if COLS >= 128 else COLS // 32
-    H: gl.constexpr = 8 * (4 // WARPS_C)
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4 // WARPS_C, WARPS_C], [1, 0])
-    r = gl.arange(0, H, layout=gl.SliceLayout(1, layout))
-    for c in gl.static_range(ROWS_ // H):
-        if c * H + H > first:
-            piece = tile.slice(c * H, H, dim=0)
-            x = piece.load(layout)
-            piece.store(gl.where((c * H + r >= first)[:, None], gl.zeros_like(x), x))
 
 
 @gluon.jit
@@ -206,7 +190,7 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_sme
             if j == n_tiles - 1:
                 if key0 + BLOCK_N_ > hi:  # V rows past the request's keys: zeroed
                     if SELF_ZERO:  # (in place, by the warpgroup, before its wgmma reads them)
-                        _zero_rows_from(v_smem.index(st), hi - key0)
+                        zero_tail_rows(v_smem.index(st), hi - key0)
                         fence_async_shared()
                         gl.thread_barrier()
                     else:  # (by the producer)

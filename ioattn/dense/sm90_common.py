@@ -123,41 +123,42 @@ def query_tile_at(tile_m, pid_bh, CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed,
 @gluon.jit
 def zero_tail_rows(tile, first):
     """Zero rows [first, ROWS) of a [ROWS, COLS] tile in shared memory, in 8-row slices (the
-    swizzle atom), from one warp: a TMA tile that crosses the end of the last packed sequence reads
+    swizzle atom; 4 rows a warp, so 16-row slices from a warpgroup), from the calling partition's
+    warps (a producer's one, or a consumer warpgroup): a TMA tile that crosses the end of the last packed sequence reads
     rows that belong to no sequence (a varlen tensor may be longer than cu_seqlens[-1], and such
     rows may hold NaN / Inf: torch.empty). Their scores are masked, but 0 * NaN in P·V, dS·K or
     dSᵀ·Q would still reach real outputs; zeroed rows contribute exactly 0. The caller waits for
     the TMA load first and fences (``fence_async_shared``) before wgmma reads the tile."""
     ROWS: gl.constexpr = tile.shape[0]
     COLS: gl.constexpr = tile.shape[1]
-    # [8, 64] pieces: 16 values per thread, within the producer's small register budget
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
-    r = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
-    for c in gl.static_range(ROWS // 8):
-        if c * 8 + 8 > first:
+    WARPS: gl.constexpr = gl.num_warps()
+    H: gl.constexpr = 8 if WARPS == 1 else 4 * WARPS  # rows a slice
+    # [H, 64] pieces: 8-16 values per thread, within the producer's small register budget
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    r = gl.arange(0, H, layout=gl.SliceLayout(1, layout))
+    for c in gl.static_range(ROWS // H):
+        if c * H + H > first:
             for k in gl.static_range(COLS // 64):
-                piece = tile.slice(c * 8, 8, dim=0).slice(k * 64, 64, dim=1)
+                piece = tile.slice(c * H, H, dim=0).slice(k * 64, 64, dim=1)
                 x = piece.load(layout)
-                piece.store(gl.where((c * 8 + r >= first)[:, None], gl.zeros_like(x), x))
+                piece.store(gl.where((c * H + r >= first)[:, None], gl.zeros_like(x), x))
 
 
 @gluon.jit
 def zero_last_key_tile(full, fixed, a_smem, b_smem, n_tiles, n_keys, STAGES: gl.constexpr,
-                       BOTH: gl.constexpr, it0=0):
+                       BOTH: gl.constexpr):
     """Producer side of ``zero_tail_rows`` for a stream of key tiles whose last one may run past
-    the last packed sequence (n_keys keys from the stream's first, its tiles from ring position
-    it0): once that tile has landed (``full``), zero its rows past the end in a_smem (and b_smem
-    when BOTH), then arrive on ``fixed``, which the consumers wait for before reading the last
-    tile."""
+    the last packed sequence (n_keys keys from the stream's first): once that tile has landed
+    (``full``), zero its rows past the end in a_smem (and b_smem when BOTH), then arrive on
+    ``fixed``, which the consumers wait for before reading the last tile."""
     BLOCK_N: gl.constexpr = a_smem.shape[1]
     last = n_tiles - 1
     first = n_keys - last * BLOCK_N
     if (n_tiles > 0) & (first < BLOCK_N):
-        st = (it0 + last) % STAGES
-        mbarrier.wait(full.index(st), ((it0 + last) // STAGES) & 1)
-        zero_tail_rows(a_smem.index(st), first)
+        mbarrier.wait(full.index(last % STAGES), (last // STAGES) & 1)
+        zero_tail_rows(a_smem.index(last % STAGES), first)
         if BOTH:
-            zero_tail_rows(b_smem.index(st), first)
+            zero_tail_rows(b_smem.index(last % STAGES), first)
         fence_async_shared()
         mbarrier.arrive(fixed, count=1)
 

@@ -507,28 +507,16 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
 
     if n_tiles > 0:
         mbarrier.wait(q_bar, q_phase)
-        # prologue: S_0 and its softmax
-        st0 = it0 % STAGES
-        mbarrier.wait(k_full.index(st0), (it0 // STAGES) & 1)
-        _take_turn(turn, WG, rnd0, PINGPONG)
-        s_tok = warpgroup_mma(q, k_smem.index(st0).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-        _pass_turn(turn, WG, PINGPONG)
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(st0), count=1)
-        # EARLY: the steady state's exponentials before the wait for PV_{j-1} (``_exp_early``),
-        # and P carried as PV's bf16 / fp16 register operand (converted in the same block)
-        EARLY: gl.constexpr = EXP_EARLY
-        op_dtype: gl.constexpr = dtype if EARLY else None
-        op_layout: gl.constexpr = p_layout if EARLY else None
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo, row0, seqlen_k, off, window_left,
-                                           window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT,
-                                           op_dtype, op_layout)
+        # prologue: S_0 and its softmax (EXP_EARLY: P carried as PV's register operand)
+        p, m_i, l_i = _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it0, rnd0, lo,
+                                   row0, seqlen_k, off, window_left, window_right,
+                                   qk_scale_log2, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG,
+                                   EXP_EARLY)
         p, acc, m_i, l_i = _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
                                           turn, p, acc, m_i, l_i, it0, rnd0, n_tiles, lo, row0,
                                           seqlen_k, off, window_left, window_right,
                                           qk_scale_log2, WG, STAGES, HAS_LEFT, HAS_RIGHT,
-                                          PINGPONG, EARLY)
+                                          PINGPONG, EXP_EARLY)
         if PERSISTENT:
             # every QKᵀ of this tile has retired: the producer may load the next tile's Q
             mbarrier.arrive(q_empty, count=1)
@@ -539,7 +527,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
         if ZERO_TAIL:
             if lo + n_tiles * BLOCK_N > seqlen_k:  # the producer zeroes rows past the end
                 mbarrier.wait(v_fixed, 0)
-        p_op = _pv_operand(p, dtype, p_layout, EARLY)
+        p_op = _pv_operand(p, dtype, p_layout, EXP_EARLY)
         _take_turn(turn, WG, rnd0 + n_tiles, PINGPONG)
         acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         _pass_turn(turn, WG, PINGPONG)
@@ -558,35 +546,72 @@ def _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, p,
     state: QK_j issued before PV_{j-1}; wait(1) retires QK_j, the softmax of block j then
     overlaps PV_{j-1}. Returns (p, acc, m_i, l_i): the last block's P, its PV not issued."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    dtype: gl.constexpr = q.dtype
-    s_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N)
-    o_layout: gl.constexpr = acc.type.layout
-    p_layout: gl.constexpr = wgmma_a_operand(o_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    op_dtype: gl.constexpr = dtype if EARLY else None
-    op_layout: gl.constexpr = p_layout if EARLY else None
-    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=wgmma_acc_layout(BLOCK_N))
     for j in range(1, n_tiles):
-        it = it0 + j
-        st = it % STAGES
-        prev = (it - 1) % STAGES
-        mbarrier.wait(k_full.index(st), (it // STAGES) & 1)
-        mbarrier.wait(v_full.index(prev), ((it - 1) // STAGES) & 1)
-        p_op = _pv_operand(p, dtype, p_layout, EARLY)
-        _take_turn(turn, WG, rnd0 + j, PINGPONG)
-        s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-        acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        _pass_turn(turn, WG, PINGPONG)
-        s = warpgroup_mma_wait(1, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(st), count=1)  # K_j is consumed: the producer refills it
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo + j * BLOCK_N, row0, seqlen_k, off,
-                                           window_left, window_right, qk_scale_log2,
-                                           HAS_LEFT, HAS_RIGHT, op_dtype, op_layout)
-        acc = warpgroup_mma_wait(0, deps=[acc_tok])
-        mbarrier.arrive(v_empty.index(prev), count=1)  # V_{j-1} is consumed
+        p, alpha, m_i, l_i, acc = _block_step(q, k_smem, v_smem, k_full, v_full, k_empty,
+                                              v_empty, turn, s_zero, p, acc, m_i, l_i, it0 + j, rnd0 + j,
+                                              lo + j * BLOCK_N, row0, seqlen_k, off, window_left,
+                                              window_right, qk_scale_log2, WG, STAGES, HAS_LEFT,
+                                              HAS_RIGHT, PINGPONG, EARLY)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     return p, acc, m_i, l_i
+
+
+@gluon.jit
+def _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it, rnd, col0, row0,
+                 seqlen_k, off,
+                 window_left, window_right, qk_scale_log2, WG: gl.constexpr,
+                 STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                 PINGPONG: gl.constexpr, EARLY: gl.constexpr):
+    """A tile's first key block (ring position it, keys from col0) with no PV in flight: S on
+    its own, then its softmax from (m_i, l_i). Returns (p, m, l); with EARLY p is PV's register
+    operand already (``_softmax_step``)."""
+    dtype: gl.constexpr = q.dtype
+    p_layout: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(q.shape[1]))
+    st = it % STAGES
+    mbarrier.wait(k_full.index(st), (it // STAGES) & 1)
+    _take_turn(turn, WG, rnd, PINGPONG)
+    s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+    _pass_turn(turn, WG, PINGPONG)
+    s = warpgroup_mma_wait(0, deps=[s_tok])
+    mbarrier.arrive(k_empty.index(st), count=1)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left,
+                                       window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT,
+                                       dtype if EARLY else None, p_layout if EARLY else None)
+    return p, m_i, l_i
+
+
+@gluon.jit
+def _block_step(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, s_zero, p, acc, m_i,
+                l_i, it, rnd, col0, row0, seqlen_k, off, window_left, window_right, qk_scale_log2,
+                WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                HAS_RIGHT: gl.constexpr, PINGPONG: gl.constexpr, EARLY: gl.constexpr):
+    """One steady-state step: QK of the block at ring position it (keys from col0) issued, then
+    PV of the previous block (its P in p, V at it - 1) into acc; wait(1) retires QK, and this
+    block's softmax from (m_i, l_i) runs while PV is on the tensor cores. Returns (p, alpha, m,
+    l, acc), acc not yet rescaled by alpha; s_zero: S's zero accumulator, made once."""
+    dtype: gl.constexpr = q.dtype
+    p_layout: gl.constexpr = wgmma_a_operand(acc.type.layout)
+    st = it % STAGES
+    prev = (it - 1) % STAGES
+    mbarrier.wait(k_full.index(st), (it // STAGES) & 1)
+    mbarrier.wait(v_full.index(prev), ((it - 1) // STAGES) & 1)
+    p_op = _pv_operand(p, dtype, p_layout, EARLY)
+    _take_turn(turn, WG, rnd, PINGPONG)
+    s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+    acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+    _pass_turn(turn, WG, PINGPONG)
+    s = warpgroup_mma_wait(1, deps=[s_tok])
+    mbarrier.arrive(k_empty.index(st), count=1)  # K is consumed: the producer refills it
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left,
+                                       window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT,
+                                       dtype if EARLY else None, p_layout if EARLY else None)
+    acc = warpgroup_mma_wait(0, deps=[acc_tok])
+    mbarrier.arrive(v_empty.index(prev), count=1)  # the previous block's V is consumed
+    return p, alpha, m_i, l_i, acc
 
 
 @gluon.jit
@@ -739,8 +764,6 @@ def _consumer_xtile(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_fu
     o_layout: gl.constexpr = wgmma_acc_layout(HEAD_D)
     p_layout: gl.constexpr = wgmma_a_operand(o_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    op_dtype: gl.constexpr = dtype if EXP_EARLY else None
-    op_layout: gl.constexpr = p_layout if EXP_EARLY else None
     off = seqlen_k_fixed - seqlen_q_fixed
     n_m = gl.cdiv(seqlen_q_fixed, TILE_M)
     total = n_m * n_bh
@@ -770,41 +793,29 @@ def _consumer_xtile(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_fu
             buf = tc % 2
             mbarrier.wait(q_bar.index(buf), (tc // 2) & 1)
             q = q_smem.index(buf * WGS + WG)
-            st = it % STAGES
-            mbarrier.wait(k_full.index(st), (it // STAGES) & 1)
+            # (no pingpong turns: ``turn`` is not used)
             if pend > 0:
                 # the pending tile's last PV after this tile's first QKᵀ (the steady state's
-                # order): this softmax runs under it
-                prev = (it - 1) % STAGES
-                mbarrier.wait(v_full.index(prev), ((it - 1) // STAGES) & 1)
-                p_op = _pv_operand(p, dtype, p_layout, EXP_EARLY)
-                s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero,
-                                      use_acc=False, is_async=True)
-                acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=[s_tok])
-                mbarrier.arrive(k_empty.index(st), count=1)
+                # order): this tile's first softmax, from fresh sums, runs under it
                 m_prev = m_i
                 l_prev = l_i
-                p, alpha, m_i, l_i = _softmax_step(s, m_fresh, l_fresh, lo, row0,
-                                                   seqlen_k_fixed, off, window_left,
-                                                   window_right, qk_scale_log2, HAS_LEFT,
-                                                   HAS_RIGHT, op_dtype, op_layout)
-                acc = warpgroup_mma_wait(0, deps=[acc_tok])
-                mbarrier.arrive(v_empty.index(prev), count=1)
+                p, alpha, m_i, l_i, acc = _block_step(q, k_smem, v_smem, k_full, v_full, k_empty,
+                                                      v_empty, turn, s_zero, p, acc, m_fresh,
+                                                      l_fresh, it,
+                                                      0, lo, row0, seqlen_k_fixed, off,
+                                                      window_left, window_right, qk_scale_log2,
+                                                      WG, STAGES, HAS_LEFT, HAS_RIGHT, False,
+                                                      EXP_EARLY)
                 out, lse = _finish(acc, m_prev, l_prev, dtype)
                 _store_tile(out, lse, pt, O, LSE, CU_Q, CU_K, stride_om, stride_oh, stride_lb,
                             stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m,
                             window_left, window_right, WG, TILE_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             else:
-                s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero,
-                                      use_acc=False, is_async=True)
-                s = warpgroup_mma_wait(0, deps=[s_tok])
-                mbarrier.arrive(k_empty.index(st), count=1)
-                p, alpha, m_i, l_i = _softmax_step(s, m_fresh, l_fresh, lo, row0,
-                                                   seqlen_k_fixed, off, window_left,
-                                                   window_right, qk_scale_log2, HAS_LEFT,
-                                                   HAS_RIGHT, op_dtype, op_layout)
-            # (no pingpong turns: ``turn`` is not used)
+                p, m_i, l_i = _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_fresh,
+                                           l_fresh,
+                                           it, 0, lo, row0, seqlen_k_fixed, off, window_left,
+                                           window_right, qk_scale_log2, WG, STAGES, HAS_LEFT,
+                                           HAS_RIGHT, False, EXP_EARLY)
             p, acc, m_i, l_i = _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty,
                                               v_empty, turn, p, acc_zero, m_i, l_i, it, 0,
                                               n_tiles, lo, row0, seqlen_k_fixed, off,
@@ -1090,11 +1101,20 @@ def _persistent(head_dim: int, varlen: bool) -> bool:
     return _schedule(head_dim, varlen) is not None
 
 
-def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> dict:
+def mask_kind(window_left: int, window_right: int) -> str:
+    """The launch rules' mask: "none", "causal" (a right window without a left one, as measured
+    for causal masks) or "window"."""
+    if window_left < 0 and window_right < 0:
+        return "none"
+    return "causal" if window_left < 0 else "window"
+
+
+def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int,
+                xtile: Optional[bool] = None) -> dict:
     """The forward's constexprs that depend on the problem's shape (``attn_fwd_sm90``, and the
     compile checks of ``inspect``): consumer warpgroups, keys per tile, ring stages, consumer
-    registers, pingpong, persistence and its scheduler, the exponentials' place. mask: "none",
-    "causal" (a right window without a left one, as measured for causal masks) or "window"."""
+    registers, pingpong, persistence and its scheduler, the exponentials' place, the
+    cross-tile pipeline (``XTILE``, or ``xtile`` when given). mask: ``mask_kind``'s."""
     if mask not in ("none", "causal", "window"):
         raise ValueError(f"mask={mask!r}: expected 'none', 'causal' or 'window'")
     wide = _wide(head_dim, varlen, mask, max_seqlen_q)
@@ -1104,8 +1124,8 @@ def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> di
     pingpong = _pingpong(head_dim, wgs)
     # (not at d=256: its shared memory does not fit two Q buffers; not on the 192x128 tile
     # under a mask: its causal form spills 1.7 KB across the boundary then)
-    xtile = (XTILE and schedule is not None and not pingpong and head_dim != 256
-             and not (wide and mask != "none"))
+    xtile = ((XTILE if xtile is None else xtile) and schedule is not None and not pingpong
+             and head_dim != 256 and not (wide and mask != "none"))
     if xtile and head_dim == 128:  # (two Q buffers: 64 KB of shared memory)
         stages = 2
     return dict(WGS=wgs, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=regs,
@@ -1119,9 +1139,7 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """Launch the sm90 forward into ``out`` / ``lse`` (layouts as ``triton_fwd.attn_fwd``)."""
     d = p.head_dim
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
-    mask = ("none" if p.window_left < 0 and p.window_right < 0
-            else "causal" if p.window_left < 0 else "window")
-    form = launch_form(d, p.is_varlen, mask, p.max_seqlen_q)
+    form = launch_form(d, p.is_varlen, mask_kind(p.window_left, p.window_right), p.max_seqlen_q)
     grid = (-(-p.max_seqlen_q // (form["WGS"] * HALF_M.value)), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
@@ -1205,6 +1223,6 @@ def attn_fwd_sm90_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         IS_VARLEN=False, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0,
         STAGES=_stages(d), CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS,
         BLOCK_N=block_n, PAGED=True, PAGE=page, PINGPONG=_pingpong(d, 2), PERSISTENT=False,
-        EXP_EARLY=_exp_early(d, False, "none" if window_left < 0 and window_right < 0 else "window"),
+        EXP_EARLY=_exp_early(d, False, mask_kind(window_left, window_right)),
         num_warps=4,
     )

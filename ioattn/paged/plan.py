@@ -4,6 +4,7 @@ the kernels read. Buffers are sized by an upper bound that does not depend on th
 CUDA graph captured once replays under every later plan of the same batch size."""
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 
@@ -76,37 +77,23 @@ def split_work_balanced(lengths: list[int], n_heads_k: int, sms: int, block: int
     total = sum(tiles)
     # column c covers tiles [c * total // cols, (c + 1) * total // cols) of the whole run
     bounds = [c * total // cols for c in range(cols + 1)]
-    pieces = []  # (request, first key, end key, column)
+    work, slot_start, item_cols = [], [0], []
     col, pos = 0, 0  # pos: tiles of the whole run before this request's next piece
     for b, n in enumerate(lengths):
-        if n == 0:  # (an item all the same: it writes out 0 and LSE -inf)
-            pieces.append((b, 0, 0, col))
-            continue
+        pieces = []  # (first key, end key, column); an empty request: one item all the same
         t0 = 0
-        while t0 < tiles[b]:
-            while bounds[col + 1] <= pos:  # (columns of no tiles stay empty)
+        while t0 < tiles[b] or not pieces:
+            while t0 < tiles[b] and bounds[col + 1] <= pos:  # (columns of no tiles stay empty)
                 col += 1
             take = min(tiles[b] - t0, bounds[col + 1] - pos)
-            pieces.append((b, t0 * block, min((t0 + take) * block, n), col))
+            pieces.append((t0 * block, min((t0 + take) * block, n), col))
             t0 += take
             pos += take
-    counts = [0] * len(lengths)
-    for b, *_ in pieces:
-        counts[b] += 1
-    work, slot = [], 0
-    slot_start = [0] * (len(lengths) + 1)
-    for b, lo, hi, _ in pieces:
-        if counts[b] > 1:
-            work.append((b, 0, lo, hi, slot))
-            slot += 1
-        else:
-            work.append((b, 0, lo, hi, -1))
-        slot_start[b + 1] = slot
-    for b in range(len(lengths)):  # (requests of one piece: an empty slot range)
-        slot_start[b + 1] = max(slot_start[b + 1], slot_start[b])
-    columns = [0] * (cols + 1)
-    for i, (*_, c) in enumerate(pieces):
-        columns[c + 1] = i + 1
-    for c in range(cols):
-        columns[c + 1] = max(columns[c + 1], columns[c])
+        slot = slot_start[-1]
+        for lo, hi, c in pieces:  # a request of several pieces writes partials, a slot each
+            work.append((b, 0, lo, hi, slot if len(pieces) > 1 else -1))
+            item_cols.append(c)
+            slot += len(pieces) > 1
+        slot_start.append(slot)
+    columns = [bisect.bisect_left(item_cols, c) for c in range(cols + 1)]
     return DecodePlan(work, slot_start, -(-total // cols) * block, columns)

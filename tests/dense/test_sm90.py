@@ -148,9 +148,8 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
             monkeypatch.setattr(sm90_fwd, "WG3_BLOCK_N", "128")
         mode = mode.split("-")[0]
         monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", mode)
-        # (as the launcher reads the mask: a left window makes it a window)
-        mask = ("none" if c.window == (-1, -1) and not c.causal
-                else "causal" if c.window[0] < 0 else "window")
+        window_right = 0 if c.causal else c.window[1]
+        mask = sm90_fwd.mask_kind(c.window[0], window_right)
         if not sm90_fwd.launch_form(c.d, False, mask, c.s_q)["XTILE"]:
             pytest.skip("this form runs one tile at a time (d=256, or the 192x128 tile masked)")
         monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: 3)
