@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-xtile] [sm90-decode-balanced]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -282,16 +282,6 @@ for step in $steps; do
              --cells 1x32768x16,16x8192x16,64x4096x16,128x2048x16 --prefill-cells "" \
              --out "$OUT/decode_fp8_sm90$v.json" > "/tmp/decode_fp8_$v.log" 2>&1
              echo "== sm90 fp8=$v"; grep -E "ioattn_paged |_fp8|cudnn " "/tmp/decode_fp8_$v.log"; done ;;
-    sm90-xtile) # the persistent forward's tiles as one pipeline (opt-in, IOATTN_SM90_FWD_XTILE):
-           # its tests, then the d=64 / d=128 forward timed on / off (150 + 2 x 150 s)
-           IOATTN_SM90_FWD_XTILE=1 timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
-             tests/dense/test_sm90.py -k "persistent or wg3 or fwd" > "$OUT/tests_xtile.log" 2>&1
-           grep -E "^FAILED" "$OUT/tests_xtile.log"; tail -1 "$OUT/tests_xtile.log"
-           for v in 1 0; do IOATTN_SM90_FWD_XTILE=$v timeout 150 python -m ioattn bench --modes fwd \
-             --dims 64,128 --seqlens 2048,4096,8192,16384 --dtypes bf16 --rounds 2 \
-             --impls ioattn_sm90,sdpa_cudnn --no-plots --out "$OUT/sm90_fwd_xtile$v.json" \
-             > "/tmp/xtile_$v.log" 2>&1
-             echo "== xtile=$v"; grep -E "^fwd" "/tmp/xtile_$v.log"; done ;;
     sm90-decode-balanced) # FlashInfer's balanced split on the sm90 decode kernel (opt-in,
            # IOATTN_SM90_DECODE_BALANCED): its tests, then the decode cells on / off (120 + 2 x 200 s)
            IOATTN_SM90_DECODE_BALANCED=1 timeout 120 python -m pytest -q -n 8 -p no:cacheprovider \

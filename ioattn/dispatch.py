@@ -118,8 +118,6 @@ ENV_SWITCHES = (
      "after it, and the d=64 forward without a mask keeps 128x128 tiles)"),
     ("IOATTN_SM90_BWD_EXP_EARLY", "0", "sm90 backward (d<=128 dK/dV kernels): each step's exponentials "
      "kept before the wait for dP's GEMM (1: on; 0: off, ptxas then runs most of them after it)"),
-    ("IOATTN_SM90_FWD_XTILE", "0", "sm90 persistent forward: its tiles as one pipeline (Q in two "
-     "buffers, a tile's last PV after the next tile's first QK; d=128 then on 2 ring stages)"),
     ("IOATTN_SM90_FWD_WG3", "1", "sm90 forward at d=64: three consumer warpgroups (192-row "
      "tiles)"),
     ("IOATTN_SM90_WG3_BLOCK_N", "auto", "sm90 forward on three warpgroups (d=64): keys per "

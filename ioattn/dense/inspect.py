@@ -316,22 +316,6 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                          dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True,
                               PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1,
                               **form)))
-        if d in (64, 128):  # (opt-in, IOATTN_SM90_FWD_XTILE=1) the persistent tiles as one
-            # pipeline, in the forms its launch rule takes: d=64 without a mask (192x128) and
-            # causal below 4k (two warpgroups), d=128 with and without a mask
-            cases = ((("full", "none", 1 << 14), ("causal 2k", "causal", 2048)) if d == 64
-                     else (("full", "none", 1 << 14), ("causal", "causal", 1 << 14)))
-            for tag_, mask, s_q in cases:
-                form = sm90_fwd.launch_form(d, False, mask, s_q, xtile=True)
-                if not form["XTILE"]:  # (pingpong or one CTA per tile forced: not launched)
-                    continue
-                jobs.append((f"sm90 fwd d{d} {tag_} xtile {64 * form['WGS']}x{form['BLOCK_N']} ws",
-                             sm90_fwd._attn_fwd_sm90,
-                             dict(q_desc=64, o_desc=64, k_desc=form["BLOCK_N"],
-                                  v_desc=form["BLOCK_N"]), d,
-                             dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=mask == "causal",
-                                  PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1,
-                                  **form)))
         # the KV-cache forward over pages of 16 (one TMA copy per page)
         jobs.append((f"sm90 fwd paged16 d{d} causal 128x{bn} ws", sm90_fwd._attn_fwd_sm90,
                      dict(q_desc=64, o_desc=64, k_desc=16, v_desc=16), d,

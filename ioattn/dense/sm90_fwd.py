@@ -106,16 +106,6 @@ if EXP_EARLY_MODE not in ("auto", "1", "0"):
     raise ValueError(f"IOATTN_SM90_FWD_EXP_EARLY={EXP_EARLY_MODE!r}: expected auto, 1 or 0")
 
 
-# the persistent forward's tiles as one pipeline (``_consumer_xtile``): Q in two buffers and each
-# tile's last PV issued after the next tile's first QKᵀ, so a tile boundary costs what a key
-# block does (one CTA's tile boundary otherwise serializes the last PV, the epilogue, the wait
-# for the next Q and the first QKᵀ with its softmax: ~9% at d=128 non-causal 2k, 16 blocks a
-# tile, going by 571 -> 636 TFLOP/s from 2k to 4k while cuDNN stays flat). d=128 then runs 2
-# ring stages (shared memory: 64 KB of Q). IOATTN_SM90_FWD_XTILE=1 turns it on (opt-in until
-# measured on the H200); forms with pingpong turns keep one tile at a time
-XTILE = os.environ.get("IOATTN_SM90_FWD_XTILE", "0").lower() in ("1", "true", "on")
-
-
 def _block_n(head_dim: int) -> int:
     # d=256: the 64x256 fp32 accumulator takes 128 of a consumer's 240 registers
     return 64 if head_dim == 256 else 128
@@ -204,12 +194,10 @@ def _key_tile_load(desc, tile, bar, BT, bt_row, bt_width, key0, col, PAGED: gl.c
 def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
                   k_empty, v_empty, v_fixed, BT, bt_row, bt_width, q_row, q_col, k_row, kv_col,
                   n_tiles, n_keys, it0, tc, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
-                  PAGED: gl.constexpr, PAGE: gl.constexpr, PERSISTENT: gl.constexpr,
-                  q_base=0, QBUF: gl.constexpr = 1):
-    """The loads of one query tile: its Q pieces (into q_smem slots q_base, q_base + 1, ...),
-    then its n_tiles K and V tiles through the ring from ring position it0 (a persistent CTA's
-    running count of key tiles); tc counts the CTA's earlier uses of this Q buffer (q_empty's
-    phase); q_smem holds QBUF buffers of one piece per consumer warpgroup."""
+                  PAGED: gl.constexpr, PAGE: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The loads of one query tile: its Q halves, then its n_tiles K and V tiles through the ring
+    from ring position it0 (a persistent CTA's running count of key tiles); tc counts the CTA's
+    earlier tiles with work (q_empty's phase)."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     BOX: gl.constexpr = k_desc.block_type.shape[0]  # rows per TMA copy: BLOCK_N, or a page
     # no key block: the consumers never wait for Q (and, non-persistent, reuse its buffers to
@@ -218,11 +206,11 @@ def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty
     if PERSISTENT:
         # the consumers free Q once the previous tile's last QKᵀ has retired
         mbarrier.wait(q_empty, (tc & 1) ^ 1, pred=has_work)
-    WGS: gl.constexpr = q_smem.shape[0] // QBUF  # consumer warpgroups: one 64-row Q piece each
+    WGS: gl.constexpr = q_smem.shape[0]  # consumer warpgroups: one 64-row Q piece each
     mbarrier.expect(q_bar, WGS * q_desc.block_type.nbytes, pred=has_work)
     for i in gl.static_range(WGS):
         tma.async_copy_global_to_shared(q_desc, [q_row + i * HALF_M, q_col], q_bar,
-                                        q_smem.index(q_base + i), pred=has_work)
+                                        q_smem.index(i), pred=has_work)
     for j in range(n_tiles):
         it = it0 + j
         st = it % STAGES
@@ -275,22 +263,18 @@ def _produce_persistent_tile(t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, 
                              window_right, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                              HAS_RIGHT: gl.constexpr):
     """The loads of tile t (query tiles fastest, heaviest first); returns the CTA's updated key
-    tile count (ring position) and count of tiles with work (which Q buffer, and its phase:
-    q_bar / q_empty hold QBUF barriers, one per buffer)."""
+    tile count (ring position) and count of tiles with work (q_empty's phase)."""
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    QBUF: gl.constexpr = q_bar.shape[0]
-    WGS: gl.constexpr = q_smem.shape[0] // QBUF
-    TILE_M: gl.constexpr = WGS * HALF_M  # 64 rows per consumer warpgroup
+    TILE_M: gl.constexpr = q_smem.shape[0] * HALF_M  # 64 rows per consumer warpgroup
     (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
      n_tiles) = query_tile_at(n_m - 1 - t % n_m, t // n_m, CU_Q, CU_K, n_heads, kv_group,
                               seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
                               TILE_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT)
-    buf = tc % QBUF
-    _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(buf),
-                  q_empty.index(buf), k_full, v_full, k_empty, v_empty, v_fixed, BT, 0, 0,
-                  q_start + start_m, off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles,
-                  seqlen_k - lo, it, tc // QBUF, STAGES, False, False, 1, True, buf * WGS, QBUF)
+    _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full,
+                  v_full, k_empty, v_empty, v_fixed, BT, 0, 0, q_start + start_m,
+                  off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo, it, tc,
+                  STAGES, False, False, 1, True)
     return it + n_tiles, tc + (n_tiles > 0).to(gl.int32)
 
 
@@ -363,9 +347,8 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, 
                          DYNAMIC: gl.constexpr):
     # DYNAMIC: tiles handed out by an atomic counter as CTAs free up (FA3's dynamic persistent
     # scheduler), in the same heaviest-first order, each id passed to the consumers through
-    # shared memory; otherwise a static snake order (``_snake``). q_bar / q_empty: one barrier
-    # per Q buffer (two: ``_consumer_xtile``)
-    n_m = gl.cdiv(seqlen_q_fixed, (q_smem.shape[0] // q_bar.shape[0]) * HALF_M)
+    # shared memory; otherwise a static snake order (``_snake``)
+    n_m = gl.cdiv(seqlen_q_fixed, q_smem.shape[0] * HALF_M)
     total = n_m * n_bh
     it = n_bh * 0  # key tiles loaded so far (ring position)
     tc = n_bh * 0  # tiles with work so far (q_empty's phase)
@@ -713,16 +696,7 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
     """A persistent CTA's tiles, in the producer's order: program_id, program_id + programs, ...
     in snake order (``_snake``), or (DYNAMIC) the ids the producer draws from the tile counter
     and passes on through shared memory; tiles run over (query tile, batch * head), query tiles
-    fastest (a head's tiles run together, sharing K/V in L2) and heaviest (last) first.
-    q_bar / q_empty: one barrier per Q buffer; two buffers run the tiles as one pipeline
-    (``_consumer_xtile``)."""
-    if q_bar.shape[0] == 2:
-        _consumer_xtile(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
-                        v_empty, turn, CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh,
-                        n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left,
-                        window_right, qk_scale_log2, tile_smem, tile_full, tile_empty, WG,
-                        STAGES, HAS_LEFT, HAS_RIGHT, DYNAMIC, EXP_EARLY)
-        return
+    fastest (a head's tiles run together, sharing K/V in L2) and heaviest (last) first."""
     n_m = gl.cdiv(seqlen_q_fixed, q_smem.shape[0] * HALF_M)
     total = n_m * n_bh
     _first_turn(turn, WG, PINGPONG)
@@ -733,141 +707,12 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
     t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
     while t < total:
         it, tc, rnd = _consume_persistent_tile(
-            t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0), q_empty.index(0),
-            k_full, v_full,
+            t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
             k_empty, v_empty, v_fixed, turn, CU_Q, CU_K, stride_om, stride_oh, stride_lb,
             stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
             window_right, qk_scale_log2, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_EARLY)
         k += 1
         t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
-
-
-@gluon.jit
-def _consumer_xtile(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
-                    v_empty, turn, CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh, n_heads,
-                    kv_group, seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
-                    qk_scale_log2, tile_smem, tile_full, tile_empty, WG: gl.constexpr,
-                    STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                    DYNAMIC: gl.constexpr, EXP_EARLY: gl.constexpr):
-    """A persistent CTA's tiles as one pipeline of key blocks (``XTILE``): Q in two buffers (the
-    producer loads the next tile's Q while this one runs), and a tile's last PV is issued
-    after the next tile's first QKᵀ, so the next tile's first softmax overlaps it, as any
-    block's softmax overlaps the previous block's PV; the tile's output is normalized and
-    stored once that PV has retired. Tiles with no key block store their rows at once (out 0,
-    LSE -inf), after the pending tile's."""
-    HEAD_D: gl.constexpr = q_smem.shape[2]
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    WGS: gl.constexpr = q_smem.shape[0] // 2
-    TILE_M: gl.constexpr = WGS * HALF_M
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N)
-    o_layout: gl.constexpr = wgmma_acc_layout(HEAD_D)
-    p_layout: gl.constexpr = wgmma_a_operand(o_layout)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    off = seqlen_k_fixed - seqlen_q_fixed
-    n_m = gl.cdiv(seqlen_q_fixed, TILE_M)
-    total = n_m * n_bh
-    m_fresh = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_s)
-    l_fresh = gl.full([HALF_M], 0.0, gl.float32, layout=row_s)
-    acc_zero = gl.zeros([HALF_M, HEAD_D], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
-    m_i = m_fresh
-    l_i = l_fresh
-    acc = acc_zero
-    if EXP_EARLY:  # P as carried between blocks: PV's register operand, or fp32 scores
-        p = gl.zeros([HALF_M, BLOCK_N], dtype, layout=p_layout)
-    else:
-        p = s_zero
-    it = n_bh * 0  # key tiles consumed so far (ring position)
-    tc = n_bh * 0  # tiles with work so far (Q buffer tc % 2, phase (tc // 2) & 1)
-    pend = n_bh * 0  # 1: tile pt's last PV not issued yet (its P in p, its block at it - 1)
-    pt = n_bh * 0
-    k = n_bh * 0  # this CTA's tiles so far
-    t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
-    while t < total:
-        start_m = (n_m - 1 - t % n_m) * TILE_M
-        lo, n_tiles = key_tiles(start_m, TILE_M, seqlen_q_fixed, seqlen_k_fixed, window_left,
-                                window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        row0 = start_m + WG * HALF_M
-        if n_tiles > 0:
-            buf = tc % 2
-            mbarrier.wait(q_bar.index(buf), (tc // 2) & 1)
-            q = q_smem.index(buf * WGS + WG)
-            # (no pingpong turns: ``turn`` is not used)
-            if pend > 0:
-                # the pending tile's last PV after this tile's first QKᵀ (the steady state's
-                # order): this tile's first softmax, from fresh sums, runs under it
-                m_prev = m_i
-                l_prev = l_i
-                p, alpha, m_i, l_i, acc = _block_step(q, k_smem, v_smem, k_full, v_full, k_empty,
-                                                      v_empty, turn, s_zero, p, acc, m_fresh,
-                                                      l_fresh, it,
-                                                      0, lo, row0, seqlen_k_fixed, off,
-                                                      window_left, window_right, qk_scale_log2,
-                                                      WG, STAGES, HAS_LEFT, HAS_RIGHT, False,
-                                                      EXP_EARLY)
-                out, lse = _finish(acc, m_prev, l_prev, dtype)
-                _store_tile(out, lse, pt, O, LSE, CU_Q, CU_K, stride_om, stride_oh, stride_lb,
-                            stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m,
-                            window_left, window_right, WG, TILE_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-            else:
-                p, m_i, l_i = _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_fresh,
-                                           l_fresh,
-                                           it, 0, lo, row0, seqlen_k_fixed, off, window_left,
-                                           window_right, qk_scale_log2, WG, STAGES, HAS_LEFT,
-                                           HAS_RIGHT, False, EXP_EARLY)
-            p, acc, m_i, l_i = _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty,
-                                              v_empty, turn, p, acc_zero, m_i, l_i, it, 0,
-                                              n_tiles, lo, row0, seqlen_k_fixed, off,
-                                              window_left, window_right, qk_scale_log2, WG,
-                                              STAGES, HAS_LEFT, HAS_RIGHT, False, EXP_EARLY)
-            # every QKᵀ of this tile has retired: the producer may refill this Q buffer
-            mbarrier.arrive(q_empty.index(buf), count=1)
-            it += n_tiles
-            tc += 1
-            pend = n_bh * 0 + 1
-            pt = t
-        else:
-            if pend > 0:
-                acc = _flush_tile(p, acc, m_i, l_i, pt, it - 1, v_smem, v_full, v_empty, O, LSE, CU_Q,
-                            CU_K, stride_om, stride_oh, stride_lb, stride_lh, n_heads, kv_group,
-                            seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right, WG,
-                            TILE_M, STAGES, HAS_LEFT, HAS_RIGHT, EXP_EARLY)
-                pend = n_bh * 0
-            out, lse = _finish(acc_zero, m_fresh, l_fresh, dtype)
-            _store_tile(out, lse, t, O, LSE, CU_Q, CU_K, stride_om, stride_oh, stride_lb,
-                        stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m,
-                        window_left, window_right, WG, TILE_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        k += 1
-        t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
-    if pend > 0:
-        acc = _flush_tile(p, acc, m_i, l_i, pt, it - 1, v_smem, v_full, v_empty, O, LSE, CU_Q, CU_K,
-                    stride_om, stride_oh, stride_lb, stride_lh, n_heads, kv_group,
-                    seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right, WG, TILE_M,
-                    STAGES, HAS_LEFT, HAS_RIGHT, EXP_EARLY)
-
-
-@gluon.jit
-def _flush_tile(p, acc, m_i, l_i, t, it, v_smem, v_full, v_empty, O, LSE, CU_Q, CU_K, stride_om,
-                stride_oh, stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
-                seqlen_k_fixed, n_m, window_left, window_right, WG: gl.constexpr,
-                TILE_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                HAS_RIGHT: gl.constexpr, EARLY: gl.constexpr):
-    """(``_consumer_xtile``) Tile t's last PV on its own (ring position it), then its rows
-    normalized and stored; returns the accumulator."""
-    dtype: gl.constexpr = v_smem.dtype
-    p_layout: gl.constexpr = wgmma_a_operand(acc.type.layout)
-    st = it % STAGES
-    mbarrier.wait(v_full.index(st), (it // STAGES) & 1)
-    acc_tok = warpgroup_mma(_pv_operand(p, dtype, p_layout, EARLY), v_smem.index(st), acc,
-                            is_async=True)
-    acc = warpgroup_mma_wait(0, deps=[acc_tok])
-    mbarrier.arrive(v_empty.index(st), count=1)
-    out, lse = _finish(acc, m_i, l_i, dtype)
-    _store_tile(out, lse, t, O, LSE, CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh,
-                n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
-                window_right, WG, TILE_M, v_smem.shape[1], HAS_LEFT, HAS_RIGHT)
-    return acc
 
 
 @gluon.jit
@@ -880,8 +725,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    PRODUCER_REGS_: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr,
                    PAGE: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                    WGS: gl.constexpr = 2,
-                   DYNAMIC: gl.constexpr = False, COUNTER=None, EXP_EARLY: gl.constexpr = False,
-                   XTILE: gl.constexpr = False):
+                   DYNAMIC: gl.constexpr = False, COUNTER=None, EXP_EARLY: gl.constexpr = False):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # PAGED: batched queries over a paged KV cache (``attn_fwd_sm90_paged``): CU_K holds the key
     # counts, BT the page table [batch, bt_width] (row stride stride_btb), k_desc / v_desc view
@@ -893,10 +737,6 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     gl.static_assert(not (PERSISTENT and (IS_VARLEN or PAGED)),
                      "the persistent form covers batched (not varlen or paged) problems")
     gl.static_assert(WGS == 2 or WGS == 3, "two or three consumer warpgroups")
-    # XTILE (persistent, no pingpong): the tiles as one pipeline, Q in two buffers
-    gl.static_assert(not XTILE or (PERSISTENT and not PINGPONG),
-                     "the cross-tile pipeline runs persistent, without pingpong turns")
-    QBUF: gl.constexpr = 2 if XTILE else 1
     if not PERSISTENT:
         (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
          n_tiles) = query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
@@ -905,11 +745,11 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
         if start_m >= seqlen_q:
             return
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [QBUF * WGS, HALF_M, HEAD_D], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [WGS, HALF_M, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
-    q_bar = barriers(QBUF, 1)  # one per Q buffer
-    q_empty = barriers(QBUF, WGS)  # persistent: one arrive per consumer warpgroup
+    q_bar = barriers(1, 1)
+    q_empty = barriers(1, WGS)  # persistent: one arrive per consumer warpgroup
     v_fixed = barriers(1, 1)
     turn = barriers(WGS, 1)  # pingpong: one per consumer warpgroup
     k_full = barriers(STAGES, 1)
@@ -926,32 +766,32 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
         tile_empty = barriers(2, WGS)  # one arrive per consumer warpgroup
         if WGS == 3:
             gl.warp_specialize([
-                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
-                                        q_empty, k_full, v_full, k_empty, v_empty,
+                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
+                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
                                         tile_smem, tile_full, tile_empty,
                                         0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
                                         EXP_EARLY)),
-                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
-                                        q_empty, k_full, v_full, k_empty, v_empty,
+                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
+                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
                                         tile_smem, tile_full, tile_empty,
                                         1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
                                         EXP_EARLY)),
-                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
-                                        q_empty, k_full, v_full, k_empty, v_empty,
+                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
+                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
                                         tile_smem, tile_full, tile_empty,
                                         2, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
                                         EXP_EARLY)),
-                (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
-                                        q_empty, k_full, v_full, k_empty, v_empty,
+                (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
+                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
                                         seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
                                         COUNTER, tile_smem, tile_full, tile_empty,
@@ -959,24 +799,24 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
             ], [4, 4, 1], [CONSUMER_REGS_, CONSUMER_REGS_, PRODUCER_REGS_])
         else:
             gl.warp_specialize([
-                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
-                                        q_empty, k_full, v_full, k_empty, v_empty,
+                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
+                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
                                         tile_smem, tile_full, tile_empty,
                                         0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
                                         EXP_EARLY)),
-                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
-                                        q_empty, k_full, v_full, k_empty, v_empty,
+                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
+                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
                                         tile_smem, tile_full, tile_empty,
                                         1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
                                         EXP_EARLY)),
-                (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
-                                        q_empty, k_full, v_full, k_empty, v_empty,
+                (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
+                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
                                         seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
                                         COUNTER, tile_smem, tile_full, tile_empty,
@@ -1035,8 +875,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              IS_VARLEN, PAGED, PAGE)),
             ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
-    invalidate(q_bar, QBUF)
-    invalidate(q_empty, QBUF)
+    invalidate(q_bar, 1)
+    invalidate(q_empty, 1)
     invalidate(v_fixed, 1)
     invalidate(turn, WGS)
     invalidate(k_full, STAGES)
@@ -1109,29 +949,20 @@ def mask_kind(window_left: int, window_right: int) -> str:
     return "causal" if window_left < 0 else "window"
 
 
-def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int,
-                xtile: Optional[bool] = None) -> dict:
+def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> dict:
     """The forward's constexprs that depend on the problem's shape (``attn_fwd_sm90``, and the
     compile checks of ``inspect``): consumer warpgroups, keys per tile, ring stages, consumer
-    registers, pingpong, persistence and its scheduler, the exponentials' place, the
-    cross-tile pipeline (``XTILE``, or ``xtile`` when given). mask: ``mask_kind``'s."""
+    registers, pingpong, persistence and its scheduler, the exponentials' place. mask:
+    ``mask_kind``'s."""
     if mask not in ("none", "causal", "window"):
         raise ValueError(f"mask={mask!r}: expected 'none', 'causal' or 'window'")
     wide = _wide(head_dim, varlen, mask, max_seqlen_q)
     wgs = _wgs(head_dim, varlen, wide=wide)
     block_n, stages, regs = _tile(head_dim, wgs, wide)
     schedule = _schedule(head_dim, varlen)
-    pingpong = _pingpong(head_dim, wgs)
-    # (not at d=256: its shared memory does not fit two Q buffers; not on the 192x128 tile
-    # under a mask: its causal form spills 1.7 KB across the boundary then)
-    xtile = ((XTILE if xtile is None else xtile) and schedule is not None and not pingpong
-             and head_dim != 256 and not (wide and mask != "none"))
-    if xtile and head_dim == 128:  # (two Q buffers: 64 KB of shared memory)
-        stages = 2
     return dict(WGS=wgs, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=regs,
-                PINGPONG=pingpong, PERSISTENT=schedule is not None,
-                DYNAMIC=schedule == "dynamic", EXP_EARLY=_exp_early(head_dim, wide, mask),
-                XTILE=xtile)
+                PINGPONG=_pingpong(head_dim, wgs), PERSISTENT=schedule is not None,
+                DYNAMIC=schedule == "dynamic", EXP_EARLY=_exp_early(head_dim, wide, mask))
 
 
 def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -125,7 +125,7 @@ PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
 
 @needs_sm90
 @pytest.mark.parametrize("mode", ["0", "static", "dynamic", "dynamic-wg3", "dynamic-wg3-pingpong",
-                                  "dynamic-wg3-wide-pingpong", "dynamic-xtile", "static-xtile-wide"])
+                                  "dynamic-wg3-wide-pingpong"])
 @pytest.mark.parametrize("c", PERSISTENT_CASES, ids=lambda c: "sm90-persistent-" + c.id)
 def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     """The sm90 forward's tile schedules (IOATTN_SM90_PERSISTENT; by default dynamic at d=64 and
@@ -133,26 +133,9 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     drawn from an atomic counter and passed to the consumers through shared memory (the K/V
     ring and the barrier phases run on across tiles, O is stored from registers while the next
     tile's Q loads); at d=64 also with three consumer warpgroups (IOATTN_SM90_WG3_PERSISTENT),
-    and those taking turns round robin (IOATTN_SM90_PINGPONG=1: the turns run on across tiles);
-    and the tiles as one pipeline (IOATTN_SM90_FWD_XTILE=1: Q in two buffers, each tile's last
-    PV after the next tile's first QKᵀ; also on the d=64 192x128 tile), on 3 CTAs so that each
-    runs many tiles (masked ones, and tiles with no key block after ones with work). Run twice:
-    the counter is zeroed per launch."""
+    and those taking turns round robin (IOATTN_SM90_PINGPONG=1: the turns run on across tiles).
+    Run twice: the counter is zeroed per launch."""
     from ioattn.dense import sm90_fwd
-
-    if mode.endswith("xtile") or mode.endswith("xtile-wide"):
-        monkeypatch.setattr(sm90_fwd, "XTILE", True)
-        if mode.endswith("wide"):
-            if c.d != 64:
-                pytest.skip("the 192x128 tile runs at d=64 only")
-            monkeypatch.setattr(sm90_fwd, "WG3_BLOCK_N", "128")
-        mode = mode.split("-")[0]
-        monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", mode)
-        window_right = 0 if c.causal else c.window[1]
-        mask = sm90_fwd.mask_kind(c.window[0], window_right)
-        if not sm90_fwd.launch_form(c.d, False, mask, c.s_q)["XTILE"]:
-            pytest.skip("this form runs one tile at a time (d=256, or the 192x128 tile masked)")
-        monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: 3)
 
     if mode.startswith("dynamic-wg3"):
         if c.d != 64:
@@ -195,15 +178,7 @@ def test_sm90_persistent_schedule_rule(monkeypatch):
     assert early(64, True, "none") and not early(64, True, "causal")
     assert not early(64, False, "none") and not early(128, False, "none")
     form = sm90_fwd.launch_form(64, False, "none", 8192)
-    assert (form["WGS"], form["BLOCK_N"], form["EXP_EARLY"], form["XTILE"]) == (3, 128, True, False)
-    monkeypatch.setattr(sm90_fwd, "XTILE", True)  # (d=128: two ring stages beside two Q buffers)
-    assert sm90_fwd.launch_form(64, False, "none", 8192)["XTILE"]
-    assert not sm90_fwd.launch_form(64, True, "none", 8192)["XTILE"]  # (varlen: one CTA a tile)
-    assert sm90_fwd.launch_form(128, False, "causal", 8192)["STAGES"] == 2
-    assert not sm90_fwd.launch_form(256, False, "none", 8192)["XTILE"]  # (shared memory)
-    assert not sm90_fwd.launch_form(64, False, "causal", 8192)["XTILE"]  # (192x128: spills)
-    assert sm90_fwd.launch_form(64, False, "causal", 2048)["XTILE"]  # (two warpgroups)
-    monkeypatch.setattr(sm90_fwd, "XTILE", False)
+    assert (form["WGS"], form["BLOCK_N"], form["EXP_EARLY"]) == (3, 128, True)
     assert not sm90_fwd.launch_form(64, False, "causal", 8192)["EXP_EARLY"]
     with pytest.raises(ValueError, match="mask"):
         sm90_fwd.launch_form(64, False, "full", 8192)
@@ -537,9 +512,8 @@ def test_sm90_kernel_compiles_for_hopper():
     # causal fused backward with its steps in masked / unmasked loops (or in one), the dK/dV
     # kernels with LSE / delta held in registers (IOATTN_SM90_BWD_ROW_STATS=0), and the d=64
     # persistent forward on three warpgroups taking turns round robin, also on FA3's 192x128
-    # tile (opt-in), the d=64 causal forward as launched at 2k (two warpgroups), and the
-    # persistent tiles as one pipeline (opt-in: d=64 full and causal at 2k, d=128 full and causal)
-    assert len(reports) == 66, names
+    # tile (opt-in), and the d=64 causal forward as launched at 2k (two warpgroups)
+    assert len(reports) == 62, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
@@ -550,10 +524,6 @@ def test_sm90_kernel_compiles_for_hopper():
             limit = 1024 if "d128" in r["name"] else 128
             if "segments=True" in r["name"]:  # (d=128) three copies of the step, each spilling
                 limit = 4096
-        elif "xtile" in r["name"]:
-            # (opt-in) the cross-tile pipeline's loop state across tiles: 44-316 B, outside
-            # the key-block loop
-            limit = 512
         elif r["name"].startswith("sm90 fwd d128 causal"):
             limit = 128  # the persistent (dynamic) form: ~70 B, tile ids and offsets
         elif r["name"].startswith("sm90 fwd d64 causal 192x128"):
