@@ -87,9 +87,10 @@ class IoAttn(Impl):
 
     def build(self, inp: Inputs, shape: Shape) -> Built:
         func, (q, k, v) = get_ioattn_func(), (inp.q, inp.k, inp.v)
-        backend = self.backend
-        return Built(lambda: func(q, k, v, causal=shape.causal, backend=backend), [q, k, v],
-                     inp.dout, bhsd=False)
+        backend, kw = self.backend, dict(causal=shape.causal)
+        if shape.softcap:
+            kw["softcap"] = shape.softcap
+        return Built(lambda: func(q, k, v, backend=backend, **kw), [q, k, v], inp.dout, bhsd=False)
 
 
 class Sdpa(Impl):
@@ -103,6 +104,8 @@ class Sdpa(Impl):
         return sdpa_kernel(getattr(SDPBackend, self.backend_name))
 
     def build(self, inp: Inputs, shape: Shape) -> Built:
+        if shape.softcap:
+            raise ValueError("SDPA has no softcap: not timed in a --softcap run")
         q, k, v, dout = inp.bhsd()
         causal = shape.causal
         return Built(
@@ -115,7 +118,8 @@ class Flex(Impl):
     needs_cuda = True
     _cache: dict[tuple, tuple[Callable[..., Tensor], object]] = {}
 
-    def _compiled(self, shape: Shape, device: torch.device) -> tuple[Callable[..., Tensor], object]:
+    def _compiled(self, shape: Shape, device: torch.device) -> tuple[Callable[..., Tensor], object,
+                                                                     object]:
         """Compile once per problem. Dynamo is reset on a new problem so the grid never hits
         the recompile limit (which would silently fall back to eager flex, which is very slow)."""
         key = shape.data_key + (str(device),)
@@ -130,13 +134,25 @@ class Flex(Impl):
                     lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
                     B=None, H=None, Q_LEN=shape.s, KV_LEN=shape.s, device=device,
                 )
-            self._cache[key] = (torch.compile(flex_attention, dynamic=False), mask)
+            self._cache[key] = (torch.compile(flex_attention, dynamic=False), mask,
+                                _softcap_mod(shape.softcap))
         return self._cache[key]
 
     def build(self, inp: Inputs, shape: Shape) -> Built:
         q, k, v, dout = inp.bhsd()
-        fn, mask = self._compiled(shape, q.device)
-        return Built(lambda: fn(q, k, v, block_mask=mask), [q, k, v], dout, True)
+        fn, mask, mod = self._compiled(shape, q.device)
+        return Built(lambda: fn(q, k, v, block_mask=mask, score_mod=mod), [q, k, v], dout, True)
+
+
+def _softcap_mod(cap: float):
+    """Flex's score_mod for softcap (scores arrive scaled), None without one."""
+    if not cap:
+        return None
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return mod
 
 
 IMPLS: dict[str, Impl] = {

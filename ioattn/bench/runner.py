@@ -298,7 +298,12 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--merge", action="store_true", help="merge into an existing JSON (new rows replace old)")
     p.add_argument("--resume", action="store_true", help="--merge and skip cells already in the JSON")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--softcap", type=float, default=0.0,
+                   help="cap * tanh(score / cap) in every cell (SDPA has none: its rows say so); "
+                        "write such a run to its own --out")
     a = p.parse_args(argv)
+    if a.softcap < 0:
+        p.error(f"--softcap {a.softcap}: expected a cap > 0, or 0 for none")
     a.dims = a.dims or list(QUICK_DIMS if a.quick else DIMS)
     a.seqlens = a.seqlens or list(QUICK_SEQLENS if a.quick else SEQLENS)
     bad = [n for n in a.impls if n not in anchors.IMPLS]
@@ -339,7 +344,7 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     a = parse_args(argv)
     device = torch.device(a.device)
     causals = {"both": [False, True], "true": [True], "false": [False]}[a.causal]
-    shapes = fa_grid(a.tokens, a.hidden, a.dims, a.seqlens, causals, a.dtypes, a.modes)
+    shapes = fa_grid(a.tokens, a.hidden, a.dims, a.seqlens, causals, a.dtypes, a.modes, a.softcap)
     env = collect_env(device)
     path = default_json_path(a.out, env)
     timer = (f"triton.testing.do_bench(warmup={a.warmup}, rep={a.rep}, return_mode='median')"
@@ -347,6 +352,7 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     if a.rounds > 1:
         timer += f"; impls timed in turn in {a.rounds} rounds of rep/{a.rounds} ms, median of rounds"
     method = {"flops": FLOPS_FORMULA, "timer": timer, "tokens": a.tokens, "hidden": a.hidden,
+              "softcap": a.softcap,
               "ratio": "ioattn TFLOP/s / anchor TFLOP/s", "check": "max abs err of output (and dq in bwd) vs ref"}
     old: list[Row] = load_rows(path) if (a.merge or a.resume) and path.exists() else []
     if a.resume:

@@ -28,6 +28,7 @@ class Shape:
     b: int
     causal: bool
     dtype: str  # key of DTYPES
+    softcap: float = 0.0  # cap * tanh(score / cap) before the softmax (0: none); a run's setting
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -36,7 +37,7 @@ class Shape:
     @property
     def data_key(self) -> tuple:
         """Identifies the tensors (fwd and bwd cells of the same problem share compiled anchors)."""
-        return (self.b, self.h, self.s, self.d, self.causal, self.dtype)
+        return (self.b, self.h, self.s, self.d, self.causal, self.dtype, self.softcap)
 
     def flops(self) -> float:
         f = 4.0 * self.b * self.h * self.s * self.s * self.d
@@ -56,6 +57,7 @@ def fa_grid(
     causals: Iterable[bool] = (False, True),
     dtypes: Iterable[str] = ("bf16",),
     modes: Iterable[str] = MODES,
+    softcap: float = 0.0,
 ) -> list[Shape]:
     """The grid in run order; mode is innermost so fwd/bwd of a problem reuse one flex compile."""
     out: list[Shape] = []
@@ -72,5 +74,6 @@ def fa_grid(
                     for mode in modes:
                         if mode not in MODES:
                             raise ValueError(f"unknown mode {mode!r}")
-                        out.append(Shape(mode, d, hidden // d, s, tokens // s, causal, dt))
+                        out.append(Shape(mode, d, hidden // d, s, tokens // s, causal, dt,
+                                         softcap))
     return out

@@ -174,7 +174,8 @@ def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
     def sm90_preferred():
         from ioattn.dense import sm90_fwd
 
-        return sm90_fwd.preferred(q.shape[-1], masked, max_seqlen_q, max_seqlen_k, varlen)
+        return sm90_fwd.preferred(q.shape[-1], masked, max_seqlen_q, max_seqlen_k, varlen,
+                                  softcap)
 
     fwd = resolve_backend(backend, q.device, sm90_problem, sm90_preferred)
     if fwd == "reference" or backend == "triton" or sm90_unavailable_reason(q.device) is not None \
@@ -287,7 +288,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
             includes it, and it gets a gradient when it requires one.
         backend: 'auto' (default: 'sm90' on Hopper where it covers the call, else 'triton'),
             'sm90' (the Gluon FA3-design kernels, forward and backward, d = d_v in {64, 128,
-            256}; it raises for what they do not cover, e.g. softcap), 'triton' (portable Triton
+            256}; it raises for what they do not cover, e.g. ALiBi, or softcap with a gradient:
+            the sm90 forward takes softcap, its backward not yet), 'triton' (portable Triton
             kernels) or 'reference' (plain PyTorch). A requested backend that cannot run the call
             raises ValueError. 'auto' picks the forward's and the backward's kernels separately.
 

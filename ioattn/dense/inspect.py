@@ -213,6 +213,8 @@ def _gluon_signature(fn, dtype: str, desc_rows: dict, d: int) -> dict:
             sig[name] = "*i32"
         elif name in ("qk_scale_log2", "sm_scale"):
             sig[name] = "fp32"
+        elif name == "softcap_scale":  # None (no softcap, a constexpr) unless a job says "fp32"
+            sig[name] = "constexpr"
         elif name.isupper() or name.endswith("_"):
             sig[name] = "constexpr"
         else:
@@ -308,14 +310,9 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                      for tag_, right, bn_, st_, pp in wg3]
             # the batched causal forward as launched below 4k queries (two warpgroups, 128-key
             # tiles, persistent)
-            form = sm90_fwd.launch_form(d, False, "causal", 2048)
-            jobs.append((f"sm90 fwd d{d} causal 2k {64 * form['WGS']}x{form['BLOCK_N']} ws",
-                         sm90_fwd._attn_fwd_sm90,
-                         dict(q_desc=64, o_desc=64, k_desc=form["BLOCK_N"],
-                              v_desc=form["BLOCK_N"]), d,
-                         dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True,
-                              PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1,
-                              **form)))
+            jobs.append(_batched_causal_job(d, "2k ", 2048))
+        if d == 128:  # softcap (its tanh before the softmax), the causal form of long problems
+            jobs.append(_batched_causal_job(d, "softcap ", 1 << 14, softcap_scale="fp32"))
         # the KV-cache forward over pages of 16 (one TMA copy per page)
         jobs.append((f"sm90 fwd paged16 d{d} causal 128x{bn} ws", sm90_fwd._attn_fwd_sm90,
                      dict(q_desc=64, o_desc=64, k_desc=16, v_desc=16), d,
@@ -323,8 +320,27 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                           STAGES=sm90_fwd._stages(d), BLOCK_N=bn, PAGED=True, PAGE=16,
                           PINGPONG=sm90_fwd._pingpong(d, 2), PERSISTENT=False, WGS=2,
                           EXP_EARLY=sm90_fwd._exp_early(d, False, "causal"))))
-    return [(name, fn, _gluon_signature(fn, dtype, desc_rows, d), ce)
-            for name, fn, desc_rows, d, ce in jobs]
+    out = []
+    for name, fn, desc_rows, d, ce in jobs:
+        sig = _gluon_signature(fn, dtype, desc_rows, d)
+        if ce.get("softcap_scale") == "fp32":  # softcap on: a runtime scale
+            sig["softcap_scale"] = "fp32"
+            ce = {k: v for k, v in ce.items() if k != "softcap_scale"}
+        out.append((name, fn, sig, ce))
+    return out
+
+
+def _batched_causal_job(d: int, tag: str, s_q: int, **extra) -> tuple:
+    """(``gluon_jobs``) The batched causal forward in the form its launcher takes at s_q
+    queries; extra constexprs (or ``softcap_scale="fp32"``) added."""
+    from ioattn.dense import sm90_fwd
+
+    form = sm90_fwd.launch_form(d, False, "causal", s_q)
+    return (f"sm90 fwd d{d} causal {tag}{64 * form['WGS']}x{form['BLOCK_N']} ws",
+            sm90_fwd._attn_fwd_sm90,
+            dict(q_desc=64, o_desc=64, k_desc=form["BLOCK_N"], v_desc=form["BLOCK_N"]), d,
+            dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True,
+                 PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1, **extra, **form))
 
 
 def _gluon_compile(fn, sig: dict, constexprs: dict, arch: int, options: dict):

@@ -1087,7 +1087,7 @@ def unsupported_reason(head_dim: int, head_dim_v: int, softcap: float, has_alibi
         return (f"head dims (d={head_dim}, d_v={head_dim_v}) are not covered by the sm90 backward "
                 f"(d = d_v in {SUPPORTED_HEAD_DIMS}{extra})")
     if softcap > 0 or has_alibi or dropout_p > 0:
-        return "softcap, ALiBi and dropout are not covered by the sm90 kernels yet"
+        return "softcap, ALiBi and dropout are not covered by the sm90 backward yet"
     return None
 
 

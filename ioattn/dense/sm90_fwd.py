@@ -465,7 +465,7 @@ def _store_rows(O, out, o_base_off, stride_om, row0, seqlen_q):
 @gluon.jit
 def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty,
                   v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles, window_left,
-                  window_right, qk_scale_log2, it0, rnd0, q_phase, WG: gl.constexpr,
+                  window_right, qk_scale_log2, softcap_scale, it0, rnd0, q_phase, WG: gl.constexpr,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                   EXP_EARLY: gl.constexpr):
@@ -493,12 +493,14 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
         # prologue: S_0 and its softmax (EXP_EARLY: P carried as PV's register operand)
         p, m_i, l_i = _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it0, rnd0, lo,
                                    row0, seqlen_k, off, window_left, window_right,
-                                   qk_scale_log2, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG,
+                                   qk_scale_log2,
+                                   softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG,
                                    EXP_EARLY)
         p, acc, m_i, l_i = _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
                                           turn, p, acc, m_i, l_i, it0, rnd0, n_tiles, lo, row0,
                                           seqlen_k, off, window_left, window_right,
-                                          qk_scale_log2, WG, STAGES, HAS_LEFT, HAS_RIGHT,
+                                          qk_scale_log2,
+                                          softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT,
                                           PINGPONG, EXP_EARLY)
         if PERSISTENT:
             # every QKᵀ of this tile has retired: the producer may load the next tile's Q
@@ -522,7 +524,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
 @gluon.jit
 def _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, p, acc, m_i, l_i,
                    it0, rnd0, n_tiles, lo, row0, seqlen_k, off, window_left, window_right,
-                   qk_scale_log2, WG: gl.constexpr, STAGES: gl.constexpr,
+                   qk_scale_log2, softcap_scale, WG: gl.constexpr, STAGES: gl.constexpr,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PINGPONG: gl.constexpr,
                    EARLY: gl.constexpr):
     """Key blocks 1 .. n_tiles - 1 of a tile (block 0's softmax done, its P in p), the steady
@@ -535,16 +537,31 @@ def _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, p,
         p, alpha, m_i, l_i, acc = _block_step(q, k_smem, v_smem, k_full, v_full, k_empty,
                                               v_empty, turn, s_zero, p, acc, m_i, l_i, it0 + j, rnd0 + j,
                                               lo + j * BLOCK_N, row0, seqlen_k, off, window_left,
-                                              window_right, qk_scale_log2, WG, STAGES, HAS_LEFT,
+                                              window_right, qk_scale_log2,
+                                              softcap_scale, WG, STAGES, HAS_LEFT,
                                               HAS_RIGHT, PINGPONG, EARLY)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     return p, acc, m_i, l_i
 
 
 @gluon.jit
+def _softcap(s, softcap_scale):
+    """Softcap's tanh(s * softcap_scale) of raw scores (the caller's qk_scale_log2 is then
+    softcap * log2 e, so the softmax sees softcap * tanh(s * scale / softcap) in the log2
+    domain); s unchanged when softcap_scale is None (no softcap: a compile-time branch).
+    tanh(x) = 1 - 2 / (1 + e^2x): one exp2 and a fast division, saturating to +-1 without a
+    branch; absolute error ~1e-7 (MUFU's tanh.approx would be one instruction less at 2^-11
+    relative: 0.02 on a score capped at 50)."""
+    if softcap_scale is not None:
+        e2x = gl.exp2(s * (softcap_scale * 2.8853900817779268))  # e^2x: 2 log2(e) x
+        s = 1.0 - gl.fdiv(gl.full_like(s, 2.0), 1.0 + e2x)
+    return s
+
+
+@gluon.jit
 def _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it, rnd, col0, row0,
                  seqlen_k, off,
-                 window_left, window_right, qk_scale_log2, WG: gl.constexpr,
+                 window_left, window_right, qk_scale_log2, softcap_scale, WG: gl.constexpr,
                  STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                  PINGPONG: gl.constexpr, EARLY: gl.constexpr):
     """A tile's first key block (ring position it, keys from col0) with no PV in flight: S on
@@ -558,7 +575,7 @@ def _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it, rnd, co
     s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
     _pass_turn(turn, WG, PINGPONG)
-    s = warpgroup_mma_wait(0, deps=[s_tok])
+    s = _softcap(warpgroup_mma_wait(0, deps=[s_tok]), softcap_scale)
     mbarrier.arrive(k_empty.index(st), count=1)
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left,
                                        window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT,
@@ -569,6 +586,7 @@ def _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it, rnd, co
 @gluon.jit
 def _block_step(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, s_zero, p, acc, m_i,
                 l_i, it, rnd, col0, row0, seqlen_k, off, window_left, window_right, qk_scale_log2,
+                softcap_scale,
                 WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                 HAS_RIGHT: gl.constexpr, PINGPONG: gl.constexpr, EARLY: gl.constexpr):
     """One steady-state step: QK of the block at ring position it (keys from col0) issued, then
@@ -587,7 +605,7 @@ def _block_step(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, s_zer
                           is_async=True)
     acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
     _pass_turn(turn, WG, PINGPONG)
-    s = warpgroup_mma_wait(1, deps=[s_tok])
+    s = _softcap(warpgroup_mma_wait(1, deps=[s_tok]), softcap_scale)
     mbarrier.arrive(k_empty.index(st), count=1)  # K is consumed: the producer refills it
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left,
                                        window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT,
@@ -619,12 +637,14 @@ def _store_lse(LSE, lse, lse_off, row0, seqlen_q):
 def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
               v_empty, v_fixed, turn, o_row, o_col, o_base_off, stride_om, lse_off, start_m,
               seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right, qk_scale_log2,
+              softcap_scale,
               WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, EXP_EARLY: gl.constexpr):
     _first_turn(turn, WG, PINGPONG)
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                              v_empty, v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles,
-                             window_left, window_right, qk_scale_log2, 0, 0, 0, WG, STAGES,
+                             window_left, window_right, qk_scale_log2,
+                             softcap_scale, 0, 0, 0, WG, STAGES,
                              HAS_LEFT, HAS_RIGHT, ZERO_TAIL, PINGPONG, False, EXP_EARLY)
     row0 = start_m + WG * HALF_M
     _store_lse(LSE, lse, lse_off, row0, seqlen_q)
@@ -643,7 +663,7 @@ def _consume_persistent_tile(t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_b
                              k_full, v_full, k_empty, v_empty, v_fixed, turn, CU_Q, CU_K,
                              stride_om, stride_oh, stride_lb, stride_lh, n_heads, kv_group,
                              seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right,
-                             qk_scale_log2, WG: gl.constexpr, STAGES: gl.constexpr,
+                             qk_scale_log2, softcap_scale, WG: gl.constexpr, STAGES: gl.constexpr,
                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                              PINGPONG: gl.constexpr, EXP_EARLY: gl.constexpr):
     """One warpgroup's rows of tile t; returns the updated ring position, tiles-with-work count
@@ -655,7 +675,8 @@ def _consume_persistent_tile(t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_b
                             window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                              v_empty, v_fixed, turn, start_m, seqlen_q_fixed, seqlen_k_fixed,
-                             lo, n_tiles, window_left, window_right, qk_scale_log2, it, rnd,
+                             lo, n_tiles, window_left, window_right, qk_scale_log2,
+                             softcap_scale, it, rnd,
                              tc & 1, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG, True,
                              EXP_EARLY)
     _store_tile(out, lse, t, O, LSE, CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh,
@@ -688,7 +709,8 @@ def _store_tile(out, lse, t, O, LSE, CU_Q, CU_K, stride_om, stride_oh, stride_lb
 def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
                          k_empty, v_empty, v_fixed, turn, CU_Q, CU_K, stride_om, stride_oh,
                          stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
-                         n_bh, window_left, window_right, qk_scale_log2, tile_smem, tile_full,
+                         n_bh, window_left, window_right, qk_scale_log2,
+                         softcap_scale, tile_smem, tile_full,
                          tile_empty, WG: gl.constexpr,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr,
@@ -710,7 +732,8 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
             t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
             k_empty, v_empty, v_fixed, turn, CU_Q, CU_K, stride_om, stride_oh, stride_lb,
             stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
-            window_right, qk_scale_log2, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_EARLY)
+            window_right, qk_scale_log2,
+            softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_EARLY)
         k += 1
         t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
 
@@ -725,7 +748,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    PRODUCER_REGS_: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr,
                    PAGE: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                    WGS: gl.constexpr = 2,
-                   DYNAMIC: gl.constexpr = False, COUNTER=None, EXP_EARLY: gl.constexpr = False):
+                   DYNAMIC: gl.constexpr = False, COUNTER=None, EXP_EARLY: gl.constexpr = False,
+                   softcap_scale=None):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # PAGED: batched queries over a paged KV cache (``attn_fwd_sm90_paged``): CU_K holds the key
     # counts, BT the page table [batch, bt_width] (row stride stride_btb), k_desc / v_desc view
@@ -770,7 +794,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
-                                        seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
+                                        seqlen_k_fixed, n_bh, window_left, window_right,
+                                        qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty,
                                         0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
                                         EXP_EARLY)),
@@ -778,7 +803,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
-                                        seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
+                                        seqlen_k_fixed, n_bh, window_left, window_right,
+                                        qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty,
                                         1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
                                         EXP_EARLY)),
@@ -786,7 +812,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
-                                        seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
+                                        seqlen_k_fixed, n_bh, window_left, window_right,
+                                        qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty,
                                         2, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
                                         EXP_EARLY)),
@@ -803,7 +830,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
-                                        seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
+                                        seqlen_k_fixed, n_bh, window_left, window_right,
+                                        qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty,
                                         0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
                                         EXP_EARLY)),
@@ -811,7 +839,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
-                                        seqlen_k_fixed, n_bh, window_left, window_right, qk_scale_log2,
+                                        seqlen_k_fixed, n_bh, window_left, window_right,
+                                        qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty,
                                         1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
                                         EXP_EARLY)),
@@ -834,19 +863,22 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
-                             qk_scale_log2, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
+                             qk_scale_log2,
+                             softcap_scale, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
                              PINGPONG, EXP_EARLY)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
-                             qk_scale_log2, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
+                             qk_scale_log2,
+                             softcap_scale, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
                              PINGPONG, EXP_EARLY)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
-                             qk_scale_log2, 2, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
+                             qk_scale_log2,
+                             softcap_scale, 2, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
                              PINGPONG, EXP_EARLY)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
@@ -860,13 +892,15 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
-                             qk_scale_log2, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
+                             qk_scale_log2,
+                             softcap_scale, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
                              PINGPONG, EXP_EARLY)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
-                             qk_scale_log2, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
+                             qk_scale_log2,
+                             softcap_scale, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
                              PINGPONG, EXP_EARLY)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
@@ -892,8 +926,8 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_d
     if head_dim not in SUPPORTED_HEAD_DIMS or head_dim_v != head_dim:
         return (f"head dims (d={head_dim}, d_v={head_dim_v}) are not covered yet: the sm90 kernels "
                 f"take d = d_v in {SUPPORTED_HEAD_DIMS}")
-    if softcap > 0 or has_alibi or dropout_p > 0:
-        return "softcap, ALiBi and dropout are not covered by the sm90 kernels yet"
+    if has_alibi or dropout_p > 0:
+        return "ALiBi and dropout are not covered by the sm90 kernels yet"
     if q.dtype not in OPERAND_DTYPES:
         return f"dtype {q.dtype} is not fp16/bf16"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -904,7 +938,7 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_d
 
 
 def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
-              varlen: bool = False) -> bool:
+              varlen: bool = False, softcap: float = 0.0) -> bool:
     """Whether 'auto' should take this kernel over the portable one: where it measured faster on
     the H200 (benchmarks/NOTES.md, results/sm90_fwd_*quick_*.json): d=128 from s=2k (1.01-1.32x
     the portable kernel), d=256 from 2k (1.32-1.42x); d=64 from 4k with three consumer
@@ -918,7 +952,11 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     pipelined key loop, so a shorter query block over as many keys gains too: 512 queries over 4608 keys (chunked prefill, d=128 causal GQA)
     ran at 590 TFLOP/s through the paged form of this kernel against 454 through the portable
     one (results/chunked_sm90_paged_nvidia-h200_2026-11-29.json); that rule is kept to d >= 128,
-    where it was measured. Shorter problems were not measured: the portable kernel keeps them."""
+    where it was measured. Shorter problems were not measured: the portable kernel keeps them.
+    Softcap: covered (backend='sm90'), not yet tested or timed on the H200, so the portable
+    kernel keeps it (benchmarks/NOTES.md, session 13)."""
+    if softcap > 0:
+        return False
     if head_dim == 64:
         if not masked and _persistent(64, varlen):  # batched: the persistent form
             return max_seqlen_q >= 2048
@@ -991,7 +1029,9 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         p.cu_seqlens_q if p.is_varlen else dummy, p.cu_seqlens_k if p.is_varlen else dummy, dummy,
         out.stride(-3), out.stride(-2), *p.lse_strides(lse), 0, 0,
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, p.batch * n_heads,
-        p.softmax_scale * LOG2E, p.window_left, p.window_right,
+        # softcap: tanh(qk * scale / cap) in the kernel, times cap * log2 e in its softmax
+        (p.softcap if p.softcap > 0 else p.softmax_scale) * LOG2E, p.window_left, p.window_right,
+        softcap_scale=p.softmax_scale / p.softcap if p.softcap > 0 else None,
         IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
         PRODUCER_REGS_=PRODUCER_REGS, PAGED=False, PAGE=1, **form, COUNTER=counter, num_warps=4,
     )
@@ -1008,6 +1048,8 @@ def paged_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return "the sm90 KV-cache forward reads paged caches (block_table), not cache_batch_idx"
     if has_leftpad:
         return "cache_leftpad is not covered by the sm90 KV-cache forward"
+    if softcap > 0:
+        return "softcap is not covered by the sm90 KV-cache forward yet"
     problem = unsupported_reason(q, k_cache, v_cache, q.shape[-1], v_cache.shape[-1], softcap,
                                  has_alibi, 0.0, False)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):

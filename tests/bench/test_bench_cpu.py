@@ -141,3 +141,27 @@ def test_decode_suite_cpu(tmp_path, capsys):
     assert all(r["error"] == "RuntimeError: needs CUDA" for r in graphs)
     assert any(r["kind"] == "chunked_prefill" and "tflops" in r for r in rows)
     assert any(r["impl"] == "ioattn_varlen_paged" and "tflops" in r for r in rows)
+
+
+def test_cpu_softcap_run(monkeypatch, tmp_path):
+    """--softcap reaches ioattn's call in every cell; SDPA, which has none, says so in its rows
+    (and the grid goes on); the run records the cap."""
+    caps = []
+
+    def standin(q, k, v, causal=False, softcap=0.0, **_):
+        caps.append(softcap)
+        return standin_flash_attn_func(q, k, v, causal=causal)
+
+    monkeypatch.setattr(anchors, "get_ioattn_func", lambda: standin)
+    args = ARGS[:ARGS.index("--impls")] + ["--impls", "ioattn,sdpa_math", "--warmup", "1", "--rep",
+                                           "5", "--softcap", "5", "--modes", "fwd"]
+    assert runner.main(args + ["--out", str(tmp_path), "--no-plots"]) == 0
+    (path,) = tmp_path.glob("dense_cpu_*.json")
+    doc = json.loads(path.read_text())
+    assert doc["method"]["softcap"] == 5.0
+    assert caps and set(caps) == {5.0}
+    rows = doc["rows"]
+    assert all("ms" in r for r in rows if r["impl"] == "ioattn")
+    assert all("softcap" in r["error"] for r in rows if r["impl"] == "sdpa_math")
+    with pytest.raises(SystemExit):
+        runner.main(args[:-2] + ["--softcap", "-1", "--out", str(tmp_path)])

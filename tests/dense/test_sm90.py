@@ -390,15 +390,43 @@ def test_sm90_matches_triton_and_auto_picks_it(monkeypatch):
 
 
 @needs_sm90
-@pytest.mark.parametrize("kw", [dict(softcap=2.0), dict(dropout_p=0.1), dict(d=96), dict(strided=True)])
+@pytest.mark.parametrize("kw", [dict(softcap=2.0, grad=True), dict(dropout_p=0.1), dict(d=96),
+                                dict(strided=True)])
 def test_sm90_refuses_what_it_does_not_cover(kw):
+    """(softcap: the sm90 forward takes it, the sm90 backward not yet)"""
     d = kw.pop("d", 64)
-    q, k, v = (torch.randn(1, 64, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    grad = kw.pop("grad", False)
+    q, k, v = (torch.randn(1, 64, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+               for _ in range(3))
     if kw.pop("strided", False):  # heads not packed within a row: no TMA view
         q = torch.randn(1, 64, d, 4, device="cuda", dtype=torch.bfloat16).transpose(2, 3)
     with pytest.raises(ValueError, match="sm90"):
         ioattn.flash_attn_func(q, k, v, backend="sm90", **kw)
     ioattn.flash_attn_func(q, k, v, **kw)  # auto runs it on the portable kernels
+
+
+SOFTCAP_CASES = [Case(113, 203, d=64, softcap=2.0),
+                 Case(203, 113, d=128, causal=True, softcap=5.0),
+                 Case(1023, 1024, d=128, causal=True, softcap=30.0, dtype=FP16),
+                 Case(4133, 4133, d=64, causal=True, b=1, h=2, h_k=1, softcap=50.0),
+                 Case(2048, 2048, d=64, b=1, h=2, softcap=3.0),
+                 Case(777, 777, d=128, h=6, h_k=3, window=(100, -1), softcap=10.0),
+                 Case(300, 300, d=256, h=4, h_k=2, window=(50, 20), softcap=4.0)]
+
+
+@needs_sm90
+@pytest.mark.parametrize("c", SOFTCAP_CASES, ids=lambda c: "sm90-softcap-" + c.id)
+def test_sm90_softcap_fwd(c: Case):
+    """Softcap (cap * tanh(scores / cap)) in the sm90 forward, as launched: persistent batched
+    forms at d=64 / 128 (the d=64 192x128 tiles at 2k non-causal and 4k causal), one CTA a
+    tile at d=256 and varlen (the same rows packed, equal lengths)."""
+    q, k, v = (t.detach() for t in _inputs(c, "cuda"))
+    kw = dict(causal=c.causal, window_size=c.window, softcap=c.softcap)
+    out, lse, _ = ioattn.flash_attn_func(q, k, v, return_attn_probs=True, backend="sm90", **kw)
+    ref, lse_ref = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    _check_fwd(c, out, lse, ref, lse_ref, pt)
+    _matches_varlen(c, q, k, v, kw, out)
 
 
 @needs_sm90
@@ -441,6 +469,7 @@ def test_sm90_forward_preference_rule():
     if os.environ.get("IOATTN_TEST_SM90") == "always":
         pytest.skip("the forced-sm90 suite replaces the rule (tests/conftest.py)")
     assert sm90_fwd.preferred(128, True, 2048, 2048)
+    assert not sm90_fwd.preferred(128, True, 2048, 2048, False, 30.0)  # softcap: not yet timed
     assert sm90_fwd.preferred(128, True, 512, 4608)
     assert not sm90_fwd.preferred(128, True, 256, 4608)
     assert not sm90_fwd.preferred(128, False, 1024, 1024)
@@ -512,8 +541,9 @@ def test_sm90_kernel_compiles_for_hopper():
     # causal fused backward with its steps in masked / unmasked loops (or in one), the dK/dV
     # kernels with LSE / delta held in registers (IOATTN_SM90_BWD_ROW_STATS=0), and the d=64
     # persistent forward on three warpgroups taking turns round robin, also on FA3's 192x128
-    # tile (opt-in), and the d=64 causal forward as launched at 2k (two warpgroups)
-    assert len(reports) == 62, names
+    # tile (opt-in), the d=64 causal forward as launched at 2k (two warpgroups), and the d=128
+    # causal forward with softcap
+    assert len(reports) == 63, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
