@@ -282,19 +282,20 @@ for step in $steps; do
              --cells 1x32768x16,16x8192x16,64x4096x16,128x2048x16 --prefill-cells "" \
              --out "$OUT/decode_fp8_sm90$v.json" > "/tmp/decode_fp8_$v.log" 2>&1
              echo "== sm90 fp8=$v"; grep -E "ioattn_paged |_fp8|cudnn " "/tmp/decode_fp8_$v.log"; done ;;
-    sm90-softcap) # softcap in the sm90 forward (backend='sm90'; auto keeps it portable until
-           # timed): its tests, the dense suite's softcap cases forced through sm90, then the
-           # forward at cap 30 against the portable kernel and Flex (SDPA has no softcap)
+    sm90-softcap) # softcap in the sm90 kernels (backend='sm90'; auto keeps it portable until
+           # timed): their tests, the dense suite's softcap cases forced through sm90, then
+           # forward and backward at cap 30 against the portable kernels and Flex (SDPA has no
+           # softcap; d=256's backward is not covered: its sm90 rows say so) (200 + 200 + 400 s)
            timeout 200 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py \
              -k "softcap or refuses or preference" > "$OUT/tests_softcap.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_softcap.log"; tail -1 "$OUT/tests_softcap.log"
            IOATTN_TEST_SM90=always timeout 200 python -m pytest -q -n 8 -p no:cacheprovider \
              tests/dense -k "cap" > "$OUT/tests_softcap_forced.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_softcap_forced.log"; tail -1 "$OUT/tests_softcap_forced.log"
-           timeout 300 python -m ioattn bench --modes fwd --dims 64,128,256 --seqlens 2048,8192,16384 \
+           timeout 400 python -m ioattn bench --modes fwd,bwd --dims 64,128 --seqlens 2048,8192 \
              --dtypes bf16 --softcap 30 --impls ioattn_sm90,ioattn_triton,flex --rounds 2 --no-plots \
-             --out "$OUT/softcap_fwd.json" > /tmp/softcap.log 2>&1
-           grep -E "^fwd" /tmp/softcap.log ;;
+             --out "$OUT/softcap.json" > /tmp/softcap.log 2>&1
+           grep -E "^(fwd|bwd)" /tmp/softcap.log ;;
     sm90-decode-balanced) # FlashInfer's balanced split on the sm90 decode kernel (opt-in,
            # IOATTN_SM90_DECODE_BALANCED): its tests, then the decode cells on / off (120 + 2 x 200 s)
            IOATTN_SM90_DECODE_BALANCED=1 timeout 120 python -m pytest -q -n 8 -p no:cacheprovider \

@@ -185,7 +185,8 @@ def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
 
     reason = sm90_bwd.unsupported_reason(q.shape[-1], v.shape[-1], softcap, alibi_slopes is not None,
                                          dropout_p)
-    if reason is None and (backend == "sm90" or sm90_bwd.preferred(q.shape[-1], masked, max_seqlen_k)):
+    if reason is None and (backend == "sm90"
+                           or sm90_bwd.preferred(q.shape[-1], masked, max_seqlen_k, softcap)):
         return fwd, "sm90"
     if backend == "sm90" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         _fail(f"backend='sm90' cannot run this call's backward: {reason}; pass backend='auto' (the "
@@ -288,8 +289,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
             includes it, and it gets a gradient when it requires one.
         backend: 'auto' (default: 'sm90' on Hopper where it covers the call, else 'triton'),
             'sm90' (the Gluon FA3-design kernels, forward and backward, d = d_v in {64, 128,
-            256}; it raises for what they do not cover, e.g. ALiBi, or softcap with a gradient:
-            the sm90 forward takes softcap, its backward not yet), 'triton' (portable Triton
+            256}; it raises for what they do not cover, e.g. ALiBi, or softcap with a gradient
+            at d=256), 'triton' (portable Triton
             kernels) or 'reference' (plain PyTorch). A requested backend that cannot run the call
             raises ValueError. 'auto' picks the forward's and the backward's kernels separately.
 

@@ -286,12 +286,18 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                 forms += [(f"{suffix}{other_rs}", dict(form, ROW_STATS=not sm90_bwd.ROW_STATS))
                           for suffix, form in (("", two_kernel), (f"+dq {launched}",
                                                                   fused[launched]))]
+                if tag == "causal":  # softcap: tanh on Sᵀ, P (1 - tanh²) into dS
+                    forms.append((f"+dq {launched} softcap", dict(fused[launched],
+                                                                  softcap_scale="fp32")))
                 jobs += [(f"sm90 bwd dkdv{suffix} d{d} {tag} 128 keys ws", sm90_bwd._bwd_dkdv_sm90,
                           bwd_desc, d, dict(flags, STAGES=sm90_bwd.DKDV_STAGES, **form))
                          for suffix, form in forms]
-            jobs.append((f"sm90 bwd dq d{d} {tag} 128x{dq_bn} ws", sm90_bwd._bwd_dq_sm90,
-                         dict(q_desc=64, do_desc=64, k_desc=dq_bn, v_desc=dq_bn), d,
-                         dict(flags, STAGES=sm90_bwd.DQ_STAGES)))
+            dq_forms = [("", {})] + ([(" softcap", dict(softcap_scale="fp32"))]
+                                     if (d, tag) == (128, "causal") else [])
+            jobs += [(f"sm90 bwd dq{suffix} d{d} {tag} 128x{dq_bn} ws", sm90_bwd._bwd_dq_sm90,
+                      dict(q_desc=64, do_desc=64, k_desc=dq_bn, v_desc=dq_bn), d,
+                      dict(flags, STAGES=sm90_bwd.DQ_STAGES, **extra))
+                     for suffix, extra in dq_forms]
         if d == 64:  # (opt-in, IOATTN_SM90_WG3_PERSISTENT) the persistent form on 3 warpgroups,
             # and (opt-in, IOATTN_SM90_PINGPONG=1) with their turns round robin; and (opt-in,
             # IOATTN_SM90_WG3_BLOCK_N=128) FA3's 192x128 tile non-causal, with the turns

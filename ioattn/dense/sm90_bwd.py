@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (barriers, floor_div, invalidate, query_tile, query_tiles,
-                                      rows_descriptor, seq_bounds, tma_reduce_add,
+                                      rows_descriptor, seq_bounds, softcap_tanh, tma_reduce_add,
                                       wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile,
                                       zero_tail_rows)
 from ioattn.dense.triton_bwd import bwd_preprocess
@@ -135,6 +135,20 @@ def _tile_needs_mask(m0, n0, seqlen_q, seqlen_k, off, window_left, window_right,
     if HAS_LEFT:
         need = need | (n0 < m0 + HALF - 1 + off - window_left)
     return need
+
+
+@gluon.jit
+def _softcap_p_grad(p, lse2, qk_scale_log2):
+    """P (1 - t²) for dS = P (dP - delta) (1 - t²) under softcap, t the capped score's tanh,
+    recovered from P itself: P = exp2(t · qk_scale_log2 - lse2), so t = (log2 P + lse2) /
+    qk_scale_log2 (one MUFU lg2 a score; ``gl.log2`` compiled to a longer sequence and spilled
+    more). Keeping 1 - t² from Sᵀ instead held another 64x64 fp32 tile across the wait for dPᵀ:
+    the d=128 fused causal kernel spilled 348 B that way, 120 B this way (16 B without
+    softcap). P = 0 (masked, or underflow) stays 0."""
+    lg = gl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [p], dtype=gl.float32,
+                                   is_pure=True, pack=1)
+    t = (lg + lse2) * (1.0 / qk_scale_log2)
+    return gl.where(p > 0.0, p * (1.0 - t * t), 0.0)
 
 
 @gluon.jit
@@ -267,7 +281,8 @@ def _qdo_stage(t, q_smem, do_smem, qdo_full, fixed, fixes, m0, seqlen_q, STAGES:
 @gluon.jit
 def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base,
                  stride_lh, h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left,
-                 window_right, qk_scale_log2, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                 window_right, qk_scale_log2,
+                 softcap_scale, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                  HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, MASK: gl.constexpr,
                  ROW_STATS: gl.constexpr):
     """Step t's start in a dK/dV consumer warpgroup: its 64 query rows' LSE and delta, Q and dO
@@ -299,7 +314,7 @@ def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELT
     # dSᵀ is formed while dV's update runs (wgmma groups retire in issue order)
     s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(1, deps=[s_tok])
+    s = softcap_tanh(warpgroup_mma_wait(1, deps=[s_tok]), softcap_scale)
     if MASK == 1:
         s = _mask_scores(s, rows[None, :], cols[:, None], seqlen_q, seqlen_k, off, window_left,
                          window_right, HAS_LEFT, HAS_RIGHT)
@@ -317,15 +332,17 @@ def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELT
             p = s_zero
     else:
         p = gl.exp2(s * qk_scale_log2 - lse2[None, :])
+    op_layout: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(q_smem.shape[2]))
     dp = warpgroup_mma_wait(0, deps=[dp_tok])
     if ROW_STATS:
         delta = ld_smem.index(2 * st + 1).load(row_l)
         # every warp's reads of the stage's rows before the warpgroup's one qdo_empty arrival
         # (some orders have no barrier between them otherwise)
         gl.thread_barrier()
-    op_layout: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(q_smem.shape[2]))
     dv_tok = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), op_layout), do, dv,
                            is_async=True)
+    if softcap_scale is not None:  # from here p only forms dS: it carries tanh's derivative
+        p = _softcap_p_grad(p, lse2[None, :], qk_scale_log2)
     return st, q, do, p, dp, delta, fixes, dv_tok
 
 
@@ -333,7 +350,8 @@ def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELT
 def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                    qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, LSE, DELTA, lse_base,
                    stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
-                   window_right, qk_scale_log2, sm_scale, WG: gl.constexpr, STAGES: gl.constexpr,
+                   window_right, qk_scale_log2,
+                   softcap_scale, sm_scale, WG: gl.constexpr, STAGES: gl.constexpr,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
                    HAS_PREV: gl.constexpr, MASK: gl.constexpr, ROW_STATS: gl.constexpr):
     """(fused, DQ_LAG) Step t with step t - 1's dQ partial (HAS_PREV) issued right after this
@@ -346,6 +364,7 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_
     st, q, do, p, dp, delta, fixes, dv_tok = _dkdv_scores(
         t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
         h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
+        softcap_scale,
         STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK, ROW_STATS)
     if HAS_PREV:
         prev = ds_smem.index((t - 1) % 2)
@@ -402,6 +421,7 @@ def _mask_segments(lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
 def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base, stride_lh, h0,
                ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
+               softcap_scale,
                sm_scale, WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                DQ_FIRST: gl.constexpr, DQ_ALT: gl.constexpr, MASK: gl.constexpr,
@@ -416,6 +436,7 @@ def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem
     st, q, do, p, dp, delta, fixes, dv_tok = _dkdv_scores(
         t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
         h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
+        softcap_scale,
         STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK, ROW_STATS)
     ds = p * (dp - delta[None, :])
     if FUSED_DQ:
@@ -482,7 +503,7 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                    qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, dk_off,
                    dv_off, stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m,
                    n_steps, start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
-                   qk_scale_log2, sm_scale,
+                   qk_scale_log2, softcap_scale, sm_scale,
                    WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                    HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                    DQ_FIRST: gl.constexpr, DQ_LAG: gl.constexpr, DQ_ALT: gl.constexpr,
@@ -514,14 +535,16 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                 0, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                 qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, LSE, DELTA, lse_base,
                 stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
-                window_right, qk_scale_log2, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
+                window_right, qk_scale_log2,
+                softcap_scale, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
                 False, 2, ROW_STATS)
             for t in range(1, n_steps):
                 dv, dk, fixes = _dkdv_lag_step(
                     t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                     qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, LSE, DELTA, lse_base,
                     stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
-                    window_right, qk_scale_log2, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT,
+                    window_right, qk_scale_log2,
+                    softcap_scale, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT,
                     IS_VARLEN, True, 2, ROW_STATS)
             # the last step's dQ partial
             last = n_steps - 1
@@ -544,7 +567,8 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                         t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                         qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base,
                         stride_lh, h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
-                        qk_scale_log2, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ,
+                        qk_scale_log2,
+                        softcap_scale, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ,
                         IS_VARLEN, DQ_FIRST, DQ_ALT, 0 if run == 1 else 1, ROW_STATS)
     else:  # one loop, each tile's mask tested at run time
         for t in range(n_steps):
@@ -552,6 +576,7 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                 t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                 qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base, stride_lh, h0, ld_smem,
                 lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
+                softcap_scale,
                 sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_ALT, 2,
                 ROW_STATS)
 
@@ -633,7 +658,8 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                    STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
                    PRODUCER_REGS_: gl.constexpr, DQ_FIRST: gl.constexpr = False,
                    DQ_LAG: gl.constexpr = False, DQ_ALT: gl.constexpr = False,
-                   SEGMENTS: gl.constexpr = False, ROW_STATS: gl.constexpr = False):
+                   SEGMENTS: gl.constexpr = False, ROW_STATS: gl.constexpr = False,
+                   softcap_scale=None):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     (off_hk, q_start, seqlen_q, k_start, seqlen_k, start_n, lo_m, n_steps, h0, dk_off, dv_off,
      lse_base) = _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
@@ -696,14 +722,16 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m, n_steps,
-                              start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
+                              start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
+                              qk_scale_log2, softcap_scale, sm_scale,
                               0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
                               ROW_STATS)),
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m, n_steps,
-                              start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
+                              start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
+                              qk_scale_log2, softcap_scale, sm_scale,
                               1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
                               ROW_STATS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
@@ -720,14 +748,16 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m, n_steps,
-                              start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
+                              start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
+                              qk_scale_log2, softcap_scale, sm_scale,
                               0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
                               ROW_STATS)),
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
                               stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m, n_steps,
-                              start_n, q_start, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
+                              start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
+                              qk_scale_log2, softcap_scale, sm_scale,
                               1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
                               ROW_STATS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
@@ -963,22 +993,29 @@ def _dq_issue_sdp(q, do, k_smem, v_smem, kv_full, kv_fixed, s_zero, j, lo, seqle
 
 @gluon.jit
 def _dq_scores(s, dp, rows, row0, col0, lse2, delta, seqlen_q, seqlen_k, off, window_left,
-               window_right, qk_scale_log2, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """dS = P (dP - delta) of one key tile from col0, P = exp2(S·scale - LSE) under the masks."""
+               window_right, qk_scale_log2,
+               softcap_scale, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """dS = P (dP - delta) of one key tile from col0, P = exp2(S·scale - LSE) under the masks
+    (softcap: S is tanh(S · softcap_scale) first, and dS carries its derivative 1 - tanh²)."""
     BLOCK_N: gl.constexpr = s.shape[1]
+    s = softcap_tanh(s, softcap_scale)
+    if softcap_scale is not None:
+        dtanh = 1.0 - s * s
     if _tile_needs_mask(row0, col0, seqlen_q, seqlen_k, off, window_left, window_right,
                         HAS_LEFT, HAS_RIGHT):
         cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         s = _mask_scores(s, rows[:, None], cols[None, :], seqlen_q, seqlen_k, off, window_left,
                          window_right, HAS_LEFT, HAS_RIGHT)
     p = gl.exp2(s * qk_scale_log2 - lse2[:, None])
+    if softcap_scale is not None:
+        p = p * dtanh
     return p * (dp - delta[:, None])
 
 
 @gluon.jit
 def _dq_consumer(DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, kv_full, kv_empty,
                  kv_fixed, dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
-                 window_left, window_right, qk_scale_log2, sm_scale,
+                 window_left, window_right, qk_scale_log2, softcap_scale, sm_scale,
                  WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                  HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
     HEAD_D: gl.constexpr = q_smem.shape[2]
@@ -1008,7 +1045,8 @@ def _dq_consumer(DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, kv_full
                                       seqlen_k, STAGES, IS_VARLEN)
         s, dp = warpgroup_mma_wait(0, deps=[s_tok, dp_tok])
         ds = _dq_scores(s, dp, rows, row0, lo + j * BLOCK_N, lse2, delta, seqlen_q, seqlen_k,
-                        off, window_left, window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT)
+                        off, window_left, window_right, qk_scale_log2,
+                        softcap_scale, HAS_LEFT, HAS_RIGHT)
         dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_smem.index(st),
                                dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=[dq_tok])
@@ -1026,7 +1064,8 @@ def _bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, CU_Q, CU_K,
                  n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
                  sm_scale, qk_scale_log2, window_left, window_right,
                  IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                 STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr):
+                 STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
+                 softcap_scale=None):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = 2 * HALF
@@ -1052,11 +1091,11 @@ def _bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, CU_Q, CU_K,
     gl.warp_specialize([
         (_dq_consumer, (DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar.index(0), kv_full,
                         kv_empty, kv_fixed.index(0), dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
-                        window_left, window_right, qk_scale_log2, sm_scale,
+                        window_left, window_right, qk_scale_log2, softcap_scale, sm_scale,
                         0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)),
         (_dq_consumer, (DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar.index(0), kv_full,
                         kv_empty, kv_fixed.index(0), dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
-                        window_left, window_right, qk_scale_log2, sm_scale,
+                        window_left, window_right, qk_scale_log2, softcap_scale, sm_scale,
                         1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                         q_bar.index(0), kv_full, kv_empty, kv_fixed.index(0), q_row, off_h * HEAD_D,
@@ -1086,8 +1125,12 @@ def unsupported_reason(head_dim: int, head_dim_v: int, softcap: float, has_alibi
         extra = "; d=256 unless IOATTN_SM90_BWD_D256=0" if not D256 else ""
         return (f"head dims (d={head_dim}, d_v={head_dim_v}) are not covered by the sm90 backward "
                 f"(d = d_v in {SUPPORTED_HEAD_DIMS}{extra})")
-    if softcap > 0 or has_alibi or dropout_p > 0:
-        return "softcap, ALiBi and dropout are not covered by the sm90 backward yet"
+    if has_alibi or dropout_p > 0:
+        return "ALiBi and dropout are not covered by the sm90 backward yet"
+    if softcap > 0 and head_dim == 256:
+        # (the column-split kernel forms P and dS in different warpgroups: 1 - tanh² would have
+        # to cross shared memory too)
+        return "softcap is not covered by the sm90 backward at d=256 yet"
     return None
 
 
@@ -1120,14 +1163,15 @@ def segments(head_dim: int, masked: bool) -> bool:
     raise ValueError(f"IOATTN_SM90_BWD_SEGMENTS={SEGMENTS!r}: expected auto, 1 or 0")
 
 
-def preferred(head_dim: int, masked: bool, max_seqlen_k: int) -> bool:
+def preferred(head_dim: int, masked: bool, max_seqlen_k: int, softcap: float = 0.0) -> bool:
     """Whether 'auto' should take the sm90 backward over the portable one: where it measured
     faster on the H200. With the row stats in shared memory (results/sm90_bwd_rowstats1_ef679d0_*)
     it runs from 2k keys at every head dim: d=64 387 / 311 TFLOP/s non-causal / causal at 2k
     against the portable 364 / 307 (results/dense_76fc236_*.json), d=128 493 / 373 against 442
     (sm90 without row stats) / 323, d=256 398 / 331 against 131-150. Shorter problems were not
-    measured in these forms: the portable kernel keeps them."""
-    return max_seqlen_k >= 2048
+    measured in these forms: the portable kernel keeps them. Softcap: covered at d in {64, 128}
+    (backend='sm90'), not yet tested or timed on the H200, so the portable kernel keeps it."""
+    return max_seqlen_k >= 2048 and softcap == 0
 
 
 def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -1158,10 +1202,16 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
     cu_k = p.cu_seqlens_k if p.is_varlen else dummy
     flags = dict(IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
                  CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
-    scalars = (p.softmax_scale, p.softmax_scale * LOG2E, p.window_left, p.window_right)
+    # softcap: tanh(qk * scale / cap) in the kernels, times cap * log2 e in their softmax; dS
+    # gains 1 - tanh², dK and dQ keep softmax_scale
+    scalars = (p.softmax_scale, (p.softcap if p.softcap > 0 else p.softmax_scale) * LOG2E,
+               p.window_left, p.window_right)
+    softcap_scale = p.softmax_scale / p.softcap if p.softcap > 0 else None
     lse_strides = p.lse_strides(lse)
     d = q.shape[-1]
     if d == 256:  # the column-split dK/dV kernel, then the dQ kernel on 32-key tiles
+        if softcap_scale is not None:  # (unsupported_reason refuses it: never a silent no-op)
+            raise ValueError("softcap is not covered by the sm90 backward at d=256 yet")
         launcher(_bwd_dkdv_cols_sm90)[(-(-p.max_seqlen_k // half), p.batch * n_heads_k)](
             q_desc, do_desc, rows_descriptor(k, p.is_varlen, half),
             rows_descriptor(v, p.is_varlen, half), dk, dv, lse, delta, cu_q, cu_k,
@@ -1182,7 +1232,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
             STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_LAG=order == "lag", DQ_ALT=order == "alt",
             DQ_FIRST=order == "first", SEGMENTS=segments(d, p.causal_like), ROW_STATS=ROW_STATS,
-            **flags)
+            softcap_scale=softcap_scale, **flags)
         if fused:
             dq.copy_(dq_acc)
             return
@@ -1192,7 +1242,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         rows_descriptor(v, p.is_varlen, block_n), dq, lse, delta, cu_q, cu_k,
         dq.stride(-3), dq.stride(-2), *lse_strides,
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-        STAGES=DQ_STAGES, **flags)
+        STAGES=DQ_STAGES, softcap_scale=softcap_scale, **flags)
 
 
 def _dq_block_n(head_dim: int) -> int:

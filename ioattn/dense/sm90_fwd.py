@@ -42,8 +42,8 @@ from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, base_problem, invalidate,
                                       query_tile, query_tile_at, key_tiles, rows_descriptor,
-                                      tma_view_problem, wgmma_a_operand, wgmma_acc_layout,
-                                      zero_last_key_tile)
+                                      softcap_tanh, tma_view_problem, wgmma_a_operand,
+                                      wgmma_acc_layout, zero_last_key_tile)
 from ioattn.dispatch import sm_count
 from ioattn.launch import launcher
 
@@ -545,20 +545,6 @@ def _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, p,
 
 
 @gluon.jit
-def _softcap(s, softcap_scale):
-    """Softcap's tanh(s * softcap_scale) of raw scores (the caller's qk_scale_log2 is then
-    softcap * log2 e, so the softmax sees softcap * tanh(s * scale / softcap) in the log2
-    domain); s unchanged when softcap_scale is None (no softcap: a compile-time branch).
-    tanh(x) = 1 - 2 / (1 + e^2x): one exp2 and a fast division, saturating to +-1 without a
-    branch; absolute error ~1e-7 (MUFU's tanh.approx would be one instruction less at 2^-11
-    relative: 0.02 on a score capped at 50)."""
-    if softcap_scale is not None:
-        e2x = gl.exp2(s * (softcap_scale * 2.8853900817779268))  # e^2x: 2 log2(e) x
-        s = 1.0 - gl.fdiv(gl.full_like(s, 2.0), 1.0 + e2x)
-    return s
-
-
-@gluon.jit
 def _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it, rnd, col0, row0,
                  seqlen_k, off,
                  window_left, window_right, qk_scale_log2, softcap_scale, WG: gl.constexpr,
@@ -575,7 +561,7 @@ def _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it, rnd, co
     s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
     _pass_turn(turn, WG, PINGPONG)
-    s = _softcap(warpgroup_mma_wait(0, deps=[s_tok]), softcap_scale)
+    s = softcap_tanh(warpgroup_mma_wait(0, deps=[s_tok]), softcap_scale)
     mbarrier.arrive(k_empty.index(st), count=1)
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left,
                                        window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT,
@@ -605,7 +591,7 @@ def _block_step(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, s_zer
                           is_async=True)
     acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
     _pass_turn(turn, WG, PINGPONG)
-    s = _softcap(warpgroup_mma_wait(1, deps=[s_tok]), softcap_scale)
+    s = softcap_tanh(warpgroup_mma_wait(1, deps=[s_tok]), softcap_scale)
     mbarrier.arrive(k_empty.index(st), count=1)  # K is consumed: the producer refills it
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left,
                                        window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT,

@@ -390,10 +390,10 @@ def test_sm90_matches_triton_and_auto_picks_it(monkeypatch):
 
 
 @needs_sm90
-@pytest.mark.parametrize("kw", [dict(softcap=2.0, grad=True), dict(dropout_p=0.1), dict(d=96),
-                                dict(strided=True)])
+@pytest.mark.parametrize("kw", [dict(softcap=2.0, grad=True, d=256), dict(dropout_p=0.1),
+                                dict(d=96), dict(strided=True)])
 def test_sm90_refuses_what_it_does_not_cover(kw):
-    """(softcap: the sm90 forward takes it, the sm90 backward not yet)"""
+    """(softcap: the sm90 forward takes it, the sm90 backward at d in {64, 128})"""
     d = kw.pop("d", 64)
     grad = kw.pop("grad", False)
     q, k, v = (torch.randn(1, 64, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
@@ -420,13 +420,37 @@ def test_sm90_softcap_fwd(c: Case):
     """Softcap (cap * tanh(scores / cap)) in the sm90 forward, as launched: persistent batched
     forms at d=64 / 128 (the d=64 192x128 tiles at 2k non-causal and 4k causal), one CTA a
     tile at d=256 and varlen (the same rows packed, equal lengths)."""
-    q, k, v = (t.detach() for t in _inputs(c, "cuda"))
+    q, k, v = (t.detach() for t in _inputs(c, "cuda", scale=1.5))  # scores the cap bends
     kw = dict(causal=c.causal, window_size=c.window, softcap=c.softcap)
     out, lse, _ = ioattn.flash_attn_func(q, k, v, return_attn_probs=True, backend="sm90", **kw)
     ref, lse_ref = attention_ref(q, k, v, **kw)
     pt, _ = attention_ref(q, k, v, upcast=False, **kw)
     _check_fwd(c, out, lse, ref, lse_ref, pt)
     _matches_varlen(c, q, k, v, kw, out)
+
+
+SOFTCAP_BWD_CASES = [Case(113, 203, d=64, softcap=2.0),
+                     Case(203, 113, d=128, causal=True, softcap=5.0),
+                     Case(1023, 1024, d=128, causal=True, softcap=30.0, dtype=FP16, b=1),
+                     Case(777, 777, d=64, h=6, h_k=3, window=(100, -1), softcap=10.0, b=1),
+                     Case(300, 300, d=128, h=4, h_k=2, window=(50, 20), softcap=4.0)]
+
+
+@needs_sm90
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "two-kernel"])
+@pytest.mark.parametrize("c", SOFTCAP_BWD_CASES, ids=lambda c: "sm90-softcap-bwd-" + c.id)
+def test_sm90_softcap_fwd_bwd(c: Case, deterministic):
+    """Softcap through the sm90 backward (d in {64, 128}): tanh on Sᵀ, dS = P (dP - delta)
+    (1 - tanh²) with 1 - tanh² recovered from P in the dK/dV kernels (fused with dQ's TMA
+    reductions, or the two-kernel deterministic form and its dQ kernel); every gradient
+    checked."""
+    q, k, v = _inputs(c, "cuda", scale=1.5)
+    kw = dict(causal=c.causal, window_size=c.window, softcap=c.softcap)
+    out = ioattn.flash_attn_func(q, k, v, backend="sm90", deterministic=deterministic, **kw)
+    ref, _ = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    assert_close_rule("out", out, ref, pt)
+    _check_grads(c.id, out, ref, pt, torch.randn_like(out), (q, k, v))
 
 
 @needs_sm90
@@ -497,6 +521,7 @@ def test_sm90_backward_preference_rule(monkeypatch):
     for d in (64, 128, 256):
         for masked in (False, True):
             assert sm90_bwd.preferred(d, masked, 2048) and not sm90_bwd.preferred(d, masked, 1024)
+            assert not sm90_bwd.preferred(d, masked, 2048, 30.0)  # softcap: not yet timed
     monkeypatch.setattr(sm90_bwd, "DQ_ORDER", "auto")
     assert [sm90_bwd.dq_order(d, m) for d, m in ((64, False), (64, True), (128, False),
                                                   (128, True))] == ["alt", "alt", "lag", "after"]
@@ -541,9 +566,10 @@ def test_sm90_kernel_compiles_for_hopper():
     # causal fused backward with its steps in masked / unmasked loops (or in one), the dK/dV
     # kernels with LSE / delta held in registers (IOATTN_SM90_BWD_ROW_STATS=0), and the d=64
     # persistent forward on three warpgroups taking turns round robin, also on FA3's 192x128
-    # tile (opt-in), the d=64 causal forward as launched at 2k (two warpgroups), and the d=128
-    # causal forward with softcap
-    assert len(reports) == 63, names
+    # tile (opt-in), the d=64 causal forward as launched at 2k (two warpgroups), and with
+    # softcap: the d=128 causal forward, the causal fused backward as launched (d = 64, 128),
+    # the d=128 causal dQ kernel
+    assert len(reports) == 66, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
