@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -283,19 +283,27 @@ for step in $steps; do
              --out "$OUT/decode_fp8_sm90$v.json" > "/tmp/decode_fp8_$v.log" 2>&1
              echo "== sm90 fp8=$v"; grep -E "ioattn_paged |_fp8|cudnn " "/tmp/decode_fp8_$v.log"; done ;;
     sm90-softcap) # softcap in the sm90 kernels (backend='sm90'; auto keeps it portable until
-           # timed): their tests, the dense suite's softcap cases forced through sm90, then
-           # forward and backward at cap 30 against the portable kernels and Flex (SDPA has no
-           # softcap; d=256's backward is not covered: its sm90 rows say so) (200 + 200 + 400 s)
-           timeout 200 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py \
-             -k "softcap or refuses or preference" > "$OUT/tests_softcap.log" 2>&1
-           grep -E "^FAILED" "$OUT/tests_softcap.log"; tail -1 "$OUT/tests_softcap.log"
+           # timed): their tests, also with tanh.approx (IOATTN_SM90_SOFTCAP_APPROX=1), and the
+           # dense suite's softcap cases forced through sm90 (3 x ~150 s)
+           for v in 0 1; do IOATTN_SM90_SOFTCAP_APPROX=$v timeout 200 python -m pytest -q -n 8 \
+             -p no:cacheprovider tests/dense/test_sm90.py -k "softcap or refuses or preference" \
+             > "$OUT/tests_softcap$v.log" 2>&1
+             echo "== approx=$v"; grep -E "^FAILED" "$OUT/tests_softcap$v.log"; tail -1 "$OUT/tests_softcap$v.log"
+           done
            IOATTN_TEST_SM90=always timeout 200 python -m pytest -q -n 8 -p no:cacheprovider \
              tests/dense -k "cap" > "$OUT/tests_softcap_forced.log" 2>&1
-           grep -E "^FAILED" "$OUT/tests_softcap_forced.log"; tail -1 "$OUT/tests_softcap_forced.log"
-           timeout 400 python -m ioattn bench --modes fwd,bwd --dims 64,128 --seqlens 2048,8192 \
+           grep -E "^FAILED" "$OUT/tests_softcap_forced.log"; tail -1 "$OUT/tests_softcap_forced.log" ;;
+    softcap-bench) # forward and backward at cap 30: the sm90 kernels against the portable ones
+           # and Flex (SDPA has no softcap), then the sm90 kernels with tanh.approx (300 + 200 s)
+           timeout 300 python -m ioattn bench --modes fwd,bwd --dims 64,128 --seqlens 2048,8192 \
              --dtypes bf16 --softcap 30 --impls ioattn_sm90,ioattn_triton,flex --rounds 2 --no-plots \
              --out "$OUT/softcap.json" > /tmp/softcap.log 2>&1
-           grep -E "^(fwd|bwd)" /tmp/softcap.log ;;
+           grep -E "^(fwd|bwd)" /tmp/softcap.log
+           IOATTN_SM90_SOFTCAP_APPROX=1 timeout 200 python -m ioattn bench --modes fwd,bwd \
+             --dims 64,128 --seqlens 2048,8192 --dtypes bf16 --softcap 30 \
+             --impls ioattn_sm90,ioattn_triton --rounds 2 --no-plots --out "$OUT/softcap_approx.json" \
+             > /tmp/softcap_approx.log 2>&1
+           echo "== approx"; grep -E "^(fwd|bwd)" /tmp/softcap_approx.log ;;
     sm90-decode-balanced) # FlashInfer's balanced split on the sm90 decode kernel (opt-in,
            # IOATTN_SM90_DECODE_BALANCED): its tests, then the decode cells on / off (120 + 2 x 200 s)
            IOATTN_SM90_DECODE_BALANCED=1 timeout 120 python -m pytest -q -n 8 -p no:cacheprovider \

@@ -9,6 +9,7 @@ seqlen_q``, query row i sees key j iff i + off - left <= j <= i + off + right.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton.language as tl
@@ -120,17 +121,29 @@ def query_tile_at(tile_m, pid_bh, CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed,
             start_m, lo, n_tiles)
 
 
+# softcap's tanh on the MUFU's tanh.approx.f32 (one instruction a score, 2^-11 relative error)
+# instead of exp2 and a fast division (two, ~1e-7 absolute): IOATTN_SM90_SOFTCAP_APPROX=1, to
+# time (benchmarks/NOTES.md, session 13); FlashAttention-3 takes the approximation
+SOFTCAP_APPROX = gl.constexpr(os.environ.get("IOATTN_SM90_SOFTCAP_APPROX", "0").lower()
+                              in ("1", "true", "on"))
+
+
 @gluon.jit
 def softcap_tanh(s, softcap_scale):
     """Softcap's tanh(s * softcap_scale) of raw scores (the caller's qk_scale_log2 is then
     softcap * log2 e, so the softmax sees softcap * tanh(s * scale / softcap) in the log2
     domain); s unchanged when softcap_scale is None (no softcap: a compile-time branch).
     tanh(x) = 1 - 2 / (1 + e^2x): one exp2 and a fast division, saturating to +-1 without a
-    branch; absolute error ~1e-7 (MUFU's tanh.approx would be one instruction less at 2^-11
-    relative: 0.02 on a score capped at 50)."""
+    branch; absolute error ~1e-7. SOFTCAP_APPROX: MUFU's tanh.approx, one instruction less at
+    2^-11 relative error (0.02 on a score capped at 50, under the 0.1 of a bf16 score there)."""
     if softcap_scale is not None:
-        e2x = gl.exp2(s * (softcap_scale * 2.8853900817779268))  # e^2x: 2 log2(e) x
-        s = 1.0 - gl.fdiv(gl.full_like(s, 2.0), 1.0 + e2x)
+        if SOFTCAP_APPROX:
+            s = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f",
+                                          [s * softcap_scale], dtype=gl.float32, is_pure=True,
+                                          pack=1)
+        else:
+            e2x = gl.exp2(s * (softcap_scale * 2.8853900817779268))  # e^2x: 2 log2(e) x
+            s = 1.0 - gl.fdiv(gl.full_like(s, 2.0), 1.0 + e2x)
     return s
 
 
