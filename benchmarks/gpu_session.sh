@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -304,6 +304,13 @@ for step in $steps; do
              --impls ioattn_sm90,ioattn_triton --rounds 2 --no-plots --out "$OUT/softcap_approx.json" \
              > /tmp/softcap_approx.log 2>&1
            echo "== approx"; grep -E "^(fwd|bwd)" /tmp/softcap_approx.log ;;
+    padded-bench) # d = 96 / 192 on the sm90 kernels through zero-padded copies (as 128 / 256;
+           # backend='sm90' only until timed) against the portable kernels, cuDNN and FA2, hidden
+           # 1536 (16 / 8 heads), fwd and bwd (~250 s)
+           timeout 300 python -m ioattn bench --modes fwd,bwd --dims 96,192 --hidden 1536 \
+             --seqlens 2048,8192 --dtypes bf16 --impls ioattn_sm90,ioattn_triton,sdpa_cudnn,sdpa_flash \
+             --rounds 2 --no-plots --out "$OUT/padded.json" > /tmp/padded.log 2>&1
+           grep -E "^(fwd|bwd)" /tmp/padded.log ;;
     sm90-decode-balanced) # FlashInfer's balanced split on the sm90 decode kernel (opt-in,
            # IOATTN_SM90_DECODE_BALANCED): its tests, then the decode cells on / off (120 + 2 x 200 s)
            IOATTN_SM90_DECODE_BALANCED=1 timeout 120 python -m pytest -q -n 8 -p no:cacheprovider \

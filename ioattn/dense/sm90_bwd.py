@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
-from ioattn.dense.sm90_common import (barriers, floor_div, invalidate, query_tile, query_tiles,
+from ioattn.dense.sm90_common import (PADDED_HEAD_DIMS, barriers, floor_div, invalidate, query_tile, query_tiles,
                                       rows_descriptor, seq_bounds, softcap_tanh, tma_reduce_add,
                                       wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile,
                                       zero_tail_rows)
@@ -1121,16 +1121,17 @@ def unsupported_reason(head_dim: int, head_dim_v: int, softcap: float, has_alibi
                        dropout_p: float) -> str | None:
     """Why the sm90 backward does not cover a call whose forward the sm90 forward accepts (None
     when it does): the layouts were checked there (dout is copied to a TMA view when needed)."""
-    if head_dim not in SUPPORTED_HEAD_DIMS or head_dim_v != head_dim:
+    native = PADDED_HEAD_DIMS.get(head_dim, head_dim)  # (96, 192: zero-padded, as the forward)
+    if native not in SUPPORTED_HEAD_DIMS or head_dim_v != head_dim:
         extra = "; d=256 unless IOATTN_SM90_BWD_D256=0" if not D256 else ""
         return (f"head dims (d={head_dim}, d_v={head_dim_v}) are not covered by the sm90 backward "
                 f"(d = d_v in {SUPPORTED_HEAD_DIMS}{extra})")
     if has_alibi or dropout_p > 0:
         return "ALiBi and dropout are not covered by the sm90 backward yet"
-    if softcap > 0 and head_dim == 256:
+    if softcap > 0 and native == 256:
         # (the column-split kernel forms P and dS in different warpgroups: 1 - tanh² would have
         # to cross shared memory too)
-        return "softcap is not covered by the sm90 backward at d=256 yet"
+        return f"softcap is not covered by the sm90 backward at d={head_dim} yet"
     return None
 
 
@@ -1169,9 +1170,10 @@ def preferred(head_dim: int, masked: bool, max_seqlen_k: int, softcap: float = 0
     it runs from 2k keys at every head dim: d=64 387 / 311 TFLOP/s non-causal / causal at 2k
     against the portable 364 / 307 (results/dense_76fc236_*.json), d=128 493 / 373 against 442
     (sm90 without row stats) / 323, d=256 398 / 331 against 131-150. Shorter problems were not
-    measured in these forms: the portable kernel keeps them. Softcap: covered at d in {64, 128}
-    (backend='sm90'), not yet tested or timed on the H200, so the portable kernel keeps it."""
-    return max_seqlen_k >= 2048 and softcap == 0
+    measured in these forms: the portable kernel keeps them. Softcap (d in {64, 128}) and the
+    zero-padded head dims (96, 192): covered (backend='sm90'), not yet tested or timed on the
+    H200, so the portable kernel keeps them."""
+    return max_seqlen_k >= 2048 and softcap == 0 and head_dim not in PADDED_HEAD_DIMS
 
 
 def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

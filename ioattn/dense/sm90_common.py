@@ -274,6 +274,20 @@ def base_problem(name: str, t: torch.Tensor) -> str | None:
     return None
 
 
+# head dims the sm90 kernels run padded with zero columns to one they are built for: Gluon
+# tensors take power-of-two shapes only (d=96 fails to compile), so q, k, v (and dO, O in the
+# backward) are copied into zero-padded tensors and the outputs cut back (zero columns add 0 to
+# every q·k, give zero output columns, and the softmax scale is the caller's 1/sqrt(d))
+PADDED_HEAD_DIMS = {96: 128, 192: 256}
+
+
+def pad_head_dim(t: torch.Tensor, d: int) -> torch.Tensor:
+    """``t`` [..., d0] as a contiguous [..., d] tensor, columns past d0 zero."""
+    out = t.new_zeros(t.shape[:-1] + (d,))
+    out[..., :t.shape[-1]] = t
+    return out
+
+
 def aligned_base(t: torch.Tensor) -> torch.Tensor:
     """``t``, or a contiguous copy when its base is not 16-byte aligned (a view that starts
     mid-row): for read-only kernel inputs, whose layout ``tma_view_problem`` has accepted."""

@@ -11,7 +11,7 @@ import torch
 import ioattn
 from ioattn.dispatch import sm90_unavailable_reason
 from ioattn.reference import attention_ref, attention_varlen_ref
-from ioattn.testing import assert_close_rule, cu_seqlens
+from ioattn.testing import GRAD_FACTOR, assert_close_rule, cu_seqlens
 from tests.dense.test_attention import FP16, Case, _check_grads, _inputs, _varlen_inputs
 
 SM90 = torch.cuda.is_available() and sm90_unavailable_reason(torch.device("cuda")) is None
@@ -33,6 +33,10 @@ CASES = [
     Case(113, 203, d=256),
     Case(1024, 1023, d=256, causal=True, b=1, h=2, dtype=FP16),
     Case(300, 300, d=256, h=4, h_k=2, window=(50, 20)),
+    # zero-padded head dims: 96 runs as 128, 192 as 256
+    Case(113, 203, d=96),
+    Case(1023, 1024, d=96, causal=True, dtype=FP16, h=4, h_k=2),
+    Case(300, 300, d=192, h=4, h_k=2, window=(50, 20)),
 ]
 
 
@@ -44,9 +48,9 @@ def _check_fwd(c: Case, out, lse, ref, lse_ref, pt):
 
 
 def _covers_bwd(c: Case) -> bool:
-    from ioattn.dense.sm90_bwd import SUPPORTED_HEAD_DIMS
+    from ioattn.dense.sm90_bwd import unsupported_reason
 
-    return c.d in SUPPORTED_HEAD_DIMS
+    return unsupported_reason(c.d, c.d_v or c.d, c.softcap, False, 0.0) is None
 
 
 @needs_sm90
@@ -391,7 +395,7 @@ def test_sm90_matches_triton_and_auto_picks_it(monkeypatch):
 
 @needs_sm90
 @pytest.mark.parametrize("kw", [dict(softcap=2.0, grad=True, d=256), dict(dropout_p=0.1),
-                                dict(d=96), dict(strided=True)])
+                                dict(d=80), dict(strided=True)])
 def test_sm90_refuses_what_it_does_not_cover(kw):
     """(softcap: the sm90 forward takes it, the sm90 backward at d in {64, 128})"""
     d = kw.pop("d", 64)
@@ -467,6 +471,87 @@ def test_sm90_misaligned_base_is_copied():
     pt, _ = attention_ref(q, k, v, causal=True, upcast=False)
     assert_close_rule("out", out, ref, pt)
     _check_grads(c.id, out, ref, pt, torch.randn_like(out), (q, k, v))
+
+
+def test_sm90_padded_head_dims_rule():
+    """d = 96 and 192 are covered through zero-padded copies (any layout: the copy is what
+    the kernels read), backward too (192 as 256: not with softcap); the paged forward, which
+    reads caches in place, refuses them; 'auto' keeps them portable until timed; other head
+    dims are refused by name."""
+    from ioattn.dense import sm90_bwd, sm90_fwd
+
+    for d in (96, 192):
+        # heads not packed in a row: copied anyway
+        q = torch.randn(1, 8, 4, d, dtype=torch.bfloat16).transpose(1, 2)
+        assert sm90_fwd.unsupported_reason(q, q, q, d, d, 0.0, False, 0.0, False) is None
+        assert sm90_bwd.unsupported_reason(d, d, 0.0, False, 0.0) is None
+        assert not sm90_fwd.preferred(d, False, 8192, 8192)
+        assert not sm90_bwd.preferred(d, False, 8192)
+        bt = torch.zeros(1, 4, dtype=torch.int32)
+        cache = torch.randn(4, 16, 4, d, dtype=torch.bfloat16)
+        assert "in place" in sm90_fwd.paged_unsupported_reason(q, cache, cache, bt, 0.0, False,
+                                                               False, False)
+    assert sm90_bwd.unsupported_reason(96, 96, 2.0, False, 0.0) is None
+    assert "d=192" in sm90_bwd.unsupported_reason(192, 192, 2.0, False, 0.0)
+    q = torch.randn(1, 8, 4, 80)
+    assert "96" in sm90_fwd.unsupported_reason(q, q, q, 80, 80, 0.0, False, 0.0, False)
+    q = torch.randn(1, 8, 4, 96)
+    assert "d_v" in sm90_fwd.unsupported_reason(q, q, q[..., :64], 96, 64, 0.0, False, 0.0, False)
+
+
+@pytest.mark.parametrize("d", [96, 192])
+def test_sm90_padded_head_dims_host_side(d, device, monkeypatch):
+    """The op's side of the zero padding, anywhere: with the portable kernels standing in for
+    the sm90 launchers (same arguments), impl='sm90' pads q, k, v (and dO, O) to 128 / 256,
+    keeps the caller's 1/sqrt(d) and cuts outputs and gradients back to d columns."""
+    import math
+
+    from ioattn.dense import op, sm90_bwd, sm90_fwd
+    from ioattn.dense.triton_bwd import attn_bwd
+    from ioattn.dense.triton_fwd import attn_fwd
+
+    seen = []
+    monkeypatch.setattr(sm90_fwd, "attn_fwd_sm90",
+                        lambda p, q, *a: seen.append(q.shape[-1]) or attn_fwd(p, q, *a))
+    monkeypatch.setattr(sm90_bwd, "attn_bwd_sm90",
+                        lambda p, dout, *a, fused: seen.append(dout.shape[-1]) or attn_bwd(p, dout, *a))
+    c = Case(33, 47, d=d, b=1, h=2, causal=True)
+    q, k, v = _inputs(c, device)
+    scale = 1.0 / math.sqrt(d)
+    args = (None, None, c.s_q, c.s_k, scale, -1, 0, 0.0, None, 0.0, None)
+    out, lse = op.fwd_impl(q.detach(), k.detach(), v.detach(), *args, impl="sm90")
+    ref, lse_ref = attention_ref(q, k, v, causal=True)
+    pt, _ = attention_ref(q, k, v, causal=True, upcast=False)
+    assert out.shape == q.shape and out.is_contiguous()
+    assert_close_rule("out", out, ref, pt)
+    torch.testing.assert_close(lse, lse_ref, atol=1e-3, rtol=1e-3)
+    dout = torch.randn_like(out)
+    grads = op.bwd_impl(dout, q.detach(), k.detach(), v.detach(), out, lse, None, *args,
+                        impl="sm90")
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    base = torch.autograd.grad(pt, (q, k, v), dout)
+    for name, g, r, b in zip(("dq", "dk", "dv"), grads, want, base):
+        assert g.shape == r.shape
+        assert_close_rule(name, g, r, b, factor=GRAD_FACTOR)
+    assert seen == [sm90_fwd.PADDED_HEAD_DIMS[d]] * 2
+
+
+@needs_sm90
+@pytest.mark.parametrize("d", [96, 192])
+def test_sm90_padded_head_dims_varlen(d):
+    """The zero-padded head dims through the varlen layout, an empty sequence included, with
+    gradients: outputs and gradients come back with d columns."""
+    lens = [0, 77, 223]
+    cu = cu_seqlens(lens, "cuda")
+    q, k, v = (torch.randn(sum(lens), 4, d, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    out = ioattn.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+                                        backend="sm90")
+    assert out.shape == q.shape
+    ref, _ = attention_varlen_ref(q, k, v, cu, cu, causal=True)
+    pt, _ = attention_varlen_ref(q, k, v, cu, cu, causal=True, upcast=False)
+    assert_close_rule("out", out, ref, pt)
+    _check_grads(f"varlen d{d}", out, ref, pt, torch.randn_like(out), (q, k, v))
 
 
 def test_sm90_dispatch_check_traces_under_compile(device):
