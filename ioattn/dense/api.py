@@ -289,10 +289,11 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
             includes it, and it gets a gradient when it requires one.
         backend: 'auto' (default: 'sm90' on Hopper where it covers the call, else 'triton'),
             'sm90' (the Gluon FA3-design kernels, forward and backward, d = d_v in {64, 128,
-            256}, and 96 / 192 zero-padded to 128 / 256; it raises for what they do not cover,
-            e.g. ALiBi, or softcap with a gradient at d >= 192), 'triton' (portable Triton
-            kernels) or 'reference' (plain PyTorch). A requested backend that cannot run the call
-            raises ValueError. 'auto' picks the forward's and the backward's kernels separately.
+            256}, and (d, d_v) = (96, 96), (192, 192), (192, 128) zero-padded; it raises for
+            what they do not cover, e.g. ALiBi, or softcap with a gradient at d >= 192),
+            'triton' (portable Triton kernels) or 'reference' (plain PyTorch). A requested
+            backend that cannot run the call raises ValueError. 'auto' picks the forward's and
+            the backward's kernels separately.
 
     Returns:
         out [batch, seqlen_q, nheads, headdim_v], or the tuple above.

@@ -85,13 +85,13 @@ def fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
     # (not named "kernel": inductor's fallback lowering takes that keyword itself); bwd_impl: the
     # family the registered autograd's backward runs and whether it must be bitwise reproducible
     # (both unused here)
-    d = q.shape[-1]
-    d_pad = None  # (sm90) the head dim the kernels run at, when d is zero-padded to it
+    d, d_v = q.shape[-1], v.shape[-1]
+    d_pad = None  # (sm90) the head dim the kernels run at, when (d, d_v) are zero-padded to it
     if impl == "sm90":
         from ioattn.dense.sm90_fwd import attn_fwd_sm90 as launch
         from ioattn.dense.sm90_common import PADDED_HEAD_DIMS, aligned_base, pad_head_dim
 
-        d_pad = PADDED_HEAD_DIMS.get(d) if v.shape[-1] == d else None
+        d_pad = PADDED_HEAD_DIMS.get((d, d_v))
         if d_pad is not None:
             q, k, v = (pad_head_dim(t, d_pad) for t in (q, k, v))
         q, k, v = (aligned_base(t) for t in (q, k, v))
@@ -127,7 +127,7 @@ def fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
     with _on_device(q):
         launch(p, q, k, v, out, lse)
     if d_pad is not None:
-        out = out[..., :d].contiguous()
+        out = out[..., :d_v].contiguous()
     return out, lse
 
 
@@ -152,8 +152,8 @@ def bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
               window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float,
               rng_state: Optional[Tensor], impl: str = "triton",
               deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    d = q.shape[-1]
-    d_pad = None  # (sm90) the head dim the kernels run at, when d is zero-padded to it
+    d, d_v = q.shape[-1], v.shape[-1]
+    d_pad = None  # (sm90) the head dim the kernels run at, when (d, d_v) are zero-padded to it
     if impl == "sm90":
         from ioattn.dense import sm90_bwd
         from ioattn.dense.sm90_common import (PADDED_HEAD_DIMS, aligned_base, pad_head_dim,
@@ -165,7 +165,7 @@ def bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
                                              alibi_slopes is not None, dropout_p)
         if reason is not None:
             raise ValueError(f"impl='sm90' cannot run this backward: {reason}")
-        d_pad = PADDED_HEAD_DIMS.get(d) if v.shape[-1] == d else None
+        d_pad = PADDED_HEAD_DIMS.get((d, d_v))
         if d_pad is not None:  # as the forward ran: zero columns (O's too, for delta)
             dout, q, k, v, out = (pad_head_dim(t, d_pad) for t in (dout, q, k, v, out))
         elif tma_view_problem("dout", dout, cu_seqlens_q is not None) is not None:
@@ -199,7 +199,7 @@ def bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     with _on_device(q):
         launch(p, dout, q, k, v, out, lse, dlse, dq, dk, dv, delta)
     if d_pad is not None:
-        dq, dk, dv = (t[..., :d].contiguous() for t in (dq, dk, dv))
+        dq, dk, dv = dq[..., :d].contiguous(), dk[..., :d].contiguous(), dv[..., :d_v].contiguous()
     return dq, dk, dv
 
 

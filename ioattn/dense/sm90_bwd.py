@@ -52,7 +52,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
-from ioattn.dense.sm90_common import (PADDED_HEAD_DIMS, barriers, floor_div, invalidate, query_tile, query_tiles,
+from ioattn.dense.sm90_common import (PADDED_HEAD_DIMS, barriers, floor_div, invalidate,
+                                      query_tile, query_tiles,
                                       rows_descriptor, seq_bounds, softcap_tanh, tma_reduce_add,
                                       wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile,
                                       zero_tail_rows)
@@ -1121,8 +1122,10 @@ def unsupported_reason(head_dim: int, head_dim_v: int, softcap: float, has_alibi
                        dropout_p: float) -> str | None:
     """Why the sm90 backward does not cover a call whose forward the sm90 forward accepts (None
     when it does): the layouts were checked there (dout is copied to a TMA view when needed)."""
-    native = PADDED_HEAD_DIMS.get(head_dim, head_dim)  # (96, 192: zero-padded, as the forward)
-    if native not in SUPPORTED_HEAD_DIMS or head_dim_v != head_dim:
+    # (the zero-padded pairs run at their padded head dim, as the forward)
+    native = PADDED_HEAD_DIMS.get((head_dim, head_dim_v), head_dim)
+    if native not in SUPPORTED_HEAD_DIMS or (head_dim_v != head_dim
+                                             and (head_dim, head_dim_v) not in PADDED_HEAD_DIMS):
         extra = "; d=256 unless IOATTN_SM90_BWD_D256=0" if not D256 else ""
         return (f"head dims (d={head_dim}, d_v={head_dim_v}) are not covered by the sm90 backward "
                 f"(d = d_v in {SUPPORTED_HEAD_DIMS}{extra})")
@@ -1173,7 +1176,7 @@ def preferred(head_dim: int, masked: bool, max_seqlen_k: int, softcap: float = 0
     measured in these forms: the portable kernel keeps them. Softcap (d in {64, 128}) and the
     zero-padded head dims (96, 192): covered (backend='sm90'), not yet tested or timed on the
     H200, so the portable kernel keeps them."""
-    return max_seqlen_k >= 2048 and softcap == 0 and head_dim not in PADDED_HEAD_DIMS
+    return max_seqlen_k >= 2048 and softcap == 0 and head_dim in (64, 128, 256)
 
 
 def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -274,11 +274,12 @@ def base_problem(name: str, t: torch.Tensor) -> str | None:
     return None
 
 
-# head dims the sm90 kernels run padded with zero columns to one they are built for: Gluon
-# tensors take power-of-two shapes only (d=96 fails to compile), so q, k, v (and dO, O in the
-# backward) are copied into zero-padded tensors and the outputs cut back (zero columns add 0 to
-# every q·k, give zero output columns, and the softmax scale is the caller's 1/sqrt(d))
-PADDED_HEAD_DIMS = {96: 128, 192: 256}
+# (d, d_v) the sm90 kernels run padded with zero columns to one head dim they are built for:
+# Gluon tensors take power-of-two shapes only (d=96 fails to compile), so q, k, v (and dO, O in
+# the backward) are copied into zero-padded tensors and the outputs cut back (zero columns add 0
+# to every q·k and give zero output columns; the softmax scale is the caller's 1/sqrt(d)).
+# (192, 128): DeepSeek's MLA prefill shape
+PADDED_HEAD_DIMS = {(96, 96): 128, (192, 192): 256, (192, 128): 256}
 
 
 def pad_head_dim(t: torch.Tensor, d: int) -> torch.Tensor:

@@ -910,11 +910,12 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_d
                        head_dim_v: int, softcap: float, has_alibi: bool, dropout_p: float,
                        varlen: bool) -> str | None:
     """Why this call is outside what the sm90 forward covers (None when inside)."""
-    padded = head_dim in PADDED_HEAD_DIMS  # (copied into zero-padded tensors: any layout)
-    if (head_dim not in SUPPORTED_HEAD_DIMS and not padded) or head_dim_v != head_dim:
+    # (zero-padded pairs are copied, so any layout does)
+    padded = (head_dim, head_dim_v) in PADDED_HEAD_DIMS
+    if not padded and (head_dim not in SUPPORTED_HEAD_DIMS or head_dim_v != head_dim):
         return (f"head dims (d={head_dim}, d_v={head_dim_v}) are not covered yet: the sm90 kernels "
-                f"take d = d_v in {SUPPORTED_HEAD_DIMS}, or {tuple(PADDED_HEAD_DIMS)} zero-padded "
-                f"to {tuple(PADDED_HEAD_DIMS.values())}")
+                f"take d = d_v in {SUPPORTED_HEAD_DIMS}, or (d, d_v) in "
+                f"{tuple(PADDED_HEAD_DIMS)} zero-padded")
     if has_alibi or dropout_p > 0:
         return "ALiBi and dropout are not covered by the sm90 kernels yet"
     if q.dtype not in OPERAND_DTYPES:
@@ -944,7 +945,7 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     where it was measured. Shorter problems were not measured: the portable kernel keeps them.
     Softcap and the zero-padded head dims (96, 192): covered (backend='sm90'), not yet tested
     or timed on the H200, so the portable kernel keeps them (benchmarks/NOTES.md, session 13)."""
-    if softcap > 0 or head_dim in PADDED_HEAD_DIMS:
+    if softcap > 0 or head_dim not in SUPPORTED_HEAD_DIMS:
         return False
     if head_dim == 64:
         if not masked and _persistent(64, varlen):  # batched: the persistent form
@@ -1039,9 +1040,9 @@ def paged_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return "cache_leftpad is not covered by the sm90 KV-cache forward"
     if softcap > 0:
         return "softcap is not covered by the sm90 KV-cache forward yet"
-    if q.shape[-1] in PADDED_HEAD_DIMS:
-        return (f"head_dim {q.shape[-1]}: the sm90 KV-cache forward reads caches in place, "
-                f"d in {SUPPORTED_HEAD_DIMS}")
+    if (q.shape[-1], v_cache.shape[-1]) in PADDED_HEAD_DIMS:
+        return (f"head dims ({q.shape[-1]}, {v_cache.shape[-1]}): the sm90 KV-cache forward reads "
+                f"caches in place, d = d_v in {SUPPORTED_HEAD_DIMS}")
     problem = unsupported_reason(q, k_cache, v_cache, q.shape[-1], v_cache.shape[-1], softcap,
                                  has_alibi, 0.0, False)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):

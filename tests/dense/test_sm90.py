@@ -33,10 +33,11 @@ CASES = [
     Case(113, 203, d=256),
     Case(1024, 1023, d=256, causal=True, b=1, h=2, dtype=FP16),
     Case(300, 300, d=256, h=4, h_k=2, window=(50, 20)),
-    # zero-padded head dims: 96 runs as 128, 192 as 256
+    # zero-padded head dims: 96 runs as 128, 192 (and 192 / 128) as 256
     Case(113, 203, d=96),
     Case(1023, 1024, d=96, causal=True, dtype=FP16, h=4, h_k=2),
     Case(300, 300, d=192, h=4, h_k=2, window=(50, 20)),
+    Case(203, 300, d=192, d_v=128, causal=True, h=4, h_k=1),
 ]
 
 
@@ -474,33 +475,38 @@ def test_sm90_misaligned_base_is_copied():
 
 
 def test_sm90_padded_head_dims_rule():
-    """d = 96 and 192 are covered through zero-padded copies (any layout: the copy is what
-    the kernels read), backward too (192 as 256: not with softcap); the paged forward, which
-    reads caches in place, refuses them; 'auto' keeps them portable until timed; other head
-    dims are refused by name."""
+    """(d, d_v) = (96, 96), (192, 192) and (192, 128) are covered through zero-padded copies
+    (any layout: the copy is what the kernels read), backward too (192 as 256: not with
+    softcap); the paged forward, which reads caches in place, refuses them; 'auto' keeps them
+    portable until timed; other head dims are refused by name."""
     from ioattn.dense import sm90_bwd, sm90_fwd
 
-    for d in (96, 192):
-        # heads not packed in a row: copied anyway
-        q = torch.randn(1, 8, 4, d, dtype=torch.bfloat16).transpose(1, 2)
-        assert sm90_fwd.unsupported_reason(q, q, q, d, d, 0.0, False, 0.0, False) is None
-        assert sm90_bwd.unsupported_reason(d, d, 0.0, False, 0.0) is None
+    def t(d, transpose=False):
+        x = torch.randn(1, 8, 4, d, dtype=torch.bfloat16)
+        return x.transpose(1, 2) if transpose else x  # heads not packed in a row: copied anyway
+
+    for d, d_v in ((96, 96), (192, 192), (192, 128)):
+        q, v = t(d, True), t(d_v, True)
+        assert sm90_fwd.unsupported_reason(q, q, v, d, d_v, 0.0, False, 0.0, False) is None
+        assert sm90_bwd.unsupported_reason(d, d_v, 0.0, False, 0.0) is None
         assert not sm90_fwd.preferred(d, False, 8192, 8192)
         assert not sm90_bwd.preferred(d, False, 8192)
         bt = torch.zeros(1, 4, dtype=torch.int32)
-        cache = torch.randn(4, 16, 4, d, dtype=torch.bfloat16)
-        assert "in place" in sm90_fwd.paged_unsupported_reason(q, cache, cache, bt, 0.0, False,
-                                                               False, False)
+        k_cache = torch.randn(4, 16, 4, d, dtype=torch.bfloat16)
+        v_cache = torch.randn(4, 16, 4, d_v, dtype=torch.bfloat16)
+        assert "in place" in sm90_fwd.paged_unsupported_reason(q, k_cache, v_cache, bt, 0.0,
+                                                               False, False, False)
     assert sm90_bwd.unsupported_reason(96, 96, 2.0, False, 0.0) is None
     assert "d=192" in sm90_bwd.unsupported_reason(192, 192, 2.0, False, 0.0)
-    q = torch.randn(1, 8, 4, 80)
+    q = t(80)
     assert "96" in sm90_fwd.unsupported_reason(q, q, q, 80, 80, 0.0, False, 0.0, False)
-    q = torch.randn(1, 8, 4, 96)
-    assert "d_v" in sm90_fwd.unsupported_reason(q, q, q[..., :64], 96, 64, 0.0, False, 0.0, False)
+    q = t(96)
+    assert "d_v" in sm90_fwd.unsupported_reason(q, q, t(64), 96, 64, 0.0, False, 0.0, False)
+    assert sm90_bwd.unsupported_reason(96, 64, 0.0, False, 0.0) is not None
 
 
-@pytest.mark.parametrize("d", [96, 192])
-def test_sm90_padded_head_dims_host_side(d, device, monkeypatch):
+@pytest.mark.parametrize("d,d_v", [(96, 96), (192, 192), (192, 128)])
+def test_sm90_padded_head_dims_host_side(d, d_v, device, monkeypatch):
     """The op's side of the zero padding, anywhere: with the portable kernels standing in for
     the sm90 launchers (same arguments), impl='sm90' pads q, k, v (and dO, O) to 128 / 256,
     keeps the caller's 1/sqrt(d) and cuts outputs and gradients back to d columns."""
@@ -515,14 +521,14 @@ def test_sm90_padded_head_dims_host_side(d, device, monkeypatch):
                         lambda p, q, *a: seen.append(q.shape[-1]) or attn_fwd(p, q, *a))
     monkeypatch.setattr(sm90_bwd, "attn_bwd_sm90",
                         lambda p, dout, *a, fused: seen.append(dout.shape[-1]) or attn_bwd(p, dout, *a))
-    c = Case(33, 47, d=d, b=1, h=2, causal=True)
+    c = Case(33, 47, d=d, d_v=d_v, b=1, h=2, causal=True)
     q, k, v = _inputs(c, device)
     scale = 1.0 / math.sqrt(d)
     args = (None, None, c.s_q, c.s_k, scale, -1, 0, 0.0, None, 0.0, None)
     out, lse = op.fwd_impl(q.detach(), k.detach(), v.detach(), *args, impl="sm90")
     ref, lse_ref = attention_ref(q, k, v, causal=True)
     pt, _ = attention_ref(q, k, v, causal=True, upcast=False)
-    assert out.shape == q.shape and out.is_contiguous()
+    assert out.shape == q.shape[:-1] + (d_v,) and out.is_contiguous()
     assert_close_rule("out", out, ref, pt)
     torch.testing.assert_close(lse, lse_ref, atol=1e-3, rtol=1e-3)
     dout = torch.randn_like(out)
@@ -533,7 +539,7 @@ def test_sm90_padded_head_dims_host_side(d, device, monkeypatch):
     for name, g, r, b in zip(("dq", "dk", "dv"), grads, want, base):
         assert g.shape == r.shape
         assert_close_rule(name, g, r, b, factor=GRAD_FACTOR)
-    assert seen == [sm90_fwd.PADDED_HEAD_DIMS[d]] * 2
+    assert seen == [sm90_fwd.PADDED_HEAD_DIMS[(d, d_v)]] * 2
 
 
 @needs_sm90
