@@ -282,10 +282,9 @@ def _qdo_stage(t, q_smem, do_smem, qdo_full, fixed, fixes, m0, seqlen_q, STAGES:
 @gluon.jit
 def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base,
                  stride_lh, h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left,
-                 window_right, qk_scale_log2,
-                 softcap_scale, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, MASK: gl.constexpr,
-                 ROW_STATS: gl.constexpr):
+                 window_right, qk_scale_log2, softcap_scale, STAGES: gl.constexpr,
+                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
+                 MASK: gl.constexpr, ROW_STATS: gl.constexpr):
     """Step t's start in a dK/dV consumer warpgroup: its 64 query rows' LSE and delta, Q and dO
     from the ring, Pᵀ (fp32) and dPᵀ for this warpgroup's 64 keys, then dV's update issued. MASK:
     0, the step's tile needs no mask (``_mask_segments``); 1, it is masked; 2, tested at run
@@ -333,13 +332,13 @@ def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELT
             p = s_zero
     else:
         p = gl.exp2(s * qk_scale_log2 - lse2[None, :])
-    op_layout: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(q_smem.shape[2]))
     dp = warpgroup_mma_wait(0, deps=[dp_tok])
     if ROW_STATS:
         delta = ld_smem.index(2 * st + 1).load(row_l)
         # every warp's reads of the stage's rows before the warpgroup's one qdo_empty arrival
         # (some orders have no barrier between them otherwise)
         gl.thread_barrier()
+    op_layout: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(q_smem.shape[2]))
     dv_tok = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), op_layout), do, dv,
                            is_async=True)
     if softcap_scale is not None:  # from here p only forms dS: it carries tanh's derivative
