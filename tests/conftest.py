@@ -98,3 +98,36 @@ if os.environ.get("IOATTN_TEST_SM90") == "always" and ON_GPU:
 
     _sm90_fwd.preferred = lambda *args: True
     _sm90_bwd.preferred = lambda *args: True
+
+
+# ------------------------------------------------------------- sticky CUDA errors
+# An illegal memory access (or another sticky CUDA error) leaves the process's CUDA context
+# unusable: every later test of that pytest process fails with the same error, and one xdist
+# worker's wall of failures hides which test caused it (session 13: 140 failures from one
+# kernel). After such an error this process skips its remaining GPU tests, naming the test.
+_STICKY = ("illegal memory access", "illegal instruction", "misaligned address",
+           "unspecified launch failure", "device-side assert triggered", "invalid program counter",
+           "hardware stack error")
+_POISONED: list = []
+
+
+def _poisons_context(exc: BaseException) -> bool:
+    accel = getattr(torch, "AcceleratorError", None)
+    msg = str(exc)
+    return ((accel is not None and isinstance(exc, accel)) or "CUDA error" in msg) and any(
+        s in msg for s in _STICKY)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if ON_GPU and report.failed and call.excinfo is not None and not _POISONED \
+            and _poisons_context(call.excinfo.value):
+        _POISONED.append(item.nodeid)
+
+
+def pytest_runtest_setup(item):
+    if _POISONED:
+        pytest.skip(f"this process's CUDA context is unusable since {_POISONED[0]} failed with a "
+                    f"sticky CUDA error (first failure: fix it, then rerun)")
