@@ -50,13 +50,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (PADDED_HEAD_DIMS, barriers, floor_div, invalidate,
-                                      query_tile, query_tiles,
-                                      rows_descriptor, seq_bounds, softcap_tanh, tma_reduce_add,
-                                      wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile,
-                                      zero_tail_rows)
+                                      query_tile, query_tiles, rows_descriptor, score_scales,
+                                      seq_bounds, softcap_tanh, tma_reduce_add, wgmma_a_operand,
+                                      wgmma_acc_layout, zero_last_key_tile, zero_tail_rows)
 from ioattn.dense.triton_bwd import bwd_preprocess
 from ioattn.launch import launcher
 
@@ -1175,7 +1173,7 @@ def preferred(head_dim: int, masked: bool, max_seqlen_k: int, softcap: float = 0
     measured in these forms: the portable kernel keeps them. Softcap (d in {64, 128}) and the
     zero-padded head dims (96, 192): covered (backend='sm90'), not yet tested or timed on the
     H200, so the portable kernel keeps them."""
-    return max_seqlen_k >= 2048 and softcap == 0 and head_dim in (64, 128, 256)
+    return max_seqlen_k >= 2048 and softcap == 0 and head_dim in SUPPORTED_HEAD_DIMS
 
 
 def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -1206,11 +1204,9 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
     cu_k = p.cu_seqlens_k if p.is_varlen else dummy
     flags = dict(IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
                  CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS, num_warps=4)
-    # softcap: tanh(qk * scale / cap) in the kernels, times cap * log2 e in their softmax; dS
-    # gains 1 - tanh², dK and dQ keep softmax_scale
-    scalars = (p.softmax_scale, (p.softcap if p.softcap > 0 else p.softmax_scale) * LOG2E,
-               p.window_left, p.window_right)
-    softcap_scale = p.softmax_scale / p.softcap if p.softcap > 0 else None
+    # (softcap: dS gains 1 - tanh², dK and dQ keep softmax_scale)
+    qk_scale_log2, softcap_scale = score_scales(p.softmax_scale, p.softcap)
+    scalars = (p.softmax_scale, qk_scale_log2, p.window_left, p.window_right)
     lse_strides = p.lse_strides(lse)
     d = q.shape[-1]
     if d == 256:  # the column-split dK/dV kernel, then the dQ kernel on 32-key tiles

@@ -19,6 +19,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.language.core import builtin
 
+from ioattn.dense.common import LOG2E
 from ioattn.launch import Desc
 
 # tensor dtypes the TMA descriptors lay out (fp32: the fused backward's dQ accumulator; fp8: the
@@ -119,6 +120,15 @@ def query_tile_at(tile_m, pid_bh, CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed,
                             HAS_LEFT, HAS_RIGHT)
     return (off_b, off_h, off_h // kv_group, q_start, seqlen_q, k_start, seqlen_k, lse_start,
             start_m, lo, n_tiles)
+
+
+def score_scales(softmax_scale: float, softcap: float) -> tuple[float, float | None]:
+    """(qk_scale_log2, softcap_scale) of a launch: without softcap the softmax's score scale
+    softmax_scale * log2 e and None (``softcap_tanh`` then leaves S alone); with softcap the
+    kernels take tanh(S * softmax_scale / cap) and scale it by cap * log2 e."""
+    if softcap > 0:
+        return softcap * LOG2E, softmax_scale / softcap
+    return softmax_scale * LOG2E, None
 
 
 # softcap's tanh on the MUFU's tanh.approx.f32 (one instruction a score, 2^-11 relative error)

@@ -41,10 +41,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (OPERAND_DTYPES, PADDED_HEAD_DIMS, barriers, base_problem,
-                                      invalidate,
-                                      query_tile, query_tile_at, key_tiles, rows_descriptor,
-                                      softcap_tanh, tma_view_problem, wgmma_a_operand,
-                                      wgmma_acc_layout, zero_last_key_tile)
+                                      invalidate, query_tile, query_tile_at, key_tiles,
+                                      rows_descriptor, score_scales, softcap_tanh,
+                                      tma_view_problem, wgmma_a_operand, wgmma_acc_layout,
+                                      zero_last_key_tile)
 from ioattn.dispatch import sm_count
 from ioattn.launch import launcher
 
@@ -1014,14 +1014,13 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # concurrent launches on other streams take each other's tiles); stream-ordered by the
     # caching allocator, and in a captured graph's pool under capture
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if form["DYNAMIC"] else None
+    qk_scale_log2, softcap_scale = score_scales(p.softmax_scale, p.softcap)
     launcher(_attn_fwd_sm90)[grid](
         q_desc, k_desc, v_desc, o_desc, out, lse,
         p.cu_seqlens_q if p.is_varlen else dummy, p.cu_seqlens_k if p.is_varlen else dummy, dummy,
         out.stride(-3), out.stride(-2), *p.lse_strides(lse), 0, 0,
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, p.batch * n_heads,
-        # softcap: tanh(qk * scale / cap) in the kernel, times cap * log2 e in its softmax
-        (p.softcap if p.softcap > 0 else p.softmax_scale) * LOG2E, p.window_left, p.window_right,
-        softcap_scale=p.softmax_scale / p.softcap if p.softcap > 0 else None,
+        qk_scale_log2, p.window_left, p.window_right, softcap_scale=softcap_scale,
         IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
         PRODUCER_REGS_=PRODUCER_REGS, PAGED=False, PAGE=1, **form, COUNTER=counter, num_warps=4,
     )

@@ -59,11 +59,26 @@ def _covers_bwd(c: Case) -> bool:
 def test_sm90_fwd_bwd(c: Case):
     """backend='sm90' end to end: the Gluon forward, and the Gluon backward where it covers the
     head dim (d=256 has an sm90 forward only: there the forward runs without a gradient)."""
-    q, k, v = _inputs(c, "cuda")
+    _fwd_bwd(c, _covers_bwd(c) and c.s_q * c.s_k <= 1024 * 1024)
+
+
+def _case_inputs(c: Case):
+    """(q, k, v, score kwargs) of a case; with softcap, scores large enough for the cap to bend
+    them (as tests/dense/test_attention.py)."""
+    q, k, v = _inputs(c, "cuda", scale=1.5 if c.softcap else 1.0)
     kw = dict(causal=c.causal, window_size=c.window)
-    grads = _covers_bwd(c) and c.s_q * c.s_k <= 1024 * 1024
+    if c.softcap:
+        kw["softcap"] = c.softcap
+    return q, k, v, kw
+
+
+def _fwd_bwd(c: Case, grads: bool, deterministic: bool = False):
+    """backend='sm90' forward of a case checked against the reference (output and LSE), and
+    with grads every gradient too."""
+    q, k, v, kw = _case_inputs(c)
     args = (q, k, v) if grads else (q.detach(), k.detach(), v.detach())
-    out, lse, _ = ioattn.flash_attn_func(*args, return_attn_probs=True, backend="sm90", **kw)
+    out, lse, _ = ioattn.flash_attn_func(*args, return_attn_probs=True, backend="sm90",
+                                         deterministic=deterministic, **kw)
     ref, lse_ref = attention_ref(q, k, v, **kw)
     pt, _ = attention_ref(q, k, v, upcast=False, **kw)
     _check_fwd(c, out, lse, ref, lse_ref, pt)
@@ -73,9 +88,9 @@ def test_sm90_fwd_bwd(c: Case):
 
 def _forward_only(c: Case):
     """backend='sm90' forward of a case, checked against the reference (output and LSE);
-    returns (q, k, v, mask kwargs, out)."""
-    q, k, v = (t.detach() for t in _inputs(c, "cuda"))
-    kw = dict(causal=c.causal, window_size=c.window)
+    returns (q, k, v, score kwargs, out)."""
+    q, k, v, kw = _case_inputs(c)
+    q, k, v = q.detach(), k.detach(), v.detach()
     out, lse, _ = ioattn.flash_attn_func(q, k, v, return_attn_probs=True, backend="sm90", **kw)
     ref, lse_ref = attention_ref(q, k, v, **kw)
     pt, _ = attention_ref(q, k, v, upcast=False, **kw)
@@ -425,13 +440,7 @@ def test_sm90_softcap_fwd(c: Case):
     """Softcap (cap * tanh(scores / cap)) in the sm90 forward, as launched: persistent batched
     forms at d=64 / 128 (the d=64 192x128 tiles at 2k non-causal and 4k causal), one CTA a
     tile at d=256 and varlen (the same rows packed, equal lengths)."""
-    q, k, v = (t.detach() for t in _inputs(c, "cuda", scale=1.5))  # scores the cap bends
-    kw = dict(causal=c.causal, window_size=c.window, softcap=c.softcap)
-    out, lse, _ = ioattn.flash_attn_func(q, k, v, return_attn_probs=True, backend="sm90", **kw)
-    ref, lse_ref = attention_ref(q, k, v, **kw)
-    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
-    _check_fwd(c, out, lse, ref, lse_ref, pt)
-    _matches_varlen(c, q, k, v, kw, out)
+    _matches_varlen(c, *_forward_only(c))
 
 
 SOFTCAP_BWD_CASES = [Case(113, 203, d=64, softcap=2.0),
@@ -448,14 +457,8 @@ def test_sm90_softcap_fwd_bwd(c: Case, deterministic):
     """Softcap through the sm90 backward (d in {64, 128}): tanh on Sᵀ, dS = P (dP - delta)
     (1 - tanh²) with 1 - tanh² recovered from P in the dK/dV kernels (fused with dQ's TMA
     reductions, or the two-kernel deterministic form and its dQ kernel); every gradient
-    checked."""
-    q, k, v = _inputs(c, "cuda", scale=1.5)
-    kw = dict(causal=c.causal, window_size=c.window, softcap=c.softcap)
-    out = ioattn.flash_attn_func(q, k, v, backend="sm90", deterministic=deterministic, **kw)
-    ref, _ = attention_ref(q, k, v, **kw)
-    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
-    assert_close_rule("out", out, ref, pt)
-    _check_grads(c.id, out, ref, pt, torch.randn_like(out), (q, k, v))
+    checked (and the output's LSE)."""
+    _fwd_bwd(c, True, deterministic)
 
 
 @needs_sm90
