@@ -282,15 +282,15 @@ for step in $steps; do
              --cells 1x32768x16,16x8192x16,64x4096x16,128x2048x16 --prefill-cells "" \
              --out "$OUT/decode_fp8_sm90$v.json" > "/tmp/decode_fp8_$v.log" 2>&1
              echo "== sm90 fp8=$v"; grep -E "ioattn_paged |_fp8|cudnn " "/tmp/decode_fp8_$v.log"; done ;;
-    sm90-softcap) # softcap in the sm90 kernels (backend='sm90'; auto keeps it portable until
-           # timed): their tests, also with tanh.approx (IOATTN_SM90_SOFTCAP_APPROX=1), and the
-           # dense suite's softcap cases forced through sm90 (3 x ~150 s)
-           for v in 0 1; do IOATTN_SM90_SOFTCAP_APPROX=$v timeout 200 python -m pytest -q -n 8 \
+    sm90-softcap) # softcap in the sm90 kernels: their tests in the exact form
+           # (IOATTN_SM90_SOFTCAP_APPROX=0) and with tanh.approx (the default), and the dense
+           # suite's softcap cases forced through sm90 (3 x ~150 s)
+           for v in 0 1; do IOATTN_SM90_SOFTCAP_APPROX=$v timeout 200 python -m pytest -q -n 14 \
              -p no:cacheprovider tests/dense/test_sm90.py -k "softcap or refuses or preference" \
              > "$OUT/tests_softcap$v.log" 2>&1
              echo "== approx=$v"; grep -E "^FAILED" "$OUT/tests_softcap$v.log"; tail -1 "$OUT/tests_softcap$v.log"
            done
-           IOATTN_TEST_SM90=always timeout 200 python -m pytest -q -n 8 -p no:cacheprovider \
+           IOATTN_TEST_SM90=always timeout 200 python -m pytest -q -n 14 -p no:cacheprovider \
              tests/dense -k "cap" > "$OUT/tests_softcap_forced.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_softcap_forced.log"; tail -1 "$OUT/tests_softcap_forced.log" ;;
     softcap-bench) # forward and backward at cap 30: the sm90 kernels against the portable ones

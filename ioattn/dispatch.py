@@ -112,9 +112,9 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_PERSISTENT", "auto", "sm90 forward: persistent CTAs over query tiles (batched); "
      "auto: dynamic at d=64/128, dynamic: tiles handed out by an atomic counter, 1: static "
      "snake order, 0: one CTA per tile"),
-    ("IOATTN_SM90_SOFTCAP_APPROX", "0", "sm90 kernels: softcap's tanh on the MUFU's "
+    ("IOATTN_SM90_SOFTCAP_APPROX", "1", "sm90 kernels: softcap's tanh on the MUFU's "
      "tanh.approx.f32 (one instruction a score, 2^-11 relative error) instead of exp2 and a "
-     "fast division (1: on)"),
+     "fast division (0: the exact form, ~1e-7 absolute)"),
     ("IOATTN_SM90_FWD_EXP_EARLY", "auto", "sm90 forward: each key block's exponentials (and P's "
      "conversion) kept before the wait for the previous block's PV GEMM (auto: on the d=64 "
      "192x128 tile without a mask; 1: everywhere; 0: nowhere, ptxas then runs most of them "

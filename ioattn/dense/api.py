@@ -175,7 +175,7 @@ def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
         from ioattn.dense import sm90_fwd
 
         return sm90_fwd.preferred(q.shape[-1], masked, max_seqlen_q, max_seqlen_k, varlen,
-                                  softcap)
+                                  softcap, v.shape[-1])
 
     fwd = resolve_backend(backend, q.device, sm90_problem, sm90_preferred)
     if fwd == "reference" or backend == "triton" or sm90_unavailable_reason(q.device) is not None \
@@ -186,7 +186,8 @@ def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
     reason = sm90_bwd.unsupported_reason(q.shape[-1], v.shape[-1], softcap, alibi_slopes is not None,
                                          dropout_p)
     if reason is None and (backend == "sm90"
-                           or sm90_bwd.preferred(q.shape[-1], masked, max_seqlen_k, softcap)):
+                           or sm90_bwd.preferred(q.shape[-1], masked, max_seqlen_k, softcap,
+                                                     v.shape[-1])):
         return fwd, "sm90"
     if backend == "sm90" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         _fail(f"backend='sm90' cannot run this call's backward: {reason}; pass backend='auto' (the "

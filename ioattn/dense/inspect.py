@@ -103,10 +103,11 @@ SASS_OPS = ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "SYNCS", "WARPGROUP", "
 def _sass_counts(cubin: bytes) -> dict:
     """Counts of the Hopper SASS opcodes in SASS_OPS, through the cuobjdump Triton's wheel carries:
     HGMMA (async warpgroup MMA), UTMALDG/UTMASTG (TMA), USETMAXREG (register reallocation), SYNCS
-    (mbarrier ops)."""
+    (mbarrier ops); and MUFU.TANH (softcap's tanh.approx) among the MUFU ops."""
+    text = _sass_text(cubin)
     # (addresses grow past four hex digits in kernels over 64 KB of code)
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", _sass_text(cubin))
-    return {op: ops.count(op) for op in SASS_OPS}
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text)
+    return {**{op: ops.count(op) for op in SASS_OPS}, "MUFU.TANH": text.count("MUFU.TANH")}
 
 
 def _sass_text(cubin: bytes) -> str:

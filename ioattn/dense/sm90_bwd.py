@@ -1164,16 +1164,27 @@ def segments(head_dim: int, masked: bool) -> bool:
     raise ValueError(f"IOATTN_SM90_BWD_SEGMENTS={SEGMENTS!r}: expected auto, 1 or 0")
 
 
-def preferred(head_dim: int, masked: bool, max_seqlen_k: int, softcap: float = 0.0) -> bool:
+def preferred(head_dim: int, masked: bool, max_seqlen_k: int, softcap: float = 0.0,
+              head_dim_v: int | None = None) -> bool:
     """Whether 'auto' should take the sm90 backward over the portable one: where it measured
     faster on the H200. With the row stats in shared memory (results/sm90_bwd_rowstats1_ef679d0_*)
     it runs from 2k keys at every head dim: d=64 387 / 311 TFLOP/s non-causal / causal at 2k
     against the portable 364 / 307 (results/dense_76fc236_*.json), d=128 493 / 373 against 442
     (sm90 without row stats) / 323, d=256 398 / 331 against 131-150. Shorter problems were not
-    measured in these forms: the portable kernel keeps them. Softcap (d in {64, 128}) and the
-    zero-padded head dims (96, 192): covered (backend='sm90'), not yet tested or timed on the
-    H200, so the portable kernel keeps them."""
-    return max_seqlen_k >= 2048 and softcap == 0 and head_dim in SUPPORTED_HEAD_DIMS
+    measured in these forms: the portable kernel keeps them. Softcap (d in {64, 128}, the
+    forward's tanh.approx) from 2k keys too: 1.15-1.73x the portable kernel at cap 30
+    (results/softcap_approx_b84f621_*.json). The zero-padded head dims: (192, 192) from 2k keys
+    (1.67-2.92x the portable kernel, which runs d=192 at 93-108 TFLOP/s), (96, 96) from 8k
+    (1.17x / 1.08x non-causal / causal; 0.74-0.86x at 2k), results/padded_b84f621_*.json; (192, 128) was
+    not timed and stays portable."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    if (head_dim, head_dim_v) == (96, 96):
+        return softcap == 0 and max_seqlen_k >= 8192
+    if (head_dim, head_dim_v) == (192, 192):
+        return softcap == 0 and max_seqlen_k >= 2048
+    if head_dim not in SUPPORTED_HEAD_DIMS or head_dim_v != head_dim:
+        return False
+    return max_seqlen_k >= 2048 and (softcap == 0 or head_dim in (64, 128))
 
 
 def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

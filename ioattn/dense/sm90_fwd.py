@@ -928,7 +928,7 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_d
 
 
 def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
-              varlen: bool = False, softcap: float = 0.0) -> bool:
+              varlen: bool = False, softcap: float = 0.0, head_dim_v: int | None = None) -> bool:
     """Whether 'auto' should take this kernel over the portable one: where it measured faster on
     the H200 (benchmarks/NOTES.md, results/sm90_fwd_*quick_*.json): d=128 from s=2k (1.01-1.32x
     the portable kernel), d=256 from 2k (1.32-1.42x); d=64 from 4k with three consumer
@@ -943,10 +943,21 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     ran at 590 TFLOP/s through the paged form of this kernel against 454 through the portable
     one (results/chunked_sm90_paged_nvidia-h200_2026-11-29.json); that rule is kept to d >= 128,
     where it was measured. Shorter problems were not measured: the portable kernel keeps them.
-    Softcap and the zero-padded head dims (96, 192): covered (backend='sm90'), not yet tested
-    or timed on the H200, so the portable kernel keeps them (benchmarks/NOTES.md, session 13)."""
-    if softcap > 0 or head_dim not in SUPPORTED_HEAD_DIMS:
+
+    Softcap (tanh.approx, the default): d in {64, 128} from 2k queries, where it ran 1.24-1.96x
+    the portable kernel at cap 30 in every FA-grid cell measured (2k and 8k, causal and not,
+    results/softcap_approx_b84f621_*.json; the portable kernel pays more for the tanh); d=256
+    with softcap was not timed. The zero-padded head dims from 8k queries: (96, 96) ran 1.18x /
+    1.04x the portable kernel non-causal / causal at 8k and (192, 192) 1.23x / 1.04x, but
+    0.61-0.83x at 2k, where the padded copies weigh more (results/padded_b84f621_*.json);
+    (192, 128) was not timed and stays portable."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    if (head_dim, head_dim_v) in PADDED_HEAD_DIMS:
+        return head_dim_v == head_dim and softcap == 0 and max_seqlen_q >= 8192
+    if head_dim not in SUPPORTED_HEAD_DIMS or head_dim_v != head_dim:
         return False
+    if softcap > 0:
+        return head_dim in (64, 128) and max_seqlen_q >= 2048
     if head_dim == 64:
         if not masked and _persistent(64, varlen):  # batched: the persistent form
             return max_seqlen_q >= 2048

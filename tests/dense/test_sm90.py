@@ -480,8 +480,8 @@ def test_sm90_misaligned_base_is_copied():
 def test_sm90_padded_head_dims_rule():
     """(d, d_v) = (96, 96), (192, 192) and (192, 128) are covered through zero-padded copies
     (any layout: the copy is what the kernels read), backward too (192 as 256: not with
-    softcap); the paged forward, which reads caches in place, refuses them; 'auto' keeps them
-    portable until timed; other head dims are refused by name."""
+    softcap); the paged forward, which reads caches in place, refuses them; 'auto' takes them
+    where they were timed faster; other head dims are refused by name."""
     from ioattn.dense import sm90_bwd, sm90_fwd
 
     def t(d, transpose=False):
@@ -492,8 +492,15 @@ def test_sm90_padded_head_dims_rule():
         q, v = t(d, True), t(d_v, True)
         assert sm90_fwd.unsupported_reason(q, q, v, d, d_v, 0.0, False, 0.0, False) is None
         assert sm90_bwd.unsupported_reason(d, d_v, 0.0, False, 0.0) is None
-        assert not sm90_fwd.preferred(d, False, 8192, 8192)
-        assert not sm90_bwd.preferred(d, False, 8192)
+        # auto: from 8k queries (96, 192), the backward from 2k keys at 192 and 8k at 96;
+        # (192, 128) and softcap not timed
+        timed = d == d_v
+        assert sm90_fwd.preferred(d, False, 8192, 8192, head_dim_v=d_v) == timed
+        assert not sm90_fwd.preferred(d, False, 4096, 8192, head_dim_v=d_v)
+        assert not sm90_fwd.preferred(d, False, 8192, 8192, False, 30.0, d_v)
+        assert sm90_bwd.preferred(d, False, 8192, head_dim_v=d_v) == timed
+        assert sm90_bwd.preferred(d, False, 2048, head_dim_v=d_v) == (timed and d == 192)
+        assert not sm90_bwd.preferred(d, False, 8192, 30.0, d_v)
         bt = torch.zeros(1, 4, dtype=torch.int32)
         k_cache = torch.randn(4, 16, 4, d, dtype=torch.bfloat16)
         v_cache = torch.randn(4, 16, 4, d_v, dtype=torch.bfloat16)
@@ -587,7 +594,10 @@ def test_sm90_forward_preference_rule():
     if os.environ.get("IOATTN_TEST_SM90") == "always":
         pytest.skip("the forced-sm90 suite replaces the rule (tests/conftest.py)")
     assert sm90_fwd.preferred(128, True, 2048, 2048)
-    assert not sm90_fwd.preferred(128, True, 2048, 2048, False, 30.0)  # softcap: not yet timed
+    assert sm90_fwd.preferred(128, True, 2048, 2048, False, 30.0)  # softcap: d in {64, 128}
+    assert sm90_fwd.preferred(64, True, 2048, 2048, False, 30.0)
+    assert not sm90_fwd.preferred(64, True, 1024, 1024, False, 30.0)
+    assert not sm90_fwd.preferred(256, True, 8192, 8192, False, 30.0)  # not timed
     assert sm90_fwd.preferred(128, True, 512, 4608)
     assert not sm90_fwd.preferred(128, True, 256, 4608)
     assert not sm90_fwd.preferred(128, False, 1024, 1024)
@@ -615,7 +625,8 @@ def test_sm90_backward_preference_rule(monkeypatch):
     for d in (64, 128, 256):
         for masked in (False, True):
             assert sm90_bwd.preferred(d, masked, 2048) and not sm90_bwd.preferred(d, masked, 1024)
-            assert not sm90_bwd.preferred(d, masked, 2048, 30.0)  # softcap: not yet timed
+            # softcap: d in {64, 128} (d=256's column-split backward has none)
+            assert sm90_bwd.preferred(d, masked, 2048, 30.0) == (d != 256)
     monkeypatch.setattr(sm90_bwd, "DQ_ORDER", "auto")
     assert [sm90_bwd.dq_order(d, m) for d, m in ((64, False), (64, True), (128, False),
                                                   (128, True))] == ["alt", "alt", "lag", "after"]
@@ -688,6 +699,8 @@ def test_sm90_kernel_compiles_for_hopper():
         sass = r["sass"]  # what the GPU runs: HGMMA, TMA loads, setmaxnreg, mbarrier ops
         assert sass["HGMMA"] > 0 and sass["UTMALDG"] > 0 and sass["USETMAXREG"] > 0, r
         assert sass["SYNCS"] > 0, r
+        # softcap's tanh on the MUFU (tanh.approx, the default), in the softcap forms only
+        assert (sass["MUFU.TANH"] > 0) == ("softcap" in r["name"]), r
 
 
 _EXP_ORDER_SCRIPT = r'''
