@@ -1170,8 +1170,10 @@ def preferred(head_dim: int, masked: bool, max_seqlen_k: int, softcap: float = 0
     faster on the H200. With the row stats in shared memory (results/sm90_bwd_rowstats1_ef679d0_*)
     it runs from 2k keys at every head dim: d=64 387 / 311 TFLOP/s non-causal / causal at 2k
     against the portable 364 / 307 (results/dense_76fc236_*.json), d=128 493 / 373 against 442
-    (sm90 without row stats) / 323, d=256 398 / 331 against 131-150. Shorter problems were not
-    measured in these forms: the portable kernel keeps them. Softcap (d in {64, 128}, the
+    (sm90 without row stats) / 323, d=256 398 / 331 against 131-150; d=256 also from 512 keys:
+    279 / 152 at 512 and 353 / 256 at 1k against the portable 117 / 94 and 133 / 114 (cuDNN 240 /
+    180 and 303 / 256; results/bwd256_short_6d04479_*.json). Shorter problems were not measured
+    in these forms: the portable kernel keeps them. Softcap (d in {64, 128}, the
     forward's tanh.approx) from 2k keys too: 1.15-1.73x the portable kernel at cap 30
     (results/softcap_approx_b84f621_*.json). The zero-padded head dims: (192, 192) from 2k keys
     (1.67-2.92x the portable kernel, which runs d=192 at 93-108 TFLOP/s), (96, 96) from 8k
@@ -1184,6 +1186,8 @@ def preferred(head_dim: int, masked: bool, max_seqlen_k: int, softcap: float = 0
         return softcap == 0 and max_seqlen_k >= 2048
     if head_dim not in SUPPORTED_HEAD_DIMS or head_dim_v != head_dim:
         return False
+    if head_dim == 256:
+        return softcap == 0 and max_seqlen_k >= 512
     return max_seqlen_k >= 2048 and (softcap == 0 or head_dim in (64, 128))
 
 
