@@ -195,8 +195,12 @@ _TMA_LAYOUT = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth={bits
                "transposed=False, fp4_padded=False, cga_layout=[])")
 
 
-def _gluon_signature(fn, dtype: str, desc_rows: dict, d: int) -> dict:
+def _gluon_signature(fn, dtype: str, desc_rows: dict, d: int, heads_view: bool = False) -> dict:
+    """heads_view: the operand descriptors as [rows, 1, d] boxes over [rows, heads, d_real]
+    views (``rows_descriptor(pad_to=d)``)."""
     lay = _TMA_LAYOUT.format(bits=16)
+    if heads_view:
+        lay = lay.replace("rank=2", "rank=3")
     sig = {}
     for name in fn.arg_names:
         if name == "dqa_desc":  # the fp32 dQ accumulator (fused backward: its column block)
@@ -205,7 +209,8 @@ def _gluon_signature(fn, dtype: str, desc_rows: dict, d: int) -> dict:
             cols = dq_cols(d)
             sig[name] = f"tensordesc<fp32[{desc_rows[name]}, {cols}],{_TMA_LAYOUT.format(bits=32)}>"
         elif name.endswith("_desc"):
-            sig[name] = f"tensordesc<{dtype}[{desc_rows[name]}, {d}],{lay}>"
+            box = f"{desc_rows[name]}, 1, {d}" if heads_view else f"{desc_rows[name]}, {d}"
+            sig[name] = f"tensordesc<{dtype}[{box}],{lay}>"
         elif name in ("O", "DQ", "DK", "DV"):
             sig[name] = f"*{dtype}"
         elif name in ("LSE", "DELTA"):
@@ -320,6 +325,20 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
             jobs.append(_batched_causal_job(d, "2k ", 2048))
         if d == 128:  # softcap (its tanh before the softmax), the causal form of long problems
             jobs.append(_batched_causal_job(d, "softcap ", 1 << 14, softcap_scale="fp32"))
+        # head dims read in place through [rows, heads, d] views, boxes zero-filled past d
+        # (IOATTN_SM90_PAD=tma): 96 as 128 batched (persistent), (192, 128) as 256 varlen
+        # causal (O's partial tiles stored from registers, columns past 128 masked)
+        if d in (128, 256):
+            real, varlen = (96, False) if d == 128 else (128, True)
+            mask = "causal" if varlen else "none"
+            form = sm90_fwd.launch_form(d, varlen, mask, 1 << 14)
+            jobs.append((f"sm90 fwd d{d} {mask} heads-view O_COLS={real} "
+                         f"{64 * form['WGS']}x{form['BLOCK_N']} ws", sm90_fwd._attn_fwd_sm90,
+                         dict(q_desc=64, o_desc=64, k_desc=form["BLOCK_N"],
+                              v_desc=form["BLOCK_N"]), d,
+                         dict(IS_VARLEN=varlen, HAS_LEFT=False, HAS_RIGHT=varlen,
+                              PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1,
+                              **form, O_COLS=real, heads_view=True)))
         # the KV-cache forward over pages of 16 (one TMA copy per page)
         jobs.append((f"sm90 fwd paged16 d{d} causal 128x{bn} ws", sm90_fwd._attn_fwd_sm90,
                      dict(q_desc=64, o_desc=64, k_desc=16, v_desc=16), d,
@@ -329,7 +348,8 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                           EXP_EARLY=sm90_fwd._exp_early(d, False, "causal"))))
     out = []
     for name, fn, desc_rows, d, ce in jobs:
-        sig = _gluon_signature(fn, dtype, desc_rows, d)
+        sig = _gluon_signature(fn, dtype, desc_rows, d, ce.get("heads_view", False))
+        ce = {k: v for k, v in ce.items() if k != "heads_view"}
         if ce.get("softcap_scale") == "fp32":  # softcap on: a runtime scale
             sig["softcap_scale"] = "fp32"
             ce = {k: v for k, v in ce.items() if k != "softcap_scale"}

@@ -89,10 +89,15 @@ def fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
     d_pad = None  # (sm90) the head dim the kernels run at, when (d, d_v) are zero-padded to it
     if impl == "sm90":
         from ioattn.dense.sm90_fwd import attn_fwd_sm90 as launch
-        from ioattn.dense.sm90_common import PADDED_HEAD_DIMS, aligned_base, pad_head_dim
+        from ioattn.dense.sm90_common import (PAD_MODE, PADDED_HEAD_DIMS, aligned_base,
+                                              pad_head_dim, tma_view_problem)
 
         d_pad = PADDED_HEAD_DIMS.get((d, d_v))
-        if d_pad is not None:
+        if d_pad is not None and PAD_MODE == "tma":  # read in place, zero-filled by the TMA unit
+            d_pad = None
+            q, k, v = (t.contiguous() if tma_view_problem(n, t, cu_seqlens_q is not None)
+                       else t for n, t in (("q", q), ("k", k), ("v", v)))
+        elif d_pad is not None:
             q, k, v = (pad_head_dim(t, d_pad) for t in (q, k, v))
         q, k, v = (aligned_base(t) for t in (q, k, v))
     elif impl == "triton":

@@ -16,7 +16,7 @@ import triton.language as tl
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.language.core import builtin
 
 from ioattn.dense.common import LOG2E
@@ -37,6 +37,57 @@ def tma_reduce_add(desc, offsets, src, _semantic=None):
     offs = _semantic._convert_to_ir_values(offsets, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, offs,
                                               src.handle)
+
+
+@gluon.constexpr_function
+def heads_view(block_shape) -> bool:
+    """Whether a descriptor's box is [rows, 1, cols] over a [rows, heads, d] view (a zero-padded
+    head dim, ``rows_descriptor(pad_to=...)``) rather than [rows, cols] over [rows, heads * d]."""
+    return len(block_shape) == 3
+
+
+@gluon.constexpr_function
+def box_cols(block_shape) -> int:
+    """A descriptor box's columns (its last dim): the kernels' head dim, padded or not."""
+    return block_shape[-1]
+
+
+@gluon.constexpr_function
+def tile_layout(layout):
+    """The [rows, cols] shared layout of a descriptor's tiles: its own, or for a [rows, 1, cols]
+    box the same swizzle at rank 2 (the bytes a 3D box lands in are laid out as the 2D box's)."""
+    if layout.rank == 2:
+        return layout
+    return gl.NVMMASharedLayout(swizzle_byte_width=layout.swizzle_byte_width,
+                                element_bitwidth=layout.element_bitwidth, rank=2,
+                                transposed=layout.transposed)
+
+
+@gluon.jit
+def tma_load(desc, row, col, bar, smem, pred=True):
+    """TMA copy of the box at (row, col) of ``desc``'s [rows, heads * d] view into ``smem``; col is
+    a head's first column, head * cols. Over a [rows, heads, d] view (``heads_view``), the box
+    of head col // cols, its columns past d zero-filled by the TMA unit."""
+    if heads_view(desc.block_type.shape):
+        COLS: gl.constexpr = desc.block_type.shape[2]
+        tma.async_copy_global_to_shared(
+            desc, [row, col // COLS, 0], bar,
+            smem._reinterpret(smem.dtype, [smem.shape[0], 1, COLS], desc.layout), pred=pred)
+    else:
+        tma.async_copy_global_to_shared(desc, [row, col], bar, smem, pred=pred)
+
+
+@gluon.jit
+def tma_store(desc, row, col, smem):
+    """TMA store of ``smem`` to the box at (row, col) (as ``tma_load``); over a [rows, heads, d]
+    view, columns past d are clipped by the TMA unit."""
+    if heads_view(desc.block_type.shape):
+        COLS: gl.constexpr = desc.block_type.shape[2]
+        tma.async_copy_shared_to_global(
+            desc, [row, col // COLS, 0],
+            smem._reinterpret(smem.dtype, [smem.shape[0], 1, COLS], desc.layout))
+    else:
+        tma.async_copy_shared_to_global(desc, [row, col], smem)
 
 
 @gluon.constexpr_function
@@ -291,6 +342,13 @@ def base_problem(name: str, t: torch.Tensor) -> str | None:
 # to every q·k and give zero output columns; the softmax scale is the caller's 1/sqrt(d)).
 # (192, 128): DeepSeek's MLA prefill shape
 PADDED_HEAD_DIMS = {(96, 96): 128, (192, 192): 256, (192, 128): 256}
+# how the forward pads them: "copy" (the op's zero-padded copies, timed on the H200) or "tma"
+# (read in place through [rows, heads, d] views whose boxes the TMA unit zero-fills past d,
+# O's stores clipped: no copies; opt-in until timed, benchmarks/NOTES.md session 14); the
+# backward copies either way
+PAD_MODE = os.environ.get("IOATTN_SM90_PAD", "copy").lower()
+if PAD_MODE not in ("copy", "tma"):
+    raise ValueError(f"IOATTN_SM90_PAD={PAD_MODE!r}: expected 'copy' or 'tma'")
 
 
 def pad_head_dim(t: torch.Tensor, d: int) -> torch.Tensor:
@@ -312,13 +370,28 @@ def shared_layout(rows: int, cols: int, dtype: torch.dtype) -> gl.NVMMASharedLay
     return gl.NVMMASharedLayout.get_default_for([rows, cols], GL_DTYPES[dtype])
 
 
+@functools.lru_cache(maxsize=16)
+def shared_layout_3d(rows: int, cols: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The [rows, 1, cols] box's layout: the [rows, cols] tile's swizzle at rank 3 (what
+    ``tile_layout`` turns back into the kernels' 2D tile layout)."""
+    two = shared_layout(rows, cols, dtype)
+    return gl.NVMMASharedLayout(swizzle_byte_width=two.swizzle_byte_width,
+                                element_bitwidth=two.element_bitwidth, rank=3,
+                                transposed=two.transposed)
+
+
 def rows_descriptor(t: torch.Tensor, varlen: bool, block_rows: int,
-                    block_cols: int | None = None) -> Desc:
+                    block_cols: int | None = None, pad_to: int | None = None) -> Desc:
     """Host TMA descriptor of ``t`` as [rows, heads * d] with [block_rows, block_cols] boxes
     (block_cols d by default), as ``ioattn.launch.Desc``: launched through ``launch.launcher``,
-    which checks it as gluon's ``TensorDescriptor`` the first time its signature is seen."""
+    which checks it as gluon's ``TensorDescriptor`` the first time its signature is seen.
+    pad_to > d: as [rows, heads, d] with [block_rows, 1, pad_to] boxes instead, the kernels'
+    tiles zero-padded to pad_to columns (``tma_load``; stores clipped at d)."""
     d = t.shape[-1]
     cols = block_cols or d
     rows, row_stride = rows_view(t, varlen)
+    if pad_to is not None and pad_to != d:
+        layout = shared_layout_3d(block_rows, pad_to, t.dtype)
+        return Desc(t, (rows, t.shape[-2], d), (row_stride, d, 1), (block_rows, 1, pad_to), layout)
     layout = shared_layout(block_rows, cols, t.dtype)
     return Desc(t, (rows, t.shape[-2] * d), (row_stride, 1), (block_rows, cols), layout)

@@ -42,9 +42,9 @@ from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (OPERAND_DTYPES, PADDED_HEAD_DIMS, barriers, base_problem,
                                       invalidate, query_tile, query_tile_at, key_tiles,
-                                      rows_descriptor, score_scales, softcap_tanh,
-                                      tma_view_problem, wgmma_a_operand, wgmma_acc_layout,
-                                      zero_last_key_tile)
+                                      rows_descriptor, score_scales, softcap_tanh, box_cols,
+                                      tile_layout, tma_load, tma_store, tma_view_problem,
+                                      wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile)
 from ioattn.dispatch import sm_count
 from ioattn.launch import launcher
 
@@ -188,7 +188,7 @@ def _key_tile_load(desc, tile, bar, BT, bt_row, bt_width, key0, col, PAGED: gl.c
             tma.async_copy_global_to_shared(desc, [page * PAGE + key % PAGE, col], bar,
                                             tile.slice(i * BOX, BOX, dim=0))
     else:
-        tma.async_copy_global_to_shared(desc, [key0, col], bar, tile)
+        tma_load(desc, key0, col, bar, tile)
 
 
 @gluon.jit
@@ -210,8 +210,7 @@ def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty
     WGS: gl.constexpr = q_smem.shape[0]  # consumer warpgroups: one 64-row Q piece each
     mbarrier.expect(q_bar, WGS * q_desc.block_type.nbytes, pred=has_work)
     for i in gl.static_range(WGS):
-        tma.async_copy_global_to_shared(q_desc, [q_row + i * HALF_M, q_col], q_bar,
-                                        q_smem.index(i), pred=has_work)
+        tma_load(q_desc, q_row + i * HALF_M, q_col, q_bar, q_smem.index(i), pred=has_work)
     for j in range(n_tiles):
         it = it0 + j
         st = it % STAGES
@@ -454,13 +453,17 @@ def _first_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _store_rows(O, out, o_base_off, stride_om, row0, seqlen_q):
-    """Masked stores of a warpgroup's [64, d] output rows from registers (rows < seqlen_q)."""
+def _store_rows(O, out, o_base_off, stride_om, row0, seqlen_q, O_COLS: gl.constexpr):
+    """Masked stores of a warpgroup's [64, d] output rows from registers (rows < seqlen_q; and
+    columns < O_COLS, O's own head dim, when the tile is zero-padded past it; 0: all)."""
     o_layout: gl.constexpr = out.type.layout
     rows_o = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
     cols_o = gl.arange(0, out.shape[1], layout=gl.SliceLayout(0, o_layout))
     ptrs = O + o_base_off + rows_o[:, None].to(gl.int64) * stride_om + cols_o[None, :]
-    gl.store(ptrs, out, mask=(rows_o < seqlen_q)[:, None])
+    if O_COLS:
+        gl.store(ptrs, out, mask=(rows_o < seqlen_q)[:, None] & (cols_o < O_COLS)[None, :])
+    else:
+        gl.store(ptrs, out, mask=(rows_o < seqlen_q)[:, None])
 
 
 @gluon.jit
@@ -626,7 +629,8 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_
               seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right, qk_scale_log2,
               softcap_scale,
               WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-              ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, EXP_EARLY: gl.constexpr):
+              ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, EXP_EARLY: gl.constexpr,
+              O_COLS: gl.constexpr):
     _first_turn(turn, WG, PINGPONG)
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                              v_empty, v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles,
@@ -639,10 +643,10 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_
         o_smem = q_smem.index(WG)  # the Q half is dead: stage O there for the TMA store
         o_smem.store(out)
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [o_row + WG * HALF_M, o_col], o_smem)
+        tma_store(o_desc, o_row + WG * HALF_M, o_col, o_smem)
         tma.store_wait(0)
     else:
-        _store_rows(O, out, o_base_off, stride_om, row0, seqlen_q)
+        _store_rows(O, out, o_base_off, stride_om, row0, seqlen_q, O_COLS)
 
 
 @gluon.jit
@@ -652,7 +656,8 @@ def _consume_persistent_tile(t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_b
                              seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right,
                              qk_scale_log2, softcap_scale, WG: gl.constexpr, STAGES: gl.constexpr,
                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                             PINGPONG: gl.constexpr, EXP_EARLY: gl.constexpr):
+                             PINGPONG: gl.constexpr, EXP_EARLY: gl.constexpr,
+                             O_COLS: gl.constexpr):
     """One warpgroup's rows of tile t; returns the updated ring position, tiles-with-work count
     and pingpong rounds."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -668,7 +673,7 @@ def _consume_persistent_tile(t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_b
                              EXP_EARLY)
     _store_tile(out, lse, t, O, LSE, CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh,
                 n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right,
-                WG, TILE_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                WG, TILE_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, O_COLS)
     has_work = (n_tiles > 0).to(gl.int32)
     return it + n_tiles, tc + has_work, rnd + has_work * (n_tiles + 1)
 
@@ -677,7 +682,7 @@ def _consume_persistent_tile(t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_b
 def _store_tile(out, lse, t, O, LSE, CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh,
                 n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
                 window_right, WG: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, O_COLS: gl.constexpr):
     """A persistent CTA's store of a warpgroup's rows of tile t: the output offsets recomputed
     here rather than kept live through the key loop; Q's buffer may already hold the next
     tile's Q, so O is stored from registers."""
@@ -689,7 +694,7 @@ def _store_tile(out, lse, t, O, LSE, CU_Q, CU_K, stride_om, stride_oh, stride_lb
     _store_lse(LSE, lse, off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
                + lse_start, row0, seqlen_q)
     _store_rows(O, out, q_start.to(gl.int64) * stride_om + off_h.to(gl.int64) * stride_oh,
-                stride_om, row0, seqlen_q)
+                stride_om, row0, seqlen_q, O_COLS)
 
 
 @gluon.jit
@@ -701,7 +706,7 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
                          tile_empty, WG: gl.constexpr,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr,
-                         EXP_EARLY: gl.constexpr):
+                         EXP_EARLY: gl.constexpr, O_COLS: gl.constexpr):
     """A persistent CTA's tiles, in the producer's order: program_id, program_id + programs, ...
     in snake order (``_snake``), or (DYNAMIC) the ids the producer draws from the tile counter
     and passes on through shared memory; tiles run over (query tile, batch * head), query tiles
@@ -720,7 +725,7 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
             k_empty, v_empty, v_fixed, turn, CU_Q, CU_K, stride_om, stride_oh, stride_lb,
             stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
             window_right, qk_scale_log2,
-            softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_EARLY)
+            softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_EARLY, O_COLS)
         k += 1
         t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
 
@@ -736,7 +741,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    PAGE: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                    WGS: gl.constexpr = 2,
                    DYNAMIC: gl.constexpr = False, COUNTER=None, EXP_EARLY: gl.constexpr = False,
-                   softcap_scale=None):
+                   softcap_scale=None, O_COLS: gl.constexpr = 0):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # PAGED: batched queries over a paged KV cache (``attn_fwd_sm90_paged``): CU_K holds the key
     # counts, BT the page table [batch, bt_width] (row stride stride_btb), k_desc / v_desc view
@@ -744,7 +749,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     # PERSISTENT (batched only): a grid of at most one CTA per SM, each walking query tiles
     # (``_consumer_persistent``); n_bh = batch * heads. Otherwise one CTA per (query tile,
     # batch * head) on a 2D grid.
-    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
     gl.static_assert(not (PERSISTENT and (IS_VARLEN or PAGED)),
                      "the persistent form covers batched (not varlen or paged) problems")
     gl.static_assert(WGS == 2 or WGS == 3, "two or three consumer warpgroups")
@@ -756,9 +761,12 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
         if start_m >= seqlen_q:
             return
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [WGS, HALF_M, HEAD_D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [WGS, HALF_M, HEAD_D],
+                                       tile_layout(q_desc.layout))
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D],
+                                       tile_layout(k_desc.layout))
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D],
+                                       tile_layout(v_desc.layout))
     q_bar = barriers(1, 1)
     q_empty = barriers(1, WGS)  # persistent: one arrive per consumer warpgroup
     v_fixed = barriers(1, 1)
@@ -785,7 +793,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty,
                                         0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY)),
+                                        EXP_EARLY, O_COLS)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
@@ -794,7 +802,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty,
                                         1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY)),
+                                        EXP_EARLY, O_COLS)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
@@ -803,7 +811,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty,
                                         2, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY)),
+                                        EXP_EARLY, O_COLS)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
@@ -821,7 +829,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty,
                                         0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY)),
+                                        EXP_EARLY, O_COLS)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
@@ -830,7 +838,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty,
                                         1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY)),
+                                        EXP_EARLY, O_COLS)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
@@ -852,21 +860,21 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY)),
+                             PINGPONG, EXP_EARLY, O_COLS)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY)),
+                             PINGPONG, EXP_EARLY, O_COLS)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 2, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY)),
+                             PINGPONG, EXP_EARLY, O_COLS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
@@ -881,14 +889,14 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY)),
+                             PINGPONG, EXP_EARLY, O_COLS)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY)),
+                             PINGPONG, EXP_EARLY, O_COLS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
@@ -1006,20 +1014,25 @@ def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> di
 
 def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Launch the sm90 forward into ``out`` / ``lse`` (layouts as ``triton_fwd.attn_fwd``)."""
-    d = p.head_dim
+    """Launch the sm90 forward into ``out`` / ``lse`` (layouts as ``triton_fwd.attn_fwd``).
+    Head dims (d, d_v) in PADDED_HEAD_DIMS are read in place through [rows, heads, d] views
+    whose boxes the TMA unit zero-fills past d (``IOATTN_SM90_PAD=tma``; the op copies them into
+    padded tensors otherwise), and O's columns past d_v are not written."""
+    d, d_v = q.shape[-1], v.shape[-1]
+    d_pad = PADDED_HEAD_DIMS.get((d, d_v))
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
-    form = launch_form(d, p.is_varlen, mask_kind(p.window_left, p.window_right), p.max_seqlen_q)
+    form = launch_form(d_pad or d, p.is_varlen, mask_kind(p.window_left, p.window_right),
+                       p.max_seqlen_q)
     grid = (-(-p.max_seqlen_q // (form["WGS"] * HALF_M.value)), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
     if form["PERSISTENT"]:  # one CTA per SM (a CTA takes most of the shared memory)
         grid = (min(grid[0] * grid[1], sm_count(q.device)),)
     block_n = form["BLOCK_N"]
-    q_desc = rows_descriptor(q, p.is_varlen, HALF_M.value)
-    k_desc = rows_descriptor(k, p.is_varlen, block_n)
-    v_desc = rows_descriptor(v, p.is_varlen, block_n)
-    o_desc = rows_descriptor(out, p.is_varlen, HALF_M.value)
+    q_desc = rows_descriptor(q, p.is_varlen, HALF_M.value, pad_to=d_pad)
+    k_desc = rows_descriptor(k, p.is_varlen, block_n, pad_to=d_pad)
+    v_desc = rows_descriptor(v, p.is_varlen, block_n, pad_to=d_pad)
+    o_desc = rows_descriptor(out, p.is_varlen, HALF_M.value, pad_to=d_pad)
     dummy = lse  # unused pointer arguments (batched layout)
     # tiles after the first G come from a counter of this launch's own (a shared one would let
     # concurrent launches on other streams take each other's tiles); stream-ordered by the
@@ -1033,7 +1046,8 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, p.batch * n_heads,
         qk_scale_log2, p.window_left, p.window_right, softcap_scale=softcap_scale,
         IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
-        PRODUCER_REGS_=PRODUCER_REGS, PAGED=False, PAGE=1, **form, COUNTER=counter, num_warps=4,
+        PRODUCER_REGS_=PRODUCER_REGS, PAGED=False, PAGE=1, **form, COUNTER=counter,
+        O_COLS=d_v if d_pad else 0, num_warps=4,
     )
 
 

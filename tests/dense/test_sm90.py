@@ -552,6 +552,69 @@ def test_sm90_padded_head_dims_host_side(d, d_v, device, monkeypatch):
     assert seen == [sm90_fwd.PADDED_HEAD_DIMS[(d, d_v)]] * 2
 
 
+@pytest.mark.parametrize("d,d_v", [(96, 96), (192, 128)])
+def test_sm90_padded_in_place_host_side(d, d_v, device, monkeypatch):
+    """IOATTN_SM90_PAD=tma: the op hands the sm90 forward q, k, v as they are (a layout TMA
+    cannot view is made contiguous, nothing padded), the launcher's descriptors view them as
+    [rows, heads, d] with [rows, 1, 128 / 256] boxes, and the backward still pads (portable
+    kernels stand in for the launchers)."""
+    import math
+
+    from ioattn.dense import op, sm90_bwd, sm90_common, sm90_fwd
+    from ioattn.dense.triton_bwd import attn_bwd
+    from ioattn.dense.triton_fwd import attn_fwd
+
+    monkeypatch.setattr(sm90_common, "PAD_MODE", "tma")
+    seen = []
+
+    def fwd(p, q, k, v, *a):
+        seen.append((q.shape[-1], v.shape[-1], q.is_contiguous(), k.is_contiguous()))
+        return attn_fwd(p, q, k, v, *a)
+
+    monkeypatch.setattr(sm90_fwd, "attn_fwd_sm90", fwd)
+    monkeypatch.setattr(sm90_bwd, "attn_bwd_sm90",
+                        lambda p, dout, *a, fused: seen.append(dout.shape[-1]) or attn_bwd(p, dout, *a))
+    c = Case(33, 47, d=d, d_v=d_v, b=2, h=2, causal=True)
+    q, k, v = _inputs(c, device)
+    kt = k.detach().transpose(1, 2).contiguous().transpose(1, 2)  # heads not packed in a row
+    scale = 1.0 / math.sqrt(d)
+    args = (None, None, c.s_q, c.s_k, scale, -1, 0, 0.0, None, 0.0, None)
+    out, lse = op.fwd_impl(q.detach(), kt, v.detach(), *args, impl="sm90")
+    ref, lse_ref = attention_ref(q, k, v, causal=True)
+    pt, _ = attention_ref(q, k, v, causal=True, upcast=False)
+    assert out.shape == q.shape[:-1] + (d_v,)
+    assert_close_rule("out", out, ref, pt)
+    torch.testing.assert_close(lse, lse_ref, atol=1e-3, rtol=1e-3)
+    grads = op.bwd_impl(torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None,
+                        *args, impl="sm90")
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    d_pad = sm90_fwd.PADDED_HEAD_DIMS[(d, d_v)]
+    assert seen == [(d, d_v, True, True), d_pad]
+    # the launcher's view of an unpadded operand
+    desc = sm90_common.rows_descriptor(q.detach(), False, 64, pad_to=d_pad)
+    assert desc.shape == (c.b * c.s_q, c.h, d) and desc.strides == (c.h * d, d, 1)
+    assert desc.block_shape == (64, 1, d_pad) and desc.layout.rank == 3
+    two = sm90_common.shared_layout(64, d_pad, q.dtype)
+    assert desc.layout.swizzle_byte_width == two.swizzle_byte_width
+    assert sm90_common.rows_descriptor(q.detach(), False, 64, pad_to=d).block_shape == (64, d)
+
+
+@needs_sm90
+@pytest.mark.parametrize("c", [c for c in CASES if (c.d, c.d_v or c.d) in ((96, 96), (192, 192),
+                                                                         (192, 128))],
+                         ids=lambda c: "sm90-pad-tma-" + c.id)
+def test_sm90_padded_in_place(c: Case, monkeypatch):
+    """IOATTN_SM90_PAD=tma on the H200: the forward reads q, k, v of head dim 96 / 192 in place
+    (boxes zero-filled past d by the TMA unit, O's columns past d_v never written: the output is
+    poisoned before the launch by the op), checked with its LSE, and the (copying) backward
+    after it; the same rows as varlen match."""
+    from ioattn.dense import sm90_common
+
+    monkeypatch.setattr(sm90_common, "PAD_MODE", "tma")
+    _fwd_bwd(c, _covers_bwd(c) and c.s_q * c.s_k <= 1024 * 1024)
+    _matches_varlen(c, *_forward_only(c))
+
+
 @needs_sm90
 @pytest.mark.parametrize("d", [96, 192])
 def test_sm90_padded_head_dims_varlen(d):
@@ -675,8 +738,9 @@ def test_sm90_kernel_compiles_for_hopper():
     # persistent forward on three warpgroups taking turns round robin, also on FA3's 192x128
     # tile (opt-in), the d=64 causal forward as launched at 2k (two warpgroups), and with
     # softcap: the d=128 causal forward, the causal fused backward as launched (d = 64, 128),
-    # the d=128 causal dQ kernel
-    assert len(reports) == 66, names
+    # the d=128 causal dQ kernel; the forward over [rows, heads, d] views (head dims 96 and
+    # 192 / 128 read in place, IOATTN_SM90_PAD=tma)
+    assert len(reports) == 68, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
