@@ -50,12 +50,11 @@ class Inputs:
 def make_inputs(shape: Shape, device: torch.device, seed: int = 0) -> Inputs:
     gen = torch.Generator(device=device).manual_seed(seed)
     rg = shape.mode == "bwd"
-    size = (shape.b, shape.s, shape.h, shape.d)
+    def rnd(d: int) -> Tensor:
+        return torch.randn((shape.b, shape.s, shape.h, d), generator=gen, device=device,
+                           dtype=shape.torch_dtype)
 
-    def rnd() -> Tensor:
-        return torch.randn(size, generator=gen, device=device, dtype=shape.torch_dtype)
-
-    q, k, v, dout = rnd(), rnd(), rnd(), rnd()
+    q, k, v, dout = rnd(shape.d), rnd(shape.d), rnd(shape.dv), rnd(shape.dv)
     return Inputs(q.requires_grad_(rg), k.requires_grad_(rg), v.requires_grad_(rg), dout, rg)
 
 

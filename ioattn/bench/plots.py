@@ -4,10 +4,14 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _series(rows: list[dict], mode: str, dtype: str, causal: bool, d: int) -> dict[str, dict[int, float]]:
+def _dims(r: dict) -> tuple:
+    return r["d"], r.get("d_v") or r["d"]
+
+
+def _series(rows: list[dict], mode: str, dtype: str, causal: bool, d: tuple) -> dict[str, dict[int, float]]:
     out: dict[str, dict[int, float]] = {}
     for r in rows:
-        if (r["mode"], r["dtype"], r["causal"], r["d"]) == (mode, dtype, causal, d):
+        if (r["mode"], r["dtype"], r["causal"], _dims(r)) == (mode, dtype, causal, d):
             out.setdefault(r["impl"], {})[r["s"]] = r.get("tflops") or 0.0  # failed cell: empty bar
     return out
 
@@ -25,14 +29,15 @@ def save_plots(doc: dict, json_path: Path) -> list[Path]:
     for mode, dtype in sorted({(r["mode"], r["dtype"]) for r in rows}):
         sub = [r for r in rows if r["mode"] == mode and r["dtype"] == dtype]
         causals = sorted({r["causal"] for r in sub})
-        dims = sorted({r["d"] for r in sub})
+        dims = sorted({_dims(r) for r in sub})
         impls = list(dict.fromkeys(r["impl"] for r in sub))  # keep run order for colours
         fig, axes = plt.subplots(len(causals), len(dims), squeeze=False,
                                  figsize=(4.8 * len(dims), 3.4 * len(causals)))
         for i, causal in enumerate(causals):
             for j, d in enumerate(dims):
                 _bars(axes[i][j], _series(sub, mode, dtype, causal, d), impls)
-                axes[i][j].set_title(f"{mode}, causal={causal}, d={d}", fontsize=9)
+                name = f"{d[0]}" if d[0] == d[1] else f"{d[0]}/{d[1]}"
+                axes[i][j].set_title(f"{mode}, causal={causal}, d={name}", fontsize=9)
         axes[0][0].legend(fontsize=7, loc="upper left")
         fig.suptitle(f"{gpu} {dtype} {mode} — TFLOP/s vs seqlen", fontsize=11)
         fig.tight_layout()

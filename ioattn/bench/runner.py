@@ -24,7 +24,7 @@ import torch
 from . import anchors
 from .shapes import DIMS, FLOPS_FORMULA, HIDDEN, QUICK_DIMS, QUICK_SEQLENS, SEQLENS, TOKENS, Shape, fa_grid
 
-CELL_KEYS = ("mode", "d", "h", "s", "b", "causal", "dtype")
+CELL_KEYS = ("mode", "d", "h", "s", "b", "causal", "dtype", "d_v")
 ABBREV = {"ioattn": "io", "ioattn_triton": "io-tri", "ioattn_sm90": "io-sm90", "sdpa_cudnn": "cudnn", "sdpa_flash": "flash", "flex": "flex", "sdpa_math": "math"}
 
 
@@ -38,6 +38,7 @@ class Row:
     causal: bool
     dtype: str
     impl: str
+    d_v: Optional[int] = None  # V's head dim where it differs from d
     ms: Optional[float] = None
     tflops: Optional[float] = None
     error: Optional[str] = None
@@ -166,7 +167,8 @@ def compute_ratios(rows: list[Row]) -> tuple[list[dict], list[dict]]:
         if io is None or io.tflops is None:
             continue
         vs = {n: io.tflops / r.tflops for n, r in impls.items() if n != "ioattn" and r.tflops}
-        ratios.append({**dict(zip(CELL_KEYS, cell)), "ioattn_tflops": io.tflops, "vs": vs})
+        ratios.append({**{k: v for k, v in zip(CELL_KEYS, cell) if v is not None},
+                       "ioattn_tflops": io.tflops, "vs": vs})
         for n, x in vs.items():
             logs.setdefault((cell[0], cell[6], n), []).append(math.log(x))
     geo = [{"mode": m, "dtype": dt, "anchor": n, "geomean": math.exp(sum(v) / len(v)), "cells": len(v)}
@@ -244,8 +246,9 @@ def summary_table(rows: list[Row], impls: list[str]) -> str:
         by_cell.setdefault(r.cell(), {})[r.impl] = r
     lines = ["TFLOP/s (ratio = ioattn/anchor TFLOP/s, >1: ioattn faster)", head]
     for cell, got in by_cell.items():
-        m, d, _, s, _, c, dt = cell
-        line = f"{m} {dt} d{d} s{s} {'C' if c else 'N'}".ljust(24)
+        m, d, _, s, _, c, dt, d_v = cell
+        dims = f"d{d}" + (f"x{d_v}" if d_v else "")
+        line = f"{m} {dt} {dims} s{s} {'C' if c else 'N'}".ljust(24)
         line += "".join(f"{got[n].tflops:8.1f}" if n in got and got[n].tflops else f"{'err':>8}" for n in impls)
         io = got.get("ioattn")
         if io is not None:
@@ -272,6 +275,18 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
+def _dims(s: str) -> list:
+    """Head dims: 64,128 or, with V's head dim, 192x128."""
+    out = []
+    for x in s.split(","):
+        if "x" in x:
+            d, d_v = (int(y) for y in x.split("x"))
+            out.append(d if d == d_v else (d, d_v))
+        elif x:
+            out.append(int(x))
+    return out
+
+
 def _strs(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
@@ -279,7 +294,8 @@ def _strs(s: str) -> list[str]:
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ioattn bench", description=__doc__.splitlines()[0])
     p.add_argument("--modes", type=_strs, default=["fwd", "bwd"], help="fwd,bwd")
-    p.add_argument("--dims", type=_ints, default=None, help=f"head dims (default {DIMS})")
+    p.add_argument("--dims", type=_dims, default=None,
+                   help=f"head dims (default {DIMS}); DxDV for V's head dim DV != D, e.g. 192x128")
     p.add_argument("--seqlens", type=_ints, default=None, help=f"default {SEQLENS}")
     p.add_argument("--causal", choices=["both", "true", "false"], default="both")
     p.add_argument("--dtypes", type=_strs, default=["bf16"], help="bf16[,fp16]")

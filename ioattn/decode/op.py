@@ -47,7 +47,7 @@ def sm90_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Optiona
     Taken on Hopper for query chunks of at least ``GATHER_MIN_TOKENS`` tokens (the kernel's
     128-row tiles hold one head's tokens) that give every SM a tile (``fills_gpu``), when it
     covers the call (``sm90_fwd.paged_unsupported_reason``: K and V each a contiguous pool of
-    pages of a multiple of 8 keys, no softcap / ALiBi / leftpad); never for backend='triton' or
+    pages of a multiple of 8 keys, no ALiBi / leftpad); never for backend='triton' or
     an explicit num_splits > 1."""
     if FORCE_SM90_PAGED is False or portable_only or num_splits > 1 or not q.is_cuda:
         return False
@@ -176,7 +176,7 @@ def kvcache_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Ten
             from ioattn.dense.sm90_fwd import attn_fwd_sm90_paged
 
             attn_fwd_sm90_paged(q, k_cache, v_cache, block_table, seqlens_k, softmax_scale,
-                                window_left, window_right, out, lse)
+                                window_left, window_right, out, lse, softcap)
         elif out.numel():
             kvcache_attn(q, k_cache, v_cache, seqlens_k, cache_leftpad, block_table,
                          cache_batch_idx, alibi_slopes, softmax_scale, window_left, window_right,

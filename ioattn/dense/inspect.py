@@ -339,13 +339,17 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                          dict(IS_VARLEN=varlen, HAS_LEFT=False, HAS_RIGHT=varlen,
                               PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1,
                               **form, O_COLS=real, heads_view=True)))
-        # the KV-cache forward over pages of 16 (one TMA copy per page)
-        jobs.append((f"sm90 fwd paged16 d{d} causal 128x{bn} ws", sm90_fwd._attn_fwd_sm90,
-                     dict(q_desc=64, o_desc=64, k_desc=16, v_desc=16), d,
-                     dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True, **regs,
-                          STAGES=sm90_fwd._stages(d), BLOCK_N=bn, PAGED=True, PAGE=16,
-                          PINGPONG=sm90_fwd._pingpong(d, 2), PERSISTENT=False, WGS=2,
-                          EXP_EARLY=sm90_fwd._exp_early(d, False, "causal"))))
+        # the KV-cache forward over pages of 16 (one TMA copy per page); at d=128 also with
+        # softcap
+        for cap in ((False, True) if d == 128 else (False,)):
+            jobs.append((f"sm90 fwd paged16 d{d} causal{' softcap' if cap else ''} 128x{bn} ws",
+                         sm90_fwd._attn_fwd_sm90,
+                         dict(q_desc=64, o_desc=64, k_desc=16, v_desc=16), d,
+                         dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True, **regs,
+                              STAGES=sm90_fwd._stages(d), BLOCK_N=bn, PAGED=True, PAGE=16,
+                              PINGPONG=sm90_fwd._pingpong(d, 2), PERSISTENT=False, WGS=2,
+                              EXP_EARLY=sm90_fwd._exp_early(d, False, "causal"),
+                              **({"softcap_scale": "fp32"} if cap else {}))))
     out = []
     for name, fn, desc_rows, d, ce in jobs:
         sig = _gluon_signature(fn, dtype, desc_rows, d, ce.get("heads_view", False))

@@ -38,7 +38,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from ioattn.dense.common import LOG2E
 from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (OPERAND_DTYPES, PADDED_HEAD_DIMS, barriers, base_problem,
                                       invalidate, query_tile, query_tile_at, key_tiles,
@@ -1062,8 +1061,6 @@ def paged_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return "the sm90 KV-cache forward reads paged caches (block_table), not cache_batch_idx"
     if has_leftpad:
         return "cache_leftpad is not covered by the sm90 KV-cache forward"
-    if softcap > 0:
-        return "softcap is not covered by the sm90 KV-cache forward yet"
     if (q.shape[-1], v_cache.shape[-1]) in PADDED_HEAD_DIMS:
         return (f"head dims ({q.shape[-1]}, {v_cache.shape[-1]}): the sm90 KV-cache forward reads "
                 f"caches in place, d = d_v in {SUPPORTED_HEAD_DIMS}")
@@ -1087,7 +1084,7 @@ def paged_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 def attn_fwd_sm90_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_table: torch.Tensor, seqlens_k: torch.Tensor, softmax_scale: float,
                         window_left: int, window_right: int, out: torch.Tensor,
-                        lse: torch.Tensor) -> None:
+                        lse: torch.Tensor, softcap: float = 0.0) -> None:
     """The forward of q [b, s_q, h, d] over a paged KV cache, into out [b, s_q, h, d] (contiguous)
     and lse [b, h, s_q] fp32 (natural log): sequence i's keys are cache positions [0,
     seqlens_k[i]) (int32, on the device: no host sync), position p at page block_table[i, p //
@@ -1105,11 +1102,12 @@ def attn_fwd_sm90_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     v_desc = rows_descriptor(v_cache, False, box)
     q_desc = rows_descriptor(q, False, HALF_M.value)
     o_desc = rows_descriptor(out, False, HALF_M.value)
+    qk_scale_log2, softcap_scale = score_scales(softmax_scale, softcap)
     launcher(_attn_fwd_sm90)[grid](
         q_desc, k_desc, v_desc, o_desc, out, lse, seqlens_k, seqlens_k, block_table,
         out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), block_table.stride(0),
         block_table.shape[1], h, h // h_k, s_q, block_table.shape[1] * page, b * h,
-        softmax_scale * LOG2E, window_left, window_right,
+        qk_scale_log2, window_left, window_right, softcap_scale=softcap_scale,
         IS_VARLEN=False, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0,
         STAGES=_stages(d), CONSUMER_REGS_=CONSUMER_REGS, PRODUCER_REGS_=PRODUCER_REGS,
         BLOCK_N=block_n, PAGED=True, PAGE=page, PINGPONG=_pingpong(d, 2), PERSISTENT=False,

@@ -123,6 +123,26 @@ def test_flops_formula():
     assert Shape("bwd", 128, 16, 4096, 4, True, "bf16").flops() == 2.5 * fwd.flops() / 2
 
 
+def test_value_head_dim_cells(patched, tmp_path, capsys):
+    """--dims 32x16: V (and O) at 16 columns, q and k at 32; FLOPs 2*b*h*s*s*(d + d_v); rows and
+    ratios carry d_v, the summary names the cell d32x16; a d = d_v entry has no d_v."""
+    from ioattn.bench.shapes import Shape
+
+    out = tmp_path / "dv.json"
+    args = [a if a != "32" else "32x16,32x32" for a in ARGS]
+    assert runner.main(args + ["--modes", "fwd", "--seqlens", "64", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    io = [r for r in doc["rows"] if r["impl"] == "ioattn"]
+    assert sorted(r.get("d_v", 0) for r in io) == [0, 0, 16, 16]
+    assert all(r["max_abs_err"] < 1e-2 for r in io)
+    r = next(r for r in io if r.get("d_v") == 16 and not r["causal"])
+    assert r["tflops"] == pytest.approx(2 * 4 * 2 * 64 * 64 * (32 + 16) / r["ms"] / 1e9)
+    assert sorted(x.get("d_v", 0) for x in doc["ratios"]) == [0, 0, 16, 16]
+    assert "fwd bf16 d32x16 s64 N" in capsys.readouterr().out
+    assert Shape("fwd", 192, 8, 1024, 2, False, "bf16", d_v=128).flops() == \
+        2 * 2 * 8 * 1024 * 1024 * (192 + 128)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the decode kernels run on CPU only under the Triton interpreter")
 def test_decode_suite_cpu(tmp_path, capsys):

@@ -30,6 +30,10 @@ CASES = [
            dtype=FP16),
     # more queries than some sequences' keys (rows that see nothing: out 0, LSE -inf)
     KVCase(b=2, s_q=300, h=8, h_k=4, d=128, page=32, capacity=256, causal=True),
+    # softcap (the dense kernel's tanh before the softmax)
+    KVCase(b=2, s_q=192, h=16, h_k=4, d=128, page=16, capacity=900, causal=True, s_new=192,
+           softcap=30.0),
+    KVCase(b=2, s_q=130, h=8, h_k=8, d=64, page=64, capacity=500, softcap=5.0, dtype=FP16),
 ]
 
 
@@ -73,12 +77,10 @@ def test_sm90_paged_ignores_stale_slots(monkeypatch):
 
 @needs_sm90
 def test_sm90_paged_not_taken_where_not_covered(monkeypatch):
-    """Page sizes that are not whole TMA boxes (1, 3, 5...), softcap, ALiBi, leftpad, backend=
-    'triton' and decode-sized chunks stay on the portable paths."""
+    """Page sizes that are not whole TMA boxes (1, 3, 5...), backend='triton' and decode-sized
+    chunks stay on the portable paths (ALiBi and leftpad: ``test_sm90_paged_coverage_rules``)."""
     calls = _count_calls(monkeypatch)
     for c, kwargs in ((KVCase(b=2, s_q=160, h=8, h_k=2, d=128, page=5, capacity=400), {}),
-                      (KVCase(b=2, s_q=160, h=8, h_k=2, d=128, page=16, capacity=400,
-                              softcap=4.0), {}),
                       (KVCase(b=2, s_q=160, h=8, h_k=2, d=128, page=16, capacity=400),
                        dict(backend="triton")),
                       (KVCase(b=2, s_q=4, h=8, h_k=2, d=128, page=16, capacity=400), {})):
@@ -95,7 +97,8 @@ def test_sm90_paged_not_taken_where_not_covered(monkeypatch):
 def test_sm90_paged_coverage_rules():
     """``paged_unsupported_reason`` (host-side, any machine): contiguous K and V page pools with
     pages that are whole TMA boxes are covered; FlashInfer's interleaved cache, odd page sizes,
-    softcap / ALiBi / leftpad, contiguous caches and other head dims are not, each with a reason."""
+    ALiBi / leftpad, contiguous caches and other head dims are not, each with a reason; softcap
+    is covered."""
     bf16 = torch.bfloat16
 
     def reason(page=16, d=128, interleaved=False, table=True, **kw):
@@ -111,8 +114,9 @@ def test_sm90_paged_coverage_rules():
 
     for page, d in ((8, 128), (16, 64), (64, 128), (256, 128), (32, 256)):
         assert reason(page, d) is None, (page, d)
+    assert reason(softcap=5.0) is None
     for why, r in (("page 5", reason(5)), ("page 12", reason(12)), ("d 96", reason(16, 96)),
                    ("interleaved", reason(interleaved=True)), ("contiguous", reason(table=False)),
-                   ("softcap", reason(softcap=5.0)), ("alibi", reason(has_alibi=True)),
+                   ("alibi", reason(has_alibi=True)),
                    ("leftpad", reason(has_leftpad=True))):
         assert isinstance(r, str) and r, why

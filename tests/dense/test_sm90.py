@@ -738,9 +738,9 @@ def test_sm90_kernel_compiles_for_hopper():
     # persistent forward on three warpgroups taking turns round robin, also on FA3's 192x128
     # tile (opt-in), the d=64 causal forward as launched at 2k (two warpgroups), and with
     # softcap: the d=128 causal forward, the causal fused backward as launched (d = 64, 128),
-    # the d=128 causal dQ kernel; the forward over [rows, heads, d] views (head dims 96 and
-    # 192 / 128 read in place, IOATTN_SM90_PAD=tma)
-    assert len(reports) == 68, names
+    # the d=128 causal dQ kernel, the d=128 paged forward; the forward over [rows, heads, d]
+    # views (head dims 96 and 192 / 128 read in place, IOATTN_SM90_PAD=tma)
+    assert len(reports) == 69, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
