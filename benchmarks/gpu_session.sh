@@ -321,22 +321,21 @@ for step in $steps; do
              --cells 64x4096x16,16x8192x16,1x32768x16,128x2048x16 --prefill-cells "" \
              --out "$OUT/decode_balanced$v.json" > "/tmp/decode_bal_$v.log" 2>&1
              echo "== balanced=$v"; grep -E "ioattn_paged |ioattn_paged_graph|cudnn" "/tmp/decode_bal_$v.log"; done ;;
-    pad-tma) # head dims 96 / 192 read in place by the forward (IOATTN_SM90_PAD=tma, opt-in):
-           # the padded dims' sm90 tests (the in-place ones included), the dense suite's 96 /
-           # 192 cases forced through sm90 with it, then the forward timed in place vs copied
-           # (192x128: V and O at 128 columns, MLA prefill)
-           # (~100 + 100 + 2 x 90 s)
+    pad-tma) # head dims 96 / 192 read in place (IOATTN_SM90_PAD=tma, opt-in): the padded
+           # dims' sm90 tests (the in-place ones included), the dense suite's 96 / 192 cases
+           # forced through sm90 with it, then forward and backward timed in place vs copied
+           # (192x128: V and O at 128 columns, MLA prefill) (~100 + 100 + 2 x 150 s)
            timeout 200 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
              -k "pad" > "$OUT/tests_pad_tma.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_pad_tma.log"; tail -1 "$OUT/tests_pad_tma.log"
            IOATTN_SM90_PAD=tma IOATTN_TEST_SM90=always timeout 200 python -m pytest -q -n 14 \
              -p no:cacheprovider -rf tests/dense -k "d96 or d192" > "$OUT/tests_pad_tma_forced.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_pad_tma_forced.log"; tail -1 "$OUT/tests_pad_tma_forced.log"
-           for m in tma copy; do IOATTN_SM90_PAD=$m timeout 150 python -m ioattn bench --modes fwd \
+           for m in tma copy; do IOATTN_SM90_PAD=$m timeout 200 python -m ioattn bench --modes fwd,bwd \
              --dims 96,192,192x128 --hidden 1536 --seqlens 2048,8192 --dtypes bf16 \
              --impls ioattn_sm90,ioattn_triton,sdpa_cudnn --rounds 2 --no-plots \
              --out "$OUT/pad_$m.json" > "/tmp/pad_$m.log" 2>&1
-             echo "== $m"; grep -E "^fwd" "/tmp/pad_$m.log"; done ;;
+             echo "== $m"; grep -E "^(fwd|bwd)" "/tmp/pad_$m.log"; done ;;
     profile-fwd64) # ncu sections (pipes, warp stalls) of the d=64 non-causal 8k forward: two
            # warpgroups (default), the 192x128 tile (0.78x of it non-causal, 1.1x causal), and
            # both with the exponentials early

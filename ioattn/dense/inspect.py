@@ -339,6 +339,30 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                          dict(IS_VARLEN=varlen, HAS_LEFT=False, HAS_RIGHT=varlen,
                               PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1,
                               **form, O_COLS=real, heads_view=True)))
+            # and the backward over the same views: dK / dV (96 / 96, or 192 / 128) and dQ
+            # (d_k) stores masked past the tensors' head dims
+            k_cols = 96 if d == 128 else 192
+            hv = dict(IS_VARLEN=varlen, HAS_LEFT=False, HAS_RIGHT=varlen, **regs,
+                      heads_view=True)
+            bwd_desc = dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64)
+            if d == 256:
+                jobs.append((f"sm90 bwd dkdv-cols d{d} {mask} heads-view K_COLS={k_cols} "
+                             f"V_COLS={real} 64 keys ws", sm90_bwd._bwd_dkdv_cols_sm90, bwd_desc,
+                             d, dict(hv, STAGES=sm90_bwd.DKDV_STAGES, ROW_STATS=sm90_bwd.ROW_STATS,
+                                     K_COLS=k_cols, V_COLS=real)))
+            else:
+                order = sm90_bwd.dq_order(d, varlen)
+                jobs.append((f"sm90 bwd dkdv+dq {order} d{d} {mask} heads-view K_COLS={k_cols} "
+                             f"128 keys ws", sm90_bwd._bwd_dkdv_sm90, bwd_desc, d,
+                             dict(hv, STAGES=sm90_bwd.DKDV_STAGES, FUSED_DQ=True,
+                                  DQ_FIRST=order == "first", DQ_LAG=order == "lag",
+                                  DQ_ALT=order == "alt", SEGMENTS=sm90_bwd.segments(d, varlen),
+                                  ROW_STATS=sm90_bwd.ROW_STATS, K_COLS=k_cols, V_COLS=real)))
+            dq_bn = sm90_bwd._dq_block_n(d)
+            jobs.append((f"sm90 bwd dq d{d} {mask} heads-view K_COLS={k_cols} 128x{dq_bn} ws",
+                         sm90_bwd._bwd_dq_sm90,
+                         dict(q_desc=64, do_desc=64, k_desc=dq_bn, v_desc=dq_bn), d,
+                         dict(hv, STAGES=sm90_bwd.DQ_STAGES, K_COLS=k_cols)))
         # the KV-cache forward over pages of 16 (one TMA copy per page); at d=128 also with
         # softcap
         for cap in ((False, True) if d == 128 else (False,)):

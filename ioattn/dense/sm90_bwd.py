@@ -51,9 +51,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from ioattn.dense.params import AttnParams
-from ioattn.dense.sm90_common import (PADDED_HEAD_DIMS, barriers, floor_div, invalidate,
-                                      query_tile, query_tiles, rows_descriptor, score_scales,
-                                      seq_bounds, softcap_tanh, tma_reduce_add, wgmma_a_operand,
+from ioattn.dense.sm90_common import (PADDED_HEAD_DIMS, barriers, box_cols, floor_div,
+                                      invalidate, query_tile, query_tiles, rows_descriptor,
+                                      score_scales, seq_bounds, softcap_tanh, tile_layout,
+                                      tma_load, tma_reduce_add, wgmma_a_operand,
                                       wgmma_acc_layout, zero_last_key_tile, zero_tail_rows)
 from ioattn.dense.triton_bwd import bwd_preprocess
 from ioattn.launch import launcher
@@ -179,16 +180,15 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
     # stage also carries its 64 rows' LSE (base 2, +inf for rows past the sequence and for fully
     # masked rows, so their P is 0) and delta in ld_smem[2 st], ld_smem[2 st + 1], stored by this
     # warp and announced by a second arrival on qdo_full[st]
-    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
     ld_layout: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])  # 64 rows over one warp
     has_work = n_steps > 0
     mbarrier.expect(kv_bar, KEY_TILES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes),
                     pred=has_work)
     for i in gl.static_range(KEY_TILES):
-        tma.async_copy_global_to_shared(k_desc, [k_row + i * HALF, kv_col], kv_bar,
-                                        _key_half(k_smem, i, FUSED_DQ), pred=has_work)
-        tma.async_copy_global_to_shared(v_desc, [k_row + i * HALF, kv_col], kv_bar,
-                                        v_smem.index(i), pred=has_work)
+        tma_load(k_desc, k_row + i * HALF, kv_col, kv_bar, _key_half(k_smem, i, FUSED_DQ),
+                 pred=has_work)
+        tma_load(v_desc, k_row + i * HALF, kv_col, kv_bar, v_smem.index(i), pred=has_work)
     if IS_VARLEN and FUSED_DQ:
         # keys past the last packed sequence (rows of no sequence, possibly NaN) would reach dQ
         # through dS·K and dP = dO·Vᵀ even with dS masked to 0: zero them (fixed[STAGES])
@@ -213,8 +213,8 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
             delta = gl.load(DELTA + offs, mask=ok, other=0.0)
         mbarrier.wait(qdo_empty.index(st), ((t // STAGES) & 1) ^ 1)
         mbarrier.expect(qdo_full.index(st), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row, col], qdo_full.index(st), q_smem.index(st))
-        tma.async_copy_global_to_shared(do_desc, [row, col], qdo_full.index(st), do_smem.index(st))
+        tma_load(q_desc, row, col, qdo_full.index(st), q_smem.index(st))
+        tma_load(do_desc, row, col, qdo_full.index(st), do_smem.index(st))
         if ROW_STATS:
             ld_smem.index(2 * st).store(_lse_base2(lse))
             ld_smem.index(2 * st + 1).store(delta)
@@ -497,6 +497,16 @@ def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem
 
 
 @gluon.jit
+def _store_cols(ptrs, x, rows_ok, cols, N: gl.constexpr):
+    """Masked stores of a gradient tile: rows where rows_ok, and columns < N where the tile is
+    zero-padded past its tensor's head dim N (0: every column)."""
+    if N:
+        gl.store(ptrs, x, mask=rows_ok & (cols < N)[None, :])
+    else:
+        gl.store(ptrs, x, mask=rows_ok)
+
+
+@gluon.jit
 def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
                    qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, dk_off,
                    dv_off, stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m,
@@ -505,7 +515,8 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                    WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                    HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                    DQ_FIRST: gl.constexpr, DQ_LAG: gl.constexpr, DQ_ALT: gl.constexpr,
-                   SEGMENTS: gl.constexpr, ROW_STATS: gl.constexpr):
+                   SEGMENTS: gl.constexpr, ROW_STATS: gl.constexpr, K_COLS: gl.constexpr,
+                   V_COLS: gl.constexpr):
     HEAD_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     # dK / dV: [64 keys, d] (Sᵀ / dPᵀ: [64 keys, 64 query rows], ``_dkdv_scores``)
@@ -583,10 +594,10 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
     ok = (keys < seqlen_k)[:, None]
     if not FUSED_DQ:
         dk = dk * sm_scale
-    gl.store(DK + dk_off + keys[:, None].to(gl.int64) * stride_dkn + d_cols[None, :],
-             dk.to(dtype), mask=ok)
-    gl.store(DV + dv_off + keys[:, None].to(gl.int64) * stride_dvn + d_cols[None, :],
-             dv.to(dtype), mask=ok)
+    _store_cols(DK + dk_off + keys[:, None].to(gl.int64) * stride_dkn + d_cols[None, :],
+                dk.to(dtype), ok, d_cols, K_COLS)
+    _store_cols(DV + dv_off + keys[:, None].to(gl.int64) * stride_dvn + d_cols[None, :],
+                dv.to(dtype), ok, d_cols, V_COLS)
 
 
 @gluon.jit
@@ -657,8 +668,10 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                    PRODUCER_REGS_: gl.constexpr, DQ_FIRST: gl.constexpr = False,
                    DQ_LAG: gl.constexpr = False, DQ_ALT: gl.constexpr = False,
                    SEGMENTS: gl.constexpr = False, ROW_STATS: gl.constexpr = False,
-                   softcap_scale=None):
-    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+                   softcap_scale=None, K_COLS: gl.constexpr = 0, V_COLS: gl.constexpr = 0):
+    # K_COLS / V_COLS: dK's and dV's own head dims where the tiles are zero-padded past them
+    # (head dims 96 / 192 read in place, ``rows_descriptor(pad_to=...)``); 0: the tiles' width
+    HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
     (off_hk, q_start, seqlen_q, k_start, seqlen_k, start_n, lo_m, n_steps, h0, dk_off, dv_off,
      lse_base) = _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
                             window_left, window_right, stride_dkn, stride_dkh, stride_dvn,
@@ -667,13 +680,18 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
     if start_n >= seqlen_k:
         return
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, HALF, HEAD_D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, HALF, HEAD_D], do_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, HALF, HEAD_D],
+                                       tile_layout(q_desc.layout))
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, HALF, HEAD_D],
+                                        tile_layout(do_desc.layout))
     if FUSED_DQ:
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2 * HALF, HEAD_D], k_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2 * HALF, HEAD_D],
+                                           tile_layout(k_desc.layout))
     else:
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, HALF, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, HALF, HEAD_D], v_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, HALF, HEAD_D],
+                                           tile_layout(k_desc.layout))
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, HALF, HEAD_D],
+                                       tile_layout(v_desc.layout))
     if FUSED_DQ:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * HALF, HALF],
                                                                        q_desc.dtype)
@@ -723,7 +741,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS)),
+                              ROW_STATS, K_COLS, V_COLS)),
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
@@ -731,7 +749,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS)),
+                              ROW_STATS, K_COLS, V_COLS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -749,7 +767,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS)),
+                              ROW_STATS, K_COLS, V_COLS)),
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
@@ -757,7 +775,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS)),
+                              ROW_STATS, K_COLS, V_COLS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -784,7 +802,8 @@ def _dkdv_cols_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, p_s
                         start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                         qk_scale_log2, sm_scale, ld_smem, WG: gl.constexpr, STAGES: gl.constexpr,
                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                        IS_VARLEN: gl.constexpr, ROW_STATS: gl.constexpr):
+                        IS_VARLEN: gl.constexpr, ROW_STATS: gl.constexpr, K_COLS: gl.constexpr,
+                        V_COLS: gl.constexpr):
     """(d = 256) One warpgroup of the column-split dK/dV kernel: 64 keys per CTA, dK and dV split
     by columns (warpgroup w holds columns [128 w, 128 w + 128): 64 + 64 registers a thread where
     the full width would need 256). Per step of 64 query rows, warpgroup 0 forms Pᵀ = exp(Sᵀ -
@@ -870,10 +889,10 @@ def _dkdv_cols_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, p_s
     d_cols = WG * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, a_layout))
     keys = start_n + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))
     ok = (keys < seqlen_k)[:, None]
-    gl.store(DK + dk_off + keys[:, None].to(gl.int64) * stride_dkn + d_cols[None, :],
-             dk.to(dtype), mask=ok)
-    gl.store(DV + dv_off + keys[:, None].to(gl.int64) * stride_dvn + d_cols[None, :],
-             dv.to(dtype), mask=ok)
+    _store_cols(DK + dk_off + keys[:, None].to(gl.int64) * stride_dkn + d_cols[None, :],
+                dk.to(dtype), ok, d_cols, K_COLS)
+    _store_cols(DV + dv_off + keys[:, None].to(gl.int64) * stride_dvn + d_cols[None, :],
+                dv.to(dtype), ok, d_cols, V_COLS)
 
 
 @gluon.jit
@@ -883,10 +902,11 @@ def _bwd_dkdv_cols_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE, DELTA, CU_
                         sm_scale, qk_scale_log2, window_left, window_right,
                         IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
-                        PRODUCER_REGS_: gl.constexpr, ROW_STATS: gl.constexpr = False):
+                        PRODUCER_REGS_: gl.constexpr, ROW_STATS: gl.constexpr = False,
+                        K_COLS: gl.constexpr = 0, V_COLS: gl.constexpr = 0):
     """(d = 256) dK and dV of 64 keys per CTA (``_dkdv_cols_consumer``); dQ comes from the dQ
     kernel. Shared memory at d = 256 with 2 stages: K, V 64 KB, Q/dO 128 KB, Pᵀ/dSᵀ 32 KB."""
-    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
     (off_hk, q_start, seqlen_q, k_start, seqlen_k, start_n, lo_m, n_steps, h0, dk_off, dv_off,
      lse_base) = _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
                             window_left, window_right, stride_dkn, stride_dkh, stride_dvn,
@@ -895,10 +915,14 @@ def _bwd_dkdv_cols_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE, DELTA, CU_
     if start_n >= seqlen_k:
         return
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, HALF, HEAD_D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, HALF, HEAD_D], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [1, HALF, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [1, HALF, HEAD_D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, HALF, HEAD_D],
+                                       tile_layout(q_desc.layout))
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, HALF, HEAD_D],
+                                        tile_layout(do_desc.layout))
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [1, HALF, HEAD_D],
+                                       tile_layout(k_desc.layout))
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [1, HALF, HEAD_D],
+                                       tile_layout(v_desc.layout))
     pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HALF], q_desc.dtype)
     p_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HALF], pds_layout)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HALF], pds_layout)
@@ -921,13 +945,15 @@ def _bwd_dkdv_cols_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE, DELTA, CU_
                                ds_ready, dk_off, dv_off, stride_dkn, stride_dvn, lse_base,
                                stride_lh, h0, lo_m, n_m, n_steps, start_n, q_start, seqlen_q,
                                seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                               ld_smem, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, ROW_STATS)),
+                               ld_smem, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, ROW_STATS,
+                               K_COLS, V_COLS)),
         (_dkdv_cols_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, p_smem,
                                ds_smem, kv_bar.index(0), qdo_full, qdo_empty, fixed, p_ready,
                                ds_ready, dk_off, dv_off, stride_dkn, stride_dvn, lse_base,
                                stride_lh, h0, lo_m, n_m, n_steps, start_n, q_start, seqlen_q,
                                seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
-                               ld_smem, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, ROW_STATS)),
+                               ld_smem, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, ROW_STATS,
+                               K_COLS, V_COLS)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                           kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                           off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -953,18 +979,14 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sme
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes,
                     pred=has_work)
     for i in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [q_row + i * HALF, q_col], q_bar, q_smem.index(i),
-                                        pred=has_work)
-        tma.async_copy_global_to_shared(do_desc, [q_row + i * HALF, q_col], q_bar, do_smem.index(i),
-                                        pred=has_work)
+        tma_load(q_desc, q_row + i * HALF, q_col, q_bar, q_smem.index(i), pred=has_work)
+        tma_load(do_desc, q_row + i * HALF, q_col, q_bar, do_smem.index(i), pred=has_work)
     for j in range(n_tiles):
         st = j % STAGES
         mbarrier.wait(kv_empty.index(st), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(kv_full.index(st), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, kv_col], kv_full.index(st),
-                                        k_smem.index(st))
-        tma.async_copy_global_to_shared(v_desc, [k_row + j * BLOCK_N, kv_col], kv_full.index(st),
-                                        v_smem.index(st))
+        tma_load(k_desc, k_row + j * BLOCK_N, kv_col, kv_full.index(st), k_smem.index(st))
+        tma_load(v_desc, k_row + j * BLOCK_N, kv_col, kv_full.index(st), v_smem.index(st))
     if IS_VARLEN:
         # the last K/V tile may run past the last packed sequence: zero those rows (dS·K and
         # dP = dO·Vᵀ would carry 0 * NaN into dQ) before the consumers read it
@@ -1015,7 +1037,7 @@ def _dq_consumer(DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, kv_full
                  kv_fixed, dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                  window_left, window_right, qk_scale_log2, softcap_scale, sm_scale,
                  WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
+                 HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, K_COLS: gl.constexpr):
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
@@ -1052,8 +1074,8 @@ def _dq_consumer(DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, kv_full
 
     d_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
     out_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))
-    gl.store(DQ + dq_off + out_rows[:, None].to(gl.int64) * stride_dqm + d_cols[None, :],
-             (dq * sm_scale).to(dtype), mask=(out_rows < seqlen_q)[:, None])
+    _store_cols(DQ + dq_off + out_rows[:, None].to(gl.int64) * stride_dqm + d_cols[None, :],
+                (dq * sm_scale).to(dtype), (out_rows < seqlen_q)[:, None], d_cols, K_COLS)
 
 
 @gluon.jit
@@ -1063,8 +1085,8 @@ def _bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, CU_Q, CU_K,
                  sm_scale, qk_scale_log2, window_left, window_right,
                  IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                  STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
-                 softcap_scale=None):
-    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+                 softcap_scale=None, K_COLS: gl.constexpr = 0):
+    HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = 2 * HALF
     (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
@@ -1073,10 +1095,14 @@ def _bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, CU_Q, CU_K,
     if start_m >= seqlen_q:
         return
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, HALF, HEAD_D], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_D],
+                                       tile_layout(q_desc.layout))
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, HALF, HEAD_D],
+                                        tile_layout(do_desc.layout))
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D],
+                                       tile_layout(k_desc.layout))
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D],
+                                       tile_layout(v_desc.layout))
     q_bar = barriers(1, 1)
     kv_fixed = barriers(1, 1)
     kv_full = barriers(STAGES, 1)
@@ -1090,11 +1116,11 @@ def _bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, CU_Q, CU_K,
         (_dq_consumer, (DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar.index(0), kv_full,
                         kv_empty, kv_fixed.index(0), dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                         window_left, window_right, qk_scale_log2, softcap_scale, sm_scale,
-                        0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)),
+                        0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, K_COLS)),
         (_dq_consumer, (DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar.index(0), kv_full,
                         kv_empty, kv_fixed.index(0), dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                         window_left, window_right, qk_scale_log2, softcap_scale, sm_scale,
-                        1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN)),
+                        1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, K_COLS)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                         q_bar.index(0), kv_full, kv_empty, kv_fixed.index(0), q_row, off_h * HEAD_D,
                         k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo, STAGES, IS_VARLEN)),
@@ -1213,7 +1239,12 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
     bwd_preprocess(p, out, dout, lse, dlse, delta)
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
     half = HALF.value
-    q_desc, do_desc = rows_descriptor(q, p.is_varlen, half), rows_descriptor(dout, p.is_varlen, half)
+    # head dims in PADDED_HEAD_DIMS read in place (IOATTN_SM90_PAD=tma): the kernels run at d_pad
+    # columns, their loads zero-filled past d / d_v, their stores masked there
+    d_pad = PADDED_HEAD_DIMS.get((q.shape[-1], v.shape[-1]))
+    cols = dict(K_COLS=q.shape[-1], V_COLS=v.shape[-1]) if d_pad else {}
+    q_desc = rows_descriptor(q, p.is_varlen, half, pad_to=d_pad)
+    do_desc = rows_descriptor(dout, p.is_varlen, half, pad_to=d_pad)
     dummy = lse
     cu_q = p.cu_seqlens_q if p.is_varlen else dummy
     cu_k = p.cu_seqlens_k if p.is_varlen else dummy
@@ -1223,23 +1254,25 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
     qk_scale_log2, softcap_scale = score_scales(p.softmax_scale, p.softcap)
     scalars = (p.softmax_scale, qk_scale_log2, p.window_left, p.window_right)
     lse_strides = p.lse_strides(lse)
-    d = q.shape[-1]
+    d = d_pad or q.shape[-1]
     if d == 256:  # the column-split dK/dV kernel, then the dQ kernel on 32-key tiles
         if softcap_scale is not None:  # (unsupported_reason refuses it: never a silent no-op)
             raise ValueError("softcap is not covered by the sm90 backward at d=256 yet")
         launcher(_bwd_dkdv_cols_sm90)[(-(-p.max_seqlen_k // half), p.batch * n_heads_k)](
-            q_desc, do_desc, rows_descriptor(k, p.is_varlen, half),
-            rows_descriptor(v, p.is_varlen, half), dk, dv, lse, delta, cu_q, cu_k,
+            q_desc, do_desc, rows_descriptor(k, p.is_varlen, half, pad_to=d_pad),
+            rows_descriptor(v, p.is_varlen, half, pad_to=d_pad), dk, dv, lse, delta, cu_q, cu_k,
             dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-            STAGES=DKDV_STAGES, ROW_STATS=ROW_STATS, **flags)
+            STAGES=DKDV_STAGES, ROW_STATS=ROW_STATS, **cols, **flags)
     else:
         # fused: rows no key block reaches get no partial, so the buffer starts at 0
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else None
+        # (a padded head dim: the buffer at d columns a head, as the kernel's tiles)
+        dq_acc = (torch.zeros(q.shape[:-1] + (d,), dtype=torch.float32, device=q.device)
+                  if fused else None)
         order = dq_order(d, p.causal_like) if fused else "after"
         launcher(_bwd_dkdv_sm90)[(-(-p.max_seqlen_k // (2 * half)), p.batch * n_heads_k)](
-            q_desc, do_desc, rows_descriptor(k, p.is_varlen, half),
-            rows_descriptor(v, p.is_varlen, half),
+            q_desc, do_desc, rows_descriptor(k, p.is_varlen, half, pad_to=d_pad),
+            rows_descriptor(v, p.is_varlen, half, pad_to=d_pad),
             # (fused) each warpgroup reduces its columns of dQ
             rows_descriptor(dq_acc, p.is_varlen, half, dq_cols(d)) if fused else q_desc,
             dk, dv, lse, delta, cu_q, cu_k,
@@ -1247,17 +1280,17 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
             STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_LAG=order == "lag", DQ_ALT=order == "alt",
             DQ_FIRST=order == "first", SEGMENTS=segments(d, p.causal_like), ROW_STATS=ROW_STATS,
-            softcap_scale=softcap_scale, **flags)
+            softcap_scale=softcap_scale, **cols, **flags)
         if fused:
-            dq.copy_(dq_acc)
+            dq.copy_(dq_acc[..., :q.shape[-1]] if d_pad else dq_acc)
             return
     block_n = _dq_block_n(d)
     launcher(_bwd_dq_sm90)[(-(-p.max_seqlen_q // (2 * half)), p.batch * n_heads)](
-        q_desc, do_desc, rows_descriptor(k, p.is_varlen, block_n),
-        rows_descriptor(v, p.is_varlen, block_n), dq, lse, delta, cu_q, cu_k,
+        q_desc, do_desc, rows_descriptor(k, p.is_varlen, block_n, pad_to=d_pad),
+        rows_descriptor(v, p.is_varlen, block_n, pad_to=d_pad), dq, lse, delta, cu_q, cu_k,
         dq.stride(-3), dq.stride(-2), *lse_strides,
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-        STAGES=DQ_STAGES, softcap_scale=softcap_scale, **flags)
+        STAGES=DQ_STAGES, softcap_scale=softcap_scale, K_COLS=cols.get("K_COLS", 0), **flags)
 
 
 def _dq_block_n(head_dim: int) -> int:

@@ -342,10 +342,9 @@ def base_problem(name: str, t: torch.Tensor) -> str | None:
 # to every q·k and give zero output columns; the softmax scale is the caller's 1/sqrt(d)).
 # (192, 128): DeepSeek's MLA prefill shape
 PADDED_HEAD_DIMS = {(96, 96): 128, (192, 192): 256, (192, 128): 256}
-# how the forward pads them: "copy" (the op's zero-padded copies, timed on the H200) or "tma"
+# how the kernels pad them: "copy" (the op's zero-padded copies, timed on the H200) or "tma"
 # (read in place through [rows, heads, d] views whose boxes the TMA unit zero-fills past d,
-# O's stores clipped: no copies; opt-in until timed, benchmarks/NOTES.md session 14); the
-# backward copies either way
+# stores clipped or masked there: no copies; opt-in until timed, benchmarks/NOTES.md session 14)
 PAD_MODE = os.environ.get("IOATTN_SM90_PAD", "copy").lower()
 if PAD_MODE not in ("copy", "tma"):
     raise ValueError(f"IOATTN_SM90_PAD={PAD_MODE!r}: expected 'copy' or 'tma'")

@@ -554,10 +554,10 @@ def test_sm90_padded_head_dims_host_side(d, d_v, device, monkeypatch):
 
 @pytest.mark.parametrize("d,d_v", [(96, 96), (192, 128)])
 def test_sm90_padded_in_place_host_side(d, d_v, device, monkeypatch):
-    """IOATTN_SM90_PAD=tma: the op hands the sm90 forward q, k, v as they are (a layout TMA
-    cannot view is made contiguous, nothing padded), the launcher's descriptors view them as
-    [rows, heads, d] with [rows, 1, 128 / 256] boxes, and the backward still pads (portable
-    kernels stand in for the launchers)."""
+    """IOATTN_SM90_PAD=tma: the op hands the sm90 forward and backward q, k, v (and dO) as they
+    are (a layout TMA cannot view is made contiguous, nothing padded), and the launchers'
+    descriptors view them as [rows, heads, d] with [rows, 1, 128 / 256] boxes (portable kernels
+    stand in for the launchers)."""
     import math
 
     from ioattn.dense import op, sm90_bwd, sm90_common, sm90_fwd
@@ -585,11 +585,15 @@ def test_sm90_padded_in_place_host_side(d, d_v, device, monkeypatch):
     assert out.shape == q.shape[:-1] + (d_v,)
     assert_close_rule("out", out, ref, pt)
     torch.testing.assert_close(lse, lse_ref, atol=1e-3, rtol=1e-3)
-    grads = op.bwd_impl(torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None,
-                        *args, impl="sm90")
-    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    dout = torch.randn_like(out)
+    grads = op.bwd_impl(dout, q.detach(), kt, v.detach(), out, lse, None, *args, impl="sm90")
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    base = torch.autograd.grad(pt, (q, k, v), dout)
+    for name, g, r, b in zip(("dq", "dk", "dv"), grads, want, base):
+        assert g.shape == r.shape
+        assert_close_rule(name, g, r, b, factor=GRAD_FACTOR)
     d_pad = sm90_fwd.PADDED_HEAD_DIMS[(d, d_v)]
-    assert seen == [(d, d_v, True, True), d_pad]
+    assert seen == [(d, d_v, True, True), d_v]
     # the launcher's view of an unpadded operand
     desc = sm90_common.rows_descriptor(q.detach(), False, 64, pad_to=d_pad)
     assert desc.shape == (c.b * c.s_q, c.h, d) and desc.strides == (c.h * d, d, 1)
@@ -604,15 +608,17 @@ def test_sm90_padded_in_place_host_side(d, d_v, device, monkeypatch):
                                                                          (192, 128))],
                          ids=lambda c: "sm90-pad-tma-" + c.id)
 def test_sm90_padded_in_place(c: Case, monkeypatch):
-    """IOATTN_SM90_PAD=tma on the H200: the forward reads q, k, v of head dim 96 / 192 in place
-    (boxes zero-filled past d by the TMA unit, O's columns past d_v never written: the output is
-    poisoned before the launch by the op), checked with its LSE, and the (copying) backward
-    after it; the same rows as varlen match."""
+    """IOATTN_SM90_PAD=tma on the H200: the forward and backward read q, k, v (dO) of head dim
+    96 / 192 in place (boxes zero-filled past d by the TMA unit; outputs and gradients, poisoned
+    before the launch by the op, written only up to their own head dims), checked with the LSE
+    and every gradient; the same rows as varlen match; the deterministic backward too."""
     from ioattn.dense import sm90_common
 
     monkeypatch.setattr(sm90_common, "PAD_MODE", "tma")
     _fwd_bwd(c, _covers_bwd(c) and c.s_q * c.s_k <= 1024 * 1024)
     _matches_varlen(c, *_forward_only(c))
+    if _covers_bwd(c) and c.d == 96:  # (d=192 runs the two-kernel form always)
+        _fwd_bwd(c, True, deterministic=True)
 
 
 @needs_sm90
@@ -738,9 +744,10 @@ def test_sm90_kernel_compiles_for_hopper():
     # persistent forward on three warpgroups taking turns round robin, also on FA3's 192x128
     # tile (opt-in), the d=64 causal forward as launched at 2k (two warpgroups), and with
     # softcap: the d=128 causal forward, the causal fused backward as launched (d = 64, 128),
-    # the d=128 causal dQ kernel, the d=128 paged forward; the forward over [rows, heads, d]
-    # views (head dims 96 and 192 / 128 read in place, IOATTN_SM90_PAD=tma)
-    assert len(reports) == 69, names
+    # the d=128 causal dQ kernel, the d=128 paged forward; the forward and backward (fused or
+    # column-split dK/dV, dQ) over [rows, heads, d] views (head dims 96 and 192 / 128 read in
+    # place, IOATTN_SM90_PAD=tma)
+    assert len(reports) == 73, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
