@@ -352,8 +352,9 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                                      K_COLS=k_cols, V_COLS=real)))
             else:
                 order = sm90_bwd.dq_order(d, varlen)
+                # (K in one 128-row box over 3D views, as the launcher builds it)
                 jobs.append((f"sm90 bwd dkdv+dq {order} d{d} {mask} heads-view K_COLS={k_cols} "
-                             f"128 keys ws", sm90_bwd._bwd_dkdv_sm90, bwd_desc, d,
+                             f"128 keys ws", sm90_bwd._bwd_dkdv_sm90, dict(bwd_desc, k_desc=128), d,
                              dict(hv, STAGES=sm90_bwd.DKDV_STAGES, FUSED_DQ=True,
                                   DQ_FIRST=order == "first", DQ_LAG=order == "lag",
                                   DQ_ALT=order == "alt", SEGMENTS=sm90_bwd.segments(d, varlen),

@@ -183,11 +183,18 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
     ld_layout: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])  # 64 rows over one warp
     has_work = n_steps > 0
-    mbarrier.expect(kv_bar, KEY_TILES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes),
-                    pred=has_work)
+    # K's box: HALF rows a copy, or (3D views of a padded head dim, fused form) the whole
+    # [2 HALF, d] buffer in one copy: a 3D box cannot land in a row slice of a 128-byte swizzled
+    # buffer (the slice's column blocks are not contiguous; ``tma_load`` asserts it)
+    K_BOX: gl.constexpr = k_desc.block_type.shape[0]
+    mbarrier.expect(kv_bar, (KEY_TILES * HALF // K_BOX) * k_desc.block_type.nbytes
+                    + KEY_TILES * v_desc.block_type.nbytes, pred=has_work)
     for i in gl.static_range(KEY_TILES):
-        tma_load(k_desc, k_row + i * HALF, kv_col, kv_bar, _key_half(k_smem, i, FUSED_DQ),
-                 pred=has_work)
+        if K_BOX == HALF:
+            tma_load(k_desc, k_row + i * HALF, kv_col, kv_bar, _key_half(k_smem, i, FUSED_DQ),
+                     pred=has_work)
+        elif i == 0:
+            tma_load(k_desc, k_row, kv_col, kv_bar, k_smem, pred=has_work)
         tma_load(v_desc, k_row + i * HALF, kv_col, kv_bar, v_smem.index(i), pred=has_work)
     if IS_VARLEN and FUSED_DQ:
         # keys past the last packed sequence (rows of no sequence, possibly NaN) would reach dQ
@@ -1271,7 +1278,9 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
                   if fused else None)
         order = dq_order(d, p.causal_like) if fused else "after"
         launcher(_bwd_dkdv_sm90)[(-(-p.max_seqlen_k // (2 * half)), p.batch * n_heads_k)](
-            q_desc, do_desc, rows_descriptor(k, p.is_varlen, half, pad_to=d_pad),
+            # (fused, 3D views: K in one 128-row box, ``_dkdv_producer``)
+            q_desc, do_desc,
+            rows_descriptor(k, p.is_varlen, 2 * half if fused and d_pad else half, pad_to=d_pad),
             rows_descriptor(v, p.is_varlen, half, pad_to=d_pad),
             # (fused) each warpgroup reduces its columns of dQ
             rows_descriptor(dq_acc, p.is_varlen, half, dq_cols(d)) if fused else q_desc,

@@ -63,6 +63,13 @@ def tile_layout(layout):
                                 transposed=layout.transposed)
 
 
+@gluon.constexpr_function
+def _whole(shape, alloc_shape) -> bool:
+    """Whether a shared-memory view covers its allocation's trailing dims (an ``index`` of a
+    buffer, not a row slice: a reinterpreted slice would be taken as contiguous)."""
+    return list(shape) == list(alloc_shape)[len(alloc_shape) - len(shape):]
+
+
 @gluon.jit
 def tma_load(desc, row, col, bar, smem, pred=True):
     """TMA copy of the box at (row, col) of ``desc``'s [rows, heads * d] view into ``smem``; col is
@@ -70,6 +77,8 @@ def tma_load(desc, row, col, bar, smem, pred=True):
     of head col // cols, its columns past d zero-filled by the TMA unit."""
     if heads_view(desc.block_type.shape):
         COLS: gl.constexpr = desc.block_type.shape[2]
+        gl.static_assert(_whole(smem.shape, smem.type.alloc_shape),
+                         "a 3D box lands in a whole buffer (or an index of one), not a slice")
         tma.async_copy_global_to_shared(
             desc, [row, col // COLS, 0], bar,
             smem._reinterpret(smem.dtype, [smem.shape[0], 1, COLS], desc.layout), pred=pred)
@@ -83,6 +92,8 @@ def tma_store(desc, row, col, smem):
     view, columns past d are clipped by the TMA unit."""
     if heads_view(desc.block_type.shape):
         COLS: gl.constexpr = desc.block_type.shape[2]
+        gl.static_assert(_whole(smem.shape, smem.type.alloc_shape),
+                         "a 3D box comes from a whole buffer (or an index of one), not a slice")
         tma.async_copy_shared_to_global(
             desc, [row, col // COLS, 0],
             smem._reinterpret(smem.dtype, [smem.shape[0], 1, COLS], desc.layout))

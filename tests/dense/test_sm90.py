@@ -683,6 +683,28 @@ def test_sm90_forward_preference_rule():
         assert not sm90_fwd._pingpong(64, 3)
 
 
+def test_auto_keeps_softcap_directions_in_one_family(monkeypatch):
+    """'auto' with softcap takes the sm90 kernels for both directions or for neither (their
+    tanh.approx and the portable kernels' exact tanh differ, and a backward recomputes P against
+    the forward's LSE); without softcap each direction is picked on its own. Host-side: the
+    platform check is stubbed as if on Hopper."""
+    from ioattn.dense import api
+
+    if os.environ.get("IOATTN_TEST_SM90") == "always":
+        pytest.skip("the forced-sm90 suite replaces the rules (tests/conftest.py)")
+    monkeypatch.setattr(api, "sm90_unavailable_reason", lambda device: None)
+    monkeypatch.setattr("ioattn.dispatch.sm90_unavailable_reason", lambda device: None)
+    q, k, v = (torch.empty(2, 64, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+
+    def pick(cap, s_q, s_k):
+        return api._pick("auto", q, k, v, cap, None, 0.0, False, True, s_q, s_k)
+
+    assert pick(30.0, 4096, 4096) == ("sm90", "sm90")
+    assert pick(30.0, 4096, 1024) == ("triton", "triton")  # the backward would stay portable
+    assert pick(30.0, 1024, 4096) == ("triton", "triton")  # the forward would
+    assert pick(0.0, 4096, 1024) == ("sm90", "triton")  # no softcap: each on its own
+
+
 def test_sm90_backward_preference_rule(monkeypatch):
     """'auto' takes the sm90 backward where it measured faster (from 2k keys at every head dim
     and mask, from 512 at d=256), and the fused backward's dQ order by head dim and mask; a bad
