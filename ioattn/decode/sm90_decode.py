@@ -37,10 +37,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from ioattn.dense.common import LOG2E
-from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, invalidate, shared_layout,
-                                      wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile,
-                                      zero_tail_rows)
+from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, invalidate, score_scales,
+                                      shared_layout, softcap_tanh, wgmma_a_operand,
+                                      wgmma_acc_layout, zero_last_key_tile, zero_tail_rows)
 from ioattn.launch import Desc, launcher
 
 ROWS = gl.constexpr(64)  # wgmma's M: the GQA group's query heads, zero-padded
@@ -116,12 +115,14 @@ def _convert_tile(src, dst, n_valid):
 def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
                      full, empty, v_fixed,
                      q_row, stride_qs, stride_qh, stride_os, stride_oh, h0, group, n_heads, part,
-                     start, lo, hi, n_tiles, qk_scale_log2, COUNT, SLOT_START, off_b,
-                     HEAD_D: gl.constexpr, STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr,
+                     start, lo, hi, n_tiles, qk_scale_log2, softcap_scale, COUNT, SLOT_START,
+                     off_b, HEAD_D: gl.constexpr, STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr,
                      MERGE: gl.constexpr, GROUP_P2: gl.constexpr, MERGE_SLOTS: gl.constexpr,
                      CONVERT: gl.constexpr, it0=0, SELF_ZERO: gl.constexpr = False):
     """One item for one KV head, its key tiles from ring position it0; SELF_ZERO: the last
-    tile's V rows past the request's keys zeroed here (else the producer zeroes them)."""
+    tile's V rows past the request's keys zeroed here (else the producer zeroes them).
+    softcap_scale: softcap's tanh(s · softcap_scale) on each score tile (qk_scale_log2 is then
+    cap · log2 e, ``score_scales``), or None."""
     BLOCK_N_: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N_)
@@ -147,7 +148,10 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_sme
         q_amax = gl.max(gl.max(gl.where(q_abs < float("inf"), q_abs, 0.0), axis=1), axis=0)
         q_exp = gl.maximum(gl.ceil(gl.log2(q_amax)) - 15.0, 0.0)
         q_tile = q_f * gl.exp2(-q_exp)
-        qk_scale_log2 = qk_scale_log2 * gl.exp2(q_exp)
+        if softcap_scale is None:
+            qk_scale_log2 = qk_scale_log2 * gl.exp2(q_exp)
+        else:  # (the raw scores are tanh's argument)
+            softcap_scale = softcap_scale * gl.exp2(q_exp)
     q_smem.store(q_tile.to(dtype))
     fence_async_shared()
 
@@ -176,6 +180,7 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_sme
         s_tok = warpgroup_mma(q_smem, k_op.permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
         s = warpgroup_mma_wait(0, deps=[s_tok])
+        s = softcap_tanh(s, softcap_scale)
         if (key0 < lo) | (key0 + BLOCK_N_ > hi):
             keys = key0 + gl.arange(0, BLOCK_N_, layout=col_s)
             s = gl.where(((keys >= lo) & (keys < hi))[None, :], s, float("-inf"))
@@ -315,7 +320,7 @@ def _item(WORK, SEQ, w, batch, capacity, BLOCK_N_: gl.constexpr):
 def _decode_consumer_items(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
                            full, empty, v_fixed, WORK, SEQ, p0, p1, batch, capacity, stride_qs,
                            stride_qh, stride_os, stride_oh, h0, group, n_heads, qk_scale_log2,
-                           COUNTS, SLOT_START, off_hk, HEAD_D: gl.constexpr,
+                           softcap_scale, COUNTS, SLOT_START, off_hk, HEAD_D: gl.constexpr,
                            STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr, MERGE: gl.constexpr,
                            GROUP_P2: gl.constexpr, MERGE_SLOTS: gl.constexpr,
                            CONVERT: gl.constexpr):
@@ -331,7 +336,8 @@ def _decode_consumer_items(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, 
         _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
                          full, empty, v_fixed, q_row, stride_qs, stride_qh, stride_os, stride_oh,
                          h0, group, n_heads, part, start, lo, hi, n_tiles, qk_scale_log2,
-                         COUNTS + off_b * gl.num_programs(1) + off_hk, SLOT_START, off_b,
+                         softcap_scale, COUNTS + off_b * gl.num_programs(1) + off_hk, SLOT_START,
+                         off_b,
                          HEAD_D, STAGES_, LSE_BASE2, MERGE, GROUP_P2, MERGE_SLOTS, CONVERT, it,
                          True)
         it += n_tiles
@@ -362,7 +368,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                  STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
                  MERGE: gl.constexpr = False, GROUP_P2: gl.constexpr = 1,
                  MERGE_SLOTS: gl.constexpr = 1, CONVERT: gl.constexpr = False,
-                 BALANCED: gl.constexpr = False, COLS=None):
+                 BALANCED: gl.constexpr = False, COLS=None, softcap_scale=None):
     # MERGE: split requests are merged in the kernel by their last item (COUNTS [batch * KV
     # heads] int32 tickets, zero between launches; SLOT_START [batch + 1] the partial slots),
     # GROUP_P2 / MERGE_SLOTS the merge's tile (``_merge_parts``)
@@ -406,8 +412,9 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
             (_decode_consumer_items, (Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem,
                                       kc_smem, vc_smem, full, empty, v_fixed.index(0), WORK, SEQ,
                                       p0, p1, batch, capacity, stride_qs, stride_qh, stride_os,
-                                      stride_oh, h0, group, n_heads, qk_scale_log2, COUNTS,
-                                      SLOT_START, off_hk, HEAD_D, STAGES_, LSE_BASE2, MERGE,
+                                      stride_oh, h0, group, n_heads, qk_scale_log2,
+                                      softcap_scale, COUNTS, SLOT_START, off_hk, HEAD_D, STAGES_,
+                                      LSE_BASE2, MERGE,
                                       GROUP_P2, MERGE_SLOTS, CONVERT)),
             (_decode_producer_items, (k_desc, v_desc, k_smem, v_smem, full, empty,
                                       v_fixed.index(0), INDICES, WORK, SEQ, p0, p1, batch,
@@ -420,7 +427,8 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                                 vc_smem, full, empty,
                                 v_fixed.index(0), q_row, stride_qs, stride_qh, stride_os,
                                 stride_oh, h0, group, n_heads, part, start, lo, hi, n_tiles,
-                                qk_scale_log2, COUNTS + off_b * gl.num_programs(1) + off_hk,
+                                qk_scale_log2, softcap_scale,
+                                COUNTS + off_b * gl.num_programs(1) + off_hk,
                                 SLOT_START, off_b, HEAD_D, STAGES_, LSE_BASE2, MERGE, GROUP_P2,
                                 MERGE_SLOTS, CONVERT)),
             (_decode_producer, (k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed.index(0),
@@ -465,7 +473,7 @@ def coverage_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows_per
     d = q.shape[-1]
     group = q.shape[-2] // k.shape[2]
     if rows_per_request != 1 or extras:
-        return ("the sm90 decode kernel takes one query row per request, no RoPE, softcap, mask "
+        return ("the sm90 decode kernel takes one query row per request, no RoPE, custom mask "
                 "or window")
     if d not in SUPPORTED_HEAD_DIMS or v.shape[-1] != d:
         return f"head_dim {d}: the sm90 decode kernel takes {SUPPORTED_HEAD_DIMS}"
@@ -520,7 +528,7 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
                       max_items: int, o_part: torch.Tensor, lse_part: torch.Tensor,
                       softmax_scale: float, out: torch.Tensor, lse: torch.Tensor,
                       lse_base2: bool, merge: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                      columns: Optional[torch.Tensor] = None) -> None:
+                      columns: Optional[torch.Tensor] = None, softcap: float = 0.0) -> None:
     """The planned decode's attention launch (``triton_decode.paged_attn``'s arguments) on the
     sm90 kernel. Split requests' partials are merged by the caller, or, with merge=(counts
     [batch * KV heads] int32 zeros, slot_start [batch + 1]), by the kernel itself (the last
@@ -543,12 +551,13 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     fp8 = k.dtype != q.dtype  # (an fp8 cache: ``coverage_problem``)
     counts, slot_start = merge if merge is not None else (n_work, n_work)
     grid = (max_items if columns is None else columns.numel() - 1, h_k)
+    qk_scale_log2, softcap_scale = score_scales(softmax_scale, softcap)
     launcher(_decode_sm90)[grid](
         k_desc, v_desc, q, out, lse, o_part, lse_part, seqlens_indptr, indices, work, n_work,
         counts, slot_start,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), batch, h, group,
-        indices.shape[0] * page, page_rows, head_rows, head_cols, softmax_scale * LOG2E,
-        LSE_BASE2=lse_base2,
+        indices.shape[0] * page, page_rows, head_rows, head_cols, qk_scale_log2,
+        LSE_BASE2=lse_base2, softcap_scale=softcap_scale,
         **launch_constexprs(d, page, group, fp8, merge is not None, columns is not None),
         COLS=columns, num_warps=4, maxnreg=MAXNREG,
     )

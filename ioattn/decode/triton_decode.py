@@ -695,14 +695,18 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
     # small: an eager plan that reads few bytes (``SM90_DECODE_MIN_BYTES``), where the host time
     # of a call outweighs its kernel: the portable launch, ~65 us cheaper on the host, is then
     # faster (graph-mode wrappers never pass it: their warm-up and capture must load one kernel)
-    if decode and not small and _sm90_decode(q, k_pages, v_pages, extras or window_left >= 0):
+    # (softcap runs in the sm90 kernel too; RoPE, masks and windows do not)
+    if decode and not small and _sm90_decode(q, k_pages, v_pages, rope is not None
+                                             or mask is not None or window_right >= 0
+                                             or window_left >= 0):
         from ioattn.decode.sm90_decode import paged_decode_sm90
 
         # split requests merged inside the kernel (SM90_DECODE_MERGE): no combine launch
         merge = (counts, slot_start) if SM90_DECODE_MERGE and counts is not None \
             and slot_start is not None else None
         paged_decode_sm90(q, k_pages, v_pages, indices, seqlens_indptr, work, n_work, max_items,
-                          o_part, lse_part, softmax_scale, out, lse, lse_base2, merge, columns)
+                          o_part, lse_part, softmax_scale, out, lse, lse_base2, merge, columns,
+                          softcap)
         if merge is not None:
             return
     else:

@@ -427,10 +427,11 @@ def gluon_report(name: str, fn, sig: dict, constexprs: dict, arch: int = 90,
 
 def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
                         arch: int = 90, merge: bool = False, group: int = 4,
-                        kv_dtype: str | None = None, balanced: bool = False) -> KernelReport:
+                        kv_dtype: str | None = None, balanced: bool = False,
+                        softcap: bool = False) -> KernelReport:
     """The sm90 paged decode kernel (``ioattn.decode.sm90_decode``) as its launcher specializes it
     (kv_dtype "fp8e4nv" / "fp8e5": an fp8 cache, converted in shared memory; balanced: a
-    balanced plan's columns, each CTA looping over its items)."""
+    balanced plan's columns, each CTA looping over its items; softcap: its tanh on the scores)."""
     from ioattn.decode import sm90_decode as sd
 
     fn = sd._decode_sm90
@@ -449,12 +450,16 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
                                                         n.endswith("_") else "i32")
            for n in fn.arg_names}
     sig["qk_scale_log2"] = "fp32"
+    sig["softcap_scale"] = "fp32" if softcap else "constexpr"
     ce = dict(LSE_BASE2=True, **sd.launch_constexprs(d, page, group, fp8, merge, balanced))
+    if not softcap:
+        ce["softcap_scale"] = None
     if not balanced:
         ce["COLS"] = None
     return gluon_report(f"sm90 paged decode d{d} page{page}{' merge' if merge else ''}"
-                        f"{' ' + kv if fp8 else ''}{' balanced' if balanced else ''} ws", fn, sig,
-                        ce, arch, maxnreg=sd.MAXNREG)
+                        f"{' ' + kv if fp8 else ''}{' balanced' if balanced else ''}"
+                        f"{' softcap' if softcap else ''} ws", fn, sig, ce, arch,
+                        maxnreg=sd.MAXNREG)
 
 
 def main(argv=None) -> int:

@@ -2,7 +2,7 @@
 behind ``BatchDecodeWithPagedKVCacheWrapper``: its coverage rules and cache row views (anywhere),
 and on Hopper its outputs against per-request references, split requests, empty requests, NaN in
 stale cache slots and CUDA-graph replay; fp8 caches on it (on by default; IOATTN_SM90_DECODE_FP8=0 turns them off).
-Windows, RoPE and softcap stay on the portable kernel."""
+Softcap runs on it too; windows, RoPE and custom masks stay on the portable kernel."""
 from __future__ import annotations
 
 import math
@@ -247,6 +247,43 @@ def test_sm90_decode_fp8(c, fp8, merge, monkeypatch):
     assert calls, "the sm90 decode kernel did not run"
     assert all(calls) == (merge == "balanced" and "split" not in c), calls
     _check_requests(out, lse, q, deq, c["layout"], lens, indices, indptr, softmax_scale=scale)
+
+
+SOFTCAP_CASES = [dict(CASES[0], cap=5.0), dict(CASES[1], cap=30.0),
+                 dict(CASES[2], cap=2.0, fp8=torch.float8_e4m3fn, big_q=True)]
+
+
+@needs_sm90
+@pytest.mark.parametrize("merge", [False, True], ids=["combine", "merge-in-kernel"])
+@pytest.mark.parametrize("c", SOFTCAP_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_sm90_decode_softcap(c, merge, monkeypatch):
+    """logits_soft_cap on the sm90 kernel (its tanh before the online softmax), against
+    per-request references with the cap, base-2 LSE included, stale NaN slots present; the fp8
+    case with bf16 queries past fp16's range (the kernel scales q by a power of two, which the
+    tanh's argument must undo)."""
+    monkeypatch.setattr(sm90_decode, "FP8", True)
+    calls = _sm90_decode_on(monkeypatch, merge)
+    c = dict(c)
+    dtype, cap = c.pop("dtype", BF16), c.pop("cap")
+    fp8, big_q = c.pop("fp8", None), c.pop("big_q", False)
+    lens, indptr, indices, last, cache = _stale_paged(c, dtype)
+    run_cache, ref_cache = cache, cache
+    if fp8 is not None:
+        run_cache = cache.to(fp8)
+        ref_cache = run_cache.to(dtype)
+    scale = (2.0 ** -15 if big_q else 1.0) / math.sqrt(c["d"])
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), kv_layout=c["layout"])
+    wrapper.plan(indptr, indices.cuda(), last, c["h"], c["h_k"], c["d"], c["page"],
+                 q_data_type=dtype, kv_data_type=fp8, fixed_split_size=c.get("split"),
+                 sm_scale=scale, logits_soft_cap=cap)
+    q = 3.0 * torch.randn(c["batch"], c["h"], c["d"], device="cuda", dtype=dtype)
+    if big_q:
+        q = q * 2.0 ** 15
+    out, lse = wrapper.run(q, run_cache, return_lse=True)
+    assert calls, "the sm90 decode kernel did not run"
+    _check_requests(out, lse, q, ref_cache, c["layout"], lens, indices, indptr,
+                    softmax_scale=scale, softcap=cap)
 
 
 @needs_sm90
