@@ -795,7 +795,8 @@ def test_sm90_kernel_compiles_for_hopper():
         assert sass["HGMMA"] > 0 and sass["UTMALDG"] > 0 and sass["USETMAXREG"] > 0, r
         assert sass["SYNCS"] > 0, r
         # softcap's tanh on the MUFU (tanh.approx, the default), in the softcap forms only
-        assert (sass["MUFU.TANH"] > 0) == ("softcap" in r["name"]), r
+        approx = os.environ.get("IOATTN_SM90_SOFTCAP_APPROX", "1").lower() in ("1", "true", "on")
+        assert (sass["MUFU.TANH"] > 0) == ("softcap" in r["name"] and approx), r
 
 
 _EXP_ORDER_SCRIPT = r'''
