@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma] [pad-tma-bench]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -322,17 +322,19 @@ for step in $steps; do
              --out "$OUT/decode_balanced$v.json" > "/tmp/decode_bal_$v.log" 2>&1
              echo "== balanced=$v"; grep -E "ioattn_paged |ioattn_paged_graph|cudnn" "/tmp/decode_bal_$v.log"; done ;;
     pad-tma) # head dims 96 / 192 read in place (IOATTN_SM90_PAD=tma, opt-in): the padded
-           # dims' sm90 tests (the in-place ones included), the dense suite's 96 / 192 cases
-           # forced through sm90 with it, then forward and backward timed in place vs copied
-           # (192x128: V and O at 128 columns, MLA prefill) (~100 + 100 + 2 x 150 s)
+           # dims' sm90 tests (the in-place ones included), then the dense suite's 96 / 192
+           # cases forced through sm90 with it (~100 + 100 s)
            timeout 200 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
              -k "pad" > "$OUT/tests_pad_tma.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_pad_tma.log"; tail -1 "$OUT/tests_pad_tma.log"
            IOATTN_SM90_PAD=tma IOATTN_TEST_SM90=always timeout 200 python -m pytest -q -n 14 \
              -p no:cacheprovider -rf tests/dense -k "d96 or d192" > "$OUT/tests_pad_tma_forced.log" 2>&1
-           grep -E "^FAILED" "$OUT/tests_pad_tma_forced.log"; tail -1 "$OUT/tests_pad_tma_forced.log"
-           for m in tma copy; do IOATTN_SM90_PAD=$m timeout 200 python -m ioattn bench --modes fwd,bwd \
-             --dims 96,192,192x128 --hidden 1536 --seqlens 2048,8192 --dtypes bf16 \
+           grep -E "^FAILED" "$OUT/tests_pad_tma_forced.log"; tail -1 "$OUT/tests_pad_tma_forced.log" ;;
+    pad-tma-bench) # forward and backward at 96 / 192 / 192x128 (V and O at 128 columns, MLA
+           # prefill) in place vs copied, 1k-8k (the crossovers for auto's thresholds), next to
+           # the portable kernels and cuDNN (2 x ~250 s)
+           for m in tma copy; do IOATTN_SM90_PAD=$m timeout 280 python -m ioattn bench --modes fwd,bwd \
+             --dims 96,192,192x128 --hidden 1536 --seqlens 1024,2048,4096,8192 --dtypes bf16 \
              --impls ioattn_sm90,ioattn_triton,sdpa_cudnn --rounds 2 --no-plots \
              --out "$OUT/pad_$m.json" > "/tmp/pad_$m.log" 2>&1
              echo "== $m"; grep -E "^(fwd|bwd)" "/tmp/pad_$m.log"; done ;;
