@@ -171,32 +171,35 @@ def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
                                               alibi_slopes is not None, dropout_p, varlen))
         return problem[0]
 
-    def sm90_preferred():
-        from ioattn.dense import sm90_bwd, sm90_fwd
+    backward = []  # (why the sm90 backward does not cover the call, whether 'auto' prefers it)
 
-        d, d_v = q.shape[-1], v.shape[-1]
-        if not sm90_fwd.preferred(d, masked, max_seqlen_q, max_seqlen_k, varlen, softcap, d_v):
-            return False
+    def sm90_backward():
+        if not backward:
+            from ioattn.dense import sm90_bwd
+
+            reason = sm90_bwd.unsupported_reason(q.shape[-1], v.shape[-1], softcap,
+                                                 alibi_slopes is not None, dropout_p)
+            backward.append((reason, reason is None and sm90_bwd.preferred(
+                q.shape[-1], masked, max_seqlen_k, softcap, v.shape[-1])))
+        return backward[0]
+
+    def sm90_preferred():
+        from ioattn.dense import sm90_fwd
+
         # softcap: the families' tanh differ (the sm90 kernels' tanh.approx, the portable exact
         # one) and a backward recomputes P against the forward's LSE, so 'auto' runs both
         # directions in one family: the sm90 forward only where the sm90 backward is taken too
-        return softcap == 0 or (sm90_bwd.unsupported_reason(d, d_v, softcap,
-                                                            alibi_slopes is not None,
-                                                            dropout_p) is None
-                                and sm90_bwd.preferred(d, masked, max_seqlen_k, softcap, d_v))
+        return (sm90_fwd.preferred(q.shape[-1], masked, max_seqlen_q, max_seqlen_k, varlen,
+                                   softcap, v.shape[-1])
+                and (softcap == 0 or sm90_backward()[1]))
 
     fwd = resolve_backend(backend, q.device, sm90_problem, sm90_preferred)
     if fwd == "reference" or backend == "triton" or sm90_unavailable_reason(q.device) is not None \
             or sm90_problem() is not None:
         return fwd, fwd if fwd == "reference" else "triton"
-    from ioattn.dense import sm90_bwd
-
-    reason = sm90_bwd.unsupported_reason(q.shape[-1], v.shape[-1], softcap, alibi_slopes is not None,
-                                         dropout_p)
+    reason, bwd_preferred = sm90_backward()
     if reason is None and (backend == "sm90"
-                           or (sm90_bwd.preferred(q.shape[-1], masked, max_seqlen_k, softcap,
-                                                  v.shape[-1])
-                               and (softcap == 0 or fwd == "sm90"))):  # (softcap: one family)
+                           or (bwd_preferred and (softcap == 0 or fwd == "sm90"))):  # (one family)
         return fwd, "sm90"
     if backend == "sm90" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         _fail(f"backend='sm90' cannot run this call's backward: {reason}; pass backend='auto' (the "

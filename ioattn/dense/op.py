@@ -89,16 +89,12 @@ def fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
     d_pad = None  # (sm90) the head dim the kernels run at, when (d, d_v) are zero-padded to it
     if impl == "sm90":
         from ioattn.dense.sm90_fwd import attn_fwd_sm90 as launch
-        from ioattn.dense.sm90_common import (PAD_MODE, PADDED_HEAD_DIMS, aligned_base,
-                                              pad_head_dim, tma_view_problem)
+        from ioattn.dense.sm90_common import PADDED_HEAD_DIMS, aligned_base, padded_operands
 
         d_pad = PADDED_HEAD_DIMS.get((d, d_v))
-        if d_pad is not None and PAD_MODE == "tma":  # read in place, zero-filled by the TMA unit
-            d_pad = None
-            q, k, v = (t.contiguous() if tma_view_problem(n, t, cu_seqlens_q is not None)
-                       else t for n, t in (("q", q), ("k", k), ("v", v)))
-        elif d_pad is not None:
-            q, k, v = (pad_head_dim(t, d_pad) for t in (q, k, v))
+        if d_pad is not None:
+            (q, k, v), d_pad = padded_operands((("q", q), ("k", k), ("v", v)), d_pad,
+                                               cu_seqlens_q is not None)
         q, k, v = (aligned_base(t) for t in (q, k, v))
     elif impl == "triton":
         launch = attn_fwd
@@ -161,8 +157,8 @@ def bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     d_pad = None  # (sm90) the head dim the kernels run at, when (d, d_v) are zero-padded to it
     if impl == "sm90":
         from ioattn.dense import sm90_bwd
-        from ioattn.dense.sm90_common import (PAD_MODE, PADDED_HEAD_DIMS, aligned_base,
-                                              pad_head_dim, tma_view_problem)
+        from ioattn.dense.sm90_common import (PADDED_HEAD_DIMS, aligned_base, padded_operands,
+                                              tma_view_problem)
 
         # the fused form (default, sm90_bwd.FUSED) adds dQ by reductions: not for deterministic
         launch = functools.partial(sm90_bwd.attn_bwd_sm90, fused=sm90_bwd.FUSED and not deterministic)
@@ -172,12 +168,9 @@ def bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
             raise ValueError(f"impl='sm90' cannot run this backward: {reason}")
         d_pad = PADDED_HEAD_DIMS.get((d, d_v))
         varlen = cu_seqlens_q is not None
-        if d_pad is not None and PAD_MODE == "tma":  # read in place, zero-filled by the TMA unit
-            d_pad = None
-            dout, q, k, v = (t.contiguous() if tma_view_problem(n, t, varlen) else t
-                             for n, t in (("dout", dout), ("q", q), ("k", k), ("v", v)))
-        elif d_pad is not None:  # as the forward ran: zero columns (O's too, for delta)
-            dout, q, k, v, out = (pad_head_dim(t, d_pad) for t in (dout, q, k, v, out))
+        if d_pad is not None:  # as the forward ran (copies: O's zero columns too, for delta)
+            (dout, q, k, v, out), d_pad = padded_operands(
+                (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)), d_pad, varlen)
         elif tma_view_problem("dout", dout, varlen) is not None:
             dout = dout.contiguous()  # an upstream transpose or expand: one copy, then TMA
         dout, q, k, v = (aligned_base(t) for t in (dout, q, k, v))

@@ -53,8 +53,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (PADDED_HEAD_DIMS, barriers, box_cols, floor_div,
                                       invalidate, query_tile, query_tiles, rows_descriptor,
-                                      score_scales, seq_bounds, softcap_tanh, tile_layout,
-                                      tma_load, tma_reduce_add, wgmma_a_operand,
+                                      score_scales, seq_bounds, softcap_tanh, store_cols,
+                                      tile_layout, tma_load, tma_reduce_add, wgmma_a_operand,
                                       wgmma_acc_layout, zero_last_key_tile, zero_tail_rows)
 from ioattn.dense.triton_bwd import bwd_preprocess
 from ioattn.launch import launcher
@@ -504,16 +504,6 @@ def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem
 
 
 @gluon.jit
-def _store_cols(ptrs, x, rows_ok, cols, N: gl.constexpr):
-    """Masked stores of a gradient tile: rows where rows_ok, and columns < N where the tile is
-    zero-padded past its tensor's head dim N (0: every column)."""
-    if N:
-        gl.store(ptrs, x, mask=rows_ok & (cols < N)[None, :])
-    else:
-        gl.store(ptrs, x, mask=rows_ok)
-
-
-@gluon.jit
 def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
                    qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, dk_off,
                    dv_off, stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m,
@@ -601,10 +591,10 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
     ok = (keys < seqlen_k)[:, None]
     if not FUSED_DQ:
         dk = dk * sm_scale
-    _store_cols(DK + dk_off + keys[:, None].to(gl.int64) * stride_dkn + d_cols[None, :],
-                dk.to(dtype), ok, d_cols, K_COLS)
-    _store_cols(DV + dv_off + keys[:, None].to(gl.int64) * stride_dvn + d_cols[None, :],
-                dv.to(dtype), ok, d_cols, V_COLS)
+    store_cols(DK + dk_off + keys[:, None].to(gl.int64) * stride_dkn + d_cols[None, :],
+               dk.to(dtype), ok, d_cols, K_COLS)
+    store_cols(DV + dv_off + keys[:, None].to(gl.int64) * stride_dvn + d_cols[None, :],
+               dv.to(dtype), ok, d_cols, V_COLS)
 
 
 @gluon.jit
@@ -896,10 +886,10 @@ def _dkdv_cols_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, p_s
     d_cols = WG * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, a_layout))
     keys = start_n + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))
     ok = (keys < seqlen_k)[:, None]
-    _store_cols(DK + dk_off + keys[:, None].to(gl.int64) * stride_dkn + d_cols[None, :],
-                dk.to(dtype), ok, d_cols, K_COLS)
-    _store_cols(DV + dv_off + keys[:, None].to(gl.int64) * stride_dvn + d_cols[None, :],
-                dv.to(dtype), ok, d_cols, V_COLS)
+    store_cols(DK + dk_off + keys[:, None].to(gl.int64) * stride_dkn + d_cols[None, :],
+               dk.to(dtype), ok, d_cols, K_COLS)
+    store_cols(DV + dv_off + keys[:, None].to(gl.int64) * stride_dvn + d_cols[None, :],
+               dv.to(dtype), ok, d_cols, V_COLS)
 
 
 @gluon.jit
@@ -1081,8 +1071,8 @@ def _dq_consumer(DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, kv_full
 
     d_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
     out_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))
-    _store_cols(DQ + dq_off + out_rows[:, None].to(gl.int64) * stride_dqm + d_cols[None, :],
-                (dq * sm_scale).to(dtype), (out_rows < seqlen_q)[:, None], d_cols, K_COLS)
+    store_cols(DQ + dq_off + out_rows[:, None].to(gl.int64) * stride_dqm + d_cols[None, :],
+               (dq * sm_scale).to(dtype), (out_rows < seqlen_q)[:, None], d_cols, K_COLS)
 
 
 @gluon.jit

@@ -53,14 +53,20 @@ def box_cols(block_shape) -> int:
 
 
 @gluon.constexpr_function
-def tile_layout(layout):
-    """The [rows, cols] shared layout of a descriptor's tiles: its own, or for a [rows, 1, cols]
-    box the same swizzle at rank 2 (the bytes a 3D box lands in are laid out as the 2D box's)."""
-    if layout.rank == 2:
+def nvmma_at_rank(layout, rank):
+    """``layout``'s swizzle at another rank: a [rows, cols] tile and a [rows, 1, cols] box lay
+    their bytes out alike (kernels: ``tile_layout``; the host: ``shared_layout_3d``)."""
+    if layout.rank == rank:
         return layout
     return gl.NVMMASharedLayout(swizzle_byte_width=layout.swizzle_byte_width,
-                                element_bitwidth=layout.element_bitwidth, rank=2,
+                                element_bitwidth=layout.element_bitwidth, rank=rank,
                                 transposed=layout.transposed)
+
+
+@gluon.constexpr_function
+def tile_layout(layout):
+    """The [rows, cols] shared layout of a descriptor's tiles (its own, at rank 2)."""
+    return nvmma_at_rank(layout, 2)
 
 
 @gluon.constexpr_function
@@ -71,17 +77,23 @@ def _whole(shape, alloc_shape) -> bool:
 
 
 @gluon.jit
+def _heads_box(desc, smem):
+    """``smem`` as the [rows, 1, cols] box of a [rows, heads, d] view's descriptor (its bytes
+    laid out as the [rows, cols] tile's); a whole buffer or an index of one, never a row slice."""
+    gl.static_assert(_whole(smem.shape, smem.type.alloc_shape),
+                     "a 3D box lands in a whole buffer (or an index of one), not a slice")
+    return smem._reinterpret(smem.dtype, [smem.shape[0], 1, desc.block_type.shape[2]],
+                             desc.layout)
+
+
+@gluon.jit
 def tma_load(desc, row, col, bar, smem, pred=True):
     """TMA copy of the box at (row, col) of ``desc``'s [rows, heads * d] view into ``smem``; col is
     a head's first column, head * cols. Over a [rows, heads, d] view (``heads_view``), the box
     of head col // cols, its columns past d zero-filled by the TMA unit."""
     if heads_view(desc.block_type.shape):
-        COLS: gl.constexpr = desc.block_type.shape[2]
-        gl.static_assert(_whole(smem.shape, smem.type.alloc_shape),
-                         "a 3D box lands in a whole buffer (or an index of one), not a slice")
-        tma.async_copy_global_to_shared(
-            desc, [row, col // COLS, 0], bar,
-            smem._reinterpret(smem.dtype, [smem.shape[0], 1, COLS], desc.layout), pred=pred)
+        tma.async_copy_global_to_shared(desc, [row, col // desc.block_type.shape[2], 0], bar,
+                                        _heads_box(desc, smem), pred=pred)
     else:
         tma.async_copy_global_to_shared(desc, [row, col], bar, smem, pred=pred)
 
@@ -91,14 +103,20 @@ def tma_store(desc, row, col, smem):
     """TMA store of ``smem`` to the box at (row, col) (as ``tma_load``); over a [rows, heads, d]
     view, columns past d are clipped by the TMA unit."""
     if heads_view(desc.block_type.shape):
-        COLS: gl.constexpr = desc.block_type.shape[2]
-        gl.static_assert(_whole(smem.shape, smem.type.alloc_shape),
-                         "a 3D box comes from a whole buffer (or an index of one), not a slice")
-        tma.async_copy_shared_to_global(
-            desc, [row, col // COLS, 0],
-            smem._reinterpret(smem.dtype, [smem.shape[0], 1, COLS], desc.layout))
+        tma.async_copy_shared_to_global(desc, [row, col // desc.block_type.shape[2], 0],
+                                        _heads_box(desc, smem))
     else:
         tma.async_copy_shared_to_global(desc, [row, col], smem)
+
+
+@gluon.jit
+def store_cols(ptrs, x, rows_ok, cols, N: gl.constexpr):
+    """Masked stores of an output or gradient tile from registers: rows where rows_ok, and
+    columns < N where the tile is zero-padded past its tensor's head dim N (0: every column)."""
+    if N:
+        gl.store(ptrs, x, mask=rows_ok & (cols < N)[None, :])
+    else:
+        gl.store(ptrs, x, mask=rows_ok)
 
 
 @gluon.constexpr_function
@@ -361,6 +379,16 @@ if PAD_MODE not in ("copy", "tma"):
     raise ValueError(f"IOATTN_SM90_PAD={PAD_MODE!r}: expected 'copy' or 'tma'")
 
 
+def padded_operands(named: tuple, d_pad: int, varlen: bool) -> tuple[list, int | None]:
+    """(tensors, d_pad) that the sm90 kernels read for operands (name, tensor) of a zero-padded
+    head dim (PADDED_HEAD_DIMS[(d, d_v)] = d_pad): zero-padded copies and d_pad (the caller cuts
+    its outputs back), or with PAD_MODE "tma" the tensors themselves (made contiguous where TMA
+    cannot view them) and None: the launchers pad their tiles in place."""
+    if PAD_MODE == "tma":
+        return [t.contiguous() if tma_view_problem(n, t, varlen) else t for n, t in named], None
+    return [pad_head_dim(t, d_pad) for _, t in named], d_pad
+
+
 def pad_head_dim(t: torch.Tensor, d: int) -> torch.Tensor:
     """``t`` [..., d0] as a contiguous [..., d] tensor, columns past d0 zero (one pass: each
     element written once, where zeros-then-copy wrote the first d0 columns twice)."""
@@ -382,12 +410,8 @@ def shared_layout(rows: int, cols: int, dtype: torch.dtype) -> gl.NVMMASharedLay
 
 @functools.lru_cache(maxsize=16)
 def shared_layout_3d(rows: int, cols: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    """The [rows, 1, cols] box's layout: the [rows, cols] tile's swizzle at rank 3 (what
-    ``tile_layout`` turns back into the kernels' 2D tile layout)."""
-    two = shared_layout(rows, cols, dtype)
-    return gl.NVMMASharedLayout(swizzle_byte_width=two.swizzle_byte_width,
-                                element_bitwidth=two.element_bitwidth, rank=3,
-                                transposed=two.transposed)
+    """The [rows, 1, cols] box's layout (built once per shape, as ``shared_layout``)."""
+    return nvmma_at_rank(shared_layout(rows, cols, dtype), 3)
 
 
 def rows_descriptor(t: torch.Tensor, varlen: bool, block_rows: int,

@@ -42,7 +42,8 @@ from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (OPERAND_DTYPES, PADDED_HEAD_DIMS, barriers, base_problem,
                                       invalidate, query_tile, query_tile_at, key_tiles,
                                       rows_descriptor, score_scales, softcap_tanh, box_cols,
-                                      tile_layout, tma_load, tma_store, tma_view_problem,
+                                      store_cols, tile_layout, tma_load, tma_store,
+                                      tma_view_problem,
                                       wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile)
 from ioattn.dispatch import sm_count
 from ioattn.launch import launcher
@@ -459,10 +460,7 @@ def _store_rows(O, out, o_base_off, stride_om, row0, seqlen_q, O_COLS: gl.conste
     rows_o = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
     cols_o = gl.arange(0, out.shape[1], layout=gl.SliceLayout(0, o_layout))
     ptrs = O + o_base_off + rows_o[:, None].to(gl.int64) * stride_om + cols_o[None, :]
-    if O_COLS:
-        gl.store(ptrs, out, mask=(rows_o < seqlen_q)[:, None] & (cols_o < O_COLS)[None, :])
-    else:
-        gl.store(ptrs, out, mask=(rows_o < seqlen_q)[:, None])
+    store_cols(ptrs, out, (rows_o < seqlen_q)[:, None], cols_o, O_COLS)
 
 
 @gluon.jit
