@@ -112,9 +112,9 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_PERSISTENT", "auto", "sm90 forward: persistent CTAs over query tiles (batched); "
      "auto: dynamic at d=64/128, dynamic: tiles handed out by an atomic counter, 1: static "
      "snake order, 0: one CTA per tile"),
-    ("IOATTN_SM90_PAD", "copy", "sm90 kernels at head dims 96 / 192 (run as 128 / 256): "
-     "copy: zero-padded copies of q, k, v (and dO, O); tma: read in place through [rows, heads, "
-     "d] views the TMA unit zero-fills past d (no copies)"),
+    ("IOATTN_SM90_PAD", "tma", "sm90 kernels at head dims 96 / 192 (run as 128 / 256): "
+     "tma: read in place through [rows, heads, d] views the TMA unit zero-fills past d (no "
+     "copies); copy: zero-padded copies of q, k, v (and dO, O)"),
     ("IOATTN_SM90_SOFTCAP_APPROX", "1", "sm90 kernels: softcap's tanh on the MUFU's "
      "tanh.approx.f32 (one instruction a score, 2^-11 relative error) instead of exp2 and a "
      "fast division (0: the exact form, ~1e-7 absolute)"),

@@ -50,6 +50,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
+from ioattn.dense import sm90_common
 from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (PADDED_HEAD_DIMS, barriers, box_cols, floor_div,
                                       invalidate, query_tile, query_tiles, rows_descriptor,
@@ -1201,12 +1202,18 @@ def preferred(head_dim: int, masked: bool, max_seqlen_k: int, softcap: float = 0
     (results/softcap_approx_b84f621_*.json). The zero-padded head dims: (192, 192) from 2k keys
     (1.67-2.92x the portable kernel, which runs d=192 at 93-108 TFLOP/s), (96, 96) from 8k
     (1.17x / 1.08x non-causal / causal; 0.74-0.86x at 2k), results/padded_b84f621_*.json; (192, 128) was
-    not timed and stays portable."""
+    not timed and stays portable. Read in place (PAD_MODE "tma", the default since session 15;
+    results/pad_tma_ae73752_*.json): (192, 192) and (192, 128) from 1k keys (283 / 206 and
+    249 / 171 TFLOP/s non-causal / causal at 1k against the portable 99 / 83 and 103 / 90),
+    (96, 96) non-causal from 1k (306 against 261), causal from 2k (285 against 230; they tie
+    at 1k)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    if (head_dim, head_dim_v) == (96, 96):
-        return softcap == 0 and max_seqlen_k >= 8192
-    if (head_dim, head_dim_v) == (192, 192):
-        return softcap == 0 and max_seqlen_k >= 2048
+    if (head_dim, head_dim_v) in PADDED_HEAD_DIMS:
+        if softcap > 0:
+            return False
+        if sm90_common.PAD_MODE != "tma":  # the zero-padded copies
+            return head_dim_v == head_dim and max_seqlen_k >= (8192 if head_dim == 96 else 2048)
+        return max_seqlen_k >= (2048 if head_dim == 96 and masked else 1024)
     if head_dim not in SUPPORTED_HEAD_DIMS or head_dim_v != head_dim:
         return False
     if head_dim == 256:

@@ -373,8 +373,9 @@ def base_problem(name: str, t: torch.Tensor) -> str | None:
 PADDED_HEAD_DIMS = {(96, 96): 128, (192, 192): 256, (192, 128): 256}
 # how the kernels pad them: "copy" (the op's zero-padded copies, timed on the H200) or "tma"
 # (read in place through [rows, heads, d] views whose boxes the TMA unit zero-fills past d,
-# stores clipped or masked there: no copies; opt-in until timed, benchmarks/NOTES.md session 14)
-PAD_MODE = os.environ.get("IOATTN_SM90_PAD", "copy").lower()
+# stores clipped or masked there: no copies; the default since it ran 1.1-2.2x the copies on
+# the H200, results/pad_tma_ae73752_*.json against pad_copy_ae73752_*.json, NOTES session 15)
+PAD_MODE = os.environ.get("IOATTN_SM90_PAD", "tma").lower()
 if PAD_MODE not in ("copy", "tma"):
     raise ValueError(f"IOATTN_SM90_PAD={PAD_MODE!r}: expected 'copy' or 'tma'")
 

@@ -38,6 +38,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
+from ioattn.dense import sm90_common
 from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (OPERAND_DTYPES, PADDED_HEAD_DIMS, barriers, base_problem,
                                       invalidate, query_tile, query_tile_at, key_tiles,
@@ -955,10 +956,19 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     with softcap was not timed. The zero-padded head dims from 8k queries: (96, 96) ran 1.18x /
     1.04x the portable kernel non-causal / causal at 8k and (192, 192) 1.23x / 1.04x, but
     0.61-0.83x at 2k, where the padded copies weigh more (results/padded_b84f621_*.json);
-    (192, 128) was not timed and stays portable."""
+    (192, 128) was not timed and stays portable. Read in place (PAD_MODE "tma", the default
+    since session 15; results/pad_tma_ae73752_*.json against pad_copy_ae73752_*.json, hidden
+    1536, 1k-8k): (192, 192) and (192, 128) from 1k queries (448 / 331 and 376 / 283 TFLOP/s
+    non-causal / causal at 1k against the portable 319 / 233 and 304 / 222), (96, 96)
+    non-causal from 1k (404 against 291), causal from 4k (417 against 304; at 2k 197 against
+    283)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if (head_dim, head_dim_v) in PADDED_HEAD_DIMS:
-        return head_dim_v == head_dim and softcap == 0 and max_seqlen_q >= 8192
+        if softcap > 0:
+            return False
+        if sm90_common.PAD_MODE != "tma":  # the zero-padded copies
+            return head_dim_v == head_dim and max_seqlen_q >= 8192
+        return max_seqlen_q >= (4096 if head_dim == 96 and masked else 1024)
     if head_dim not in SUPPORTED_HEAD_DIMS or head_dim_v != head_dim:
         return False
     if softcap > 0:

@@ -477,12 +477,12 @@ def test_sm90_misaligned_base_is_copied():
     _check_grads(c.id, out, ref, pt, torch.randn_like(out), (q, k, v))
 
 
-def test_sm90_padded_head_dims_rule():
-    """(d, d_v) = (96, 96), (192, 192) and (192, 128) are covered through zero-padded copies
-    (any layout: the copy is what the kernels read), backward too (192 as 256: not with
-    softcap); the paged forward, which reads caches in place, refuses them; 'auto' takes them
-    where they were timed faster; other head dims are refused by name."""
-    from ioattn.dense import sm90_bwd, sm90_fwd
+def test_sm90_padded_head_dims_rule(monkeypatch):
+    """(d, d_v) = (96, 96), (192, 192) and (192, 128) are covered (read in place or through
+    zero-padded copies: any layout, an unviewable one is made contiguous), backward too (192 as
+    256: not with softcap); the paged forward refuses them; 'auto' takes them where they were
+    timed faster, in each padding mode; other head dims are refused by name."""
+    from ioattn.dense import sm90_bwd, sm90_common, sm90_fwd
 
     def t(d, transpose=False):
         x = torch.randn(1, 8, 4, d, dtype=torch.bfloat16)
@@ -492,8 +492,9 @@ def test_sm90_padded_head_dims_rule():
         q, v = t(d, True), t(d_v, True)
         assert sm90_fwd.unsupported_reason(q, q, v, d, d_v, 0.0, False, 0.0, False) is None
         assert sm90_bwd.unsupported_reason(d, d_v, 0.0, False, 0.0) is None
-        # auto: from 8k queries (96, 192), the backward from 2k keys at 192 and 8k at 96;
+        # copies: from 8k queries (96, 192), the backward from 2k keys at 192 and 8k at 96;
         # (192, 128) and softcap not timed
+        monkeypatch.setattr(sm90_common, "PAD_MODE", "copy")
         timed = d == d_v
         assert sm90_fwd.preferred(d, False, 8192, 8192, head_dim_v=d_v) == timed
         assert not sm90_fwd.preferred(d, False, 4096, 8192, head_dim_v=d_v)
@@ -501,6 +502,18 @@ def test_sm90_padded_head_dims_rule():
         assert sm90_bwd.preferred(d, False, 8192, head_dim_v=d_v) == timed
         assert sm90_bwd.preferred(d, False, 2048, head_dim_v=d_v) == (timed and d == 192)
         assert not sm90_bwd.preferred(d, False, 8192, 30.0, d_v)
+        # in place (the default): from 1k queries / keys, d=96 causal from 4k queries / 2k keys
+        monkeypatch.setattr(sm90_common, "PAD_MODE", "tma")
+        for masked in (False, True):
+            late = d == 96 and masked
+            assert sm90_fwd.preferred(d, masked, 1024, 1024, head_dim_v=d_v) == (not late)
+            assert sm90_fwd.preferred(d, masked, 4096, 4096, head_dim_v=d_v)
+            assert not sm90_fwd.preferred(d, masked, 512, 8192, head_dim_v=d_v)
+            assert not sm90_fwd.preferred(d, masked, 8192, 8192, False, 30.0, d_v)
+            assert sm90_bwd.preferred(d, masked, 1024, head_dim_v=d_v) == (not late)
+            assert sm90_bwd.preferred(d, masked, 2048, head_dim_v=d_v)
+            assert not sm90_bwd.preferred(d, masked, 512, head_dim_v=d_v)
+            assert not sm90_bwd.preferred(d, masked, 8192, 30.0, d_v)
         bt = torch.zeros(1, 4, dtype=torch.int32)
         k_cache = torch.randn(4, 16, 4, d, dtype=torch.bfloat16)
         v_cache = torch.randn(4, 16, 4, d_v, dtype=torch.bfloat16)
@@ -522,10 +535,11 @@ def test_sm90_padded_head_dims_host_side(d, d_v, device, monkeypatch):
     keeps the caller's 1/sqrt(d) and cuts outputs and gradients back to d columns."""
     import math
 
-    from ioattn.dense import op, sm90_bwd, sm90_fwd
+    from ioattn.dense import op, sm90_bwd, sm90_common, sm90_fwd
     from ioattn.dense.triton_bwd import attn_bwd
     from ioattn.dense.triton_fwd import attn_fwd
 
+    monkeypatch.setattr(sm90_common, "PAD_MODE", "copy")
     seen = []
     monkeypatch.setattr(sm90_fwd, "attn_fwd_sm90",
                         lambda p, q, *a: seen.append(q.shape[-1]) or attn_fwd(p, q, *a))
@@ -606,15 +620,17 @@ def test_sm90_padded_in_place_host_side(d, d_v, device, monkeypatch):
 @needs_sm90
 @pytest.mark.parametrize("c", [c for c in CASES if (c.d, c.d_v or c.d) in ((96, 96), (192, 192),
                                                                          (192, 128))],
-                         ids=lambda c: "sm90-pad-tma-" + c.id)
-def test_sm90_padded_in_place(c: Case, monkeypatch):
-    """IOATTN_SM90_PAD=tma on the H200: the forward and backward read q, k, v (dO) of head dim
-    96 / 192 in place (boxes zero-filled past d by the TMA unit; outputs and gradients, poisoned
-    before the launch by the op, written only up to their own head dims), checked with the LSE
-    and every gradient; the same rows as varlen match; the deterministic backward too."""
+                         ids=lambda c: "sm90-pad-" + c.id)
+@pytest.mark.parametrize("mode", ["tma", "copy"])
+def test_sm90_padded_in_place(c: Case, mode, monkeypatch):
+    """IOATTN_SM90_PAD=tma (the default) on the H200: the forward and backward read q, k, v (dO)
+    of head dim 96 / 192 in place (boxes zero-filled past d by the TMA unit; outputs and
+    gradients, poisoned before the launch by the op, written only up to their own head dims),
+    checked with the LSE and every gradient; the same rows as varlen match; the deterministic
+    backward too. IOATTN_SM90_PAD=copy, the zero-padded copies, the same way."""
     from ioattn.dense import sm90_common
 
-    monkeypatch.setattr(sm90_common, "PAD_MODE", "tma")
+    monkeypatch.setattr(sm90_common, "PAD_MODE", mode)
     _fwd_bwd(c, _covers_bwd(c) and c.s_q * c.s_k <= 1024 * 1024)
     _matches_varlen(c, *_forward_only(c))
     if _covers_bwd(c) and c.d == 96:  # (d=192 runs the two-kernel form always)
@@ -694,6 +710,8 @@ def test_auto_keeps_softcap_directions_in_one_family(monkeypatch):
         pytest.skip("the forced-sm90 suite replaces the rules (tests/conftest.py)")
     monkeypatch.setattr(api, "sm90_unavailable_reason", lambda device: None)
     monkeypatch.setattr("ioattn.dispatch.sm90_unavailable_reason", lambda device: None)
+    # (CPU tensors: the portable kernels' platform check would want the interpreter)
+    monkeypatch.setattr("ioattn.dispatch.triton_unavailable_reason", lambda device: None)
     q, k, v = (torch.empty(2, 64, 4, 128, dtype=torch.bfloat16) for _ in range(3))
 
     def pick(cap, s_q, s_k):
