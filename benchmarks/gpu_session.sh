@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma] [pad-tma-bench]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma] [pad-tma-bench] [fwd16k] [pad-tests]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -355,6 +355,24 @@ for step in $steps; do
              echo "== $v"; grep -E "Duration|Issue Slots Busy|Executed Ipc A|Stall|Warp Cycles Per Issued" \
                "/tmp/ncu64_$v.txt" | head -12; done
            cat /tmp/ncu64_*.txt > "$OUT/ncu_fwd64.txt" ;;
+    fwd16k) # why d=128 non-causal 16k runs below 8k (635 vs 673 TFLOP/s in dense_35fdf4d while
+           # cuDNN rises): ncu of both (speed of light, memory, clocks), then both timed in each
+           # persistent mode (dynamic, the default; static snake; one CTA per tile), ~400 s
+           for s in 8192 16384; do timeout 90 ncu --clock-control none -k regex:attn_fwd_sm90 \
+               --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+               --section LaunchStats --section Occupancy python benchmarks/profile_fwd.py --d 128 \
+               --seqlen $s > "/tmp/ncu128_$s.txt" 2>&1; echo "== $s"
+             grep -E "Duration|SM Frequency|DRAM Throughput|L2 Hit Rate|Memory Throughput|Compute \(SM\)|Grid Size" \
+               "/tmp/ncu128_$s.txt" | head -12; done
+           cat /tmp/ncu128_*.txt > "$OUT/ncu_fwd128_8k16k.txt"
+           for m in dynamic static 0; do IOATTN_SM90_PERSISTENT=$m timeout 80 python -m ioattn bench \
+               --modes fwd --dims 128 --seqlens 8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn \
+               --no-plots --out "$OUT/fwd128_pers_$m.json" > "/tmp/pers_$m.log" 2>&1
+             echo "== $m"; grep -E "^fwd" "/tmp/pers_$m.log"; done ;;
+    pad-tests) # the padded head dims' sm90 tests at the default (read in place) and the copies
+           timeout 170 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
+             -k "pad" > "$OUT/tests_pad.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_pad.log"; tail -1 "$OUT/tests_pad.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
