@@ -17,10 +17,11 @@ for step in $steps; do
     warm)  # the compile caches (Triton's, inductor's for Flex) filled by six processes at once,
            # one per head dim and mode, before a timed run: `warm bench` (WARM_DTYPES=fp16 before
            # bench-fp16, 120 + 460 s in one call); a cold bench spent its first minutes compiling
-           for d in 64 128 256; do for m in fwd bwd; do
+           # (waits for its own six only: `dmon` before it runs in the background too)
+           pids=(); for d in 64 128 256; do for m in fwd bwd; do
              timeout 120 python -m ioattn bench --modes $m --dims $d --dtypes ${WARM_DTYPES:-bf16} \
                --warmup 1 --rep 1 --no-plots --out /tmp/warm_${m}_$d.json > /tmp/warm_${m}_$d.log 2>&1 &
-           done; done; wait; echo "warm: done" ;;
+             pids+=($!); done; done; wait "${pids[@]}"; echo "warm: done" ;;
     bench) timeout 460 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes bf16 --rounds 3 \
              --out "$OUT/dense_nvidia-h200_$(date +%F).json" > "$OUT/bench.log" 2>&1
            grep -E "geomean" "$OUT/bench.log" ;;

@@ -1205,15 +1205,15 @@ def preferred(head_dim: int, masked: bool, max_seqlen_k: int, softcap: float = 0
     not timed and stays portable. Read in place (PAD_MODE "tma", the default since session 15;
     results/pad_tma_ae73752_*.json): (192, 192) and (192, 128) from 1k keys (283 / 206 and
     249 / 171 TFLOP/s non-causal / causal at 1k against the portable 99 / 83 and 103 / 90),
-    (96, 96) non-causal from 1k (306 against 261), causal from 2k (285 against 230; they tie
-    at 1k)."""
+    (96, 96) from 1k too (310 / 215 against 261 / 180, results/bwd96_short_3b476a9_*.json;
+    the first run's causal 1k cell tied, 162 / 162). Shorter ones were not timed."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if (head_dim, head_dim_v) in PADDED_HEAD_DIMS:
         if softcap > 0:
             return False
         if sm90_common.PAD_MODE != "tma":  # the zero-padded copies
             return head_dim_v == head_dim and max_seqlen_k >= (8192 if head_dim == 96 else 2048)
-        return max_seqlen_k >= (2048 if head_dim == 96 and masked else 1024)
+        return max_seqlen_k >= 1024
     if head_dim not in SUPPORTED_HEAD_DIMS or head_dim_v != head_dim:
         return False
     if head_dim == 256:

@@ -959,16 +959,16 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     (192, 128) was not timed and stays portable. Read in place (PAD_MODE "tma", the default
     since session 15; results/pad_tma_ae73752_*.json against pad_copy_ae73752_*.json, hidden
     1536, 1k-8k): (192, 192) and (192, 128) from 1k queries (448 / 331 and 376 / 283 TFLOP/s
-    non-causal / causal at 1k against the portable 319 / 233 and 304 / 222), (96, 96)
-    non-causal from 1k (404 against 291), causal from 4k (417 against 304; at 2k 197 against
-    283)."""
+    non-causal / causal at 1k against the portable 319 / 233 and 304 / 222), (96, 96) from 1k
+    too (415 / 284 against 297 / 231, results/fwd96_short_3b476a9_*.json; that run's first
+    causal 1k / 2k cells, 214 / 197, did not repeat). Shorter ones were not timed."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if (head_dim, head_dim_v) in PADDED_HEAD_DIMS:
         if softcap > 0:
             return False
         if sm90_common.PAD_MODE != "tma":  # the zero-padded copies
             return head_dim_v == head_dim and max_seqlen_q >= 8192
-        return max_seqlen_q >= (4096 if head_dim == 96 and masked else 1024)
+        return max_seqlen_q >= 1024
     if head_dim not in SUPPORTED_HEAD_DIMS or head_dim_v != head_dim:
         return False
     if softcap > 0:

@@ -502,16 +502,13 @@ def test_sm90_padded_head_dims_rule(monkeypatch):
         assert sm90_bwd.preferred(d, False, 8192, head_dim_v=d_v) == timed
         assert sm90_bwd.preferred(d, False, 2048, head_dim_v=d_v) == (timed and d == 192)
         assert not sm90_bwd.preferred(d, False, 8192, 30.0, d_v)
-        # in place (the default): from 1k queries / keys, d=96 causal from 4k queries / 2k keys
+        # in place (the default): from 1k queries / keys
         monkeypatch.setattr(sm90_common, "PAD_MODE", "tma")
         for masked in (False, True):
-            late = d == 96 and masked
-            assert sm90_fwd.preferred(d, masked, 1024, 1024, head_dim_v=d_v) == (not late)
-            assert sm90_fwd.preferred(d, masked, 4096, 4096, head_dim_v=d_v)
+            assert sm90_fwd.preferred(d, masked, 1024, 1024, head_dim_v=d_v)
             assert not sm90_fwd.preferred(d, masked, 512, 8192, head_dim_v=d_v)
             assert not sm90_fwd.preferred(d, masked, 8192, 8192, False, 30.0, d_v)
-            assert sm90_bwd.preferred(d, masked, 1024, head_dim_v=d_v) == (not late)
-            assert sm90_bwd.preferred(d, masked, 2048, head_dim_v=d_v)
+            assert sm90_bwd.preferred(d, masked, 1024, head_dim_v=d_v)
             assert not sm90_bwd.preferred(d, masked, 512, head_dim_v=d_v)
             assert not sm90_bwd.preferred(d, masked, 8192, 30.0, d_v)
         bt = torch.zeros(1, 4, dtype=torch.int32)
