@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma] [pad-tma-bench] [fwd16k] [pad-tests] [dmon]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -373,6 +373,16 @@ for step in $steps; do
     dmon)  # clocks and power sampled each second under the steps after it (`dmon warm bench`):
            # whether a sustained run holds the SM clock ncu saw on one launch (1.70 GHz)
            nvidia-smi dmon -s pc -d 1 -o T > "$OUT/dmon.log" 2>&1 & DMON=$! ;;
+    decode-pdl) # the sm90 decode kernel with programmatic dependent launch and / or its grid as
+           # (KV heads, items) (opt-in IOATTN_SM90_DECODE_PDL / _HEADS_FIRST): their tests, then
+           # the two acceptance cells in each combination, graphloop rows included (~120 + 4 x 100 s)
+           timeout 120 python -m pytest -q -n 8 -p no:cacheprovider tests/decode/test_decode_sm90.py \
+             -k "pdl or graph_capture" > "$OUT/tests_decode_pdl.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_decode_pdl.log"; tail -1 "$OUT/tests_decode_pdl.log"
+           for v in 00 10 01 11; do IOATTN_SM90_DECODE_PDL=${v:0:1} IOATTN_SM90_DECODE_HEADS_FIRST=${v:1:1} \
+             timeout 110 python -m ioattn bench --suite decode --cells 64x4096x16,1x32768x16 \
+             --prefill-cells "" --out "$OUT/decode_pdl$v.json" > "/tmp/decode_pdl_$v.log" 2>&1
+             echo "== pdl,heads_first=$v"; grep -E "ioattn_paged |ioattn_paged_graph|cudnn" "/tmp/decode_pdl_$v.log"; done ;;
     pad-tests) # the padded head dims' sm90 tests at the default (read in place) and the copies
            timeout 170 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
              -k "pad" > "$OUT/tests_pad.log" 2>&1

@@ -37,9 +37,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, invalidate, score_scales,
-                                      shared_layout, softcap_tanh, wgmma_a_operand,
-                                      wgmma_acc_layout, zero_last_key_tile, zero_tail_rows)
+from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, grid_dependency_wait,
+                                      invalidate, launch_dependents, score_scales, shared_layout,
+                                      softcap_tanh, wgmma_a_operand, wgmma_acc_layout,
+                                      zero_last_key_tile, zero_tail_rows)
 from ioattn.launch import Desc, launcher
 
 ROWS = gl.constexpr(64)  # wgmma's M: the GQA group's query heads, zero-padded
@@ -62,6 +63,18 @@ FP8 = os.environ.get("IOATTN_SM90_DECODE_FP8", "1").lower() not in ("0", "false"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 MAXNREG = 128
 SUPPORTED_HEAD_DIMS = (64, 128)
+# programmatic dependent launch (IOATTN_SM90_DECODE_PDL=1, opt-in until timed): the kernel is
+# launched with launch_pdl, so its CTAs may start while the stream's previous kernel finishes
+# (its launch and CTA setup off the critical path: a few us of a 1 x 32k step's ~40), and
+# waits in ``grid_dependency_wait`` before touching memory; it then lets the next PDL-launched
+# kernel (the next layer's decode) start the same way. Under CUDA graph capture the launch
+# attribute becomes a programmatic edge. Expected: the graph-replayed 1 x 32k cell toward the
+# kernel's own rate (3.76 TB/s in the kernel against 3.39 replayed back to back)
+PDL = os.environ.get("IOATTN_SM90_DECODE_PDL", "0").lower() in ("1", "true", "on")
+# the grid's axes as (KV heads, items) (IOATTN_SM90_DECODE_HEADS_FIRST=1, opt-in until timed):
+# one item's KV heads run side by side and read each key slot's row (NHD: all heads' slices)
+# together, where (items, KV heads) runs half of them a wave later at 64 x 4k
+HEADS_FIRST = os.environ.get("IOATTN_SM90_DECODE_HEADS_FIRST", "0").lower() in ("1", "true", "on")
 PRODUCER_REGS = 24
 
 
@@ -323,7 +336,7 @@ def _decode_consumer_items(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, 
                            softcap_scale, COUNTS, SLOT_START, off_hk, HEAD_D: gl.constexpr,
                            STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr, MERGE: gl.constexpr,
                            GROUP_P2: gl.constexpr, MERGE_SLOTS: gl.constexpr,
-                           CONVERT: gl.constexpr):
+                           CONVERT: gl.constexpr, KV_AXIS: gl.constexpr):
     """(BALANCED) The consumer over items p0 .. p1 - 1, the ring running on from one to the
     next; it zeroes V's rows past each request's keys itself (a producer ahead by two items
     would otherwise complete ``v_fixed``'s phases faster than they are waited for)."""
@@ -336,7 +349,7 @@ def _decode_consumer_items(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, 
         _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
                          full, empty, v_fixed, q_row, stride_qs, stride_qh, stride_os, stride_oh,
                          h0, group, n_heads, part, start, lo, hi, n_tiles, qk_scale_log2,
-                         softcap_scale, COUNTS + off_b * gl.num_programs(1) + off_hk, SLOT_START,
+                         softcap_scale, COUNTS + off_b * gl.num_programs(KV_AXIS) + off_hk, SLOT_START,
                          off_b,
                          HEAD_D, STAGES_, LSE_BASE2, MERGE, GROUP_P2, MERGE_SLOTS, CONVERT, it,
                          True)
@@ -368,16 +381,24 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                  STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
                  MERGE: gl.constexpr = False, GROUP_P2: gl.constexpr = 1,
                  MERGE_SLOTS: gl.constexpr = 1, CONVERT: gl.constexpr = False,
-                 BALANCED: gl.constexpr = False, COLS=None, softcap_scale=None):
+                 BALANCED: gl.constexpr = False, COLS=None, softcap_scale=None,
+                 PDL: gl.constexpr = False, HEADS_FIRST: gl.constexpr = False):
     # MERGE: split requests are merged in the kernel by their last item (COUNTS [batch * KV
     # heads] int32 tickets, zero between launches; SLOT_START [batch + 1] the partial slots),
     # GROUP_P2 / MERGE_SLOTS the merge's tile (``_merge_parts``)
     # work item w = (request, row block, first key, end key, partial slot or -1) of the plan
     # (``ioattn.paged.plan``); SEQ holds the kv lengths [batch], kv indptr [batch + 1] and qo
     # indptr [batch + 1]; the grid is (items a plan may produce, KV heads), or (BALANCED) the
-    # plan's columns x KV heads, column c's items being WORK rows COLS[c] .. COLS[c + 1] - 1
-    w = gl.program_id(0)
-    off_hk = gl.program_id(1)
+    # plan's columns x KV heads, column c's items being WORK rows COLS[c] .. COLS[c + 1] - 1;
+    # HEADS_FIRST: the grid's axes swapped (KV heads, items), so the CTAs of one item's heads
+    # are launched side by side and read the same cache rows (NHD: every head's slice of a key
+    # slot's row) at about the same time
+    KV_AXIS: gl.constexpr = 0 if HEADS_FIRST else 1
+    w = gl.program_id(1 - KV_AXIS)
+    off_hk = gl.program_id(KV_AXIS)
+    if PDL:  # launched with launch_pdl: the previous kernel may still run (see ``PDL``)
+        grid_dependency_wait()
+        launch_dependents()
     if not BALANCED:
         if w >= gl.load(N_WORK):
             return
@@ -415,7 +436,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                                       stride_oh, h0, group, n_heads, qk_scale_log2,
                                       softcap_scale, COUNTS, SLOT_START, off_hk, HEAD_D, STAGES_,
                                       LSE_BASE2, MERGE,
-                                      GROUP_P2, MERGE_SLOTS, CONVERT)),
+                                      GROUP_P2, MERGE_SLOTS, CONVERT, KV_AXIS)),
             (_decode_producer_items, (k_desc, v_desc, k_smem, v_smem, full, empty,
                                       v_fixed.index(0), INDICES, WORK, SEQ, p0, p1, batch,
                                       capacity, off_hk.to(gl.int64) * head_rows, page_rows,
@@ -428,7 +449,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                                 v_fixed.index(0), q_row, stride_qs, stride_qh, stride_os,
                                 stride_oh, h0, group, n_heads, part, start, lo, hi, n_tiles,
                                 qk_scale_log2, softcap_scale,
-                                COUNTS + off_b * gl.num_programs(1) + off_hk,
+                                COUNTS + off_b * gl.num_programs(KV_AXIS) + off_hk,
                                 SLOT_START, off_b, HEAD_D, STAGES_, LSE_BASE2, MERGE, GROUP_P2,
                                 MERGE_SLOTS, CONVERT)),
             (_decode_producer, (k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed.index(0),
@@ -520,7 +541,7 @@ def launch_constexprs(d: int, page: int, group: int, fp8: bool, merge: bool,
     return dict(PAGE=page, HEAD_D=d, BLOCK_N_=BLOCK_N, STAGES_=STAGES_FP8 if fp8 else STAGES,
                 PRODUCER_REGS_=PRODUCER_REGS, MERGE=merge, GROUP_P2=group_p2,
                 MERGE_SLOTS=max(1, min(32, 8192 // (group_p2 * d))), CONVERT=fp8,
-                BALANCED=balanced)
+                BALANCED=balanced, PDL=PDL, HEADS_FIRST=HEADS_FIRST)
 
 
 def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
@@ -551,6 +572,8 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     fp8 = k.dtype != q.dtype  # (an fp8 cache: ``coverage_problem``)
     counts, slot_start = merge if merge is not None else (n_work, n_work)
     grid = (max_items if columns is None else columns.numel() - 1, h_k)
+    if HEADS_FIRST:
+        grid = grid[::-1]
     qk_scale_log2, softcap_scale = score_scales(softmax_scale, softcap)
     launcher(_decode_sm90)[grid](
         k_desc, v_desc, q, out, lse, o_part, lse_part, seqlens_indptr, indices, work, n_work,
@@ -559,5 +582,5 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
         indices.shape[0] * page, page_rows, head_rows, head_cols, qk_scale_log2,
         LSE_BASE2=lse_base2, softcap_scale=softcap_scale,
         **launch_constexprs(d, page, group, fp8, merge is not None, columns is not None),
-        COLS=columns, num_warps=4, maxnreg=MAXNREG,
+        COLS=columns, num_warps=4, maxnreg=MAXNREG, launch_pdl=PDL,
     )

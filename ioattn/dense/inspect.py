@@ -66,6 +66,7 @@ class KernelReport:
     shared_bytes: int = 0
     sass: dict | None = None  # SASS opcode counts of interest (Gluon kernels), from cuobjdump
     tma_reduce: bool = False  # cp.reduce.async.bulk.tensor (TMA reduce-add) in the PTX
+    grid_dependency: bool = False  # griddepcontrol.wait (programmatic dependent launch) in the PTX
 
     def row(self) -> str:
         return (f"{self.name:58s} regs {self.registers:3d}  spill st/ld {self.spill_stores:5d}/"
@@ -422,16 +423,19 @@ def gluon_report(name: str, fn, sig: dict, constexprs: dict, arch: int = 90,
         name, regs_used, st, ld, wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
         warp_specialized="setmaxnreg" in ptx, mbarrier_waits=ptx.count("mbarrier.try_wait"),
         shared_bytes=k.metadata.shared, sass=_sass_counts(k.asm["cubin"]),
-        tma_reduce="cp.reduce.async.bulk.tensor" in ptx)
+        tma_reduce="cp.reduce.async.bulk.tensor" in ptx,
+        grid_dependency="griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx)
 
 
 def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
                         arch: int = 90, merge: bool = False, group: int = 4,
                         kv_dtype: str | None = None, balanced: bool = False,
-                        softcap: bool = False) -> KernelReport:
+                        softcap: bool = False, pdl: bool | None = None,
+                        heads_first: bool | None = None) -> KernelReport:
     """The sm90 paged decode kernel (``ioattn.decode.sm90_decode``) as its launcher specializes it
     (kv_dtype "fp8e4nv" / "fp8e5": an fp8 cache, converted in shared memory; balanced: a
-    balanced plan's columns, each CTA looping over its items; softcap: its tanh on the scores)."""
+    balanced plan's columns, each CTA looping over its items; softcap: its tanh on the scores;
+    pdl / heads_first: those switches, default as the environment sets them)."""
     from ioattn.decode import sm90_decode as sd
 
     fn = sd._decode_sm90
@@ -452,14 +456,19 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
     sig["qk_scale_log2"] = "fp32"
     sig["softcap_scale"] = "fp32" if softcap else "constexpr"
     ce = dict(LSE_BASE2=True, **sd.launch_constexprs(d, page, group, fp8, merge, balanced))
+    for name, value in (("PDL", pdl), ("HEADS_FIRST", heads_first)):
+        if value is not None:
+            ce[name] = value
+    pdl = ce["PDL"]
     if not softcap:
         ce["softcap_scale"] = None
     if not balanced:
         ce["COLS"] = None
     return gluon_report(f"sm90 paged decode d{d} page{page}{' merge' if merge else ''}"
                         f"{' ' + kv if fp8 else ''}{' balanced' if balanced else ''}"
-                        f"{' softcap' if softcap else ''} ws", fn, sig, ce, arch,
-                        maxnreg=sd.MAXNREG)
+                        f"{' softcap' if softcap else ''}{' pdl' if pdl else ''}"
+                        f"{' heads-first' if ce['HEADS_FIRST'] else ''} ws", fn, sig, ce, arch,
+                        maxnreg=sd.MAXNREG, launch_pdl=pdl)
 
 
 def main(argv=None) -> int:

@@ -390,6 +390,26 @@ def padded_operands(named: tuple, d_pad: int, varlen: bool) -> tuple[list, int |
     return [pad_head_dim(t, d_pad) for _, t in named], d_pad
 
 
+@gluon.jit
+def grid_dependency_wait():
+    """PTX ``griddepcontrol.wait``: block until the grids this one depends on (the stream's
+    previous kernel, when this one was launched with ``launch_pdl=True``: programmatic
+    dependent launch) have completed and their writes are visible; a no-op otherwise. Before
+    it, a PDL-launched CTA may run while its predecessor's last CTAs still do, so nothing the
+    predecessor writes (or reads: a later write of ours) may be touched before it."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def launch_dependents():
+    """PTX ``griddepcontrol.launch_dependents``: once every CTA of this grid has issued it (or
+    exited), the stream's next kernel, if launched with ``launch_pdl=True``, may start its
+    CTAs (they wait in ``grid_dependency_wait`` for this grid to complete)."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
 def pad_head_dim(t: torch.Tensor, d: int) -> torch.Tensor:
     """``t`` [..., d0] as a contiguous [..., d] tensor, columns past d0 zero (one pass: each
     element written once, where zeros-then-copy wrote the first d0 columns twice)."""

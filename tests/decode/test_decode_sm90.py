@@ -186,6 +186,20 @@ def _check_requests(out, lse, q, cache, layout, lens, indices, indptr, **kw):
             torch.testing.assert_close(lse[b], lse_ref[:, 0] / math.log(2), atol=1e-3, rtol=1e-3)
 
 
+def _planned(c):
+    """(case without its dtype, dtype, a decode wrapper planned over case c's stale paged cache,
+    (lens, indptr, indices, last, cache))."""
+    c = dict(c)
+    dtype = c.pop("dtype", BF16)
+    paged = _stale_paged(c, dtype)
+    lens, indptr, indices, last, cache = paged
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), kv_layout=c["layout"])
+    wrapper.plan(indptr, indices.cuda(), last, c["h"], c["h_k"], c["d"], c["page"],
+                 q_data_type=dtype, fixed_split_size=c.get("split"))
+    return c, dtype, wrapper, paged
+
+
 @needs_sm90
 @pytest.mark.parametrize("merge", [False, True, "balanced"],
                          ids=["combine", "merge-in-kernel", "balanced"])
@@ -198,13 +212,7 @@ def test_sm90_decode(c, merge, monkeypatch):
     looping over its column's items (explicit splits keep the plain split)."""
     balanced = merge == "balanced"
     calls = _sm90_decode_on(monkeypatch, bool(merge), balanced)
-    c = dict(c)
-    dtype = c.pop("dtype", BF16)
-    lens, indptr, indices, last, cache = _stale_paged(c, dtype)
-    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
-        torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), kv_layout=c["layout"])
-    wrapper.plan(indptr, indices.cuda(), last, c["h"], c["h_k"], c["d"], c["page"],
-                 q_data_type=dtype, fixed_split_size=c.get("split"))
+    c, dtype, wrapper, (lens, indptr, indices, last, cache) = _planned(c)
     q = torch.randn(c["batch"], c["h"], c["d"], device="cuda", dtype=dtype)
     out, lse = wrapper.run(q, cache, return_lse=True)
     assert calls, "the sm90 decode kernel did not run"
@@ -319,6 +327,47 @@ def test_sm90_decode_graph_capture_short_replay_long(merge, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, first, atol=0, rtol=0)
+
+
+@needs_sm90
+@pytest.mark.parametrize("merge", [False, True, "balanced"],
+                         ids=["combine", "merge-in-kernel", "balanced"])
+@pytest.mark.parametrize("c", [CASES[0], CASES[1], CASES[4], CASES[6]],
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_sm90_decode_pdl_heads_first(c, merge, monkeypatch):
+    """IOATTN_SM90_DECODE_PDL and IOATTN_SM90_DECODE_HEADS_FIRST (opt-in): the kernel launched
+    with programmatic dependent launch, on a (KV heads, items) grid. Three runs back to back,
+    eager and then captured in one graph and replayed (each kernel may start while the one
+    before it finishes, sharing its partial slots and merge tickets), every output and LSE
+    against the references."""
+    monkeypatch.setattr(sm90_decode, "PDL", True)
+    monkeypatch.setattr(sm90_decode, "HEADS_FIRST", True)
+    _sm90_decode_on(monkeypatch, bool(merge), merge == "balanced")
+    c, dtype, wrapper, (lens, indptr, indices, last, cache) = _planned(c)
+    qs = [torch.randn(c["batch"], c["h"], c["d"], device="cuda", dtype=dtype) for _ in range(3)]
+    outs = [torch.empty_like(q) for q in qs]
+    lses = [torch.empty(c["batch"], c["h"], device="cuda", dtype=torch.float32) for _ in qs]
+
+    def step():
+        for q, out, lse in zip(qs, outs, lses):
+            wrapper.run(q, cache, out=out, lse=lse, return_lse=True)
+
+    step()
+    torch.cuda.synchronize()
+    for q, out, lse in zip(qs, outs, lses):
+        _check_requests(out, lse, q, cache, c["layout"], lens, indices, indptr)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for out in outs:
+        out.fill_(float("nan"))
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    for q, out, lse in zip(qs, outs, lses):
+        _check_requests(out, lse, q, cache, c["layout"], lens, indices, indptr)
+    if merge:
+        assert not wrapper._counts.any()
 
 
 @needs_sm90

@@ -50,20 +50,23 @@ for name, kv, d, paged in [("gather kv paged", "*bf16", 128, True),
     out.append(r.__dict__)
 from ioattn.dense.inspect import decode_gluon_report
 from ioattn.dense.sm90_common import SOFTCAP_APPROX as APPROX
-for d, page, merge, kv, bal, cap in (
-        (128, 16, False, None, False, False), (64, 8, False, None, False, False),
-        (128, 128, False, None, False, False), (128, 16, True, None, False, False),
-        (64, 16, True, None, False, False), (128, 16, False, "fp8e4nv", False, False),
-        (64, 8, False, "fp8e5", False, False), (128, 128, True, "fp8e4nv", False, False),
-        (128, 16, True, None, True, False), (64, 8, True, "fp8e4nv", True, False),
-        (128, 16, True, None, False, True), (128, 16, False, "fp8e4nv", False, True),
-        (64, 8, True, "fp8e4nv", True, True)):
+for d, page, merge, kv, bal, cap, pdl in (
+        (128, 16, False, None, False, False, None), (64, 8, False, None, False, False, None),
+        (128, 128, False, None, False, False, None), (128, 16, True, None, False, False, None),
+        (64, 16, True, None, False, False, None), (128, 16, False, "fp8e4nv", False, False, None),
+        (64, 8, False, "fp8e5", False, False, None), (128, 128, True, "fp8e4nv", False, False, None),
+        (128, 16, True, None, True, False, None), (64, 8, True, "fp8e4nv", True, False, None),
+        (128, 16, True, None, False, True, None), (128, 16, False, "fp8e4nv", False, True, None),
+        (64, 8, True, "fp8e4nv", True, True, None), (128, 16, True, None, False, False, True)):
     # the sm90 decode kernel (Gluon, TMA per page run; merge: split requests merged in the
     # kernel; kv: an fp8 cache, converted; bal: a balanced plan's columns, looped over; cap:
-    # softcap's tanh on the scores)
-    r = decode_gluon_report(d, page, merge=merge, kv_dtype=kv, balanced=bal, softcap=cap)
+    # softcap's tanh on the scores; pdl: programmatic dependent launch, with the grid's axes
+    # swapped too)
+    r = decode_gluon_report(d, page, merge=merge, kv_dtype=kv, balanced=bal, softcap=cap,
+                            pdl=pdl, heads_first=pdl)
     # (softcap's tanh on the MUFU: tanh.approx, unless IOATTN_SM90_SOFTCAP_APPROX=0)
     assert ("softcap" in r.name and APPROX) == (r.sass["MUFU.TANH"] > 0), r
+    assert r.grid_dependency == (" pdl" in r.name), r
     assert r.tma and r.warp_specialized and r.registers <= 128, r  # two CTAs per SM
     out.append(r.__dict__)
 print(json.dumps(out))
