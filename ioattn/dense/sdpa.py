@@ -9,10 +9,14 @@ is a bool mask (True = take part) or a float bias added to the scores, broadcast
 fewer heads than the query (a divisor of its count), and a single key / value head is
 broadcast. ``dropout_p`` is applied whenever it is > 0, as torch's functional call does.
 
-How it runs: the leading dims are folded into a batch and q, k, v are handed to
-``flash_attn_func`` as [batch, seqlen, heads, head_dim] views (the fused kernels, forward and
-backward, any strides; on Hopper, where the sm90 kernels read rows through TMA, views whose
-heads are not packed in a row are copied first). The causal forms map onto its masks: L == S is
+How it runs: ``flash_attn_func`` (the fused kernels, forward and backward) on views of the
+caller's tensors. With as many key / value heads as query heads, each (batch, head) pair is a
+sequence of its own: [..., heads, seqlen, d] is viewed as [batch * heads, seqlen, 1, d], one head
+packed in each row, which the sm90 kernels read through TMA as it is (no copies, an output of
+SDPA's own [..., heads, L, d_v] layout). With fewer (GQA), query heads must share their K/V head
+within one call, so the leading dims fold into the batch and the heads stay a dim:
+[batch, seqlen, heads, d] views, which the sm90 kernels need copied first (heads not packed in a
+row; the portable kernels take any strides). The causal forms map onto its masks: L == S is
 its causal; L < S never shows a query the keys past L - 1, so it runs causal over the first L
 keys; L > S is its window (-1, L - S). ``attn_mask`` and dtypes other than fp16 / bf16 have no
 fused kernel: ``backend='auto'`` (and 'reference') computes them in plain PyTorch (fp32 math,
@@ -176,10 +180,15 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
               f"'reference' (plain PyTorch)")
     from ioattn.dense.api import flash_attn_func
 
-    copy = backend != "triton" and query.device.type == "cuda" \
-        and sm90_unavailable_reason(query.device) is None
-    q, k, v = _rows(query, copy), _rows(key, copy), _rows(value, copy)
-    s_q, s_k = q.shape[1], k.shape[1]
+    s_q, s_k = query.shape[-2], key.shape[-2]
+    folded = key.shape[-3] == query.shape[-3]
+    if folded:  # each (batch, head) a sequence of its own: [b * h, s, 1, d]
+        n = math.prod(query.shape[:-2])
+        q, k, v = (t.reshape(n, t.shape[-2], 1, t.shape[-1]) for t in (query, key, value))
+    else:
+        copy = backend != "triton" and query.device.type == "cuda" \
+            and sm90_unavailable_reason(query.device) is None
+        q, k, v = _rows(query, copy), _rows(key, copy), _rows(value, copy)
     causal, window = False, (-1, -1)
     if is_causal and s_q <= s_k:  # keys past L - 1 are seen by no query
         k, v, causal = k[:, :s_q], v[:, :s_q], True
@@ -187,4 +196,6 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         window = (-1, s_q - s_k)
     out = flash_attn_func(q, k, v, dropout_p=float(dropout_p), softmax_scale=scale,
                           causal=causal, window_size=window, backend=backend)
-    return out.transpose(1, 2).reshape(*query.shape[:-1], value.shape[-1])
+    if not folded:  # [b, L, h, d_v] -> [b, h, L, d_v] (a view)
+        out = out.transpose(1, 2)
+    return out.reshape(*query.shape[:-1], value.shape[-1])

@@ -66,6 +66,24 @@ def test_sdpa_matches_torch_semantics(case, device):
     _check_grads("sdpa", out, ref, pt, torch.randn_like(out), (q, k, v))
 
 
+def test_sdpa_reads_views_of_the_callers_tensors(device, monkeypatch):
+    """As many K/V heads as query heads: the kernels get [b * h, s, 1, d] views of the caller's
+    memory (no copies, one head packed in each row, as TMA reads it) and the output comes back
+    in SDPA's contiguous [b, h, L, d_v] layout."""
+    from ioattn.dense import api
+
+    seen = []
+    orig = api.flash_attn_func
+    monkeypatch.setattr(api, "flash_attn_func",
+                        lambda q, k, v, **kw: seen.append((q, k, v)) or orig(q, k, v, **kw))
+    q, k, v = (t.detach() for t in _qkv(2, 4, 4, 33, 47, 32, 48, FP16, device))
+    out = ioattn.scaled_dot_product_attention(q, k, v)
+    (qq, kk, vv), = seen
+    assert qq.shape == (8, 33, 1, 32) and kk.shape == (8, 47, 1, 32) and vv.shape == (8, 47, 1, 48)
+    assert [t.data_ptr() for t in (qq, kk, vv)] == [t.data_ptr() for t in (q, k, v)]
+    assert qq.is_contiguous() and out.shape == (2, 4, 33, 48) and out.is_contiguous()
+
+
 def test_sdpa_leading_dims(device):
     """[heads, L, d] and [b1, b2, heads, L, d] fold into one batch and come back shaped."""
     x = torch.randn(2, 3, 4, 37, 32, device=device, dtype=FP16)
