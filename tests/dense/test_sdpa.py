@@ -66,6 +66,31 @@ def test_sdpa_matches_torch_semantics(case, device):
     _check_grads("sdpa", out, ref, pt, torch.randn_like(out), (q, k, v))
 
 
+SM90_CASES = [
+    (2, 4, 4, 300, 300, 128, 128, True, BF16, None),  # folded: [b * h, s, 1, d] read in place
+    (1, 8, 8, 203, 333, 64, 64, True, FP16, None),    # L < S, folded
+    (2, 8, 2, 257, 190, 128, 128, True, BF16, None),  # GQA, L > S: [b, s, h, d] copies
+]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the sm90 kernels need an H100/H200")
+@pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: "-".join(map(str, c[:8])))
+def test_sdpa_on_sm90(case):
+    """backend='sm90' through both layouts (folded heads read in place; GQA's copies)."""
+    from ioattn.dispatch import sm90_unavailable_reason
+
+    if sm90_unavailable_reason(torch.device("cuda")) is not None:
+        pytest.skip("needs sm90 with Triton 3.6.x")
+    b, h, h_k, s_q, s_k, d, d_v, causal, dtype, scale = case
+    q, k, v = _qkv(b, h, h_k, s_q, s_k, d, d_v, dtype, "cuda")
+    out = ioattn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=h != h_k,
+                                              backend="sm90")
+    ref = _ref(q, k, v, causal, scale, upcast=True)
+    pt = _ref(q, k, v, causal, scale, upcast=False)
+    assert_close_rule("out", out, ref, pt)
+    _check_grads("sdpa sm90", out, ref, pt, torch.randn_like(out), (q, k, v))
+
+
 def test_sdpa_reads_views_of_the_callers_tensors(device, monkeypatch):
     """As many K/V heads as query heads: the kernels get [b * h, s, 1, d] views of the caller's
     memory (no copies, one head packed in each row, as TMA reads it) and the output comes back
