@@ -572,7 +572,9 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     fp8 = k.dtype != q.dtype  # (an fp8 cache: ``coverage_problem``)
     counts, slot_start = merge if merge is not None else (n_work, n_work)
     grid = (max_items if columns is None else columns.numel() - 1, h_k)
-    if HEADS_FIRST:
+    # (heads first puts the items on the grid's y axis, which CUDA caps at 65535)
+    heads_first = HEADS_FIRST and grid[0] <= 65535
+    if heads_first:
         grid = grid[::-1]
     qk_scale_log2, softcap_scale = score_scales(softmax_scale, softcap)
     launcher(_decode_sm90)[grid](
@@ -581,6 +583,7 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), batch, h, group,
         indices.shape[0] * page, page_rows, head_rows, head_cols, qk_scale_log2,
         LSE_BASE2=lse_base2, softcap_scale=softcap_scale,
-        **launch_constexprs(d, page, group, fp8, merge is not None, columns is not None),
+        **{**launch_constexprs(d, page, group, fp8, merge is not None, columns is not None),
+           "HEADS_FIRST": heads_first},
         COLS=columns, num_warps=4, maxnreg=MAXNREG, launch_pdl=PDL,
     )

@@ -10,17 +10,19 @@ fewer heads than the query (a divisor of its count), and a single key / value he
 broadcast. ``dropout_p`` is applied whenever it is > 0, as torch's functional call does.
 
 How it runs: ``flash_attn_func`` (the fused kernels, forward and backward) on views of the
-caller's tensors. With as many key / value heads as query heads, each (batch, head) pair is a
-sequence of its own: [..., heads, seqlen, d] is viewed as [batch * heads, seqlen, 1, d], one head
-packed in each row, which the sm90 kernels read through TMA as it is (no copies, an output of
-SDPA's own [..., heads, L, d_v] layout). With fewer (GQA), query heads must share their K/V head
-within one call, so the leading dims fold into the batch and the heads stay a dim:
-[batch, seqlen, heads, d] views, which the sm90 kernels need copied first (heads not packed in a
-row; the portable kernels take any strides). The causal forms map onto its masks: L == S is
-its causal; L < S never shows a query the keys past L - 1, so it runs causal over the first L
-keys; L > S is its window (-1, L - S). ``attn_mask`` and dtypes other than fp16 / bf16 have no
-fused kernel: ``backend='auto'`` (and 'reference') computes them in plain PyTorch (fp32 math,
-the [L, S] scores in memory, as torch's own math backend), an explicit 'triton' / 'sm90' raises.
+caller's tensors. Contiguous [..., heads, seqlen, d] tensors with as many key / value heads as
+query heads run each (batch, head) pair as a sequence of its own: [batch * heads, seqlen, 1, d]
+views, one head packed in each row, which the sm90 kernels read through TMA as they are (no
+copies; the output in SDPA's own contiguous layout). Otherwise (GQA, whose query heads share
+their K/V head within one call, or the transpose of a [b, s, h, d] projection) the leading dims
+fold into the batch and the heads stay a dim: [batch, seqlen, heads, d] views, copied for the
+sm90 kernels only where their heads are not packed in a row (the portable kernels take any
+strides). The causal forms map onto its masks: L == S is its causal; L < S never shows a query
+the keys past L - 1, so it runs causal over the first L keys; L > S is its window (-1, L - S).
+``attn_mask``, dtypes other than fp16 / bf16, a scale <= 0 and devices without a Triton backend
+have no fused kernel: ``backend='auto'`` (and 'reference') computes them in plain PyTorch (fp32
+math, the [L, S] scores in memory, as torch's own math backend); an explicit 'triton' / 'sm90'
+raises.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ioattn.dispatch import BACKENDS, sm90_unavailable_reason
+from ioattn.dispatch import BACKENDS, sm90_unavailable_reason, triton_unavailable_reason
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -124,21 +126,24 @@ def sdpa_math(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Ten
         scores = scores + attn_mask.to(compute)
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
-    attn = torch.softmax(scores, dim=-1)
-    # a row with no visible key (or only -inf biases) gives zeros, as torch's safe softmax
-    attn = torch.nan_to_num(attn, nan=0.0)
+    # a row with no visible key (masked, or only -inf biases) gives zeros and zero gradients,
+    # as torch's safe softmax (its scores set to 0 first: a softmax of -inf's is NaN, forward
+    # and backward)
+    dead = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    attn = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
     if dropout_p > 0:
         attn = torch.nn.functional.dropout(attn, dropout_p, training=True)
     return torch.matmul(attn, v).to(dtype)
 
 
-def _rows(t: Tensor, copy: bool) -> Tensor:
-    """[..., heads, seqlen, d] as a [batch, seqlen, heads, d] view (copied when ``copy`` and the
-    heads are not packed in a row, as the sm90 kernels' TMA reads need)."""
-    t = t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:]).transpose(1, 2)
-    if copy and (t.stride(2) != t.shape[3] or t.stride(1) != t.shape[2] * t.shape[3]
-                 or t.stride(3) != 1):
-        t = t.contiguous()
+def _tma_ready(t: Tensor, sm90: bool) -> Tensor:
+    """``t`` ([batch, seqlen, heads, d]), copied where the sm90 kernels (``sm90``: they may run
+    the call) could not read it through TMA as it is."""
+    if sm90:
+        from ioattn.dense.sm90_common import tma_view_problem
+
+        if tma_view_problem("t", t, False) is not None:
+            return t.contiguous()
     return t
 
 
@@ -165,13 +170,17 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
             cover) or 'reference' (plain PyTorch, fp32 math).
 
     Returns:
-        [..., heads, L, head_dim_v] in query's dtype (a transposed view of the kernels'
-        [batch, L, heads, head_dim_v] output). Gradients flow to query, key and value (not to
-        attn_mask).
+        [..., heads, L, head_dim_v] in query's dtype (contiguous, or where the kernels ran on
+        [batch, L, heads, d] views a transposed view of their output). Gradients flow to
+        query, key and value (not to attn_mask).
     """
     _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
     fused = attn_mask is None and query.dtype in _KERNEL_DTYPES
-    if backend == "reference" or (backend == "auto" and not fused):
+    # (what torch takes and the kernels do not, under 'auto': a scale <= 0, tensors on a device
+    # without a Triton backend)
+    auto_math = not fused or (scale is not None and scale <= 0) \
+        or triton_unavailable_reason(query.device) is not None
+    if backend == "reference" or (backend == "auto" and auto_math):
         return sdpa_math(query, key, value, attn_mask, dropout_p, is_causal, scale)
     if not fused:
         why = ("attn_mask (the fused kernels take is_causal or no mask)" if attn_mask is not None
@@ -181,19 +190,24 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     from ioattn.dense.api import flash_attn_func
 
     s_q, s_k = query.shape[-2], key.shape[-2]
-    folded = key.shape[-3] == query.shape[-3]
-    if folded:  # each (batch, head) a sequence of its own: [b * h, s, 1, d]
+    sm90 = backend != "triton" and query.device.type == "cuda" \
+        and sm90_unavailable_reason(query.device) is None
+    # each (batch, head) a sequence of its own, [b * h, s, 1, d] views, where that is a view;
+    # else [b, s, h, d] views (a [b, s, h, d] projection's transpose is read as it was made)
+    folded = key.shape[-3] == query.shape[-3] and all(
+        t.is_contiguous() for t in (query, key, value))
+    if folded:
         n = math.prod(query.shape[:-2])
-        q, k, v = (t.reshape(n, t.shape[-2], 1, t.shape[-1]) for t in (query, key, value))
+        q, k, v = (t.view(n, t.shape[-2], 1, t.shape[-1]) for t in (query, key, value))
     else:
-        copy = backend != "triton" and query.device.type == "cuda" \
-            and sm90_unavailable_reason(query.device) is None
-        q, k, v = _rows(query, copy), _rows(key, copy), _rows(value, copy)
+        q, k, v = (t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:]).transpose(1, 2)
+                   for t in (query, key, value))
     causal, window = False, (-1, -1)
     if is_causal and s_q <= s_k:  # keys past L - 1 are seen by no query
         k, v, causal = k[:, :s_q], v[:, :s_q], True
     elif is_causal:  # query i sees keys 0..i: FlashAttention's window (-1, L - S)
-        window = (-1, s_q - s_k)
+        window = (-1, int(s_q - s_k))
+    q, k, v = (_tma_ready(t, sm90) for t in (q, k, v))
     out = flash_attn_func(q, k, v, dropout_p=float(dropout_p), softmax_scale=scale,
                           causal=causal, window_size=window, backend=backend)
     if not folded:  # [b, L, h, d_v] -> [b, h, L, d_v] (a view)

@@ -332,9 +332,10 @@ def query_tiles(start_n, keys, seqlen_q, seqlen_k, window_left, window_right, BL
 
 def rows_view(t: torch.Tensor, varlen: bool) -> tuple[int, int] | None:
     """(rows, row stride) of ``t`` as a row-major [rows, heads * d] matrix, or None if its strides
-    do not allow that view (heads packed in a row; batches back to back)."""
+    do not allow that view (heads packed in a row; batches back to back). A single head's
+    stride is never used (a [b, 1, s, d] tensor's transpose, MQA's K/V, has any)."""
     d = t.shape[-1]
-    if t.stride(-1) != 1 or t.stride(-2) != d:
+    if t.stride(-1) != 1 or (t.shape[-2] > 1 and t.stride(-2) != d):
         return None
     if varlen:
         return t.shape[0], t.stride(0)

@@ -337,12 +337,15 @@ def test_sm90_decode_graph_capture_short_replay_long(merge, monkeypatch):
 def test_sm90_decode_pdl_heads_first(c, merge, monkeypatch):
     """IOATTN_SM90_DECODE_PDL and IOATTN_SM90_DECODE_HEADS_FIRST (opt-in): the kernel launched
     with programmatic dependent launch, on a (KV heads, items) grid. Three runs back to back,
-    eager and then captured in one graph and replayed (each kernel may start while the one
-    before it finishes, sharing its partial slots and merge tickets), every output and LSE
-    against the references."""
+    eager and then captured in one graph and replayed twice, every output and LSE (poisoned
+    before the replays) against the references. With the in-kernel merge each decode may start
+    while the one before it finishes, sharing its partial slots and merge tickets (a missing
+    wait would show only by chance: the check is of the results); with the combine, the
+    combine kernel (not PDL-launched) sits between them."""
     monkeypatch.setattr(sm90_decode, "PDL", True)
     monkeypatch.setattr(sm90_decode, "HEADS_FIRST", True)
-    _sm90_decode_on(monkeypatch, bool(merge), merge == "balanced")
+    balanced = merge == "balanced"
+    calls = _sm90_decode_on(monkeypatch, bool(merge), balanced)
     c, dtype, wrapper, (lens, indptr, indices, last, cache) = _planned(c)
     qs = [torch.randn(c["batch"], c["h"], c["d"], device="cuda", dtype=dtype) for _ in range(3)]
     outs = [torch.empty_like(q) for q in qs]
@@ -354,13 +357,14 @@ def test_sm90_decode_pdl_heads_first(c, merge, monkeypatch):
 
     step()
     torch.cuda.synchronize()
+    assert len(calls) == 3 and all(calls) == (balanced and "split" not in c), calls
     for q, out, lse in zip(qs, outs, lses):
         _check_requests(out, lse, q, cache, c["layout"], lens, indices, indptr)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for out in outs:
-        out.fill_(float("nan"))
+    for t in outs + lses:  # poisoned: the replays must write every element again
+        t.fill_(float("nan"))
     graph.replay()
     graph.replay()
     torch.cuda.synchronize()

@@ -57,7 +57,8 @@ for d, page, merge, kv, bal, cap, pdl in (
         (64, 8, False, "fp8e5", False, False, None), (128, 128, True, "fp8e4nv", False, False, None),
         (128, 16, True, None, True, False, None), (64, 8, True, "fp8e4nv", True, False, None),
         (128, 16, True, None, False, True, None), (128, 16, False, "fp8e4nv", False, True, None),
-        (64, 8, True, "fp8e4nv", True, True, None), (128, 16, True, None, False, False, True)):
+        (64, 8, True, "fp8e4nv", True, True, None), (128, 16, True, None, False, False, True),
+        (64, 8, True, "fp8e4nv", True, True, True)):
     # the sm90 decode kernel (Gluon, TMA per page run; merge: split requests merged in the
     # kernel; kv: an fp8 cache, converted; bal: a balanced plan's columns, looped over; cap:
     # softcap's tanh on the scores; pdl: programmatic dependent launch, with the grid's axes

@@ -70,6 +70,7 @@ SM90_CASES = [
     (2, 4, 4, 300, 300, 128, 128, True, BF16, None),  # folded: [b * h, s, 1, d] read in place
     (1, 8, 8, 203, 333, 64, 64, True, FP16, None),    # L < S, folded
     (2, 8, 2, 257, 190, 128, 128, True, BF16, None),  # GQA, L > S: [b, s, h, d] copies
+    (2, 8, 1, 200, 230, 96, 96, True, BF16, None),    # MQA at d=96: one K/V head, in place
 ]
 
 
@@ -107,6 +108,13 @@ def test_sdpa_reads_views_of_the_callers_tensors(device, monkeypatch):
     assert qq.shape == (8, 33, 1, 32) and kk.shape == (8, 47, 1, 32) and vv.shape == (8, 47, 1, 48)
     assert [t.data_ptr() for t in (qq, kk, vv)] == [t.data_ptr() for t in (q, k, v)]
     assert qq.is_contiguous() and out.shape == (2, 4, 33, 48) and out.is_contiguous()
+    # a [b, s, h, d] projection's transpose: read as it was made, [b, s, h, d], heads packed
+    seen.clear()
+    x = torch.randn(2, 33, 4, 32, device=device, dtype=FP16)
+    out = ioattn.scaled_dot_product_attention(x.transpose(1, 2), k, v)
+    (qq, _, _), = seen
+    assert qq.shape == (2, 33, 4, 32) and qq.is_contiguous() and qq.data_ptr() == x.data_ptr()
+    assert out.shape == (2, 4, 33, 48)
 
 
 def test_sdpa_leading_dims(device):
@@ -157,6 +165,39 @@ def test_sdpa_masks_in_pytorch(kind, device):
     for backend in ("triton", "sm90"):
         with pytest.raises(ValueError, match="attn_mask"):
             ioattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend=backend)
+
+
+def test_sdpa_float_mask_dead_rows(device):
+    """A row whose float bias is -inf everywhere: zeros and finite (zero) gradients, as torch's
+    safe softmax."""
+    q, k, v = _qkv(1, 2, 2, 9, 13, 16, 16, torch.float32, device)
+    mask = torch.randn(9, 13, device=device)
+    mask[3] = float("-inf")
+    out = ioattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    ref = torch.autograd.grad(want, (q, k, v), dout)
+    for g, r in zip(got, ref):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_auto_takes_pytorch_where_kernels_cannot(device, monkeypatch):
+    """What torch accepts and the kernels do not runs in plain PyTorch under 'auto': a scale
+    <= 0, and tensors on a device without a Triton backend (CPU without the interpreter)."""
+    from ioattn.dense import sdpa
+
+    q, k, v = (t.detach() for t in _qkv(1, 2, 2, 20, 24, 16, 16, FP16, device))
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=-0.5)
+    got = ioattn.scaled_dot_product_attention(q, k, v, scale=-0.5)
+    torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
+    monkeypatch.setattr(sdpa, "triton_unavailable_reason", lambda device: "no Triton here")
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    got = ioattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
 
 
 def test_sdpa_fp32_and_reference(device):

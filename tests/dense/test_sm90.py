@@ -525,6 +525,21 @@ def test_sm90_padded_head_dims_rule(monkeypatch):
     assert sm90_bwd.unsupported_reason(96, 64, 0.0, False, 0.0) is not None
 
 
+def test_rows_view_of_layouts():
+    """Which layouts the sm90 kernels' TMA reads as [rows, heads * d] in place: heads packed in
+    a row and batches back to back; a single head's stride never matters (the transpose of a
+    [b, 1, s, d] tensor, MQA's K/V in torch's layout, is rows of d)."""
+    from ioattn.dense.sm90_common import rows_view, tma_view_problem
+
+    assert rows_view(torch.empty(2, 50, 4, 96), False) == (100, 384)
+    assert rows_view(torch.empty(2, 4, 50, 96).transpose(1, 2), False) is None
+    assert rows_view(torch.empty(2, 1, 50, 96).transpose(1, 2), False) == (100, 96)
+    assert rows_view(torch.empty(1, 50, 4, 96)[:, :, :2], False) == (50, 384)
+    assert rows_view(torch.empty(2, 50, 4, 96)[:, :20], False) is None  # batches apart
+    assert rows_view(torch.empty(70, 1, 8)[::2], True) == (35, 16)
+    assert "16 bytes" in tma_view_problem("k", torch.empty(3, 5, 1, 4, dtype=torch.bfloat16), False)
+
+
 @pytest.mark.parametrize("d,d_v", [(96, 96), (192, 192), (192, 128)])
 def test_sm90_padded_head_dims_host_side(d, d_v, device, monkeypatch):
     """The op's side of the zero padding, anywhere: with the portable kernels standing in for
