@@ -494,7 +494,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             out: Optional[Tensor] = None, lse: Optional[Tensor] = None, return_lse: bool = False,
             enable_pdl=None, window_left: Optional[int] = None, **_unused):
         """Attention of q [batch, num_qo_heads, head_dim] over the planned pages. Returns out
-        [batch, num_qo_heads, head_dim] (and the base-2 LSE [batch, num_qo_heads])."""
+        [batch, num_qo_heads, head_dim] (and the base-2 LSE [batch, num_qo_heads]).
+        enable_pdl: launch the sm90 decode kernel with programmatic dependent launch (True /
+        False; None: ``IOATTN_SM90_DECODE_PDL``, off by default, where FlashInfer's None turns
+        it on for Hopper); the portable kernel ignores it."""
         q, k, v, out, lse, scale = _run_inputs(self, q, paged_kv_cache, self._batch, out, lse,
                                                return_lse, q_scale, k_scale)
         c = self._cfg
@@ -506,7 +509,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                    self._o_part, self._lse_part, scale, wl, -1, c["softcap"], out,
                    lse if lse is not None else self._lse_keep, lse_base2=True, rope=c["rope"],
                    decode=True, small=self._small, counts=self._counts,
-                   columns=self._columns if self._balanced else None)
+                   columns=self._columns if self._balanced else None, pdl=enable_pdl)
         if v_scale is not None:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out

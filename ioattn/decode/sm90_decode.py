@@ -549,13 +549,15 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
                       max_items: int, o_part: torch.Tensor, lse_part: torch.Tensor,
                       softmax_scale: float, out: torch.Tensor, lse: torch.Tensor,
                       lse_base2: bool, merge: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                      columns: Optional[torch.Tensor] = None, softcap: float = 0.0) -> None:
+                      columns: Optional[torch.Tensor] = None, softcap: float = 0.0,
+                      pdl: Optional[bool] = None) -> None:
     """The planned decode's attention launch (``triton_decode.paged_attn``'s arguments) on the
     sm90 kernel. Split requests' partials are merged by the caller, or, with merge=(counts
     [batch * KV heads] int32 zeros, slot_start [batch + 1]), by the kernel itself (the last
     item of each request; counts return to zero). columns [C + 1] (a balanced plan,
     ``ioattn.paged.plan.split_work_balanced``): one CTA per column and KV head, looping over the
-    column's items. Covered calls: ``unsupported_reason``."""
+    column's items. pdl: launched with programmatic dependent launch (None: ``PDL``). Covered
+    calls: ``unsupported_reason``."""
     total_q, h, d = q.shape
     h_k, page = k.shape[2], k.shape[1]
     batch = (seqlens_indptr.shape[0] - 2) // 3
@@ -574,6 +576,7 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     grid = (max_items if columns is None else columns.numel() - 1, h_k)
     # (heads first puts the items on the grid's y axis, which CUDA caps at 65535)
     heads_first = HEADS_FIRST and grid[0] <= 65535
+    pdl = PDL if pdl is None else bool(pdl)
     if heads_first:
         grid = grid[::-1]
     qk_scale_log2, softcap_scale = score_scales(softmax_scale, softcap)
@@ -584,6 +587,6 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
         indices.shape[0] * page, page_rows, head_rows, head_cols, qk_scale_log2,
         LSE_BASE2=lse_base2, softcap_scale=softcap_scale,
         **{**launch_constexprs(d, page, group, fp8, merge is not None, columns is not None),
-           "HEADS_FIRST": heads_first},
-        COLS=columns, num_warps=4, maxnreg=MAXNREG, launch_pdl=PDL,
+           "HEADS_FIRST": heads_first, "PDL": pdl},
+        COLS=columns, num_warps=4, maxnreg=MAXNREG, launch_pdl=pdl,
     )

@@ -671,7 +671,7 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
                mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                decode: bool = False, small: bool = False,
                counts: Optional[torch.Tensor] = None,
-               columns: Optional[torch.Tensor] = None) -> None:
+               columns: Optional[torch.Tensor] = None, pdl: Optional[bool] = None) -> None:
     """Planned attention (plan()/run()) of ragged q [total_q, h, d] over pages [pages, page_size,
     h_k, d] (strided views serve NHD and HND) through the CSR page table ``indices``.
     ``seqlens_indptr`` holds the per-request kv lengths, kv indptr and qo indptr ([batch],
@@ -685,7 +685,8 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
     the sm90 decode kernel where it covers them
     (``ioattn.decode.sm90_decode``); columns [C + 1] (a balanced plan, ``split_work_balanced``)
     makes it run one CTA per column and KV head over the column's items (the portable kernel
-    runs the items one a program either way)."""
+    runs the items one a program either way); pdl: the sm90 decode kernel launched with
+    programmatic dependent launch or not (None: ``sm90_decode.PDL``)."""
     total_q, h, d = q.shape
     b = slot_start.shape[0] - 1 if slot_start is not None else (seqlens_indptr.shape[0] - 2) // 3
     h_k = k_pages.shape[2]
@@ -706,7 +707,7 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
             and slot_start is not None else None
         paged_decode_sm90(q, k_pages, v_pages, indices, seqlens_indptr, work, n_work, max_items,
                           o_part, lse_part, softmax_scale, out, lse, lse_base2, merge, columns,
-                          softcap)
+                          softcap, pdl)
         if merge is not None:
             return
     else:

@@ -336,7 +336,8 @@ def test_sm90_decode_graph_capture_short_replay_long(merge, monkeypatch):
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_sm90_decode_pdl_heads_first(c, merge, monkeypatch):
     """IOATTN_SM90_DECODE_PDL and IOATTN_SM90_DECODE_HEADS_FIRST (opt-in): the kernel launched
-    with programmatic dependent launch, on a (KV heads, items) grid. Three runs back to back,
+    with programmatic dependent launch (the switch, or FlashInfer's run(enable_pdl=True)), on a
+    (KV heads, items) grid. Three runs back to back,
     eager and then captured in one graph and replayed twice, every output and LSE (poisoned
     before the replays) against the references. With the in-kernel merge each decode may start
     while the one before it finishes, sharing its partial slots and merge tickets (a missing
@@ -346,18 +347,24 @@ def test_sm90_decode_pdl_heads_first(c, merge, monkeypatch):
     monkeypatch.setattr(sm90_decode, "HEADS_FIRST", True)
     balanced = merge == "balanced"
     calls = _sm90_decode_on(monkeypatch, bool(merge), balanced)
+    pdls = []  # run()'s enable_pdl as it reached the launch (argument 17)
+    inner = sm90_decode.paged_decode_sm90
+    monkeypatch.setattr(sm90_decode, "paged_decode_sm90",
+                        lambda *a, **kw: pdls.append(a[17]) or inner(*a, **kw))
     c, dtype, wrapper, (lens, indptr, indices, last, cache) = _planned(c)
     qs = [torch.randn(c["batch"], c["h"], c["d"], device="cuda", dtype=dtype) for _ in range(3)]
     outs = [torch.empty_like(q) for q in qs]
     lses = [torch.empty(c["batch"], c["h"], device="cuda", dtype=torch.float32) for _ in qs]
 
-    def step():
-        for q, out, lse in zip(qs, outs, lses):
-            wrapper.run(q, cache, out=out, lse=lse, return_lse=True)
+    def step():  # (the middle run through the switch, the others through enable_pdl)
+        for i, (q, out, lse) in enumerate(zip(qs, outs, lses)):
+            wrapper.run(q, cache, out=out, lse=lse, return_lse=True,
+                        enable_pdl=None if i == 1 else True)
 
     step()
     torch.cuda.synchronize()
     assert len(calls) == 3 and all(calls) == (balanced and "split" not in c), calls
+    assert pdls == [True, None, True], pdls
     for q, out, lse in zip(qs, outs, lses):
         _check_requests(out, lse, q, cache, c["layout"], lens, indices, indptr)
     graph = torch.cuda.CUDAGraph()
