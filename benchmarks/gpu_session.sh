@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -383,6 +383,12 @@ for step in $steps; do
              timeout 110 python -m ioattn bench --suite decode --cells 64x4096x16,1x32768x16 \
              --prefill-cells "" --out "$OUT/decode_pdl$v.json" > "/tmp/decode_pdl_$v.log" 2>&1
              echo "== pdl,heads_first=$v"; grep -E "ioattn_paged |ioattn_paged_graph|cudnn" "/tmp/decode_pdl_$v.log"; done ;;
+    sdpa-bench) # ioattn's SDPA call on SDPA's [b, h, s, d] tensors (heads folded into the batch)
+           # beside flash_attn_func on [b, s, h, d] and cuDNN (~120 s)
+           timeout 170 python -m ioattn bench --modes fwd,bwd --dims 64,128 --seqlens 2048,8192 \
+             --dtypes bf16 --impls ioattn,ioattn_sdpa,sdpa_cudnn --no-plots \
+             --out "$OUT/sdpa_entry.json" > "/tmp/sdpa_entry.log" 2>&1
+           grep -E "^(fwd|bwd)" "/tmp/sdpa_entry.log" ;;
     pad-tests) # the padded head dims' sm90 tests at the default (read in place) and the copies
            timeout 170 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
              -k "pad" > "$OUT/tests_pad.log" 2>&1

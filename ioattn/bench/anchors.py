@@ -92,6 +92,23 @@ class IoAttn(Impl):
         return Built(lambda: func(q, k, v, backend=backend, **kw), [q, k, v], inp.dout, bhsd=False)
 
 
+class IoAttnSdpa(Impl):
+    """ioattn through its SDPA call (``ioattn.scaled_dot_product_attention``) on SDPA's own
+    [b, h, s, d] tensors: what a model written for torch's SDPA gets by changing the import
+    (the heads folded into the batch, read in place)."""
+
+    name = "ioattn_sdpa"
+
+    def build(self, inp: Inputs, shape: Shape) -> Built:
+        if shape.softcap:
+            raise ValueError("SDPA's call has no softcap: not timed in a --softcap run")
+        from ioattn import scaled_dot_product_attention as sdpa
+
+        q, k, v, dout = inp.bhsd()
+        causal = shape.causal
+        return Built(lambda: sdpa(q, k, v, is_causal=causal), [q, k, v], dout, True)
+
+
 class Sdpa(Impl):
     def __init__(self, name: str, backend_name: str, needs_cuda: bool) -> None:
         self.name, self.backend_name, self.needs_cuda = name, backend_name, needs_cuda
@@ -160,6 +177,7 @@ IMPLS: dict[str, Impl] = {
         IoAttn(),
         IoAttn("ioattn_triton", "triton"),
         IoAttn("ioattn_sm90", "sm90"),
+        IoAttnSdpa(),
         Sdpa("sdpa_cudnn", "CUDNN_ATTENTION", needs_cuda=True),
         Sdpa("sdpa_flash", "FLASH_ATTENTION", needs_cuda=True),
         Flex(),
