@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -383,6 +383,17 @@ for step in $steps; do
              timeout 110 python -m ioattn bench --suite decode --cells 64x4096x16,1x32768x16 \
              --prefill-cells "" --out "$OUT/decode_pdl$v.json" > "/tmp/decode_pdl_$v.log" 2>&1
              echo "== pdl,heads_first=$v"; grep -E "ioattn_paged |ioattn_paged_graph|cudnn" "/tmp/decode_pdl_$v.log"; done ;;
+    lpt) # the grouped heaviest-first order of the forward's tile counter and the dK/dV grid
+           # (opt-in IOATTN_SM90_FWD_LPT / _BWD_LPT): its tests, then the bf16 grid's d = 64 / 128
+           # cells from 2k with it on (and cuDNN) and off (~80 + 230 + 200 s)
+           timeout 100 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py \
+             -k "grouped or head_group" > "$OUT/tests_lpt.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_lpt.log"; tail -1 "$OUT/tests_lpt.log"
+           for v in 1 0; do impls=ioattn_sm90; [ $v = 1 ] && impls=ioattn_sm90,sdpa_cudnn
+             IOATTN_SM90_FWD_LPT=$v IOATTN_SM90_BWD_LPT=$v timeout 240 python -m ioattn bench \
+               --modes fwd,bwd --dims 64,128 --seqlens 2048,4096,8192,16384 --dtypes bf16 \
+               --impls $impls --no-plots --out "$OUT/lpt$v.json" > "/tmp/lpt$v.log" 2>&1
+             echo "== lpt=$v"; grep -E "^(fwd|bwd)" "/tmp/lpt$v.log"; done ;;
     sdpa-bench) # ioattn's SDPA call on SDPA's [b, h, s, d] tensors (heads folded into the batch)
            # beside flash_attn_func on [b, s, h, d] and cuDNN (~120 s)
            timeout 170 python -m ioattn bench --modes fwd,bwd --dims 64,128 --seqlens 2048,8192 \

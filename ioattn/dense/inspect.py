@@ -222,6 +222,8 @@ def _gluon_signature(fn, dtype: str, desc_rows: dict, d: int, heads_view: bool =
             sig[name] = "fp32"
         elif name == "softcap_scale":  # None (no softcap, a constexpr) unless a job says "fp32"
             sig[name] = "constexpr"
+        elif name == "head_group":  # 1 (a constexpr, as the launcher specializes it) unless a
+            sig[name] = "constexpr"  # job says "i32": the grouped heaviest-first order
         elif name.isupper() or name.endswith("_"):
             sig[name] = "constexpr"
         else:
@@ -326,6 +328,15 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
             jobs.append(_batched_causal_job(d, "2k ", 2048))
         if d == 128:  # softcap (its tanh before the softmax), the causal form of long problems
             jobs.append(_batched_causal_job(d, "softcap ", 1 << 14, softcap_scale="fp32"))
+        if d in (128, 256):  # (opt-in, IOATTN_SM90_FWD_LPT / _BWD_LPT) the grouped heaviest-
+            # first order: the causal forward at 4k (dynamic scheduler; d=128) and the causal
+            # dK/dV kernel as launched
+            if d == 128:
+                jobs.append(_batched_causal_job(d, "lpt ", 1 << 12, head_group="i32"))
+            launched = (f"sm90 bwd dkdv-cols d{d} causal 64 keys ws" if d == 256 else
+                        f"sm90 bwd dkdv+dq {sm90_bwd.dq_order(d, True)} d{d} causal 128 keys ws")
+            jobs += [(name.replace(" ws", " lpt ws"), fn, desc, d_, dict(ce, head_group="i32"))
+                     for name, fn, desc, d_, ce in jobs if name == launched]
         # head dims read in place through [rows, heads, d] views, boxes zero-filled past d
         # (IOATTN_SM90_PAD=tma): 96 as 128 batched (persistent), (192, 128) as 256 varlen
         # causal (O's partial tiles stored from registers, columns past 128 masked)
@@ -380,9 +391,10 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
     for name, fn, desc_rows, d, ce in jobs:
         sig = _gluon_signature(fn, dtype, desc_rows, d, ce.get("heads_view", False))
         ce = {k: v for k, v in ce.items() if k != "heads_view"}
-        if ce.get("softcap_scale") == "fp32":  # softcap on: a runtime scale
-            sig["softcap_scale"] = "fp32"
-            ce = {k: v for k, v in ce.items() if k != "softcap_scale"}
+        for name_, kind in (("softcap_scale", "fp32"), ("head_group", "i32")):
+            if ce.get(name_) == kind:  # softcap on: a runtime scale; a runtime head group
+                sig[name_] = kind
+                ce = {k: v for k, v in ce.items() if k != name_}
         out.append((name, fn, sig, ce))
     return out
 

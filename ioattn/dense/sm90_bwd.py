@@ -56,7 +56,9 @@ from ioattn.dense.sm90_common import (PADDED_HEAD_DIMS, barriers, box_cols, floo
                                       invalidate, query_tile, query_tiles, rows_descriptor,
                                       score_scales, seq_bounds, softcap_tanh, store_cols,
                                       tile_layout, tma_load, tma_reduce_add, wgmma_a_operand,
-                                      wgmma_acc_layout, zero_last_key_tile, zero_tail_rows)
+                                      wgmma_acc_layout, zero_last_key_tile, zero_tail_rows,
+                                      grouped_order, head_group_size)
+from ioattn.dispatch import sm_count
 from ioattn.dense.triton_bwd import bwd_preprocess
 from ioattn.launch import launcher
 
@@ -101,6 +103,12 @@ SEGMENTS = os.environ.get("IOATTN_SM90_BWD_SEGMENTS", "auto").lower()
 # (results/sm90_bwd_rowstats{1,0}_ef679d0_*.json); the default, IOATTN_SM90_BWD_ROW_STATS=0 the
 # global-load form
 ROW_STATS = os.environ.get("IOATTN_SM90_BWD_ROW_STATS", "1").lower() in ("1", "true", "on")
+# the dK/dV CTAs' key blocks in grouped heaviest-first order (IOATTN_SM90_BWD_LPT=1, opt-in until
+# timed; ``_key_block``): today's (block, head) grid runs one head after another, heaviest block
+# first, and ends on the last heads' heavy blocks; simulated for the FA grid's causal shapes
+# with one CTA a SM, 3-7% over the ideal at 2k-8k (d=128 causal 2k ran 0.94x cuDNN) against
+# 0.1-1.6% grouped (benchmarks/NOTES.md, session 15)
+LPT = os.environ.get("IOATTN_SM90_BWD_LPT", "0").lower() in ("1", "true", "on")
 DQ_ORDER = os.environ.get("IOATTN_SM90_BWD_DQ_ORDER", "auto").lower()
 # (the dK/dV kernels) Pᵀ's exponentials kept before the wait for dPᵀ, so they run while dPᵀ is on
 # the tensor cores: in the sm90 SASS ptxas otherwise hoists that wait above 27-28 of a thread's
@@ -637,16 +645,23 @@ def _dq_writer(dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_s
 def _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed, window_left,
                window_right, stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lb,
                BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
-               HAS_RIGHT: gl.constexpr):
+               HAS_RIGHT: gl.constexpr, head_group=1):
     """A dK/dV CTA's key block: (KV head, the sequence's bounds, its first key, the first query
     row of its 64-row steps, the steps over the GQA group's query heads, the group's first query
-    head, and the dK / dV / LSE offsets)."""
-    pid_bh = gl.program_id(1)
+    head, and the dK / dV / LSE offsets). head_group != 1: the (key blocks, batch * KV heads)
+    grid's CTAs, in launch order, take the blocks in grouped heaviest-first order
+    (``sm90_common.grouped_order``, ``LPT``); 1: block = program_id(0), one head after another."""
+    if head_group == 1:
+        pid_bh = gl.program_id(1)
+        block = gl.program_id(0)
+    else:
+        block, pid_bh = grouped_order(gl.program_id(0) + gl.program_id(1) * gl.num_programs(0),
+                                      gl.num_programs(0), head_group)
     off_b = pid_bh // n_heads_k
     off_hk = pid_bh % n_heads_k
     q_start, seqlen_q, k_start, seqlen_k, lse_start = seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed,
                                                                  seqlen_k_fixed, IS_VARLEN)
-    start_n = gl.program_id(0) * BLOCK_N
+    start_n = block * BLOCK_N
     lo_m, n_m = query_tiles(start_n, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right, HALF,
                             HAS_LEFT, HAS_RIGHT)
     dk_off = k_start.to(gl.int64) * stride_dkn + off_hk.to(gl.int64) * stride_dkh
@@ -666,14 +681,17 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                    PRODUCER_REGS_: gl.constexpr, DQ_FIRST: gl.constexpr = False,
                    DQ_LAG: gl.constexpr = False, DQ_ALT: gl.constexpr = False,
                    SEGMENTS: gl.constexpr = False, ROW_STATS: gl.constexpr = False,
-                   softcap_scale=None, K_COLS: gl.constexpr = 0, V_COLS: gl.constexpr = 0):
+                   softcap_scale=None, K_COLS: gl.constexpr = 0, V_COLS: gl.constexpr = 0,
+                   head_group=1):
     # K_COLS / V_COLS: dK's and dV's own head dims where the tiles are zero-padded past them
-    # (head dims 96 / 192 read in place, ``rows_descriptor(pad_to=...)``); 0: the tiles' width
+    # (head dims 96 / 192 read in place, ``rows_descriptor(pad_to=...)``); 0: the tiles' width;
+    # head_group: the blocks' order (``_key_block``)
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
     (off_hk, q_start, seqlen_q, k_start, seqlen_k, start_n, lo_m, n_steps, h0, dk_off, dv_off,
      lse_base) = _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
                             window_left, window_right, stride_dkn, stride_dkh, stride_dvn,
-                            stride_dvh, stride_lb, 2 * HALF, IS_VARLEN, HAS_LEFT, HAS_RIGHT)
+                            stride_dvh, stride_lb, 2 * HALF, IS_VARLEN, HAS_LEFT, HAS_RIGHT,
+                            head_group)
     n_m = n_steps // kv_group
     if start_n >= seqlen_k:
         return
@@ -901,14 +919,15 @@ def _bwd_dkdv_cols_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE, DELTA, CU_
                         IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
                         PRODUCER_REGS_: gl.constexpr, ROW_STATS: gl.constexpr = False,
-                        K_COLS: gl.constexpr = 0, V_COLS: gl.constexpr = 0):
+                        K_COLS: gl.constexpr = 0, V_COLS: gl.constexpr = 0, head_group=1):
     """(d = 256) dK and dV of 64 keys per CTA (``_dkdv_cols_consumer``); dQ comes from the dQ
     kernel. Shared memory at d = 256 with 2 stages: K, V 64 KB, Q/dO 128 KB, Pᵀ/dSᵀ 32 KB."""
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
     (off_hk, q_start, seqlen_q, k_start, seqlen_k, start_n, lo_m, n_steps, h0, dk_off, dv_off,
      lse_base) = _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
                             window_left, window_right, stride_dkn, stride_dkh, stride_dvn,
-                            stride_dvh, stride_lb, HALF, IS_VARLEN, HAS_LEFT, HAS_RIGHT)
+                            stride_dvh, stride_lb, HALF, IS_VARLEN, HAS_LEFT, HAS_RIGHT,
+                            head_group)
     n_m = n_steps // kv_group
     if start_n >= seqlen_k:
         return
@@ -1262,19 +1281,22 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
     if d == 256:  # the column-split dK/dV kernel, then the dQ kernel on 32-key tiles
         if softcap_scale is not None:  # (unsupported_reason refuses it: never a silent no-op)
             raise ValueError("softcap is not covered by the sm90 backward at d=256 yet")
-        launcher(_bwd_dkdv_cols_sm90)[(-(-p.max_seqlen_k // half), p.batch * n_heads_k)](
+        grid = (-(-p.max_seqlen_k // half), p.batch * n_heads_k)
+        launcher(_bwd_dkdv_cols_sm90)[grid](
             q_desc, do_desc, rows_descriptor(k, p.is_varlen, half, pad_to=d_pad),
             rows_descriptor(v, p.is_varlen, half, pad_to=d_pad), dk, dv, lse, delta, cu_q, cu_k,
             dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-            STAGES=DKDV_STAGES, ROW_STATS=ROW_STATS, **cols, **flags)
+            STAGES=DKDV_STAGES, ROW_STATS=ROW_STATS, head_group=_order(grid, q.device), **cols,
+            **flags)
     else:
         # fused: rows no key block reaches get no partial, so the buffer starts at 0
         # (a padded head dim: the buffer at d columns a head, as the kernel's tiles)
         dq_acc = (torch.zeros(q.shape[:-1] + (d,), dtype=torch.float32, device=q.device)
                   if fused else None)
         order = dq_order(d, p.causal_like) if fused else "after"
-        launcher(_bwd_dkdv_sm90)[(-(-p.max_seqlen_k // (2 * half)), p.batch * n_heads_k)](
+        grid = (-(-p.max_seqlen_k // (2 * half)), p.batch * n_heads_k)
+        launcher(_bwd_dkdv_sm90)[grid](
             # (fused, 3D views: K in one 128-row box, ``_dkdv_producer``)
             q_desc, do_desc,
             rows_descriptor(k, p.is_varlen, 2 * half if fused and d_pad else half, pad_to=d_pad),
@@ -1286,7 +1308,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
             STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_LAG=order == "lag", DQ_ALT=order == "alt",
             DQ_FIRST=order == "first", SEGMENTS=segments(d, p.causal_like), ROW_STATS=ROW_STATS,
-            softcap_scale=softcap_scale, **cols, **flags)
+            softcap_scale=softcap_scale, head_group=_order(grid, q.device), **cols, **flags)
         if fused:
             dq.copy_(dq_acc[..., :q.shape[-1]] if d_pad else dq_acc)
             return
@@ -1297,6 +1319,12 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         dq.stride(-3), dq.stride(-2), *lse_strides,
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
         STAGES=DQ_STAGES, softcap_scale=softcap_scale, K_COLS=cols.get("K_COLS", 0), **flags)
+
+
+def _order(grid: tuple[int, int], device: torch.device) -> int:
+    """The dK/dV grid's head_group (``_key_block``): grouped heaviest-first with ``LPT`` (one
+    CTA a SM), else 1 (one head after another)."""
+    return head_group_size(grid[1], grid[0], sm_count(device)) if LPT else 1
 
 
 def _dq_block_n(head_dim: int) -> int:

@@ -44,7 +44,7 @@ from ioattn.dense.sm90_common import (OPERAND_DTYPES, PADDED_HEAD_DIMS, barriers
                                       invalidate, query_tile, query_tile_at, key_tiles,
                                       rows_descriptor, score_scales, softcap_tanh, box_cols,
                                       store_cols, tile_layout, tma_load, tma_store,
-                                      tma_view_problem,
+                                      tma_view_problem, grouped_order, head_group_size,
                                       wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile)
 from ioattn.dispatch import sm_count
 from ioattn.launch import launcher
@@ -65,6 +65,12 @@ PINGPONG = os.environ.get("IOATTN_SM90_PINGPONG", "auto")
 # 16k non-causal); d=256 was not measured and keeps one CTA per tile. "dynamic" forces it; "1" / "static" the static snake
 # order (slower under causal masks: 476 vs 608 at d=128 16k); "0" turns persistence off.
 PERSISTENT_MODE = os.environ.get("IOATTN_SM90_PERSISTENT", "auto").lower()
+# the dynamic scheduler's tiles in grouped heaviest-first order (IOATTN_SM90_FWD_LPT=1, opt-in
+# until timed; ``sm90_common.grouped_order``): heads in groups of about a wave of tiles, each
+# group's heaviest tiles of every head first, so the launch ends on light tiles. Today's order
+# (one head after another, heaviest first) ends on the last head's heavy tiles: simulated for
+# the FA grid's causal shapes, 3-7% over the ideal at 2k-8k (d=128 causal 4k ran 0.95x cuDNN)
+LPT = os.environ.get("IOATTN_SM90_FWD_LPT", "0").lower() in ("1", "true", "on")
 # three consumer warpgroups at d=64 (192-row tiles, FA3's shape there); on by default since it
 # measured 1.03-1.05x the two-warpgroup form non-causal from 2k and 1.23x causal at 2k on the
 # H200 (results/sm90_fwd_wg3_{1,0}_*.json; causal 4k-16k within 3%), IOATTN_SM90_FWD_WG3=0 turns
@@ -292,7 +298,7 @@ def _static_tile(k, total):
 
 @gluon.jit
 def _producer_next_tile(k, total, COUNTER, tile_smem, tile_full, tile_empty,
-                        DYNAMIC: gl.constexpr):
+                        DYNAMIC: gl.constexpr, n_m=1, head_group=1):
     """The producer's k-th tile: static order, or (DYNAMIC) the CTA's own first tile and then
     ids drawn from the launch's counter, each handed to the consumers (``_publish_tile``; an id
     >= total ends their loop too)."""
@@ -300,6 +306,10 @@ def _producer_next_tile(k, total, COUNTER, tile_smem, tile_full, tile_empty,
         t = gl.program_id(0)
         if k > 0:
             t = gl.num_programs(0) + gl.atomic_add(COUNTER, 1, sem="relaxed", scope="gpu")
+        if head_group != 1:  # the id of the t-th tile in grouped heaviest-first order
+            if t < total:
+                rank, bh = grouped_order(t, n_m, head_group)
+                t = bh * n_m + rank
         _publish_tile(tile_smem, tile_full, tile_empty, t, k)
     else:
         t = _static_tile(k, total)
@@ -345,7 +355,7 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, 
                          seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
                          COUNTER, tile_smem, tile_full, tile_empty,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         DYNAMIC: gl.constexpr):
+                         DYNAMIC: gl.constexpr, head_group=1):
     # DYNAMIC: tiles handed out by an atomic counter as CTAs free up (FA3's dynamic persistent
     # scheduler), in the same heaviest-first order, each id passed to the consumers through
     # shared memory; otherwise a static snake order (``_snake``)
@@ -354,14 +364,16 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, 
     it = n_bh * 0  # key tiles loaded so far (ring position)
     tc = n_bh * 0  # tiles with work so far (q_empty's phase)
     k = n_bh * 0  # this CTA's tiles so far
-    t = _producer_next_tile(k, total, COUNTER, tile_smem, tile_full, tile_empty, DYNAMIC)
+    t = _producer_next_tile(k, total, COUNTER, tile_smem, tile_full, tile_empty, DYNAMIC, n_m,
+                            head_group)
     while t < total:
         it, tc = _produce_persistent_tile(
             t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full,
             v_full, k_empty, v_empty, v_fixed, BT, CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed,
             seqlen_k_fixed, n_m, window_left, window_right, STAGES, HAS_LEFT, HAS_RIGHT)
         k += 1
-        t = _producer_next_tile(k, total, COUNTER, tile_smem, tile_full, tile_empty, DYNAMIC)
+        t = _producer_next_tile(k, total, COUNTER, tile_smem, tile_full, tile_empty, DYNAMIC,
+                                n_m, head_group)
 
 
 @gluon.jit
@@ -739,8 +751,10 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    PAGE: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                    WGS: gl.constexpr = 2,
                    DYNAMIC: gl.constexpr = False, COUNTER=None, EXP_EARLY: gl.constexpr = False,
-                   softcap_scale=None, O_COLS: gl.constexpr = 0):
+                   softcap_scale=None, O_COLS: gl.constexpr = 0, head_group=1):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
+    # head_group (DYNAMIC): the tile counter's ids in grouped heaviest-first order
+    # (``sm90_common.grouped_order``, ``LPT``); 1: one head after another
     # PAGED: batched queries over a paged KV cache (``attn_fwd_sm90_paged``): CU_K holds the key
     # counts, BT the page table [batch, bt_width] (row stride stride_btb), k_desc / v_desc view
     # the cache as [pages * PAGE, heads * d] rows with boxes of min(PAGE, BLOCK_N) rows.
@@ -815,7 +829,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
                                         seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
                                         COUNTER, tile_smem, tile_full, tile_empty,
-                                        STAGES, HAS_LEFT, HAS_RIGHT, DYNAMIC)),
+                                        STAGES, HAS_LEFT, HAS_RIGHT, DYNAMIC, head_group)),
             ], [4, 4, 1], [CONSUMER_REGS_, CONSUMER_REGS_, PRODUCER_REGS_])
         else:
             gl.warp_specialize([
@@ -842,7 +856,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
                                         seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
                                         COUNTER, tile_smem, tile_full, tile_empty,
-                                        STAGES, HAS_LEFT, HAS_RIGHT, DYNAMIC)),
+                                        STAGES, HAS_LEFT, HAS_RIGHT, DYNAMIC, head_group)),
             ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
         invalidate(tile_full, 2)
         invalidate(tile_empty, 2)
@@ -1033,8 +1047,12 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     grid = (-(-p.max_seqlen_q // (form["WGS"] * HALF_M.value)), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
+    group = 1
     if form["PERSISTENT"]:  # one CTA per SM (a CTA takes most of the shared memory)
-        grid = (min(grid[0] * grid[1], sm_count(q.device)),)
+        n_m, n_bh = grid
+        grid = (min(n_m * n_bh, sm_count(q.device)),)
+        if LPT and form["DYNAMIC"]:
+            group = head_group_size(n_bh, n_m, grid[0])
     block_n = form["BLOCK_N"]
     q_desc = rows_descriptor(q, p.is_varlen, HALF_M.value, pad_to=d_pad)
     k_desc = rows_descriptor(k, p.is_varlen, block_n, pad_to=d_pad)
@@ -1054,7 +1072,7 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         qk_scale_log2, p.window_left, p.window_right, softcap_scale=softcap_scale,
         IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
         PRODUCER_REGS_=PRODUCER_REGS, PAGED=False, PAGE=1, **form, COUNTER=counter,
-        O_COLS=d_v if d_pad else 0, num_warps=4,
+        O_COLS=d_v if d_pad else 0, head_group=group, num_warps=4,
     )
 
 

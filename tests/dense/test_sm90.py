@@ -525,6 +525,46 @@ def test_sm90_padded_head_dims_rule(monkeypatch):
     assert sm90_bwd.unsupported_reason(96, 64, 0.0, False, 0.0) is not None
 
 
+LPT_CASES = [Case(1024, 1024, d=128, b=4, h=8, causal=True),
+             Case(777, 1023, d=64, b=3, h=6, h_k=2, causal=True, dtype=FP16),
+             Case(1000, 1000, d=128, b=5, h=3, window=(100, 20)),
+             Case(512, 512, d=256, b=3, h=4, causal=True),
+             Case(640, 640, d=96, b=2, h=6, causal=True)]
+
+
+@needs_sm90
+@pytest.mark.parametrize("c", LPT_CASES, ids=lambda c: "sm90-lpt-" + c.id)
+def test_sm90_grouped_heaviest_first(c: Case, monkeypatch):
+    """IOATTN_SM90_FWD_LPT / _BWD_LPT (opt-in): the forward's tile counter and the dK/dV grid
+    take their blocks in grouped heaviest-first order (heads in groups of a divisor of their
+    count, GQA and odd head counts included); every output, LSE and gradient against the reference
+    (outputs poisoned before the launch: a block the order skipped shows), and the order was
+    really grouped."""
+    from ioattn.dense import sm90_bwd, sm90_common, sm90_fwd
+
+    monkeypatch.setattr(sm90_fwd, "LPT", True)
+    monkeypatch.setattr(sm90_bwd, "LPT", True)
+    groups = []
+    size = sm90_common.head_group_size
+    for mod in (sm90_fwd, sm90_bwd):
+        monkeypatch.setattr(mod, "head_group_size",
+                            lambda *a: groups.append(size(*a)) or groups[-1])
+    _fwd_bwd(c, _covers_bwd(c))
+    assert groups and max(groups) > 1, groups
+
+
+def test_head_group_size():
+    """About one wave of blocks a group, a divisor of the head count (1 where none fits)."""
+    from ioattn.dense.sm90_common import head_group_size
+
+    assert head_group_size(128, 16, 132) == 8
+    assert head_group_size(64, 32, 132) == 4
+    assert head_group_size(16, 128, 132) == 1
+    assert head_group_size(15, 16, 132) == 5  # (8 does not divide 15)
+    assert head_group_size(7, 4, 132) == 7
+    assert head_group_size(13, 16, 132) == 1
+
+
 def test_rows_view_of_layouts():
     """Which layouts the sm90 kernels' TMA reads as [rows, heads * d] in place: heads packed in
     a row and batches back to back; a single head's stride never matters (the transpose of a
@@ -799,8 +839,9 @@ def test_sm90_kernel_compiles_for_hopper():
     # softcap: the d=128 causal forward, the causal fused backward as launched (d = 64, 128),
     # the d=128 causal dQ kernel, the d=128 paged forward; the forward and backward (fused or
     # column-split dK/dV, dQ) over [rows, heads, d] views (head dims 96 and 192 / 128 read in
-    # place, IOATTN_SM90_PAD=tma)
-    assert len(reports) == 73, names
+    # place, IOATTN_SM90_PAD=tma); and (opt-in) the grouped heaviest-first order: the d=128
+    # causal forward at 4k, the causal dK/dV kernels at d = 128, 256
+    assert len(reports) == 76, names
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
