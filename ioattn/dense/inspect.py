@@ -329,14 +329,17 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
         if d == 128:  # softcap (its tanh before the softmax), the causal form of long problems
             jobs.append(_batched_causal_job(d, "softcap ", 1 << 14, softcap_scale="fp32"))
         if d in (128, 256):  # (opt-in, IOATTN_SM90_FWD_LPT / _BWD_LPT) the grouped heaviest-
-            # first order: the causal forward at 4k (dynamic scheduler; d=128) and the causal
-            # dK/dV kernel as launched
+            # first order: the causal forward at 4k (d=128: the dynamic scheduler's ids; d=256:
+            # one CTA per tile, the grid's), the causal dK/dV kernel as launched, the dQ kernel
             if d == 128:
                 jobs.append(_batched_causal_job(d, "lpt ", 1 << 12, head_group="i32"))
-            launched = (f"sm90 bwd dkdv-cols d{d} causal 64 keys ws" if d == 256 else
-                        f"sm90 bwd dkdv+dq {sm90_bwd.dq_order(d, True)} d{d} causal 128 keys ws")
+            launched = [f"sm90 bwd dkdv-cols d{d} causal 64 keys ws" if d == 256 else
+                        f"sm90 bwd dkdv+dq {sm90_bwd.dq_order(d, True)} d{d} causal 128 keys ws",
+                        f"sm90 bwd dq d{d} causal 128x{sm90_bwd._dq_block_n(d)} ws"]
+            if d == 256:
+                launched.append(f"sm90 fwd d{d} causal 128x{sm90_fwd._block_n(d)} ws")
             jobs += [(name.replace(" ws", " lpt ws"), fn, desc, d_, dict(ce, head_group="i32"))
-                     for name, fn, desc, d_, ce in jobs if name == launched]
+                     for name, fn, desc, d_, ce in jobs if name in launched]
         # head dims read in place through [rows, heads, d] views, boxes zero-filled past d
         # (IOATTN_SM90_PAD=tma): 96 as 128 batched (persistent), (192, 128) as 256 varlen
         # causal (O's partial tiles stored from registers, columns past 128 masked)

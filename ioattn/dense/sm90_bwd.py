@@ -1102,13 +1102,14 @@ def _bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, CU_Q, CU_K,
                  sm_scale, qk_scale_log2, window_left, window_right,
                  IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                  STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
-                 softcap_scale=None, K_COLS: gl.constexpr = 0):
+                 softcap_scale=None, K_COLS: gl.constexpr = 0, head_group=1):
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = 2 * HALF
     (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
      n_tiles) = query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, window_left,
-                           window_right, BLOCK_M, BLOCK_N, IS_VARLEN, HAS_LEFT, HAS_RIGHT)
+                           window_right, BLOCK_M, BLOCK_N, IS_VARLEN, HAS_LEFT, HAS_RIGHT, False,
+                           head_group)
     if start_m >= seqlen_q:
         return
 
@@ -1313,17 +1314,19 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             dq.copy_(dq_acc[..., :q.shape[-1]] if d_pad else dq_acc)
             return
     block_n = _dq_block_n(d)
-    launcher(_bwd_dq_sm90)[(-(-p.max_seqlen_q // (2 * half)), p.batch * n_heads)](
+    grid = (-(-p.max_seqlen_q // (2 * half)), p.batch * n_heads)
+    launcher(_bwd_dq_sm90)[grid](
         q_desc, do_desc, rows_descriptor(k, p.is_varlen, block_n, pad_to=d_pad),
         rows_descriptor(v, p.is_varlen, block_n, pad_to=d_pad), dq, lse, delta, cu_q, cu_k,
         dq.stride(-3), dq.stride(-2), *lse_strides,
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-        STAGES=DQ_STAGES, softcap_scale=softcap_scale, K_COLS=cols.get("K_COLS", 0), **flags)
+        STAGES=DQ_STAGES, softcap_scale=softcap_scale, K_COLS=cols.get("K_COLS", 0),
+        head_group=_order(grid, q.device), **flags)
 
 
 def _order(grid: tuple[int, int], device: torch.device) -> int:
-    """The dK/dV grid's head_group (``_key_block``): grouped heaviest-first with ``LPT`` (one
-    CTA a SM), else 1 (one head after another)."""
+    """A (blocks, batch * heads) grid's head_group (``_key_block``, ``query_tile``): grouped
+    heaviest-first with ``LPT`` (one CTA a SM), else 1 (one head after another)."""
     return head_group_size(grid[1], grid[0], sm_count(device)) if LPT else 1
 
 

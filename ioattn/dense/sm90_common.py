@@ -174,14 +174,24 @@ def seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed, seqlen_k_fixed, IS_VARLEN: gl.
 @gluon.jit
 def query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, window_left,
                window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr,
-               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PAGED: gl.constexpr = False):
+               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PAGED: gl.constexpr = False,
+               head_group=1):
     """This program's query tile on a (query tiles, batch * heads) grid, heaviest tiles first (the
     last ones under a causal mask, which shortens the tail). Returns (off_b, off_h, off_hk,
     q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo, n_tiles); the caller returns
-    early when start_m >= seqlen_q. Key tiles of BLOCK_N from key lo, as ``key_tiles``."""
-    return query_tile_at(gl.num_programs(0) - 1 - gl.program_id(0), gl.program_id(1), CU_Q, CU_K,
-                         n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, window_left,
-                         window_right, BLOCK_M, BLOCK_N, IS_VARLEN, HAS_LEFT, HAS_RIGHT, PAGED)
+    early when start_m >= seqlen_q. Key tiles of BLOCK_N from key lo, as ``key_tiles``.
+    head_group != 1: the CTAs, in launch order, take the tiles in grouped heaviest-first order
+    (``grouped_order``); 1: one head after another."""
+    if head_group == 1:
+        tile = gl.num_programs(0) - 1 - gl.program_id(0)
+        pid_bh = gl.program_id(1)
+    else:
+        rank, pid_bh = grouped_order(gl.program_id(0) + gl.program_id(1) * gl.num_programs(0),
+                                     gl.num_programs(0), head_group)
+        tile = gl.num_programs(0) - 1 - rank
+    return query_tile_at(tile, pid_bh, CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed,
+                         seqlen_k_fixed, window_left, window_right, BLOCK_M, BLOCK_N, IS_VARLEN,
+                         HAS_LEFT, HAS_RIGHT, PAGED)
 
 
 @gluon.jit

@@ -753,8 +753,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    DYNAMIC: gl.constexpr = False, COUNTER=None, EXP_EARLY: gl.constexpr = False,
                    softcap_scale=None, O_COLS: gl.constexpr = 0, head_group=1):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
-    # head_group (DYNAMIC): the tile counter's ids in grouped heaviest-first order
-    # (``sm90_common.grouped_order``, ``LPT``); 1: one head after another
+    # head_group: the tiles (the tile counter's ids, or the grid's CTAs) in grouped heaviest-
+    # first order (``sm90_common.grouped_order``, ``LPT``); 1: one head after another
     # PAGED: batched queries over a paged KV cache (``attn_fwd_sm90_paged``): CU_K holds the key
     # counts, BT the page table [batch, bt_width] (row stride stride_btb), k_desc / v_desc view
     # the cache as [pages * PAGE, heads * d] rows with boxes of min(PAGE, BLOCK_N) rows.
@@ -769,7 +769,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
         (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
          n_tiles) = query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
                                window_left, window_right, WGS * HALF_M, BLOCK_N, IS_VARLEN,
-                               HAS_LEFT, HAS_RIGHT, PAGED)
+                               HAS_LEFT, HAS_RIGHT, PAGED, head_group)
         if start_m >= seqlen_q:
             return
 
@@ -1047,12 +1047,14 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     grid = (-(-p.max_seqlen_q // (form["WGS"] * HALF_M.value)), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
-    group = 1
+    group = 1  # (LPT: the grouped heaviest-first order; a static persistent one keeps its snake)
     if form["PERSISTENT"]:  # one CTA per SM (a CTA takes most of the shared memory)
         n_m, n_bh = grid
         grid = (min(n_m * n_bh, sm_count(q.device)),)
         if LPT and form["DYNAMIC"]:
             group = head_group_size(n_bh, n_m, grid[0])
+    elif LPT:
+        group = head_group_size(grid[1], grid[0], sm_count(q.device))
     block_n = form["BLOCK_N"]
     q_desc = rows_descriptor(q, p.is_varlen, HALF_M.value, pad_to=d_pad)
     k_desc = rows_descriptor(k, p.is_varlen, block_n, pad_to=d_pad)
