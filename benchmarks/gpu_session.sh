@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [lpt256]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -394,6 +394,13 @@ for step in $steps; do
                --modes fwd,bwd --dims 64,128 --seqlens 2048,4096,8192,16384 --dtypes bf16 \
                --impls $impls --no-plots --out "$OUT/lpt$v.json" > "/tmp/lpt$v.log" 2>&1
              echo "== lpt=$v"; grep -E "^(fwd|bwd)" "/tmp/lpt$v.log"; done ;;
+    lpt256) # the same at d=256 (simulated 11-14% over the ideal at 2k-8k causal), on / off
+           # (~2 x 130 s)
+           for v in 1 0; do impls=ioattn_sm90; [ $v = 1 ] && impls=ioattn_sm90,sdpa_cudnn
+             IOATTN_SM90_FWD_LPT=$v IOATTN_SM90_BWD_LPT=$v timeout 200 python -m ioattn bench \
+               --modes fwd,bwd --dims 256 --seqlens 2048,4096,8192 --dtypes bf16 \
+               --impls $impls --no-plots --out "$OUT/lpt256_$v.json" > "/tmp/lpt256_$v.log" 2>&1
+             echo "== lpt=$v"; grep -E "^(fwd|bwd)" "/tmp/lpt256_$v.log"; done ;;
     sdpa-bench) # ioattn's SDPA call on SDPA's [b, h, s, d] tensors (heads folded into the batch)
            # beside flash_attn_func on [b, s, h, d] and cuDNN (~120 s)
            timeout 170 python -m ioattn bench --modes fwd,bwd --dims 64,128 --seqlens 2048,8192 \
