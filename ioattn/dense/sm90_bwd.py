@@ -103,9 +103,10 @@ SEGMENTS = os.environ.get("IOATTN_SM90_BWD_SEGMENTS", "auto").lower()
 # (results/sm90_bwd_rowstats{1,0}_ef679d0_*.json); the default, IOATTN_SM90_BWD_ROW_STATS=0 the
 # global-load form
 ROW_STATS = os.environ.get("IOATTN_SM90_BWD_ROW_STATS", "1").lower() in ("1", "true", "on")
-# the dK/dV CTAs' key blocks in grouped heaviest-first order (IOATTN_SM90_BWD_LPT=1, opt-in until
-# timed; ``_key_block``): today's (block, head) grid runs one head after another, heaviest block
-# first, and ends on the last heads' heavy blocks; simulated for the FA grid's causal shapes
+# the dK/dV CTAs' key blocks (and the dQ kernel's query blocks) in grouped heaviest-first order
+# (IOATTN_SM90_BWD_LPT=1, opt-in until timed; ``_key_block``, ``query_tile``): today's (block,
+# head) grids run one head after another, heaviest block first, and end on the last heads'
+# heavy blocks; simulated for the FA grid's causal shapes
 # with one CTA a SM, 3-7% over the ideal at 2k-8k (d=128 causal 2k ran 0.94x cuDNN) against
 # 0.1-1.6% grouped (benchmarks/NOTES.md, session 15)
 LPT = os.environ.get("IOATTN_SM90_BWD_LPT", "0").lower() in ("1", "true", "on")

@@ -65,8 +65,9 @@ PINGPONG = os.environ.get("IOATTN_SM90_PINGPONG", "auto")
 # 16k non-causal); d=256 was not measured and keeps one CTA per tile. "dynamic" forces it; "1" / "static" the static snake
 # order (slower under causal masks: 476 vs 608 at d=128 16k); "0" turns persistence off.
 PERSISTENT_MODE = os.environ.get("IOATTN_SM90_PERSISTENT", "auto").lower()
-# the dynamic scheduler's tiles in grouped heaviest-first order (IOATTN_SM90_FWD_LPT=1, opt-in
-# until timed; ``sm90_common.grouped_order``): heads in groups of about a wave of tiles, each
+# the dynamic scheduler's tiles (and the one-CTA-per-tile grid's: d=256, varlen) in grouped
+# heaviest-first order (IOATTN_SM90_FWD_LPT=1, opt-in until timed;
+# ``sm90_common.grouped_order``): heads in groups of about a wave of tiles, each
 # group's heaviest tiles of every head first, so the launch ends on light tiles. Today's order
 # (one head after another, heaviest first) ends on the last head's heavy tiles: simulated for
 # the FA grid's causal shapes, 3-7% over the ideal at 2k-8k (d=128 causal 4k ran 0.95x cuDNN)
