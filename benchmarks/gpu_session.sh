@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [lpt256]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -322,15 +322,6 @@ for step in $steps; do
              --cells 64x4096x16,16x8192x16,1x32768x16,128x2048x16 --prefill-cells "" \
              --out "$OUT/decode_balanced$v.json" > "/tmp/decode_bal_$v.log" 2>&1
              echo "== balanced=$v"; grep -E "ioattn_paged |ioattn_paged_graph|cudnn" "/tmp/decode_bal_$v.log"; done ;;
-    pad-tma) # head dims 96 / 192 read in place (IOATTN_SM90_PAD=tma, opt-in): the padded
-           # dims' sm90 tests (the in-place ones included), then the dense suite's 96 / 192
-           # cases forced through sm90 with it (~100 + 100 s)
-           timeout 200 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
-             -k "pad" > "$OUT/tests_pad_tma.log" 2>&1
-           grep -E "^FAILED" "$OUT/tests_pad_tma.log"; tail -1 "$OUT/tests_pad_tma.log"
-           IOATTN_SM90_PAD=tma IOATTN_TEST_SM90=always timeout 200 python -m pytest -q -n 14 \
-             -p no:cacheprovider -rf tests/dense -k "d96 or d192" > "$OUT/tests_pad_tma_forced.log" 2>&1
-           grep -E "^FAILED" "$OUT/tests_pad_tma_forced.log"; tail -1 "$OUT/tests_pad_tma_forced.log" ;;
     pad-tma-bench) # forward and backward at 96 / 192 / 192x128 (V and O at 128 columns, MLA
            # prefill) in place vs copied, 1k-8k (the crossovers for auto's thresholds), next to
            # the portable kernels and cuDNN (~250 s in place with its peers, ~120 s copied alone)
@@ -383,24 +374,21 @@ for step in $steps; do
              timeout 110 python -m ioattn bench --suite decode --cells 64x4096x16,1x32768x16 \
              --prefill-cells "" --out "$OUT/decode_pdl$v.json" > "/tmp/decode_pdl_$v.log" 2>&1
              echo "== pdl,heads_first=$v"; grep -E "ioattn_paged |ioattn_paged_graph|cudnn" "/tmp/decode_pdl_$v.log"; done ;;
-    lpt) # the grouped heaviest-first order of the forward's tile counter and the dK/dV grid
-           # (opt-in IOATTN_SM90_FWD_LPT / _BWD_LPT): its tests, then the bf16 grid's d = 64 / 128
-           # cells from 2k with it on (and cuDNN) and off (~80 + 230 + 200 s)
+    lpt) # the grouped heaviest-first order of the forward's tiles and the backward's grids
+           # (opt-in IOATTN_SM90_FWD_LPT / _BWD_LPT): its tests, then the bf16 grid's causal and
+           # non-causal cells with it on (and cuDNN) and off (~80 + 230 + 200 s at the default
+           # LPT_DIMS=64,128 LPT_SEQLENS=2048,4096,8192,16384; LPT_DIMS=256 LPT_SEQLENS=2048,4096,8192:
+           # ~80 + 2 x 130 s)
            timeout 100 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py \
              -k "grouped or head_group" > "$OUT/tests_lpt.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_lpt.log"; tail -1 "$OUT/tests_lpt.log"
+           dims=${LPT_DIMS:-64,128}
            for v in 1 0; do impls=ioattn_sm90; [ $v = 1 ] && impls=ioattn_sm90,sdpa_cudnn
              IOATTN_SM90_FWD_LPT=$v IOATTN_SM90_BWD_LPT=$v timeout 240 python -m ioattn bench \
-               --modes fwd,bwd --dims 64,128 --seqlens 2048,4096,8192,16384 --dtypes bf16 \
-               --impls $impls --no-plots --out "$OUT/lpt$v.json" > "/tmp/lpt$v.log" 2>&1
+               --modes fwd,bwd --dims $dims --seqlens ${LPT_SEQLENS:-2048,4096,8192,16384} \
+               --dtypes bf16 --impls $impls --no-plots --out "$OUT/lpt${v}_d${dims/,/_}.json" \
+               > "/tmp/lpt$v.log" 2>&1
              echo "== lpt=$v"; grep -E "^(fwd|bwd)" "/tmp/lpt$v.log"; done ;;
-    lpt256) # the same at d=256 (simulated 11-14% over the ideal at 2k-8k causal), on / off
-           # (~2 x 130 s)
-           for v in 1 0; do impls=ioattn_sm90; [ $v = 1 ] && impls=ioattn_sm90,sdpa_cudnn
-             IOATTN_SM90_FWD_LPT=$v IOATTN_SM90_BWD_LPT=$v timeout 200 python -m ioattn bench \
-               --modes fwd,bwd --dims 256 --seqlens 2048,4096,8192 --dtypes bf16 \
-               --impls $impls --no-plots --out "$OUT/lpt256_$v.json" > "/tmp/lpt256_$v.log" 2>&1
-             echo "== lpt=$v"; grep -E "^(fwd|bwd)" "/tmp/lpt256_$v.log"; done ;;
     sdpa-bench) # ioattn's SDPA call on SDPA's [b, h, s, d] tensors (heads folded into the batch)
            # beside flash_attn_func on [b, s, h, d] and cuDNN (~120 s)
            timeout 170 python -m ioattn bench --modes fwd,bwd --dims 64,128 --seqlens 2048,8192 \

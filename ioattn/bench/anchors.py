@@ -92,28 +92,18 @@ class IoAttn(Impl):
         return Built(lambda: func(q, k, v, backend=backend, **kw), [q, k, v], inp.dout, bhsd=False)
 
 
-class IoAttnSdpa(Impl):
-    """ioattn through its SDPA call (``ioattn.scaled_dot_product_attention``) on SDPA's own
-    [b, h, s, d] tensors: what a model written for torch's SDPA gets by changing the import
-    (the heads folded into the batch, read in place)."""
-
-    name = "ioattn_sdpa"
-
-    def build(self, inp: Inputs, shape: Shape) -> Built:
-        if shape.softcap:
-            raise ValueError("SDPA's call has no softcap: not timed in a --softcap run")
-        from ioattn import scaled_dot_product_attention as sdpa
-
-        q, k, v, dout = inp.bhsd()
-        causal = shape.causal
-        return Built(lambda: sdpa(q, k, v, is_causal=causal), [q, k, v], dout, True)
-
-
 class Sdpa(Impl):
-    def __init__(self, name: str, backend_name: str, needs_cuda: bool) -> None:
+    """torch's SDPA call on its own [b, h, s, d] tensors, through one of its backends
+    (``backend_name``), or (None) through ioattn's ``scaled_dot_product_attention``: what a model
+    written for torch's SDPA gets by changing the import (heads folded into the batch, read in
+    place)."""
+
+    def __init__(self, name: str, backend_name: Optional[str], needs_cuda: bool) -> None:
         self.name, self.backend_name, self.needs_cuda = name, backend_name, needs_cuda
 
     def context(self) -> ContextManager:
+        if self.backend_name is None:
+            return contextlib.nullcontext()
         # Entered once around build+timing rather than per call, to keep it out of the timer.
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -122,11 +112,13 @@ class Sdpa(Impl):
     def build(self, inp: Inputs, shape: Shape) -> Built:
         if shape.softcap:
             raise ValueError("SDPA has no softcap: not timed in a --softcap run")
+        if self.backend_name is None:
+            from ioattn import scaled_dot_product_attention as sdpa
+        else:
+            sdpa = F.scaled_dot_product_attention
         q, k, v, dout = inp.bhsd()
         causal = shape.causal
-        return Built(
-            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), [q, k, v], dout, True
-        )
+        return Built(lambda: sdpa(q, k, v, is_causal=causal), [q, k, v], dout, True)
 
 
 class Flex(Impl):
@@ -177,7 +169,7 @@ IMPLS: dict[str, Impl] = {
         IoAttn(),
         IoAttn("ioattn_triton", "triton"),
         IoAttn("ioattn_sm90", "sm90"),
-        IoAttnSdpa(),
+        Sdpa("ioattn_sdpa", None, needs_cuda=False),
         Sdpa("sdpa_cudnn", "CUDNN_ATTENTION", needs_cuda=True),
         Sdpa("sdpa_flash", "FLASH_ATTENTION", needs_cuda=True),
         Flex(),

@@ -532,16 +532,18 @@ def _descriptor(t: torch.Tensor, view: tuple, box: int) -> Desc:
 
 
 def launch_constexprs(d: int, page: int, group: int, fp8: bool, merge: bool,
-                      balanced: bool = False) -> dict:
+                      balanced: bool = False, pdl: bool = False,
+                      heads_first: bool = False) -> dict:
     """The kernel's constexprs for a cache of head dim d and pages of ``page`` keys, a GQA group
     of ``group`` query heads, an fp8 cache or not, the merge in the kernel or not, a balanced
-    plan's columns or one item a CTA (the launch and the compile checks of
-    ``ioattn.dense.inspect``); LSE_BASE2 is the caller's."""
+    plan's columns or one item a CTA, programmatic dependent launch or not, the grid as (KV
+    heads, items) or not (the launch and the compile checks of ``ioattn.dense.inspect``);
+    LSE_BASE2 is the caller's."""
     group_p2 = 1 << (group - 1).bit_length()
     return dict(PAGE=page, HEAD_D=d, BLOCK_N_=BLOCK_N, STAGES_=STAGES_FP8 if fp8 else STAGES,
                 PRODUCER_REGS_=PRODUCER_REGS, MERGE=merge, GROUP_P2=group_p2,
                 MERGE_SLOTS=max(1, min(32, 8192 // (group_p2 * d))), CONVERT=fp8,
-                BALANCED=balanced, PDL=PDL, HEADS_FIRST=HEADS_FIRST)
+                BALANCED=balanced, PDL=pdl, HEADS_FIRST=heads_first)
 
 
 def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
@@ -586,7 +588,7 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), batch, h, group,
         indices.shape[0] * page, page_rows, head_rows, head_cols, qk_scale_log2,
         LSE_BASE2=lse_base2, softcap_scale=softcap_scale,
-        **{**launch_constexprs(d, page, group, fp8, merge is not None, columns is not None),
-           "HEADS_FIRST": heads_first, "PDL": pdl},
+        **launch_constexprs(d, page, group, fp8, merge is not None, columns is not None, pdl,
+                            heads_first),
         COLS=columns, num_warps=4, maxnreg=MAXNREG, launch_pdl=pdl,
     )

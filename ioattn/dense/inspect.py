@@ -470,11 +470,10 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
            for n in fn.arg_names}
     sig["qk_scale_log2"] = "fp32"
     sig["softcap_scale"] = "fp32" if softcap else "constexpr"
-    ce = dict(LSE_BASE2=True, **sd.launch_constexprs(d, page, group, fp8, merge, balanced))
-    for name, value in (("PDL", pdl), ("HEADS_FIRST", heads_first)):
-        if value is not None:
-            ce[name] = value
-    pdl = ce["PDL"]
+    pdl = sd.PDL if pdl is None else pdl
+    heads_first = sd.HEADS_FIRST if heads_first is None else heads_first
+    ce = dict(LSE_BASE2=True, **sd.launch_constexprs(d, page, group, fp8, merge, balanced, pdl,
+                                                     heads_first))
     if not softcap:
         ce["softcap_scale"] = None
     if not balanced:
@@ -482,7 +481,7 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
     return gluon_report(f"sm90 paged decode d{d} page{page}{' merge' if merge else ''}"
                         f"{' ' + kv if fp8 else ''}{' balanced' if balanced else ''}"
                         f"{' softcap' if softcap else ''}{' pdl' if pdl else ''}"
-                        f"{' heads-first' if ce['HEADS_FIRST'] else ''} ws", fn, sig, ce, arch,
+                        f"{' heads-first' if heads_first else ''} ws", fn, sig, ce, arch,
                         maxnreg=sd.MAXNREG, launch_pdl=pdl)
 
 

@@ -158,7 +158,7 @@ def bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     if impl == "sm90":
         from ioattn.dense import sm90_bwd
         from ioattn.dense.sm90_common import (PADDED_HEAD_DIMS, aligned_base, padded_operands,
-                                              tma_view_problem)
+                                              tma_readable)
 
         # the fused form (default, sm90_bwd.FUSED) adds dQ by reductions: not for deterministic
         launch = functools.partial(sm90_bwd.attn_bwd_sm90, fused=sm90_bwd.FUSED and not deterministic)
@@ -171,8 +171,8 @@ def bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
         if d_pad is not None:  # as the forward ran (copies: O's zero columns too, for delta)
             (dout, q, k, v, out), d_pad = padded_operands(
                 (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)), d_pad, varlen)
-        elif tma_view_problem("dout", dout, varlen) is not None:
-            dout = dout.contiguous()  # an upstream transpose or expand: one copy, then TMA
+        else:
+            dout = tma_readable("dout", dout, varlen)  # (an upstream transpose or expand)
         dout, q, k, v = (aligned_base(t) for t in (dout, q, k, v))
     elif impl == "triton":
         launch = attn_bwd

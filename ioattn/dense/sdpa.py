@@ -32,13 +32,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ioattn.dense.api import _fail, flash_attn_func
 from ioattn.dispatch import BACKENDS, sm90_unavailable_reason, triton_unavailable_reason
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _fail(msg: str, exc=ValueError):
-    raise exc(msg)
 
 
 def _check(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
@@ -136,17 +133,6 @@ def sdpa_math(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Ten
     return torch.matmul(attn, v).to(dtype)
 
 
-def _tma_ready(t: Tensor, sm90: bool) -> Tensor:
-    """``t`` ([batch, seqlen, heads, d]), copied where the sm90 kernels (``sm90``: they may run
-    the call) could not read it through TMA as it is."""
-    if sm90:
-        from ioattn.dense.sm90_common import tma_view_problem
-
-        if tma_view_problem("t", t, False) is not None:
-            return t.contiguous()
-    return t
-
-
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: Optional[float] = None,
@@ -187,8 +173,6 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                else f"dtype {query.dtype} (the fused kernels take fp16 / bf16)")
         _fail(f"backend={backend!r} cannot run this call: {why}; pass backend='auto' or "
               f"'reference' (plain PyTorch)")
-    from ioattn.dense.api import flash_attn_func
-
     s_q, s_k = query.shape[-2], key.shape[-2]
     sm90 = backend != "triton" and query.device.type == "cuda" \
         and sm90_unavailable_reason(query.device) is None
@@ -207,7 +191,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         k, v, causal = k[:, :s_q], v[:, :s_q], True
     elif is_causal:  # query i sees keys 0..i: FlashAttention's window (-1, L - S)
         window = (-1, int(s_q - s_k))
-    q, k, v = (_tma_ready(t, sm90) for t in (q, k, v))
+    if sm90:  # (the sm90 kernels refuse what TMA cannot read: copied for them)
+        from ioattn.dense.sm90_common import tma_readable
+
+        q, k, v = (tma_readable(n, t, False) for n, t in (("q", q), ("k", k), ("v", v)))
     out = flash_attn_func(q, k, v, dropout_p=float(dropout_p), softmax_scale=scale,
                           causal=causal, window_size=window, backend=backend)
     if not folded:  # [b, L, h, d_v] -> [b, h, L, d_v] (a view)

@@ -397,8 +397,14 @@ def padded_operands(named: tuple, d_pad: int, varlen: bool) -> tuple[list, int |
     its outputs back), or with PAD_MODE "tma" the tensors themselves (made contiguous where TMA
     cannot view them) and None: the launchers pad their tiles in place."""
     if PAD_MODE == "tma":
-        return [t.contiguous() if tma_view_problem(n, t, varlen) else t for n, t in named], None
+        return [tma_readable(n, t, varlen) for n, t in named], None
     return [pad_head_dim(t, d_pad) for _, t in named], d_pad
+
+
+def tma_readable(name: str, t: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """``t`` as the sm90 kernels' TMA reads it: itself, or a contiguous copy where its layout
+    allows no [rows, heads * d] view (``tma_view_problem``: an upstream transpose or expand)."""
+    return t.contiguous() if tma_view_problem(name, t, varlen) is not None else t
 
 
 def head_group_size(n_bh: int, n_blocks: int, slots: int) -> int:

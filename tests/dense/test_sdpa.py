@@ -96,11 +96,11 @@ def test_sdpa_reads_views_of_the_callers_tensors(device, monkeypatch):
     """As many K/V heads as query heads: the kernels get [b * h, s, 1, d] views of the caller's
     memory (no copies, one head packed in each row, as TMA reads it) and the output comes back
     in SDPA's contiguous [b, h, L, d_v] layout."""
-    from ioattn.dense import api
+    from ioattn.dense import sdpa
 
     seen = []
-    orig = api.flash_attn_func
-    monkeypatch.setattr(api, "flash_attn_func",
+    orig = sdpa.flash_attn_func
+    monkeypatch.setattr(sdpa, "flash_attn_func",
                         lambda q, k, v, **kw: seen.append((q, k, v)) or orig(q, k, v, **kw))
     q, k, v = (t.detach() for t in _qkv(2, 4, 4, 33, 47, 32, 48, FP16, device))
     out = ioattn.scaled_dot_product_attention(q, k, v)
