@@ -109,10 +109,10 @@ def sm_count(device: torch.device) -> int:
 ENV_SWITCHES = (
     ("IOATTN_SM90_PINGPONG", "auto", "sm90 forward: consumer warpgroups issue GEMMs in turns, "
      "round robin (auto: d=256 with two warpgroups only; 1/0 force, three warpgroups too)"),
-    ("IOATTN_SM90_FWD_LPT", "0", "sm90 forward: its tiles (the dynamic scheduler's, or one CTA "
+    ("IOATTN_SM90_FWD_LPT", "1", "sm90 forward: its tiles (the dynamic scheduler's, or one CTA "
      "each) in grouped heaviest-first order (heads in groups of about a wave, each group's "
      "heaviest tiles first)"),
-    ("IOATTN_SM90_BWD_LPT", "0", "sm90 backward: the dK/dV and dQ kernels' blocks in grouped "
+    ("IOATTN_SM90_BWD_LPT", "1", "sm90 backward: the dK/dV and dQ kernels' blocks in grouped "
      "heaviest-first order"),
     ("IOATTN_SM90_PERSISTENT", "auto", "sm90 forward: persistent CTAs over query tiles (batched); "
      "auto: dynamic at d=64/128, dynamic: tiles handed out by an atomic counter, 1: static "
@@ -161,7 +161,7 @@ ENV_SWITCHES = (
      "their last item (no combine launch)"),
     ("IOATTN_SM90_DECODE_PDL", "0", "sm90 decode: programmatic dependent launch (its CTAs start "
      "while the previous kernel finishes, and wait for it before touching memory)"),
-    ("IOATTN_SM90_DECODE_HEADS_FIRST", "0", "sm90 decode: the grid as (KV heads, items), one "
+    ("IOATTN_SM90_DECODE_HEADS_FIRST", "1", "sm90 decode: the grid as (KV heads, items), one "
      "item's heads side by side (they read the same cache rows)"),
 )
 

@@ -74,7 +74,7 @@ PDL = os.environ.get("IOATTN_SM90_DECODE_PDL", "0").lower() in ("1", "true", "on
 # the grid's axes as (KV heads, items) (IOATTN_SM90_DECODE_HEADS_FIRST=1, opt-in until timed):
 # one item's KV heads run side by side and read each key slot's row (NHD: all heads' slices)
 # together, where (items, KV heads) runs half of them a wave later at 64 x 4k
-HEADS_FIRST = os.environ.get("IOATTN_SM90_DECODE_HEADS_FIRST", "0").lower() in ("1", "true", "on")
+HEADS_FIRST = os.environ.get("IOATTN_SM90_DECODE_HEADS_FIRST", "1").lower() in ("1", "true", "on")
 PRODUCER_REGS = 24
 
 

@@ -109,7 +109,7 @@ ROW_STATS = os.environ.get("IOATTN_SM90_BWD_ROW_STATS", "1").lower() in ("1", "t
 # heavy blocks; simulated for the FA grid's causal shapes
 # with one CTA a SM, 3-7% over the ideal at 2k-8k (d=128 causal 2k ran 0.94x cuDNN) against
 # 0.1-1.6% grouped (benchmarks/NOTES.md, session 15)
-LPT = os.environ.get("IOATTN_SM90_BWD_LPT", "0").lower() in ("1", "true", "on")
+LPT = os.environ.get("IOATTN_SM90_BWD_LPT", "1").lower() in ("1", "true", "on")
 DQ_ORDER = os.environ.get("IOATTN_SM90_BWD_DQ_ORDER", "auto").lower()
 # (the dK/dV kernels) Pᵀ's exponentials kept before the wait for dPᵀ, so they run while dPᵀ is on
 # the tensor cores: in the sm90 SASS ptxas otherwise hoists that wait above 27-28 of a thread's

@@ -71,7 +71,7 @@ PERSISTENT_MODE = os.environ.get("IOATTN_SM90_PERSISTENT", "auto").lower()
 # group's heaviest tiles of every head first, so the launch ends on light tiles. Today's order
 # (one head after another, heaviest first) ends on the last head's heavy tiles: simulated for
 # the FA grid's causal shapes, 3-7% over the ideal at 2k-8k (d=128 causal 4k ran 0.95x cuDNN)
-LPT = os.environ.get("IOATTN_SM90_FWD_LPT", "0").lower() in ("1", "true", "on")
+LPT = os.environ.get("IOATTN_SM90_FWD_LPT", "1").lower() in ("1", "true", "on")
 # three consumer warpgroups at d=64 (192-row tiles, FA3's shape there); on by default since it
 # measured 1.03-1.05x the two-warpgroup form non-causal from 2k and 1.23x causal at 2k on the
 # H200 (results/sm90_fwd_wg3_{1,0}_*.json; causal 4k-16k within 3%), IOATTN_SM90_FWD_WG3=0 turns
