@@ -11,8 +11,8 @@ OUT=${OUT:-/tmp/ioattn_out}; mkdir -p "$OUT"
 steps=${*:-tests bench long}
 for step in $steps; do
   case $step in
-    tests) # 14 workers: a cold Triton cache took more than 240 s with 8
-           timeout 450 python -m pytest -q -n 14 -p no:cacheprovider -rf tests > "$OUT/tests_gpu.log" 2>&1
+    tests) # 14 workers: a cold Triton cache took more than 240 s with 8 (and 450 s ran 684 of ~690, session 16)
+           timeout 560 python -m pytest -q -n 14 -p no:cacheprovider -rf tests > "$OUT/tests_gpu.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_gpu.log"; tail -1 "$OUT/tests_gpu.log" ;;
     warm)  # the compile caches (Triton's, inductor's for Flex) filled by six processes at once,
            # one per head dim and mode, before a timed run: `warm bench` (WARM_DTYPES=fp16 before

@@ -159,7 +159,7 @@ ENV_SWITCHES = (
      "which a plan keeps the portable kernel (its launch was cheaper on the host)"),
     ("IOATTN_SM90_DECODE_MERGE", "1", "sm90 decode: split requests merged in the kernel by "
      "their last item (no combine launch)"),
-    ("IOATTN_SM90_DECODE_PDL", "0", "sm90 decode: programmatic dependent launch (its CTAs start "
+    ("IOATTN_SM90_DECODE_PDL", "1", "sm90 decode: programmatic dependent launch (its CTAs start "
      "while the previous kernel finishes, and wait for it before touching memory)"),
     ("IOATTN_SM90_DECODE_HEADS_FIRST", "1", "sm90 decode: the grid as (KV heads, items), one "
      "item's heads side by side (they read the same cache rows)"),

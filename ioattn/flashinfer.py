@@ -496,8 +496,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         """Attention of q [batch, num_qo_heads, head_dim] over the planned pages. Returns out
         [batch, num_qo_heads, head_dim] (and the base-2 LSE [batch, num_qo_heads]).
         enable_pdl: launch the sm90 decode kernel with programmatic dependent launch (True /
-        False; None: ``IOATTN_SM90_DECODE_PDL``, off by default, where FlashInfer's None turns
-        it on for Hopper); the portable kernel ignores it."""
+        False; None: ``IOATTN_SM90_DECODE_PDL``, on by default, as FlashInfer's None turns it on
+        for Hopper); the portable kernel ignores it."""
         q, k, v, out, lse, scale = _run_inputs(self, q, paged_kv_cache, self._batch, out, lse,
                                                return_lse, q_scale, k_scale)
         c = self._cfg

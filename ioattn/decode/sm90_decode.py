@@ -63,17 +63,23 @@ FP8 = os.environ.get("IOATTN_SM90_DECODE_FP8", "1").lower() not in ("0", "false"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 MAXNREG = 128
 SUPPORTED_HEAD_DIMS = (64, 128)
-# programmatic dependent launch (IOATTN_SM90_DECODE_PDL=1, opt-in until timed): the kernel is
+# programmatic dependent launch (default, as FlashInfer's on Hopper; IOATTN_SM90_DECODE_PDL=0 off): the kernel is
 # launched with launch_pdl, so its CTAs may start while the stream's previous kernel finishes
 # (its launch and CTA setup off the critical path: a few us of a 1 x 32k step's ~40), and
 # waits in ``grid_dependency_wait`` before touching memory; it then lets the next PDL-launched
 # kernel (the next layer's decode) start the same way. Under CUDA graph capture the launch
 # attribute becomes a programmatic edge. Expected: the graph-replayed 1 x 32k cell toward the
 # kernel's own rate (3.76 TB/s in the kernel against 3.39 replayed back to back)
-PDL = os.environ.get("IOATTN_SM90_DECODE_PDL", "0").lower() in ("1", "true", "on")
-# the grid's axes as (KV heads, items) (IOATTN_SM90_DECODE_HEADS_FIRST=1, opt-in until timed):
-# one item's KV heads run side by side and read each key slot's row (NHD: all heads' slices)
-# together, where (items, KV heads) runs half of them a wave later at 64 x 4k
+# Timed (session 16, results/decode_pdl{00,01,10,11}_b1d4228_*): replayed back to back, +1% in
+# each pair (1 x 32k 3.45 / 3.41 against 3.41 / 3.37 TB/s, heads-first off / on; 64 x 4k
+# 4.28 / 4.33 against 4.24 / 4.32); eager calls level
+PDL = os.environ.get("IOATTN_SM90_DECODE_PDL", "1").lower() in ("1", "true", "on")
+# the grid's axes as (KV heads, items) (default; IOATTN_SM90_DECODE_HEADS_FIRST=0 the old
+# (items, KV heads)): one item's KV heads run side by side and read each key slot's row (NHD:
+# all heads' slices) together, where (items, KV heads) runs half of them a wave later at
+# 64 x 4k. Timed (session 16, results/decode_pdl{00,01,10,11}_b1d4228_*): 64 x 4k 4.13 / 4.15
+# TB/s against 4.11 / 4.10 eager (PDL off / on), 4.32 / 4.33 against 4.24 / 4.28 replayed back
+# to back; 1 x 32k replayed 3.37 / 3.41 against 3.41 / 3.45 (within a run's spread)
 HEADS_FIRST = os.environ.get("IOATTN_SM90_DECODE_HEADS_FIRST", "1").lower() in ("1", "true", "on")
 PRODUCER_REGS = 24
 

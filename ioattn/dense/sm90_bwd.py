@@ -104,11 +104,14 @@ SEGMENTS = os.environ.get("IOATTN_SM90_BWD_SEGMENTS", "auto").lower()
 # global-load form
 ROW_STATS = os.environ.get("IOATTN_SM90_BWD_ROW_STATS", "1").lower() in ("1", "true", "on")
 # the dK/dV CTAs' key blocks (and the dQ kernel's query blocks) in grouped heaviest-first order
-# (IOATTN_SM90_BWD_LPT=1, opt-in until timed; ``_key_block``, ``query_tile``): today's (block,
-# head) grids run one head after another, heaviest block first, and end on the last heads'
-# heavy blocks; simulated for the FA grid's causal shapes
-# with one CTA a SM, 3-7% over the ideal at 2k-8k (d=128 causal 2k ran 0.94x cuDNN) against
-# 0.1-1.6% grouped (benchmarks/NOTES.md, session 15)
+# under a causal / local mask (default; IOATTN_SM90_BWD_LPT=0 the old order; ``_key_block``,
+# ``query_tile``, ``_order``): the old (block, head) grids run one head after another, heaviest
+# block first, and end on the last heads' heavy blocks; simulated for the FA grid's causal
+# shapes with one CTA a SM, 3-7% over the ideal at 2k-8k against 0.1-1.6% grouped. Timed
+# (session 16): causal d=128 +4-13%, d=64 +1-3%, d=256 +3-5% (results/lpt{1,0}_*_b1d4228*);
+# d=128 2k / 4k in alternated runs 383 / 388 and 457 / 458 against 373 / 372 and 433 / 426
+# causal, 489 / 489 and 498 / 503 against 494 / 494 and 504 / 510 without a mask
+# (results/tune/lpt_bwd128_*_a1337ee_*), so a maskless grid keeps the old order
 LPT = os.environ.get("IOATTN_SM90_BWD_LPT", "1").lower() in ("1", "true", "on")
 DQ_ORDER = os.environ.get("IOATTN_SM90_BWD_DQ_ORDER", "auto").lower()
 # (the dK/dV kernels) Pᵀ's exponentials kept before the wait for dPᵀ, so they run while dPᵀ is on
@@ -1289,7 +1292,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             rows_descriptor(v, p.is_varlen, half, pad_to=d_pad), dk, dv, lse, delta, cu_q, cu_k,
             dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-            STAGES=DKDV_STAGES, ROW_STATS=ROW_STATS, head_group=_order(grid, q.device), **cols,
+            STAGES=DKDV_STAGES, ROW_STATS=ROW_STATS, head_group=_order(grid, p, q.device), **cols,
             **flags)
     else:
         # fused: rows no key block reaches get no partial, so the buffer starts at 0
@@ -1310,7 +1313,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
             STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_LAG=order == "lag", DQ_ALT=order == "alt",
             DQ_FIRST=order == "first", SEGMENTS=segments(d, p.causal_like), ROW_STATS=ROW_STATS,
-            softcap_scale=softcap_scale, head_group=_order(grid, q.device), **cols, **flags)
+            softcap_scale=softcap_scale, head_group=_order(grid, p, q.device), **cols, **flags)
         if fused:
             dq.copy_(dq_acc[..., :q.shape[-1]] if d_pad else dq_acc)
             return
@@ -1322,13 +1325,17 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         dq.stride(-3), dq.stride(-2), *lse_strides,
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
         STAGES=DQ_STAGES, softcap_scale=softcap_scale, K_COLS=cols.get("K_COLS", 0),
-        head_group=_order(grid, q.device), **flags)
+        head_group=_order(grid, p, q.device), **flags)
 
 
-def _order(grid: tuple[int, int], device: torch.device) -> int:
+def _order(grid: tuple[int, int], p: AttnParams, device: torch.device) -> int:
     """A (blocks, batch * heads) grid's head_group (``_key_block``, ``query_tile``): grouped
-    heaviest-first with ``LPT`` (one CTA a SM), else 1 (one head after another)."""
-    return head_group_size(grid[1], grid[0], sm_count(device)) if LPT else 1
+    heaviest-first with ``LPT`` under a causal / local mask (one CTA a SM), else 1 (one head
+    after another). Without a mask every block costs the same and the grouped order timed
+    1% slower (d=128 2k / 4k, alternated runs; benchmarks/NOTES.md, session 16)."""
+    if not (LPT and p.causal_like):
+        return 1
+    return head_group_size(grid[1], grid[0], sm_count(device))
 
 
 def _dq_block_n(head_dim: int) -> int:

@@ -66,11 +66,14 @@ PINGPONG = os.environ.get("IOATTN_SM90_PINGPONG", "auto")
 # order (slower under causal masks: 476 vs 608 at d=128 16k); "0" turns persistence off.
 PERSISTENT_MODE = os.environ.get("IOATTN_SM90_PERSISTENT", "auto").lower()
 # the dynamic scheduler's tiles (and the one-CTA-per-tile grid's: d=256, varlen) in grouped
-# heaviest-first order (IOATTN_SM90_FWD_LPT=1, opt-in until timed;
+# heaviest-first order (default; IOATTN_SM90_FWD_LPT=0 the old order;
 # ``sm90_common.grouped_order``): heads in groups of about a wave of tiles, each
-# group's heaviest tiles of every head first, so the launch ends on light tiles. Today's order
+# group's heaviest tiles of every head first, so the launch ends on light tiles. The old order
 # (one head after another, heaviest first) ends on the last head's heavy tiles: simulated for
-# the FA grid's causal shapes, 3-7% over the ideal at 2k-8k (d=128 causal 4k ran 0.95x cuDNN)
+# the FA grid's causal shapes, 3-7% over the ideal at 2k-8k. Timed on / off (session 16,
+# results/lpt{1,0}_*_b1d4228*): causal d=128 +4-6% at 2k-16k, d=64 +0-4%; d=256 at 8k in
+# alternated runs 731 / 724 against 681 / 687 TFLOP/s without a mask, 647 / 641 against
+# 604 / 600 causal (results/tune/lpt_d256_8k_*_a1337ee_*)
 LPT = os.environ.get("IOATTN_SM90_FWD_LPT", "1").lower() in ("1", "true", "on")
 # three consumer warpgroups at d=64 (192-row tiles, FA3's shape there); on by default since it
 # measured 1.03-1.05x the two-warpgroup form non-causal from 2k and 1.23x causal at 2k on the

@@ -335,7 +335,7 @@ def test_sm90_decode_graph_capture_short_replay_long(merge, monkeypatch):
 @pytest.mark.parametrize("c", [CASES[0], CASES[1], CASES[4], CASES[6]],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_sm90_decode_pdl_heads_first(c, merge, monkeypatch):
-    """IOATTN_SM90_DECODE_PDL and IOATTN_SM90_DECODE_HEADS_FIRST (opt-in): the kernel launched
+    """IOATTN_SM90_DECODE_PDL and IOATTN_SM90_DECODE_HEADS_FIRST (both on by default): the kernel launched
     with programmatic dependent launch (the switch, or FlashInfer's run(enable_pdl=True)), on a
     (KV heads, items) grid. Three runs back to back,
     eager and then captured in one graph and replayed twice, every output and LSE (poisoned
