@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -399,6 +399,19 @@ for step in $steps; do
            timeout 170 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
              -k "pad" > "$OUT/tests_pad.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_pad.log"; tail -1 "$OUT/tests_pad.log" ;;
+    parts) # each dense call's GPU time kernel by kernel (torch.profiler), ours and cuDNN's: how much
+           # of the 2k cells' gap is side passes against the main kernel (~90 s)
+           timeout 200 python benchmarks/kernel_parts.py --dims ${PARTS_DIMS:-64,128} \
+             --seqlens ${PARTS_SEQLENS:-2048,4096,16384} --json "$OUT/kernel_parts.json" \
+             > "$OUT/kernel_parts.log" 2>&1; cat "$OUT/kernel_parts.log" | cut -c1-200
+           # DRAM bytes a kernel of one d=128 non-causal 2k forward + backward (the last call;
+           # ours: fwd, preprocess, dQ buffer zeroing, dK/dV(+dQ), dQ conversion), then cuDNN's
+           for be in auto sdpa_cudnn; do
+             timeout 150 ncu --clock-control none --profile-from-start off --metrics \
+               gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
+               python benchmarks/profile_fwd.py --d 128 --seqlen 2048 --backward --calls 4 \
+               --backend $be > "$OUT/ncu_parts_$be.txt" 2>&1
+             grep -E "^  [a-zA-Z_]|duration|dram__bytes|lts__t_bytes" "$OUT/ncu_parts_$be.txt" | head -60; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

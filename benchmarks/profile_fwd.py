@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ioattn
 
@@ -21,7 +23,9 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--backend", default="sm90")
+    ap.add_argument("--backend", default="sm90",
+                    help="ioattn's backend, or 'sdpa_cudnn' for SDPA's cuDNN backend (the same "
+                    "tensors transposed to [b, h, s, d])")
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
@@ -31,11 +35,25 @@ def main() -> None:
     q, k, v = (torch.randn(b, a.seqlen, h, a.d, device="cuda", dtype=dtype,
                            requires_grad=a.backward) for _ in range(3))
     dout = torch.randn_like(q) if a.backward else None
-    for _ in range(a.calls):
-        out = ioattn.flash_attn_func(q, k, v, causal=a.causal, backend=a.backend)
+    def call():
+        if a.backend != "sdpa_cudnn":
+            return ioattn.flash_attn_func(q, k, v, causal=a.causal, backend=a.backend)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                is_causal=a.causal).transpose(1, 2)
+
+    for i in range(a.calls):
+        if i == a.calls - 1:  # the last call between cudaProfilerStart / Stop (process-wide,
+            # so the backward's kernels, launched from autograd's device thread, are in too):
+            # ncu --profile-from-start off profiles just that call
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+        out = call()
         if a.backward:
             out.backward(dout)
     torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
 
 
 if __name__ == "__main__":
