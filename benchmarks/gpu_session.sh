@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -399,6 +399,18 @@ for step in $steps; do
            timeout 170 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
              -k "pad" > "$OUT/tests_pad.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_pad.log"; tail -1 "$OUT/tests_pad.log" ;;
+    pad-narrow) # 96 / 192 / (192, 128) with QKᵀ (S, dP in the backward's dQ and column-split
+           # dK/dV kernels) over d's / d_v's own columns and the forward's V / O at d_v's own
+           # width (opt-in IOATTN_SM90_PAD_NARROW): its tests, then forward and backward on (with
+           # cuDNN) / off, hidden 1536, 1k and 8k (~60 + 2 x 150 s)
+           timeout 150 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
+             -k "padded_in_place" > "$OUT/tests_pad_narrow.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_pad_narrow.log"; tail -1 "$OUT/tests_pad_narrow.log"
+           for v in 1 0; do impls=ioattn_sm90; [ $v = 1 ] && impls=ioattn_sm90,sdpa_cudnn
+             IOATTN_SM90_PAD_NARROW=$v timeout 200 python -m ioattn bench --modes fwd,bwd \
+               --dims 96,192,192x128 --hidden 1536 --seqlens 1024,8192 --dtypes bf16 \
+               --impls $impls --no-plots --out "$OUT/pad_narrow$v.json" > /tmp/pad_narrow$v.log 2>&1
+             echo "== narrow=$v"; grep -E "^(fwd|bwd)" /tmp/pad_narrow$v.log; done ;;
     parts) # each dense call's GPU time kernel by kernel (torch.profiler), ours and cuDNN's: how much
            # of the 2k cells' gap is side passes against the main kernel (~90 s)
            timeout 200 python benchmarks/kernel_parts.py --dims ${PARTS_DIMS:-64,128} \

@@ -120,6 +120,10 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_PAD", "tma", "sm90 kernels at head dims 96 / 192 (run as 128 / 256): "
      "tma: read in place through [rows, heads, d] views the TMA unit zero-fills past d (no "
      "copies); copy: zero-padded copies of q, k, v (and dO, O)"),
+    ("IOATTN_SM90_PAD_NARROW", "0", "sm90 kernels at head dims 96 / 192 read in place: QKᵀ over "
+     "d's own columns (two power-of-two pieces) and V / O at d_v's own width where it is a "
+     "power of two ((192, 128): PV at 128 columns, not 256); in the backward's dQ and "
+     "column-split dK/dV kernels S and dP over d's / d_v's own columns"),
     ("IOATTN_SM90_SOFTCAP_APPROX", "1", "sm90 kernels: softcap's tanh on the MUFU's "
      "tanh.approx.f32 (one instruction a score, 2^-11 relative error) instead of exp2 and a "
      "fast division (0: the exact form, ~1e-7 absolute)"),

@@ -198,10 +198,8 @@ _TMA_LAYOUT = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth={bits
 
 def _gluon_signature(fn, dtype: str, desc_rows: dict, d: int, heads_view: bool = False) -> dict:
     """heads_view: the operand descriptors as [rows, 1, d] boxes over [rows, heads, d_real]
-    views (``rows_descriptor(pad_to=d)``)."""
-    lay = _TMA_LAYOUT.format(bits=16)
-    if heads_view:
-        lay = lay.replace("rank=2", "rank=3")
+    views (``rows_descriptor(pad_to=d)``). A descriptor's desc_rows entry may be (rows, cols,
+    heads view) of its own instead of its rows."""
     sig = {}
     for name in fn.arg_names:
         if name == "dqa_desc":  # the fp32 dQ accumulator (fused backward: its column block)
@@ -210,8 +208,12 @@ def _gluon_signature(fn, dtype: str, desc_rows: dict, d: int, heads_view: bool =
             cols = dq_cols(d)
             sig[name] = f"tensordesc<fp32[{desc_rows[name]}, {cols}],{_TMA_LAYOUT.format(bits=32)}>"
         elif name.endswith("_desc"):
-            box = f"{desc_rows[name]}, 1, {d}" if heads_view else f"{desc_rows[name]}, {d}"
-            sig[name] = f"tensordesc<{dtype}[{box}],{lay}>"
+            rows, cols, hv = desc_rows[name], d, heads_view
+            if isinstance(rows, tuple):  # (rows, cols, heads view) of this descriptor's own
+                rows, cols, hv = rows
+            lay_ = _TMA_LAYOUT.format(bits=16).replace("rank=2", "rank=3" if hv else "rank=2")
+            box = f"{rows}, 1, {cols}" if hv else f"{rows}, {cols}"
+            sig[name] = f"tensordesc<{dtype}[{box}],{lay_}>"
         elif name in ("O", "DQ", "DK", "DV"):
             sig[name] = f"*{dtype}"
         elif name in ("LSE", "DELTA"):
@@ -347,13 +349,27 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
             real, varlen = (96, False) if d == 128 else (128, True)
             mask = "causal" if varlen else "none"
             form = sm90_fwd.launch_form(d, varlen, mask, 1 << 14)
-            jobs.append((f"sm90 fwd d{d} {mask} heads-view O_COLS={real} "
-                         f"{64 * form['WGS']}x{form['BLOCK_N']} ws", sm90_fwd._attn_fwd_sm90,
-                         dict(q_desc=64, o_desc=64, k_desc=form["BLOCK_N"],
-                              v_desc=form["BLOCK_N"]), d,
-                         dict(IS_VARLEN=varlen, HAS_LEFT=False, HAS_RIGHT=varlen,
-                              PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1,
-                              **form, O_COLS=real, heads_view=True)))
+            d_real = 96 if d == 128 else 192
+
+            def fwd_view_job(tag, varlen_, mask_, form_, v_box, o_box, **ce):
+                return (f"sm90 fwd d{d} {mask_} heads-view {tag}"
+                        f"{64 * form_['WGS']}x{form_['BLOCK_N']} ws", sm90_fwd._attn_fwd_sm90,
+                        dict(q_desc=64, o_desc=o_box, k_desc=form_["BLOCK_N"], v_desc=v_box), d,
+                        dict(IS_VARLEN=varlen_, HAS_LEFT=False, HAS_RIGHT=varlen_,
+                             PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1,
+                             **form_, heads_view=True, **ce))
+            jobs.append(fwd_view_job(f"O_COLS={real} ", varlen, mask, form, form["BLOCK_N"], 64,
+                                     O_COLS=real))
+            # IOATTN_SM90_PAD_NARROW: QKᵀ over d's own columns (two wgmma groups), V and O in
+            # tiles of d_v's own width ((192, 128): 2D 128-column boxes, not heads views)
+            narrow_v = (form["BLOCK_N"], d, True) if d == 128 else (form["BLOCK_N"], 128, False)
+            narrow_o = (64, d, True) if d == 128 else (64, 128, False)
+            jobs.append(fwd_view_job(f"narrow QK_COLS={d_real} ", varlen, mask, form, narrow_v,
+                                     narrow_o, O_COLS=96 if d == 128 else 0, QK_COLS=d_real))
+            if d == 256:  # (192, 192) batched: V / O still 256 wide, QKᵀ over 192
+                form2 = sm90_fwd.launch_form(d, False, "none", 1 << 14)
+                jobs.append(fwd_view_job("narrow QK_COLS=192 O_COLS=192 ", False, "none", form2,
+                                         form2["BLOCK_N"], 64, O_COLS=192, QK_COLS=192))
             # and the backward over the same views: dK / dV (96 / 96, or 192 / 128) and dQ
             # (d_k) stores masked past the tensors' head dims
             k_cols = 96 if d == 128 else 192
@@ -379,6 +395,19 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                          sm90_bwd._bwd_dq_sm90,
                          dict(q_desc=64, do_desc=64, k_desc=dq_bn, v_desc=dq_bn), d,
                          dict(hv, STAGES=sm90_bwd.DQ_STAGES, K_COLS=k_cols)))
+            # IOATTN_SM90_PAD_NARROW: S / dP over d's / d_v's own columns (the dQ kernel; at
+            # d = 256 the column-split dK/dV kernel too)
+            narrow = dict(QK_COLS=k_cols, DP_COLS=real)
+            jobs.append((f"sm90 bwd dq d{d} {mask} heads-view narrow QK_COLS={k_cols} "
+                         f"DP_COLS={real} 128x{dq_bn} ws", sm90_bwd._bwd_dq_sm90,
+                         dict(q_desc=64, do_desc=64, k_desc=dq_bn, v_desc=dq_bn), d,
+                         dict(hv, STAGES=sm90_bwd.DQ_STAGES, K_COLS=k_cols, **narrow)))
+            if d == 256:
+                jobs.append((f"sm90 bwd dkdv-cols d{d} {mask} heads-view narrow "
+                             f"QK_COLS={k_cols} DP_COLS={real} 64 keys ws",
+                             sm90_bwd._bwd_dkdv_cols_sm90, bwd_desc, d,
+                             dict(hv, STAGES=sm90_bwd.DKDV_STAGES, ROW_STATS=sm90_bwd.ROW_STATS,
+                                  K_COLS=k_cols, V_COLS=real, **narrow)))
         # the KV-cache forward over pages of 16 (one TMA copy per page); at d=128 also with
         # softcap
         for cap in ((False, True) if d == 128 else (False,)):

@@ -57,7 +57,7 @@ from ioattn.dense.sm90_common import (PADDED_HEAD_DIMS, barriers, box_cols, floo
                                       score_scales, seq_bounds, softcap_tanh, store_cols,
                                       tile_layout, tma_load, tma_reduce_add, wgmma_a_operand,
                                       wgmma_acc_layout, zero_last_key_tile, zero_tail_rows,
-                                      grouped_order, head_group_size)
+                                      grouped_order, head_group_size, mma_over_cols)
 from ioattn.dispatch import sm_count
 from ioattn.dense.triton_bwd import bwd_preprocess
 from ioattn.launch import launcher
@@ -823,7 +823,8 @@ def _dkdv_cols_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, p_s
                         qk_scale_log2, sm_scale, ld_smem, WG: gl.constexpr, STAGES: gl.constexpr,
                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                         IS_VARLEN: gl.constexpr, ROW_STATS: gl.constexpr, K_COLS: gl.constexpr,
-                        V_COLS: gl.constexpr):
+                        V_COLS: gl.constexpr, QK_COLS: gl.constexpr = 0,
+                        DP_COLS: gl.constexpr = 0):
     """(d = 256) One warpgroup of the column-split dK/dV kernel: 64 keys per CTA, dK and dV split
     by columns (warpgroup w holds columns [128 w, 128 w + 128): 64 + 64 registers a thread where
     the full width would need 256). Per step of 64 query rows, warpgroup 0 forms Pᵀ = exp(Sᵀ -
@@ -868,7 +869,7 @@ def _dkdv_cols_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, p_s
         if WG == 0:
             if not ROW_STATS:
                 lse2 = _lse_base2(gl.load(row_base, mask=row_ok, other=float("inf")))
-            s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_tok = mma_over_cols(k, q, s_zero, QK_COLS)
             s = warpgroup_mma_wait(0, deps=[s_tok])
             if ROW_STATS:
                 lse2 = ld_smem.index(2 * st).load(row_l)
@@ -889,7 +890,7 @@ def _dkdv_cols_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, p_s
             if not ROW_STATS:
                 delta = gl.load(DELTA + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows,
                                 mask=row_ok, other=0.0)
-            dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp_tok = mma_over_cols(v, do, s_zero, DP_COLS)
             dp = warpgroup_mma_wait(0, deps=[dp_tok])
             if ROW_STATS:
                 delta = ld_smem.index(2 * st + 1).load(row_l)
@@ -923,7 +924,8 @@ def _bwd_dkdv_cols_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE, DELTA, CU_
                         IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
                         PRODUCER_REGS_: gl.constexpr, ROW_STATS: gl.constexpr = False,
-                        K_COLS: gl.constexpr = 0, V_COLS: gl.constexpr = 0, head_group=1):
+                        K_COLS: gl.constexpr = 0, V_COLS: gl.constexpr = 0, head_group=1,
+                        QK_COLS: gl.constexpr = 0, DP_COLS: gl.constexpr = 0):
     """(d = 256) dK and dV of 64 keys per CTA (``_dkdv_cols_consumer``); dQ comes from the dQ
     kernel. Shared memory at d = 256 with 2 stages: K, V 64 KB, Q/dO 128 KB, Pᵀ/dSᵀ 32 KB."""
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
@@ -967,14 +969,14 @@ def _bwd_dkdv_cols_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE, DELTA, CU_
                                stride_lh, h0, lo_m, n_m, n_steps, start_n, q_start, seqlen_q,
                                seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
                                ld_smem, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, ROW_STATS,
-                               K_COLS, V_COLS)),
+                               K_COLS, V_COLS, QK_COLS, DP_COLS)),
         (_dkdv_cols_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, p_smem,
                                ds_smem, kv_bar.index(0), qdo_full, qdo_empty, fixed, p_ready,
                                ds_ready, dk_off, dv_off, stride_dkn, stride_dvn, lse_base,
                                stride_lh, h0, lo_m, n_m, n_steps, start_n, q_start, seqlen_q,
                                seqlen_k, window_left, window_right, qk_scale_log2, sm_scale,
                                ld_smem, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, ROW_STATS,
-                               K_COLS, V_COLS)),
+                               K_COLS, V_COLS, QK_COLS, DP_COLS)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                           kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                           off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -1016,7 +1018,8 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sme
 
 @gluon.jit
 def _dq_issue_sdp(q, do, k_smem, v_smem, kv_full, kv_fixed, s_zero, j, lo, seqlen_k,
-                  STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
+                  STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, QK_COLS: gl.constexpr = 0,
+                  DP_COLS: gl.constexpr = 0):
     """Wait for key tile j (and, varlen, for its zeroed tail rows), then issue S = Q·Kᵀ and
     dP = dO·Vᵀ on it."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -1025,10 +1028,9 @@ def _dq_issue_sdp(q, do, k_smem, v_smem, kv_full, kv_fixed, s_zero, j, lo, seqle
     if IS_VARLEN:
         if lo + (j + 1) * BLOCK_N > seqlen_k:  # the last tile: rows past the end zeroed
             mbarrier.wait(kv_fixed, 0)
-    s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-    dp_tok = warpgroup_mma(do, v_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
-                           is_async=True)
+    # (QK_COLS / DP_COLS, IOATTN_SM90_PAD_NARROW: over d's / d_v's own columns, ``mma_over_cols``)
+    s_tok = mma_over_cols(q, k_smem.index(st), s_zero, QK_COLS)
+    dp_tok = mma_over_cols(do, v_smem.index(st), s_zero, DP_COLS)
     return s_tok, dp_tok
 
 
@@ -1058,7 +1060,8 @@ def _dq_consumer(DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, kv_full
                  kv_fixed, dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                  window_left, window_right, qk_scale_log2, softcap_scale, sm_scale,
                  WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, K_COLS: gl.constexpr):
+                 HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, K_COLS: gl.constexpr,
+                 QK_COLS: gl.constexpr = 0, DP_COLS: gl.constexpr = 0):
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
@@ -1083,7 +1086,7 @@ def _dq_consumer(DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, kv_full
     for j in range(n_tiles):
         st = j % STAGES
         s_tok, dp_tok = _dq_issue_sdp(q, do, k_smem, v_smem, kv_full, kv_fixed, s_zero, j, lo,
-                                      seqlen_k, STAGES, IS_VARLEN)
+                                      seqlen_k, STAGES, IS_VARLEN, QK_COLS, DP_COLS)
         s, dp = warpgroup_mma_wait(0, deps=[s_tok, dp_tok])
         ds = _dq_scores(s, dp, rows, row0, lo + j * BLOCK_N, lse2, delta, seqlen_q, seqlen_k,
                         off, window_left, window_right, qk_scale_log2,
@@ -1106,7 +1109,8 @@ def _bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, CU_Q, CU_K,
                  sm_scale, qk_scale_log2, window_left, window_right,
                  IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                  STAGES: gl.constexpr, CONSUMER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
-                 softcap_scale=None, K_COLS: gl.constexpr = 0, head_group=1):
+                 softcap_scale=None, K_COLS: gl.constexpr = 0, head_group=1,
+                 QK_COLS: gl.constexpr = 0, DP_COLS: gl.constexpr = 0):
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = 2 * HALF
@@ -1138,11 +1142,11 @@ def _bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, CU_Q, CU_K,
         (_dq_consumer, (DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar.index(0), kv_full,
                         kv_empty, kv_fixed.index(0), dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                         window_left, window_right, qk_scale_log2, softcap_scale, sm_scale,
-                        0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, K_COLS)),
+                        0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, K_COLS, QK_COLS, DP_COLS)),
         (_dq_consumer, (DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar.index(0), kv_full,
                         kv_empty, kv_fixed.index(0), dq_off, stride_dqm, lse_off, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                         window_left, window_right, qk_scale_log2, softcap_scale, sm_scale,
-                        1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, K_COLS)),
+                        1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, K_COLS, QK_COLS, DP_COLS)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                         q_bar.index(0), kv_full, kv_empty, kv_fixed.index(0), q_row, off_h * HEAD_D,
                         k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo, STAGES, IS_VARLEN)),
@@ -1271,6 +1275,10 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
     # columns, their loads zero-filled past d / d_v, their stores masked there
     d_pad = PADDED_HEAD_DIMS.get((q.shape[-1], v.shape[-1]))
     cols = dict(K_COLS=q.shape[-1], V_COLS=v.shape[-1]) if d_pad else {}
+    # (IOATTN_SM90_PAD_NARROW) Sᵀ / S over d's own columns and dPᵀ / dP over d_v's in the
+    # column-split dK/dV kernel and the dQ kernel (the fused one keeps the padded width)
+    narrow = (dict(QK_COLS=q.shape[-1], DP_COLS=v.shape[-1])
+              if d_pad and sm90_common.PAD_NARROW else {})
     q_desc = rows_descriptor(q, p.is_varlen, half, pad_to=d_pad)
     do_desc = rows_descriptor(dout, p.is_varlen, half, pad_to=d_pad)
     dummy = lse
@@ -1293,7 +1301,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
             STAGES=DKDV_STAGES, ROW_STATS=ROW_STATS, head_group=_order(grid, p, q.device), **cols,
-            **flags)
+            **narrow, **flags)
     else:
         # fused: rows no key block reaches get no partial, so the buffer starts at 0
         # (a padded head dim: the buffer at d columns a head, as the kernel's tiles)
@@ -1325,7 +1333,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         dq.stride(-3), dq.stride(-2), *lse_strides,
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
         STAGES=DQ_STAGES, softcap_scale=softcap_scale, K_COLS=cols.get("K_COLS", 0),
-        head_group=_order(grid, p, q.device), **flags)
+        head_group=_order(grid, p, q.device), **narrow, **flags)
 
 
 def _order(grid: tuple[int, int], p: AttnParams, device: torch.device) -> int:

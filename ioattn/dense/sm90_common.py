@@ -16,7 +16,8 @@ import triton.language as tl
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma)
 from triton.language.core import builtin
 
 from ioattn.dense.common import LOG2E
@@ -130,6 +131,37 @@ def wgmma_a_operand(acc_layout):
     """Register A-operand layout (fp16/bf16) of a wgmma accumulating into ``acc_layout``: P or dS
     kept in registers for the next product ("RS" wgmma)."""
     return gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+
+@gluon.constexpr_function
+def _pow2_floor(n):
+    return 1 << (int(n).bit_length() - 1)
+
+
+@gluon.jit
+def mma_over_cols(a, b, acc, COLS: gl.constexpr, use_acc: gl.constexpr = False):
+    """Asynchronous wgmma a·bᵀ (a [rows, d], b [n, d] in shared memory) over their first COLS
+    columns (0: all of d). A head dim that is no power of two (96, 192) sits in a tile padded
+    to the next one (zero-filled by TMA); COLS = d runs its columns as two power-of-two pieces
+    (64 + 32, 128 + 64), two wgmma groups into one accumulator, instead of the padded width:
+    a quarter fewer tensor-core cycles (a power of two below d, one group). Returns the last group's token (a wait that retires it
+    retires both: groups complete in order)."""
+    D: gl.constexpr = a.shape[1]
+    if COLS == 0 or COLS == D:
+        tok = warpgroup_mma(a, b.permute((1, 0)), acc, use_acc=use_acc, is_async=True)
+    elif COLS == _pow2_floor(COLS):  # ((192, 128): dP over V's 128 of 256 columns) one piece
+        tok = warpgroup_mma(a.slice(0, COLS, 1), b.slice(0, COLS, 1).permute((1, 0)), acc,
+                            use_acc=use_acc, is_async=True)
+    else:
+        C0: gl.constexpr = _pow2_floor(COLS)
+        C1: gl.constexpr = COLS - C0
+        gl.static_assert(C1 > 0 and C1 == _pow2_floor(C1) and C1 >= 16,
+                         "COLS must be two powers of two of at least 16 columns")
+        tok = warpgroup_mma(a.slice(0, C0, 1), b.slice(0, C0, 1).permute((1, 0)), acc,
+                            use_acc=use_acc, is_async=True)
+        tok = warpgroup_mma(a.slice(C0, C1, 1), b.slice(C0, C1, 1).permute((1, 0)), tok,
+                            use_acc=True, is_async=True)
+    return tok
 
 
 @gluon.jit
@@ -389,6 +421,19 @@ PADDED_HEAD_DIMS = {(96, 96): 128, (192, 192): 256, (192, 128): 256}
 PAD_MODE = os.environ.get("IOATTN_SM90_PAD", "tma").lower()
 if PAD_MODE not in ("copy", "tma"):
     raise ValueError(f"IOATTN_SM90_PAD={PAD_MODE!r}: expected 'copy' or 'tma'")
+# (tma mode, the forward; opt-in until timed) QKᵀ over d's own columns, two power-of-two
+# pieces (``mma_over_cols``: 96 as 64 + 32, 192 as 128 + 64) instead of the padded width, and V /
+# O in tiles of d_v's own width where it is a power of two ((192, 128): PV at 128 columns, not
+# 256). Tensor-core work a tile against the padded form: (192, 128) 320 / 512, (192, 192)
+# 448 / 512, (96, 96) 224 / 256
+PAD_NARROW = os.environ.get("IOATTN_SM90_PAD_NARROW", "0").lower() in ("1", "true", "on")
+
+
+def narrow_dv(d_v: int) -> int | None:
+    """V's and O's tile width under PAD_NARROW: d_v padded to a power of two (None: d_v is one,
+    read as it is)."""
+    p2 = 1 << (d_v - 1).bit_length()
+    return None if p2 == d_v else p2
 
 
 def padded_operands(named: tuple, d_pad: int, varlen: bool) -> tuple[list, int | None]:

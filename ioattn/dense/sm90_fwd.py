@@ -45,6 +45,7 @@ from ioattn.dense.sm90_common import (OPERAND_DTYPES, PADDED_HEAD_DIMS, barriers
                                       rows_descriptor, score_scales, softcap_tanh, box_cols,
                                       store_cols, tile_layout, tma_load, tma_store,
                                       tma_view_problem, grouped_order, head_group_size,
+                                      mma_over_cols, narrow_dv,
                                       wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile)
 from ioattn.dispatch import sm_count
 from ioattn.launch import launcher
@@ -212,6 +213,11 @@ def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty
     earlier tiles with work (q_empty's phase)."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     BOX: gl.constexpr = k_desc.block_type.shape[0]  # rows per TMA copy: BLOCK_N, or a page
+    # V's column: kv_col is K's (a head's first column at K's tile width)
+    if v_smem.shape[2] == k_smem.shape[2]:
+        v_col = kv_col
+    else:
+        v_col = kv_col // k_smem.shape[2] * v_smem.shape[2]
     # no key block: the consumers never wait for Q (and, non-persistent, reuse its buffers to
     # stage O), so Q must not be in flight then
     has_work = n_tiles > 0
@@ -233,7 +239,7 @@ def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty
         mbarrier.wait(v_empty.index(st), ph)
         mbarrier.expect(v_full.index(st), (BLOCK_N // BOX) * v_desc.block_type.nbytes)
         _key_tile_load(v_desc, v_smem.index(st), v_full.index(st), BT, bt_row, bt_width,
-                       k_row + j * BLOCK_N, kv_col, PAGED, PAGE)
+                       k_row + j * BLOCK_N, v_col, PAGED, PAGE)
     if IS_VARLEN or PAGED:
         # (one tile per CTA: these modes do not run persistent) the last V tile may run past the
         # last packed sequence into rows of no sequence (or, in a paged cache, into page slots
@@ -486,15 +492,15 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                   window_right, qk_scale_log2, softcap_scale, it0, rnd0, q_phase, WG: gl.constexpr,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                  EXP_EARLY: gl.constexpr):
+                  EXP_EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0):
     """One warpgroup's 64 query rows of a tile: key tiles from ring position it0, pingpong rounds
     from rnd0, Q's load completing phase q_phase of q_bar. Returns (out, lse): out normalized in
     the input dtype, lse in natural log; rows that saw no key give out 0 and LSE -inf."""
-    HEAD_D: gl.constexpr = q_smem.shape[2]
+    HEAD_DV: gl.constexpr = v_smem.shape[2]  # V's and O's tile width (Q / K's may differ)
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N)
-    o_layout: gl.constexpr = wgmma_acc_layout(HEAD_D)
+    o_layout: gl.constexpr = wgmma_acc_layout(HEAD_DV)
     p_layout: gl.constexpr = wgmma_a_operand(o_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -503,7 +509,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
     off = seqlen_k - seqlen_q
     m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.full([HALF_M], 0.0, gl.float32, layout=row_s)
-    acc = gl.zeros([HALF_M, HEAD_D], gl.float32, layout=o_layout)
+    acc = gl.zeros([HALF_M, HEAD_DV], gl.float32, layout=o_layout)
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
 
     if n_tiles > 0:
@@ -513,13 +519,13 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                                    row0, seqlen_k, off, window_left, window_right,
                                    qk_scale_log2,
                                    softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG,
-                                   EXP_EARLY)
+                                   EXP_EARLY, QK_COLS)
         p, acc, m_i, l_i = _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
                                           turn, p, acc, m_i, l_i, it0, rnd0, n_tiles, lo, row0,
                                           seqlen_k, off, window_left, window_right,
                                           qk_scale_log2,
                                           softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT,
-                                          PINGPONG, EXP_EARLY)
+                                          PINGPONG, EXP_EARLY, QK_COLS)
         if PERSISTENT:
             # every QKᵀ of this tile has retired: the producer may load the next tile's Q
             mbarrier.arrive(q_empty, count=1)
@@ -544,7 +550,7 @@ def _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, p,
                    it0, rnd0, n_tiles, lo, row0, seqlen_k, off, window_left, window_right,
                    qk_scale_log2, softcap_scale, WG: gl.constexpr, STAGES: gl.constexpr,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PINGPONG: gl.constexpr,
-                   EARLY: gl.constexpr):
+                   EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0):
     """Key blocks 1 .. n_tiles - 1 of a tile (block 0's softmax done, its P in p), the steady
     state: QK_j issued before PV_{j-1}; wait(1) retires QK_j, the softmax of block j then
     overlaps PV_{j-1}. Returns (p, acc, m_i, l_i): the last block's P, its PV not issued."""
@@ -557,7 +563,7 @@ def _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, p,
                                               lo + j * BLOCK_N, row0, seqlen_k, off, window_left,
                                               window_right, qk_scale_log2,
                                               softcap_scale, WG, STAGES, HAS_LEFT,
-                                              HAS_RIGHT, PINGPONG, EARLY)
+                                              HAS_RIGHT, PINGPONG, EARLY, QK_COLS)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     return p, acc, m_i, l_i
 
@@ -567,7 +573,7 @@ def _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it, rnd, co
                  seqlen_k, off,
                  window_left, window_right, qk_scale_log2, softcap_scale, WG: gl.constexpr,
                  STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                 PINGPONG: gl.constexpr, EARLY: gl.constexpr):
+                 PINGPONG: gl.constexpr, EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0):
     """A tile's first key block (ring position it, keys from col0) with no PV in flight: S on
     its own, then its softmax from (m_i, l_i). Returns (p, m, l); with EARLY p is PV's register
     operand already (``_softmax_step``)."""
@@ -576,8 +582,7 @@ def _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it, rnd, co
     st = it % STAGES
     mbarrier.wait(k_full.index(st), (it // STAGES) & 1)
     _take_turn(turn, WG, rnd, PINGPONG)
-    s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
+    s_tok = mma_over_cols(q, k_smem.index(st), s_zero, QK_COLS)
     _pass_turn(turn, WG, PINGPONG)
     s = softcap_tanh(warpgroup_mma_wait(0, deps=[s_tok]), softcap_scale)
     mbarrier.arrive(k_empty.index(st), count=1)
@@ -592,7 +597,8 @@ def _block_step(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, s_zer
                 l_i, it, rnd, col0, row0, seqlen_k, off, window_left, window_right, qk_scale_log2,
                 softcap_scale,
                 WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                HAS_RIGHT: gl.constexpr, PINGPONG: gl.constexpr, EARLY: gl.constexpr):
+                HAS_RIGHT: gl.constexpr, PINGPONG: gl.constexpr, EARLY: gl.constexpr,
+                QK_COLS: gl.constexpr = 0):
     """One steady-state step: QK of the block at ring position it (keys from col0) issued, then
     PV of the previous block (its P in p, V at it - 1) into acc; wait(1) retires QK, and this
     block's softmax from (m_i, l_i) runs while PV is on the tensor cores. Returns (p, alpha, m,
@@ -605,8 +611,7 @@ def _block_step(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, s_zer
     mbarrier.wait(v_full.index(prev), ((it - 1) // STAGES) & 1)
     p_op = _pv_operand(p, dtype, p_layout, EARLY)
     _take_turn(turn, WG, rnd, PINGPONG)
-    s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
+    s_tok = mma_over_cols(q, k_smem.index(st), s_zero, QK_COLS)  # (QK_COLS: two groups)
     acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
     _pass_turn(turn, WG, PINGPONG)
     s = softcap_tanh(warpgroup_mma_wait(1, deps=[s_tok]), softcap_scale)
@@ -644,17 +649,20 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_
               softcap_scale,
               WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, EXP_EARLY: gl.constexpr,
-              O_COLS: gl.constexpr):
+              O_COLS: gl.constexpr, QK_COLS: gl.constexpr = 0):
     _first_turn(turn, WG, PINGPONG)
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                              v_empty, v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                              window_left, window_right, qk_scale_log2,
                              softcap_scale, 0, 0, 0, WG, STAGES,
-                             HAS_LEFT, HAS_RIGHT, ZERO_TAIL, PINGPONG, False, EXP_EARLY)
+                             HAS_LEFT, HAS_RIGHT, ZERO_TAIL, PINGPONG, False, EXP_EARLY, QK_COLS)
     row0 = start_m + WG * HALF_M
     _store_lse(LSE, lse, lse_off, row0, seqlen_q)
     if row0 + HALF_M <= seqlen_q:
         o_smem = q_smem.index(WG)  # the Q half is dead: stage O there for the TMA store
+        if out.shape[1] != q_smem.shape[2]:  # (V / O narrower than Q / K: O's own tile there)
+            o_smem = o_smem._reinterpret(out.dtype, [HALF_M, out.shape[1]],
+                                         tile_layout(o_desc.layout))
         o_smem.store(out)
         fence_async_shared()
         tma_store(o_desc, o_row + WG * HALF_M, o_col, o_smem)
@@ -671,7 +679,7 @@ def _consume_persistent_tile(t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_b
                              qk_scale_log2, softcap_scale, WG: gl.constexpr, STAGES: gl.constexpr,
                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                              PINGPONG: gl.constexpr, EXP_EARLY: gl.constexpr,
-                             O_COLS: gl.constexpr):
+                             O_COLS: gl.constexpr, QK_COLS: gl.constexpr = 0):
     """One warpgroup's rows of tile t; returns the updated ring position, tiles-with-work count
     and pingpong rounds."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -684,7 +692,7 @@ def _consume_persistent_tile(t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_b
                              lo, n_tiles, window_left, window_right, qk_scale_log2,
                              softcap_scale, it, rnd,
                              tc & 1, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG, True,
-                             EXP_EARLY)
+                             EXP_EARLY, QK_COLS)
     _store_tile(out, lse, t, O, LSE, CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh,
                 n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right,
                 WG, TILE_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, O_COLS)
@@ -720,7 +728,8 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
                          tile_empty, WG: gl.constexpr,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr,
-                         EXP_EARLY: gl.constexpr, O_COLS: gl.constexpr):
+                         EXP_EARLY: gl.constexpr, O_COLS: gl.constexpr,
+                         QK_COLS: gl.constexpr = 0):
     """A persistent CTA's tiles, in the producer's order: program_id, program_id + programs, ...
     in snake order (``_snake``), or (DYNAMIC) the ids the producer draws from the tile counter
     and passes on through shared memory; tiles run over (query tile, batch * head), query tiles
@@ -739,7 +748,8 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
             k_empty, v_empty, v_fixed, turn, CU_Q, CU_K, stride_om, stride_oh, stride_lb,
             stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
             window_right, qk_scale_log2,
-            softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_EARLY, O_COLS)
+            softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_EARLY, O_COLS,
+            QK_COLS)
         k += 1
         t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
 
@@ -755,7 +765,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    PAGE: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                    WGS: gl.constexpr = 2,
                    DYNAMIC: gl.constexpr = False, COUNTER=None, EXP_EARLY: gl.constexpr = False,
-                   softcap_scale=None, O_COLS: gl.constexpr = 0, head_group=1):
+                   softcap_scale=None, O_COLS: gl.constexpr = 0, head_group=1,
+                   QK_COLS: gl.constexpr = 0):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # head_group: the tiles (the tile counter's ids, or the grid's CTAs) in grouped heaviest-
     # first order (``sm90_common.grouped_order``, ``LPT``); 1: one head after another
@@ -766,6 +777,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     # (``_consumer_persistent``); n_bh = batch * heads. Otherwise one CTA per (query tile,
     # batch * head) on a 2D grid.
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
+    HEAD_DV: gl.constexpr = box_cols(v_desc.block_type.shape)  # V's and O's tiles
     gl.static_assert(not (PERSISTENT and (IS_VARLEN or PAGED)),
                      "the persistent form covers batched (not varlen or paged) problems")
     gl.static_assert(WGS == 2 or WGS == 3, "two or three consumer warpgroups")
@@ -781,7 +793,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                        tile_layout(q_desc.layout))
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D],
                                        tile_layout(k_desc.layout))
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D],
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DV],
                                        tile_layout(v_desc.layout))
     q_bar = barriers(1, 1)
     q_empty = barriers(1, WGS)  # persistent: one arrive per consumer warpgroup
@@ -809,7 +821,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty,
                                         0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS)),
+                                        EXP_EARLY, O_COLS, QK_COLS)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
@@ -818,7 +830,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty,
                                         1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS)),
+                                        EXP_EARLY, O_COLS, QK_COLS)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
@@ -827,7 +839,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty,
                                         2, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS)),
+                                        EXP_EARLY, O_COLS, QK_COLS)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
@@ -845,7 +857,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty,
                                         0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS)),
+                                        EXP_EARLY, O_COLS, QK_COLS)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
@@ -854,7 +866,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty,
                                         1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS)),
+                                        EXP_EARLY, O_COLS, QK_COLS)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
@@ -872,25 +884,25 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
             gl.warp_specialize([
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
-                             turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
+                             turn, q_row, off_h * HEAD_DV, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY, O_COLS)),
+                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
-                             turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
+                             turn, q_row, off_h * HEAD_DV, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY, O_COLS)),
+                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
-                             turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
+                             turn, q_row, off_h * HEAD_DV, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 2, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY, O_COLS)),
+                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
@@ -901,18 +913,18 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
             gl.warp_specialize([
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
-                             turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
+                             turn, q_row, off_h * HEAD_DV, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY, O_COLS)),
+                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
-                             turn, q_row, off_h * HEAD_D, o_base_off, stride_om, lse_off, start_m,
+                             turn, q_row, off_h * HEAD_DV, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY, O_COLS)),
+                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
@@ -1060,10 +1072,12 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     elif LPT:
         group = head_group_size(grid[1], grid[0], sm_count(q.device))
     block_n = form["BLOCK_N"]
+    # (IOATTN_SM90_PAD_NARROW) QKᵀ over d's own columns, V and O in tiles of their own width
+    qk_cols, dv_pad = (d, narrow_dv(d_v)) if d_pad and sm90_common.PAD_NARROW else (0, d_pad)
     q_desc = rows_descriptor(q, p.is_varlen, HALF_M.value, pad_to=d_pad)
     k_desc = rows_descriptor(k, p.is_varlen, block_n, pad_to=d_pad)
-    v_desc = rows_descriptor(v, p.is_varlen, block_n, pad_to=d_pad)
-    o_desc = rows_descriptor(out, p.is_varlen, HALF_M.value, pad_to=d_pad)
+    v_desc = rows_descriptor(v, p.is_varlen, block_n, pad_to=dv_pad)
+    o_desc = rows_descriptor(out, p.is_varlen, HALF_M.value, pad_to=dv_pad)
     dummy = lse  # unused pointer arguments (batched layout)
     # tiles after the first G come from a counter of this launch's own (a shared one would let
     # concurrent launches on other streams take each other's tiles); stream-ordered by the
@@ -1078,7 +1092,8 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         qk_scale_log2, p.window_left, p.window_right, softcap_scale=softcap_scale,
         IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
         PRODUCER_REGS_=PRODUCER_REGS, PAGED=False, PAGE=1, **form, COUNTER=counter,
-        O_COLS=d_v if d_pad else 0, head_group=group, num_warps=4,
+        O_COLS=d_v if dv_pad and dv_pad != d_v else 0, head_group=group, QK_COLS=qk_cols,
+        num_warps=4,
     )
 
 

@@ -570,6 +570,15 @@ def test_head_group_size():
     assert head_group_size(13, 16, 132) == 1
 
 
+def test_narrow_dv():
+    """IOATTN_SM90_PAD_NARROW's V / O tile width: d_v padded to a power of two, or d_v itself
+    (None) where it is one."""
+    from ioattn.dense.sm90_common import narrow_dv
+
+    assert narrow_dv(96) == 128 and narrow_dv(192) == 256
+    assert narrow_dv(128) is None and narrow_dv(64) is None and narrow_dv(256) is None
+
+
 def test_bwd_order_groups_masked_grids_only(monkeypatch):
     """The backward's grids take the grouped order under a causal / local mask only (without
     one every block costs the same, and grouping timed 1% slower)."""
@@ -698,16 +707,21 @@ def test_sm90_padded_in_place_host_side(d, d_v, device, monkeypatch):
 @pytest.mark.parametrize("c", [c for c in CASES if (c.d, c.d_v or c.d) in ((96, 96), (192, 192),
                                                                          (192, 128))],
                          ids=lambda c: "sm90-pad-" + c.id)
-@pytest.mark.parametrize("mode", ["tma", "copy"])
+@pytest.mark.parametrize("mode", ["tma", "copy", "narrow"])
 def test_sm90_padded_in_place(c: Case, mode, monkeypatch):
     """IOATTN_SM90_PAD=tma (the default) on the H200: the forward and backward read q, k, v (dO)
     of head dim 96 / 192 in place (boxes zero-filled past d by the TMA unit; outputs and
     gradients, poisoned before the launch by the op, written only up to their own head dims),
     checked with the LSE and every gradient; the same rows as varlen match; the deterministic
-    backward too. IOATTN_SM90_PAD=copy, the zero-padded copies, the same way."""
+    backward too. IOATTN_SM90_PAD=copy, the zero-padded copies, the same way; "narrow"
+    (IOATTN_SM90_PAD_NARROW=1): the forward's QKᵀ over d's own columns in two wgmma groups and
+    V / O at d_v's own width ((192, 128): 2D 128-column tiles, O staged in Q's buffer); the dQ
+    kernel's (the deterministic d=96 backward's, every d=192 one's) and the column-split dK/dV
+    kernel's S and dP over d's and d_v's own columns."""
     from ioattn.dense import sm90_common
 
-    monkeypatch.setattr(sm90_common, "PAD_MODE", mode)
+    monkeypatch.setattr(sm90_common, "PAD_MODE", "tma" if mode == "narrow" else mode)
+    monkeypatch.setattr(sm90_common, "PAD_NARROW", mode == "narrow")
     _fwd_bwd(c, _covers_bwd(c) and c.s_q * c.s_k <= 1024 * 1024)
     _matches_varlen(c, *_forward_only(c))
     if _covers_bwd(c) and c.d == 96:  # (d=192 runs the two-kernel form always)
@@ -848,7 +862,7 @@ def test_sm90_kernel_compiles_for_hopper():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # (79 kernels, ~7 min on one core: the limit leaves room for a loaded CI machine)
+    # (85 kernels, ~7 min on one core: the limit leaves room for a loaded CI machine)
     res = subprocess.run([sys.executable, "-m", "ioattn.dense.inspect", "--gluon", "--json"], env=env,
                          capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -865,8 +879,22 @@ def test_sm90_kernel_compiles_for_hopper():
     # the d=128 causal dQ kernel, the d=128 paged forward; the forward and backward (fused or
     # column-split dK/dV, dQ) over [rows, heads, d] views (head dims 96 and 192 / 128 read in
     # place, IOATTN_SM90_PAD=tma); and (opt-in) the grouped heaviest-first order: the causal
-    # forward (d=128 at 4k, d=256), the causal dK/dV and dQ kernels at d = 128, 256
-    assert len(reports) == 79, names
+    # forward (d=128 at 4k, d=256), the causal dK/dV and dQ kernels at d = 128, 256; and
+    # (opt-in IOATTN_SM90_PAD_NARROW) the forward at 96, 192 / 128 and 192 with QKᵀ over d's
+    # own columns and V / O at d_v's own width, the dQ kernel (96, 192 / 128) and the
+    # column-split dK/dV kernel (192 / 128) with S and dP over d's and d_v's own columns
+    assert len(reports) == 85, names
+    # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
+    hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
+    assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
+            < hgmma["sm90 fwd d128 none heads-view O_COLS=96 128x128 ws"]), hgmma
+    assert (hgmma["sm90 fwd d256 causal heads-view narrow QK_COLS=192 128x64 ws"]
+            < hgmma["sm90 fwd d256 causal heads-view O_COLS=128 128x64 ws"]), hgmma
+    assert (hgmma["sm90 bwd dkdv-cols d256 causal heads-view narrow QK_COLS=192 DP_COLS=128 64 "
+                  "keys ws"]
+            < hgmma["sm90 bwd dkdv-cols d256 causal heads-view K_COLS=192 V_COLS=128 64 keys ws"])
+    assert (hgmma["sm90 bwd dq d256 causal heads-view narrow QK_COLS=192 DP_COLS=128 128x32 ws"]
+            < hgmma["sm90 bwd dq d256 causal heads-view K_COLS=192 128x32 ws"]), hgmma
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
         # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
