@@ -15,51 +15,32 @@ import json
 from collections import defaultdict
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-import ioattn
+from ioattn.bench.anchors import IMPLS, make_inputs
 from ioattn.bench.runner import collect_env
+from ioattn.bench.shapes import Shape, fa_grid
 
 
-def _flops(mode: str, b: int, h: int, s: int, d: int, causal: bool) -> float:
-    f = 4.0 * b * h * s * s * d / (2 if causal else 1)
-    return f * (2.5 if mode == "bwd" else 1.0)
-
-
-def _calls(impl: str, mode: str, q, k, v, dout, causal: bool):
-    """(setup, timed) callables: the timed one is the profiled call (the forward, or a backward
-    through a graph the setup built)."""
-    if impl == "ioattn":
-        def fwd():
-            return ioattn.flash_attn_func(q, k, v, causal=causal)
-    else:
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-
-        def fwd():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
-    if mode == "fwd":
-        return (lambda: None), fwd
+def _calls(impl: str, shape: Shape):
+    """(setup, timed) callables on the cell's data, the implementation built as the benchmark
+    builds it (``ioattn.bench.anchors.IMPLS``): the timed one is the forward, or a backward
+    through the graph the setup's forward built."""
+    built = IMPLS[impl].build(make_inputs(shape, torch.device("cuda")), shape)
+    if shape.mode == "fwd":
+        return (lambda: None), built.forward
     state = {}
 
     def setup():
-        for x in (q, k, v):
+        for x in built.leaves:
             x.grad = None
-        state["out"] = fwd()
+        state["out"] = built.forward()
 
-    def bwd():
-        state["out"].backward(dout)
-    return setup, bwd
+    return setup, lambda: state["out"].backward(built.dout)
 
 
-def measure(impl: str, mode: str, d: int, s: int, causal: bool, dtype, reps: int) -> dict:
-    b, h = max(1, 16384 // s), 2048 // d
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=mode == "bwd")
-               for _ in range(3))
-    dout = torch.randn_like(q)
-    setup, call = _calls(impl, mode, q, k, v, dout, causal)
+def measure(impl: str, shape: Shape, reps: int) -> dict:
+    setup, call = _calls(impl, shape)
     for _ in range(2):  # compile, warm up
         setup()
         call()
@@ -78,13 +59,14 @@ def measure(impl: str, mode: str, d: int, s: int, causal: bool, dtype, reps: int
                 count[e.name] += 1
     total = sum(per.values())
     main_name = max(per, key=per.get)
-    flops = _flops(mode, b, h, s, d, causal)
+    flops = shape.flops()
     kernels = sorted(({"name": n[:120], "us": round(t, 2), "share": round(t / total, 4),
                        "launches": count[n] // reps} for n, t in per.items()),
                      key=lambda r: -r["us"])
-    return dict(impl=impl, mode=mode, d=d, s=s, b=b, h=h, causal=causal,
-                gpu_us=round(total, 2), tflops_gpu=round(flops / total / 1e6, 1),
-                main_kernel=main_name[:120], main_us=round(per[main_name], 2),
+    return dict(impl=impl, mode=shape.mode, d=shape.d, s=shape.s, b=shape.b, h=shape.h,
+                causal=shape.causal, gpu_us=round(total, 2),
+                tflops_gpu=round(flops / total / 1e6, 1), main_kernel=main_name[:120],
+                main_us=round(per[main_name], 2),
                 tflops_main=round(flops / per[main_name] / 1e6, 1), kernels=kernels)
 
 
@@ -98,19 +80,16 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float16
     rows = []
-    for d in (int(x) for x in a.dims.split(",")):
-        for s in (int(x) for x in a.seqlens.split(",")):
-            for causal in (False, True):
-                for mode in a.modes.split(","):
-                    for impl in a.impls.split(","):
-                        r = measure(impl, mode, d, s, causal, dtype, a.reps)
-                        rows.append(r)
-                        side = ", ".join(f"{k['name'][:40]} {k['us']:.0f}" for k in r["kernels"][1:4])
-                        print(f"{mode} d{d} s{s} {'C' if causal else 'N'} {impl:10s} "
-                              f"gpu {r['gpu_us']:8.1f} us ({r['tflops_gpu']:5.1f}) main "
-                              f"{r['main_us']:8.1f} us ({r['tflops_main']:5.1f})  | {side}", flush=True)
+    for shape in fa_grid(dims=[int(x) for x in a.dims.split(",")],
+                         seqlens=[int(x) for x in a.seqlens.split(",")], dtypes=(a.dtype,),
+                         modes=a.modes.split(",")):
+        for impl in a.impls.split(","):
+            r = measure(impl, shape, a.reps)
+            rows.append(r)
+            side = ", ".join(f"{k['name'][:40]} {k['us']:.0f}" for k in r["kernels"][1:4])
+            print(f"{shape.label()} {impl:10s} gpu {r['gpu_us']:8.1f} us ({r['tflops_gpu']:5.1f}) "
+                  f"main {r['main_us']:8.1f} us ({r['tflops_main']:5.1f})  | {side}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(env=collect_env(torch.device("cuda")), args=vars(a), rows=rows), f,

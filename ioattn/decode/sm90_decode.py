@@ -63,9 +63,10 @@ FP8 = os.environ.get("IOATTN_SM90_DECODE_FP8", "1").lower() not in ("0", "false"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 MAXNREG = 128
 SUPPORTED_HEAD_DIMS = (64, 128)
-# programmatic dependent launch (default, as FlashInfer's on Hopper; IOATTN_SM90_DECODE_PDL=0 off): the kernel is
-# launched with launch_pdl, so its CTAs may start while the stream's previous kernel finishes
-# (its launch and CTA setup off the critical path: a few us of a 1 x 32k step's ~40), and
+# programmatic dependent launch (default, as FlashInfer's on Hopper; IOATTN_SM90_DECODE_PDL=0
+# turns it off): the kernel is launched with launch_pdl, so its CTAs may start while the
+# stream's previous kernel finishes (its launch and CTA setup off the critical path: a few us of
+# a 1 x 32k step's ~40), and
 # waits in ``grid_dependency_wait`` before touching memory; it then lets the next PDL-launched
 # kernel (the next layer's decode) start the same way. Under CUDA graph capture the launch
 # attribute becomes a programmatic edge. Expected: the graph-replayed 1 x 32k cell toward the

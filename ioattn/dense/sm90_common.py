@@ -12,6 +12,7 @@ import functools
 import os
 
 import torch
+import triton
 import triton.language as tl
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -144,8 +145,8 @@ def mma_over_cols(a, b, acc, COLS: gl.constexpr, use_acc: gl.constexpr = False):
     columns (0: all of d). A head dim that is no power of two (96, 192) sits in a tile padded
     to the next one (zero-filled by TMA); COLS = d runs its columns as two power-of-two pieces
     (64 + 32, 128 + 64), two wgmma groups into one accumulator, instead of the padded width:
-    a quarter fewer tensor-core cycles (a power of two below d, one group). Returns the last group's token (a wait that retires it
-    retires both: groups complete in order)."""
+    a quarter fewer tensor-core cycles (a power of two below d: one group). Returns the last
+    group's token (a wait that retires it retires both: groups complete in order)."""
     D: gl.constexpr = a.shape[1]
     if COLS == 0 or COLS == D:
         tok = warpgroup_mma(a, b.permute((1, 0)), acc, use_acc=use_acc, is_async=True)
@@ -421,18 +422,19 @@ PADDED_HEAD_DIMS = {(96, 96): 128, (192, 192): 256, (192, 128): 256}
 PAD_MODE = os.environ.get("IOATTN_SM90_PAD", "tma").lower()
 if PAD_MODE not in ("copy", "tma"):
     raise ValueError(f"IOATTN_SM90_PAD={PAD_MODE!r}: expected 'copy' or 'tma'")
-# (tma mode, the forward; opt-in until timed) QKᵀ over d's own columns, two power-of-two
-# pieces (``mma_over_cols``: 96 as 64 + 32, 192 as 128 + 64) instead of the padded width, and V /
-# O in tiles of d_v's own width where it is a power of two ((192, 128): PV at 128 columns, not
-# 256). Tensor-core work a tile against the padded form: (192, 128) 320 / 512, (192, 192)
-# 448 / 512, (96, 96) 224 / 256
+# (tma mode; opt-in until timed) QKᵀ over d's own columns, two power-of-two pieces
+# (``mma_over_cols``: 96 as 64 + 32, 192 as 128 + 64) instead of the padded width, and in the
+# forward V / O in tiles of d_v's own width where it is a power of two ((192, 128): PV at 128
+# columns, not 256); the backward's dQ and column-split dK/dV kernels form S and dP over d's /
+# d_v's own columns. Tensor-core work a forward tile against the padded form: (192, 128)
+# 320 / 512, (192, 192) 448 / 512, (96, 96) 224 / 256
 PAD_NARROW = os.environ.get("IOATTN_SM90_PAD_NARROW", "0").lower() in ("1", "true", "on")
 
 
 def narrow_dv(d_v: int) -> int | None:
     """V's and O's tile width under PAD_NARROW: d_v padded to a power of two (None: d_v is one,
     read as it is)."""
-    p2 = 1 << (d_v - 1).bit_length()
+    p2 = triton.next_power_of_2(d_v)
     return None if p2 == d_v else p2
 
 

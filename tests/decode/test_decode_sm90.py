@@ -335,10 +335,10 @@ def test_sm90_decode_graph_capture_short_replay_long(merge, monkeypatch):
 @pytest.mark.parametrize("c", [CASES[0], CASES[1], CASES[4], CASES[6]],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_sm90_decode_pdl_heads_first(c, merge, monkeypatch):
-    """IOATTN_SM90_DECODE_PDL and IOATTN_SM90_DECODE_HEADS_FIRST (both on by default): the kernel launched
-    with programmatic dependent launch (the switch, or FlashInfer's run(enable_pdl=True)), on a
-    (KV heads, items) grid. Three runs back to back,
-    eager and then captured in one graph and replayed twice, every output and LSE (poisoned
+    """IOATTN_SM90_DECODE_PDL and IOATTN_SM90_DECODE_HEADS_FIRST (both on by default): the
+    kernel launched with programmatic dependent launch (the switch, or FlashInfer's
+    run(enable_pdl=True)), on a (KV heads, items) grid. Three runs back to back, eager and then
+    captured in one graph and replayed twice, every output and LSE (poisoned
     before the replays) against the references. With the in-kernel merge each decode may start
     while the one before it finishes, sharing its partial slots and merge tickets (a missing
     wait would show only by chance: the check is of the results); with the combine, the

@@ -536,12 +536,12 @@ LPT_CASES = [Case(1024, 1024, d=128, b=4, h=8, causal=True),
 @needs_sm90
 @pytest.mark.parametrize("c", LPT_CASES, ids=lambda c: "sm90-lpt-" + c.id)
 def test_sm90_grouped_heaviest_first(c: Case, monkeypatch):
-    """IOATTN_SM90_FWD_LPT / _BWD_LPT (on by default; the backward under masks only): the forward's tile counter (or its grid, one CTA
-    per tile) and the backward's dK/dV (and dQ) grids take their blocks in grouped
-    heaviest-first order (heads in groups of a divisor of their
-    count, GQA and odd head counts included); every output, LSE and gradient against the reference
-    (outputs poisoned before the launch: a block the order skipped shows), and the order was
-    really grouped."""
+    """IOATTN_SM90_FWD_LPT / _BWD_LPT (on by default; the backward under masks only): the
+    forward's tile counter (or its grid, one CTA per tile) and the backward's dK/dV (and dQ)
+    grids take their blocks in grouped heaviest-first order (heads in groups of a divisor of
+    their count, GQA and odd head counts included); every output, LSE and gradient against the
+    reference (outputs poisoned before the launch: a block the order skipped shows), and the
+    order was really grouped."""
     from ioattn.dense import sm90_bwd, sm90_common, sm90_fwd
 
     monkeypatch.setattr(sm90_fwd, "LPT", True)
