@@ -112,6 +112,9 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_FWD_LPT", "1", "sm90 forward: its tiles (the dynamic scheduler's, or one CTA "
      "each) in grouped heaviest-first order (heads in groups of about a wave, each group's "
      "heaviest tiles first)"),
+    ("IOATTN_SM90_BWD_PERSISTENT", "0", "sm90 fused backward (not varlen): persistent dK/dV "
+     "CTAs, one a SM, the next key block's loads under the last one's final steps; 1: every "
+     "call, nomask: only without a causal / local mask, 0: one CTA a key block"),
     ("IOATTN_SM90_BWD_LPT", "1", "sm90 backward: the dK/dV and dQ kernels' blocks in grouped "
      "heaviest-first order"),
     ("IOATTN_SM90_PERSISTENT", "auto", "sm90 forward: persistent CTAs over query tiles (batched); "
@@ -120,7 +123,7 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_PAD", "tma", "sm90 kernels at head dims 96 / 192 (run as 128 / 256): "
      "tma: read in place through [rows, heads, d] views the TMA unit zero-fills past d (no "
      "copies); copy: zero-padded copies of q, k, v (and dO, O)"),
-    ("IOATTN_SM90_PAD_NARROW", "0", "sm90 kernels at head dims 96 / 192 read in place: QKᵀ over "
+    ("IOATTN_SM90_PAD_NARROW", "1", "sm90 kernels at head dims 96 / 192 read in place: QKᵀ over "
      "d's own columns (two power-of-two pieces) and V / O at d_v's own width where it is a "
      "power of two ((192, 128): PV at 128 columns, not 256); in the backward's dQ and "
      "column-split dK/dV kernels S and dP over d's / d_v's own columns"),

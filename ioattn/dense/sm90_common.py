@@ -422,13 +422,14 @@ PADDED_HEAD_DIMS = {(96, 96): 128, (192, 192): 256, (192, 128): 256}
 PAD_MODE = os.environ.get("IOATTN_SM90_PAD", "tma").lower()
 if PAD_MODE not in ("copy", "tma"):
     raise ValueError(f"IOATTN_SM90_PAD={PAD_MODE!r}: expected 'copy' or 'tma'")
-# (tma mode; opt-in until timed) QKᵀ over d's own columns, two power-of-two pieces
-# (``mma_over_cols``: 96 as 64 + 32, 192 as 128 + 64) instead of the padded width, and in the
-# forward V / O in tiles of d_v's own width where it is a power of two ((192, 128): PV at 128
-# columns, not 256); the backward's dQ and column-split dK/dV kernels form S and dP over d's /
-# d_v's own columns. Tensor-core work a forward tile against the padded form: (192, 128)
-# 320 / 512, (192, 192) 448 / 512, (96, 96) 224 / 256
-PAD_NARROW = os.environ.get("IOATTN_SM90_PAD_NARROW", "0").lower() in ("1", "true", "on")
+# (tma mode) QKᵀ over d's own columns, two power-of-two pieces (``mma_over_cols``: 96 as
+# 64 + 32, 192 as 128 + 64) instead of the padded width, and in the forward V / O in tiles of
+# d_v's own width where it is a power of two ((192, 128): PV at 128 columns, not 256); the
+# backward's dQ and column-split dK/dV kernels form S and dP over d's / d_v's own columns.
+# Tensor-core work a forward tile against the padded form: (192, 128) 320 / 512, (192, 192)
+# 448 / 512, (96, 96) 224 / 256. The default since it ran 1.00-1.49x the padded form in every
+# cell timed on the H200 (results/pad_narrow{1,0}_d90c06b_*.json, NOTES session 17)
+PAD_NARROW = os.environ.get("IOATTN_SM90_PAD_NARROW", "1").lower() in ("1", "true", "on")
 
 
 def narrow_dv(d_v: int) -> int | None:
