@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-persistent]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -411,20 +411,6 @@ for step in $steps; do
                --dims 96,192,192x128 --hidden 1536 --seqlens 1024,8192 --dtypes bf16 \
                --impls $impls --no-plots --out "$OUT/pad_narrow$v.json" > /tmp/pad_narrow$v.log 2>&1
              echo "== narrow=$v"; grep -E "^(fwd|bwd)" /tmp/pad_narrow$v.log; done ;;
-    bwd-persistent) # the fused backward's persistent dK/dV CTAs (opt-in
-           # IOATTN_SM90_BWD_PERSISTENT=1): its tests (and the fused backward's), then the bf16
-           # grid's backward at d = 64 / 128, 2k / 4k / 16k, causal and not, on (with cuDNN), off,
-           # on again (~150 + 3 x 80 s)
-           timeout 200 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
-             -k "persistent_bwd or fused_bwd" > "$OUT/tests_bwd_persistent.log" 2>&1
-           grep -E "^FAILED" "$OUT/tests_bwd_persistent.log" | head -20
-           tail -1 "$OUT/tests_bwd_persistent.log"
-           i=0; for v in 1 0 1; do i=$((i+1)); impls=ioattn; [ $i = 1 ] && impls=ioattn,sdpa_cudnn
-             IOATTN_SM90_BWD_PERSISTENT=$v timeout 150 python -m ioattn bench --modes bwd \
-               --dims 64,128 --seqlens ${PERS_SEQLENS:-2048,4096,16384} --dtypes bf16 \
-               --impls $impls --no-plots --out "$OUT/bwd_persistent${v}_run$i.json" \
-               > "/tmp/bwd_persistent$i.log" 2>&1
-             echo "== persistent=$v"; grep -E "^bwd" "/tmp/bwd_persistent$i.log"; done ;;
     parts) # each dense call's GPU time kernel by kernel (torch.profiler), ours and cuDNN's: how much
            # of the 2k cells' gap is side passes against the main kernel (~90 s)
            timeout 200 python benchmarks/kernel_parts.py --dims ${PARTS_DIMS:-64,128} \

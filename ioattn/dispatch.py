@@ -112,9 +112,6 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_FWD_LPT", "1", "sm90 forward: its tiles (the dynamic scheduler's, or one CTA "
      "each) in grouped heaviest-first order (heads in groups of about a wave, each group's "
      "heaviest tiles first)"),
-    ("IOATTN_SM90_BWD_PERSISTENT", "0", "sm90 fused backward (not varlen): persistent dK/dV "
-     "CTAs, one a SM, the next key block's loads under the last one's final steps; 1: every "
-     "call, nomask: only without a causal / local mask, 0: one CTA a key block"),
     ("IOATTN_SM90_BWD_LPT", "1", "sm90 backward: the dK/dV and dQ kernels' blocks in grouped "
      "heaviest-first order"),
     ("IOATTN_SM90_PERSISTENT", "auto", "sm90 forward: persistent CTAs over query tiles (batched); "

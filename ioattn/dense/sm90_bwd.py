@@ -114,16 +114,6 @@ ROW_STATS = os.environ.get("IOATTN_SM90_BWD_ROW_STATS", "1").lower() in ("1", "t
 # (results/tune/lpt_bwd128_*_a1337ee_*), so a maskless grid keeps the old order
 LPT = os.environ.get("IOATTN_SM90_BWD_LPT", "1").lower() in ("1", "true", "on")
 DQ_ORDER = os.environ.get("IOATTN_SM90_BWD_DQ_ORDER", "auto").lower()
-# (fused, not varlen) persistent dK/dV CTAs (``PERSISTENT`` of ``_bwd_dkdv_sm90``): one CTA a SM
-# over key blocks p, p + programs, ..., the next block's K / V and first Q / dO loads issued
-# under the last block's final steps and dK / dV stores. Why: the fused backward's main kernel
-# trails cuDNN's (persistent) by a near-constant ~105-130 us at d=128 non-causal from 2k to
-# 16k (1270 / 2354 / 9045 us against 1164 / 2250 / 8912, results/kernel_parts_d90c06b_*.json),
-# the same 2048 CTAs (15.5 waves) each time: ~7 us a CTA, its ramp (K / V and the first stages
-# loaded by every SM at once) and drain (dK / dV stored at once). IOATTN_SM90_BWD_PERSISTENT:
-# 0 (default until timed), 1 (every fused non-varlen call), nomask (only without a causal /
-# local mask, where every block costs the same and the static order is balanced)
-PERSISTENT = os.environ.get("IOATTN_SM90_BWD_PERSISTENT", "0").lower()
 # (the dK/dV kernels) Pᵀ's exponentials kept before the wait for dPᵀ, so they run while dPᵀ is on
 # the tensor cores: in the sm90 SASS ptxas otherwise hoists that wait above 27-28 of a thread's
 # 32 exponentials (d=64 alt, d=128 lag orders). They go in a branch of their own on the step's
@@ -198,11 +188,7 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
                    qdo_full, qdo_empty, fixed, q_start, k_row, kv_col, h0, lo_m, n_m, n_steps,
                    seqlen_q, n_keys, LSE, DELTA, ld_smem, lse_base, stride_lh,
                    STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, FUSED_DQ: gl.constexpr,
-                   KEY_TILES: gl.constexpr = 2, ROW_STATS: gl.constexpr = False, r0=0,
-                   kv_phase=0, kv_empty=None, PERSISTENT: gl.constexpr = False):
-    # (PERSISTENT) r0: the ring position of the block's first step (the CTA's earlier blocks'
-    # steps); kv_phase: kv_bar's / kv_empty's phase (the CTA's earlier blocks with steps); K and
-    # V are loaded once both consumer warpgroups have released the last block's (kv_empty)
+                   KEY_TILES: gl.constexpr = 2, ROW_STATS: gl.constexpr = False):
     # KEY_TILES: 64-key K/V tiles per CTA (1: the d = 256 column-split kernel). ROW_STATS: each
     # stage also carries its 64 rows' LSE (base 2, +inf for rows past the sequence and for fully
     # masked rows, so their P is 0) and delta in ld_smem[2 st], ld_smem[2 st + 1], stored by this
@@ -214,8 +200,6 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
     # [2 HALF, d] buffer in one copy: a 3D box cannot land in a row slice of a 128-byte swizzled
     # buffer (the slice's column blocks are not contiguous; ``tma_load`` asserts it)
     K_BOX: gl.constexpr = k_desc.block_type.shape[0]
-    if PERSISTENT:
-        mbarrier.wait(kv_empty, kv_phase ^ 1, pred=has_work)
     mbarrier.expect(kv_bar, (KEY_TILES * HALF // K_BOX) * k_desc.block_type.nbytes
                     + KEY_TILES * v_desc.block_type.nbytes, pred=has_work)
     for i in gl.static_range(KEY_TILES):
@@ -237,8 +221,7 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
             mbarrier.arrive(fixed.index(STAGES), count=1)
     fixes = 0  # per-stage phase bits of fixed[st]
     for t in range(n_steps):
-        tr = t + r0  # the step's ring position
-        st = tr % STAGES
+        st = t % STAGES
         g = t // n_m
         row = q_start + lo_m + (t - g * n_m) * HALF
         col = (h0 + g) * HEAD_D
@@ -248,7 +231,7 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
             offs = lse_base + (h0 + g).to(gl.int64) * stride_lh + rows
             lse = gl.load(LSE + offs, mask=ok, other=float("inf"))
             delta = gl.load(DELTA + offs, mask=ok, other=0.0)
-        mbarrier.wait(qdo_empty.index(st), ((tr // STAGES) & 1) ^ 1)
+        mbarrier.wait(qdo_empty.index(st), ((t // STAGES) & 1) ^ 1)
         mbarrier.expect(qdo_full.index(st), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma_load(q_desc, row, col, qdo_full.index(st), q_smem.index(st))
         tma_load(do_desc, row, col, qdo_full.index(st), do_smem.index(st))
@@ -262,7 +245,7 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
             # dPᵀ = V·dOᵀ would carry 0 * NaN into dK and dV), then release the tile
             first = q_start + seqlen_q - row
             if first < HALF:
-                mbarrier.wait(qdo_full.index(st), (tr // STAGES) & 1)
+                mbarrier.wait(qdo_full.index(st), (t // STAGES) & 1)
                 zero_tail_rows(q_smem.index(st), first)
                 zero_tail_rows(do_smem.index(st), first)
                 fence_async_shared()
@@ -319,21 +302,20 @@ def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELT
                  stride_lh, h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left,
                  window_right, qk_scale_log2, softcap_scale, STAGES: gl.constexpr,
                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                 MASK: gl.constexpr, ROW_STATS: gl.constexpr, r0=0):
+                 MASK: gl.constexpr, ROW_STATS: gl.constexpr):
     """Step t's start in a dK/dV consumer warpgroup: its 64 query rows' LSE and delta, Q and dO
     from the ring, Pᵀ (fp32) and dPᵀ for this warpgroup's 64 keys, then dV's update issued. MASK:
     0, the step's tile needs no mask (``_mask_segments``); 1, it is masked; 2, tested at run
     time. ROW_STATS: LSE and delta come from the stage's ld_smem rows (``_dkdv_producer``), read
     just before their use, instead of global loads held in registers from the step's start.
-    r0: the ring position of the block's step 0 (``_dkdv_producer``). Returns (stage, q, do, p,
-    dp, delta, fixes, dV's pending update)."""
+    Returns (stage, q, do, p, dp, delta, fixes, dV's pending update)."""
     s_layout: gl.constexpr = wgmma_acc_layout(HALF)
     key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_l: gl.constexpr = gl.SliceLayout(0, s_layout)
     off = seqlen_k - seqlen_q
     cols = n0 + gl.arange(0, HALF, layout=key_l)  # this warpgroup's keys (Sᵀ rows)
     s_zero = gl.zeros([HALF, HALF], gl.float32, layout=s_layout)
-    st = (t + r0) % STAGES
+    st = t % STAGES
     g = t // n_m
     m0 = lo_m + (t - g * n_m) * HALF
     rows = m0 + gl.arange(0, HALF, layout=row_l)
@@ -344,8 +326,8 @@ def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELT
         delta = gl.load(DELTA + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows, mask=row_ok,
                         other=0.0)
         lse2 = _lse_base2(lse)
-    q, do, fixes = _qdo_stage(t + r0, q_smem, do_smem, qdo_full, fixed, fixes, m0, seqlen_q,
-                              STAGES, IS_VARLEN)
+    q, do, fixes = _qdo_stage(t, q_smem, do_smem, qdo_full, fixed, fixes, m0, seqlen_q, STAGES,
+                              IS_VARLEN)
     # Sᵀ and dPᵀ issued together; the exponentials run while dPᵀ is on the tensor cores, and
     # dSᵀ is formed while dV's update runs (wgmma groups retire in issue order)
     s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -389,7 +371,7 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_
                    window_right, qk_scale_log2,
                    softcap_scale, sm_scale, WG: gl.constexpr, STAGES: gl.constexpr,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                   HAS_PREV: gl.constexpr, MASK: gl.constexpr, ROW_STATS: gl.constexpr, r0=0):
+                   HAS_PREV: gl.constexpr, MASK: gl.constexpr, ROW_STATS: gl.constexpr):
     """(fused, DQ_LAG) Step t with step t - 1's dQ partial (HAS_PREV) issued right after this
     step's dV update: the GEMM overlaps this step's dS, and the two warpgroups meet at a dSᵀ
     buffer one step after writing it instead of within the step. Returns (dv, dk, fixes)."""
@@ -401,29 +383,28 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_
         t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
         h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
         softcap_scale,
-        STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK, ROW_STATS, r0)
-    tr = t + r0  # the ring position of the step (its dSᵀ buffer, barriers' phases)
+        STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK, ROW_STATS)
     if HAS_PREV:
-        prev = ds_smem.index((tr - 1) % 2)
-        dq_tok = _dq_partial(prev, prev.slice(WG * HALF, HALF, dim=0), k, k_smem, ds_ready, tr - 1,
+        prev = ds_smem.index((t - 1) % 2)
+        dq_tok = _dq_partial(prev, prev.slice(WG * HALF, HALF, dim=0), k, k_smem, ds_ready, t - 1,
                              WG, DQ_COLS, SPLIT_DQ, dq_layout)
     ds = p * (dp - delta[None, :])
-    ds_all = ds_smem.index(tr % 2)
+    ds_all = ds_smem.index(t % 2)
     ds_s = ds_all.slice(WG * HALF, HALF, dim=0)
     if SPLIT_DQ:
-        if tr >= 2:  # both warpgroups' dQ GEMMs of step t - 2 have read this buffer
-            mbarrier.wait(ds_empty.index(tr % 2), ((tr // 2) - 1) & 1)
+        if t >= 2:  # both warpgroups' dQ GEMMs of step t - 2 have read this buffer
+            mbarrier.wait(ds_empty.index(t % 2), ((t // 2) - 1) & 1)
     ds_s.store((ds * sm_scale).to(dtype))
     fence_async_shared()
     if SPLIT_DQ:
         gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
-        mbarrier.arrive(ds_ready.index(tr % 2), count=1)
+        mbarrier.arrive(ds_ready.index(t % 2), count=1)
     dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
     if HAS_PREV:
         dv, dq = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok])
         if SPLIT_DQ:
-            mbarrier.arrive(ds_empty.index((tr - 1) % 2), count=1)
-        _hand_dq(dq, dq_smem, dq_full, dq_empty, tr - 1, WG)
+            mbarrier.arrive(ds_empty.index((t - 1) % 2), count=1)
+        _hand_dq(dq, dq_smem, dq_full, dq_empty, t - 1, WG)
         dk = warpgroup_mma_wait(0, deps=[dk_tok])
     else:
         dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
@@ -462,9 +443,9 @@ def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem
                sm_scale, WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                DQ_FIRST: gl.constexpr, DQ_ALT: gl.constexpr, MASK: gl.constexpr,
-               ROW_STATS: gl.constexpr, r0=0):
-    """Step t of a dK/dV consumer warpgroup outside DQ_LAG (MASK as ``_dkdv_scores``; r0, the
-    ring position of step 0, as there). Returns (dv, dk, fixes)."""
+               ROW_STATS: gl.constexpr):
+    """Step t of a dK/dV consumer warpgroup outside DQ_LAG (MASK as ``_dkdv_scores``). Returns
+    (dv, dk, fixes)."""
     HEAD_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = dq_smem.shape[2]
@@ -474,8 +455,7 @@ def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem
         t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
         h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
         softcap_scale,
-        STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK, ROW_STATS, r0)
-    tr = t + r0  # the ring position of the step (its dSᵀ buffer, barriers' phases)
+        STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK, ROW_STATS)
     ds = p * (dp - delta[None, :])
     if FUSED_DQ:
         # dSᵀ (scaled, so dK and dQ come out scaled) through shared memory: this
@@ -486,44 +466,44 @@ def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem
         # 64 x d partial per step leaves the CTA, not one per warpgroup (rows past the
         # sequence get dS = 0) (d = 64: a half would cut the 128-byte swizzle rows, so
         # each warpgroup forms the full-width partial over its own keys)
-        ds_all = ds_smem.index(tr % 2)
+        ds_all = ds_smem.index(t % 2)
         ds_s = ds_all.slice(WG * HALF, HALF, dim=0)
         ds_s.store((ds * sm_scale).to(dtype))
         fence_async_shared()
         if SPLIT_DQ or DQ_ALT:
             gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
-            mbarrier.arrive(ds_ready.index(tr % 2), count=1)
+            mbarrier.arrive(ds_ready.index(t % 2), count=1)
         if DQ_ALT:
             # (d = 64) one warpgroup per step, in turn, forms the whole dQ partial over
             # both warpgroups' 128 keys: one 64 x 64 reduction a step instead of two
             dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
-            if tr % 2 == WG:
-                mbarrier.wait(ds_ready.index(tr % 2), (tr // 2) & 1)
+            if t % 2 == WG:
+                mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
                 dq_tok = warpgroup_mma(ds_all.permute((1, 0)), k_smem,
                                        gl.zeros([HALF, DQ_COLS], gl.float32,
                                                 layout=dq_layout),
                                        use_acc=False, is_async=True)
                 dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
                 mbarrier.arrive(qdo_empty.index(st), count=1)
-                _hand_dq(dq, dq_smem, dq_full, dq_empty, tr // 2, WG)
+                _hand_dq(dq, dq_smem, dq_full, dq_empty, t // 2, WG)
             else:
                 dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
                 mbarrier.arrive(qdo_empty.index(st), count=1)
         elif DQ_FIRST:
             # dQ's partial before dK's update: dK's GEMM then runs while the partial is
             # handed to the writer (wgmma groups retire in issue order)
-            dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, tr, WG, DQ_COLS,
+            dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
                                  SPLIT_DQ, dq_layout)
             dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
             dv, dq = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok])
         else:
             dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
-            dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, tr, WG, DQ_COLS,
+            dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
                                  SPLIT_DQ, dq_layout)
             dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
             mbarrier.arrive(qdo_empty.index(st), count=1)
         if not DQ_ALT:
-            _hand_dq(dq, dq_smem, dq_full, dq_empty, tr, WG)
+            _hand_dq(dq, dq_smem, dq_full, dq_empty, t, WG)
         if DQ_FIRST and not DQ_ALT:
             dk = warpgroup_mma_wait(0, deps=[dk_tok])
             mbarrier.arrive(qdo_empty.index(st), count=1)
@@ -546,11 +526,7 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                    HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                    DQ_FIRST: gl.constexpr, DQ_LAG: gl.constexpr, DQ_ALT: gl.constexpr,
                    SEGMENTS: gl.constexpr, ROW_STATS: gl.constexpr, K_COLS: gl.constexpr,
-                   V_COLS: gl.constexpr, r0=0, kv_phase=0, kv_empty=None,
-                   PERSISTENT: gl.constexpr = False):
-    # (PERSISTENT: one key block of the CTA's) r0: the ring position of the block's first step,
-    # kv_phase: kv_bar's phase (``_dkdv_producer``); K and V are released to the producer on
-    # kv_empty once this warpgroup's last GEMM over them has retired
+                   V_COLS: gl.constexpr):
     HEAD_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     # dK / dV: [64 keys, d] (Sᵀ / dPᵀ: [64 keys, 64 query rows], ``_dkdv_scores``)
@@ -567,7 +543,7 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
     dk = gl.zeros([HALF, HEAD_D], gl.float32, layout=a_layout)
     dv = gl.zeros([HALF, HEAD_D], gl.float32, layout=a_layout)
     if n_steps > 0:
-        mbarrier.wait(kv_bar, kv_phase)
+        mbarrier.wait(kv_bar, 0)
         if IS_VARLEN and FUSED_DQ:
             if seqlen_k - start_n < 2 * HALF:  # the producer zeroes keys past the end
                 mbarrier.wait(fixed.index(STAGES), 0)
@@ -580,7 +556,7 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                 stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                 window_right, qk_scale_log2,
                 softcap_scale, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
-                False, 2, ROW_STATS, r0)
+                False, 2, ROW_STATS)
             for t in range(1, n_steps):
                 dv, dk, fixes = _dkdv_lag_step(
                     t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
@@ -588,15 +564,13 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                     stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                     window_right, qk_scale_log2,
                     softcap_scale, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT,
-                    IS_VARLEN, True, 2, ROW_STATS, r0)
+                    IS_VARLEN, True, 2, ROW_STATS)
             # the last step's dQ partial
-            last = n_steps - 1 + r0  # (its ring position)
+            last = n_steps - 1
             prev = ds_smem.index(last % 2)
             dq_tok = _dq_partial(prev, prev.slice(WG * HALF, HALF, dim=0), k, k_smem, ds_ready,
                                  last, WG, DQ_COLS, SPLIT_DQ, dq_layout)
             dq = warpgroup_mma_wait(0, deps=[dq_tok])
-            if PERSISTENT and SPLIT_DQ:  # the next block's step two on writes this buffer
-                mbarrier.arrive(ds_empty.index(last % 2), count=1)
             _hand_dq(dq, dq_smem, dq_full, dq_empty, last, WG)
     elif SEGMENTS:
         # each query head's steps in three runs: the tiles before a and from b on masked, those
@@ -614,7 +588,7 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                         stride_lh, h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
                         qk_scale_log2,
                         softcap_scale, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ,
-                        IS_VARLEN, DQ_FIRST, DQ_ALT, 0 if run == 1 else 1, ROW_STATS, r0)
+                        IS_VARLEN, DQ_FIRST, DQ_ALT, 0 if run == 1 else 1, ROW_STATS)
     else:  # one loop, each tile's mask tested at run time
         for t in range(n_steps):
             dv, dk, fixes = _dkdv_step(
@@ -623,11 +597,8 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                 lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
                 softcap_scale,
                 sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_ALT, 2,
-                ROW_STATS, r0)
+                ROW_STATS)
 
-    if PERSISTENT:
-        if n_steps > 0:  # every GEMM of this warpgroup's over K / V has retired
-            mbarrier.arrive(kv_empty, count=1)
     d_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
     keys = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))
     ok = (keys < seqlen_k)[:, None]
@@ -641,20 +612,20 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
 
 @gluon.jit
 def _dq_writer(dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_steps,
-               HEAD_D: gl.constexpr, DQ_ALT: gl.constexpr, r0=0):
+               HEAD_D: gl.constexpr, DQ_ALT: gl.constexpr):
     """(fused) The dQ writer warp, FA3's arrangement: per step, each consumer warpgroup's fp32
     partial (its half of the columns from d = 128, else the full width over its own keys) goes
     from shared memory to the dQ accumulator by an asynchronous TMA reduction; the writer waits
     only for the reductions to have read their buffers before handing them back. DQ_ALT: one
-    partial a step, from warpgroup t % 2. r0: the ring position of step 0 (``_dkdv_producer``)."""
+    partial a step, from warpgroup t % 2."""
     DQ_COLS: gl.constexpr = dq_smem.shape[2]
     SPLIT_DQ: gl.constexpr = DQ_COLS < HEAD_D
     if DQ_ALT:
         for t in range(n_steps):
             g = t // n_m
             row = q_start + lo_m + (t - g * n_m) * HALF
-            wg = (t + r0) % 2
-            mbarrier.wait(dq_full.index(wg), ((t + r0) // 2) & 1)
+            wg = t % 2
+            mbarrier.wait(dq_full.index(wg), (t // 2) & 1)
             tma_reduce_add(dqa_desc, [row, (h0 + g) * HEAD_D], dq_smem.index(wg))
             tma.store_wait(0)
             mbarrier.arrive(dq_empty.index(wg), count=1)
@@ -664,7 +635,7 @@ def _dq_writer(dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_s
             row = q_start + lo_m + (t - g * n_m) * HALF
             col = (h0 + g) * HEAD_D
             for wg in gl.static_range(2):
-                mbarrier.wait(dq_full.index(wg), (t + r0) & 1)
+                mbarrier.wait(dq_full.index(wg), t & 1)
                 if SPLIT_DQ:
                     tma_reduce_add(dqa_desc, [row, col + wg * DQ_COLS], dq_smem.index(wg))
                 else:
@@ -690,17 +661,6 @@ def _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed, 
     else:
         block, pid_bh = grouped_order(gl.program_id(0) + gl.program_id(1) * gl.num_programs(0),
                                       gl.num_programs(0), head_group)
-    return _key_block_at(block, pid_bh, CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed,
-                         seqlen_k_fixed, window_left, window_right, stride_dkn, stride_dkh,
-                         stride_dvn, stride_dvh, stride_lb, BLOCK_N, IS_VARLEN, HAS_LEFT, HAS_RIGHT)
-
-
-@gluon.jit
-def _key_block_at(block, pid_bh, CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
-                  window_left, window_right, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-                  stride_lb, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr,
-                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """Key block ``block`` of batch * KV head ``pid_bh`` (``_key_block``'s values)."""
     off_b = pid_bh // n_heads_k
     off_hk = pid_bh % n_heads_k
     q_start, seqlen_q, k_start, seqlen_k, lse_start = seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed,
@@ -716,91 +676,6 @@ def _key_block_at(block, pid_bh, CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed
 
 
 @gluon.jit
-def _dkdv_consumer_blocks(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                          kv_bar, kv_empty, qdo_full, qdo_empty, fixed, ds_ready, ds_empty,
-                          dq_full, dq_empty, CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed,
-                          seqlen_k_fixed, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-                          stride_lb, stride_lh, n_blocks, n_tiles, head_group, ld_smem,
-                          window_left, window_right, qk_scale_log2, softcap_scale, sm_scale,
-                          WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                          HAS_RIGHT: gl.constexpr, DQ_FIRST: gl.constexpr, DQ_LAG: gl.constexpr,
-                          DQ_ALT: gl.constexpr, SEGMENTS: gl.constexpr, ROW_STATS: gl.constexpr,
-                          K_COLS: gl.constexpr, V_COLS: gl.constexpr):
-    """(PERSISTENT, fused) A consumer warpgroup over its CTA's key blocks: blocks program_id,
-    program_id + programs, ... of the (blocks, batch * KV heads) order (``grouped_order``), the
-    barriers' ring positions carried from one block to the next."""
-    r0 = 0  # ring position of the block's first step
-    kv_i = 0  # blocks with steps so far (kv_bar's phase)
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        block, pid_bh = grouped_order(tile, n_blocks, head_group)
-        (off_hk, q_start, seqlen_q, k_start, seqlen_k, start_n, lo_m, n_steps, h0, dk_off, dv_off,
-         lse_base) = _key_block_at(block, pid_bh, CU_Q, CU_K, n_heads_k, kv_group,
-                                   seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
-                                   stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lb,
-                                   2 * HALF, False, HAS_LEFT, HAS_RIGHT)
-        _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                       kv_bar, qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty,
-                       dk_off, dv_off, stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem,
-                       lo_m, n_steps // kv_group, n_steps, start_n, q_start, seqlen_q, seqlen_k,
-                       window_left, window_right, qk_scale_log2, softcap_scale, sm_scale, WG,
-                       STAGES, HAS_LEFT, HAS_RIGHT, True, False, DQ_FIRST, DQ_LAG, DQ_ALT,
-                       SEGMENTS, ROW_STATS, K_COLS, V_COLS, r0, kv_i & 1, kv_empty, True)
-        r0 += n_steps
-        kv_i += (n_steps > 0).to(gl.int32)
-
-
-@gluon.jit
-def _dkdv_producer_blocks(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                          kv_bar, kv_empty, qdo_full, qdo_empty, fixed, CU_Q, CU_K, n_heads_k,
-                          kv_group, seqlen_q_fixed, seqlen_k_fixed, stride_dkn, stride_dkh,
-                          stride_dvn, stride_dvh, stride_lb, stride_lh, n_blocks, n_tiles,
-                          head_group, LSE, DELTA, ld_smem, window_left, window_right,
-                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                          ROW_STATS: gl.constexpr):
-    """(PERSISTENT, fused) The producer over its CTA's key blocks (``_dkdv_consumer_blocks``):
-    the next block's K / V load is issued as soon as the consumers release the last one's, and
-    its first Q / dO stages as the last block's steps free them, under the last block's final
-    steps and dK / dV stores."""
-    HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
-    r0 = 0
-    kv_i = 0
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        block, pid_bh = grouped_order(tile, n_blocks, head_group)
-        (off_hk, q_start, seqlen_q, k_start, seqlen_k, start_n, lo_m, n_steps, h0, dk_off, dv_off,
-         lse_base) = _key_block_at(block, pid_bh, CU_Q, CU_K, n_heads_k, kv_group,
-                                   seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
-                                   stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lb,
-                                   2 * HALF, False, HAS_LEFT, HAS_RIGHT)
-        _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
-                       qdo_full, qdo_empty, fixed, q_start, k_start + start_n, off_hk * HEAD_D,
-                       h0, lo_m, n_steps // kv_group, n_steps, seqlen_q, seqlen_k - start_n, LSE,
-                       DELTA, ld_smem, lse_base, stride_lh, STAGES, False, True, 2, ROW_STATS,
-                       r0, kv_i & 1, kv_empty, True)
-        r0 += n_steps
-        kv_i += (n_steps > 0).to(gl.int32)
-
-
-@gluon.jit
-def _dq_writer_blocks(dqa_desc, dq_smem, dq_full, dq_empty, CU_Q, CU_K, n_heads_k, kv_group,
-                      seqlen_q_fixed, seqlen_k_fixed, stride_dkn, stride_dkh, stride_dvn,
-                      stride_dvh, stride_lb, n_blocks, n_tiles, head_group, window_left,
-                      window_right, HEAD_D: gl.constexpr, HAS_LEFT: gl.constexpr,
-                      HAS_RIGHT: gl.constexpr, DQ_ALT: gl.constexpr):
-    """(PERSISTENT) The dQ writer over its CTA's key blocks (``_dkdv_consumer_blocks``)."""
-    r0 = 0
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        block, pid_bh = grouped_order(tile, n_blocks, head_group)
-        (off_hk, q_start, seqlen_q, k_start, seqlen_k, start_n, lo_m, n_steps, h0, dk_off, dv_off,
-         lse_base) = _key_block_at(block, pid_bh, CU_Q, CU_K, n_heads_k, kv_group,
-                                   seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
-                                   stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lb,
-                                   2 * HALF, False, HAS_LEFT, HAS_RIGHT)
-        _dq_writer(dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_steps // kv_group,
-                   n_steps, HEAD_D, DQ_ALT, r0)
-        r0 += n_steps
-
-
-@gluon.jit
 def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA, CU_Q, CU_K,
                    stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lb, stride_lh,
                    n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
@@ -811,22 +686,19 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                    DQ_LAG: gl.constexpr = False, DQ_ALT: gl.constexpr = False,
                    SEGMENTS: gl.constexpr = False, ROW_STATS: gl.constexpr = False,
                    softcap_scale=None, K_COLS: gl.constexpr = 0, V_COLS: gl.constexpr = 0,
-                   head_group=1, PERSISTENT: gl.constexpr = False, n_blocks=1, n_tiles=1):
+                   head_group=1):
     # K_COLS / V_COLS: dK's and dV's own head dims where the tiles are zero-padded past them
     # (head dims 96 / 192 read in place, ``rows_descriptor(pad_to=...)``); 0: the tiles' width;
-    # head_group: the blocks' order (``_key_block``). PERSISTENT (fused, not varlen): a 1D grid
-    # of at most one CTA a SM, each over key blocks program_id, program_id + programs, ... of
-    # the n_tiles = n_blocks * batch * KV heads (``_dkdv_consumer_blocks``)
+    # head_group: the blocks' order (``_key_block``)
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
-    if not PERSISTENT:
-        (off_hk, q_start, seqlen_q, k_start, seqlen_k, start_n, lo_m, n_steps, h0, dk_off,
-         dv_off, lse_base) = _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed,
-                                        seqlen_k_fixed, window_left, window_right, stride_dkn,
-                                        stride_dkh, stride_dvn, stride_dvh, stride_lb, 2 * HALF,
-                                        IS_VARLEN, HAS_LEFT, HAS_RIGHT, head_group)
-        n_m = n_steps // kv_group
-        if start_n >= seqlen_k:
-            return
+    (off_hk, q_start, seqlen_q, k_start, seqlen_k, start_n, lo_m, n_steps, h0, dk_off, dv_off,
+     lse_base) = _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
+                            window_left, window_right, stride_dkn, stride_dkh, stride_dvn,
+                            stride_dvh, stride_lb, 2 * HALF, IS_VARLEN, HAS_LEFT, HAS_RIGHT,
+                            head_group)
+    n_m = n_steps // kv_group
+    if start_n >= seqlen_k:
+        return
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, HALF, HEAD_D],
                                        tile_layout(q_desc.layout))
@@ -851,11 +723,6 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
         ds_smem = k_smem  # unused
         dq_smem = k_smem  # unused
     kv_bar = barriers(1, 1)
-    # (PERSISTENT) K / V released by both consumer warpgroups for the next block's load
-    if PERSISTENT:
-        kv_empty = barriers(1, 2)
-    else:
-        kv_empty = kv_bar  # unused
     fixed = barriers(STAGES + 1, 1)  # zeroed tail rows: per Q/dO stage, then K/V
     if FUSED_DQ:
         # a step's dSᵀ buffer holds both warpgroups' keys. Its reuse two steps on needs no
@@ -885,42 +752,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
     fence_async_shared()
 
     # (the partition lists are literal: Gluon loses constexpr-ness through tuple arguments)
-    if PERSISTENT:
-        gl.warp_specialize([
-            (_dkdv_consumer_blocks, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                                     dq_smem, kv_bar.index(0), kv_empty.index(0), qdo_full,
-                                     qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty,
-                                     CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed,
-                                     seqlen_k_fixed, stride_dkn, stride_dkh, stride_dvn,
-                                     stride_dvh, stride_lb, stride_lh, n_blocks, n_tiles,
-                                     head_group, ld_smem, window_left, window_right,
-                                     qk_scale_log2, softcap_scale, sm_scale, 0, STAGES, HAS_LEFT,
-                                     HAS_RIGHT, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS, ROW_STATS,
-                                     K_COLS, V_COLS)),
-            (_dkdv_consumer_blocks, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                                     dq_smem, kv_bar.index(0), kv_empty.index(0), qdo_full,
-                                     qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty,
-                                     CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed,
-                                     seqlen_k_fixed, stride_dkn, stride_dkh, stride_dvn,
-                                     stride_dvh, stride_lb, stride_lh, n_blocks, n_tiles,
-                                     head_group, ld_smem, window_left, window_right,
-                                     qk_scale_log2, softcap_scale, sm_scale, 1, STAGES, HAS_LEFT,
-                                     HAS_RIGHT, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS, ROW_STATS,
-                                     K_COLS, V_COLS)),
-            (_dkdv_producer_blocks, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem,
-                                     v_smem, kv_bar.index(0), kv_empty.index(0), qdo_full,
-                                     qdo_empty, fixed, CU_Q, CU_K, n_heads_k, kv_group,
-                                     seqlen_q_fixed, seqlen_k_fixed, stride_dkn, stride_dkh,
-                                     stride_dvn, stride_dvh, stride_lb, stride_lh, n_blocks,
-                                     n_tiles, head_group, LSE, DELTA, ld_smem, window_left,
-                                     window_right, STAGES, HAS_LEFT, HAS_RIGHT, ROW_STATS)),
-            (_dq_writer_blocks, (dqa_desc, dq_smem, dq_full, dq_empty, CU_Q, CU_K, n_heads_k,
-                                 kv_group, seqlen_q_fixed, seqlen_k_fixed, stride_dkn, stride_dkh,
-                                 stride_dvn, stride_dvh, stride_lb, n_blocks, n_tiles, head_group,
-                                 window_left, window_right, HEAD_D, HAS_LEFT, HAS_RIGHT,
-                                 DQ_ALT)),
-        ], [4, 1, 1], [CONSUMER_REGS_, PRODUCER_REGS_, PRODUCER_REGS_])
-    elif FUSED_DQ:
+    if FUSED_DQ:
         gl.warp_specialize([
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
@@ -972,8 +804,6 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
         ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
     invalidate(kv_bar, 1)
-    if PERSISTENT:
-        invalidate(kv_empty, 1)
     invalidate(fixed, STAGES + 1)
     if FUSED_DQ:
         invalidate(ds_ready, 2)
@@ -1479,11 +1309,6 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
                   if fused else None)
         order = dq_order(d, p.causal_like) if fused else "after"
         grid = (-(-p.max_seqlen_k // (2 * half)), p.batch * n_heads_k)
-        head_group = _order(grid, p, q.device)
-        blocks = dict(PERSISTENT=False)
-        if persistent(fused, p):  # one CTA a SM over the (blocks, batch * KV heads) grid's blocks
-            blocks = dict(PERSISTENT=True, n_blocks=grid[0], n_tiles=grid[0] * grid[1])
-            grid = (min(grid[0] * grid[1], sm_count(q.device)),)
         launcher(_bwd_dkdv_sm90)[grid](
             # (fused, 3D views: K in one 128-row box, ``_dkdv_producer``)
             q_desc, do_desc,
@@ -1496,7 +1321,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
             STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_LAG=order == "lag", DQ_ALT=order == "alt",
             DQ_FIRST=order == "first", SEGMENTS=segments(d, p.causal_like), ROW_STATS=ROW_STATS,
-            softcap_scale=softcap_scale, head_group=head_group, **blocks, **cols, **flags)
+            softcap_scale=softcap_scale, head_group=_order(grid, p, q.device), **cols, **flags)
         if fused:
             dq.copy_(dq_acc[..., :q.shape[-1]] if d_pad else dq_acc)
             return
@@ -1509,17 +1334,6 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
         STAGES=DQ_STAGES, softcap_scale=softcap_scale, K_COLS=cols.get("K_COLS", 0),
         head_group=_order(grid, p, q.device), **narrow, **flags)
-
-
-def persistent(fused: bool, p: AttnParams) -> bool:
-    """Whether the fused dK/dV kernel runs persistent CTAs (``PERSISTENT``) for this call."""
-    if not fused or p.is_varlen or PERSISTENT in ("0", "false", "off"):
-        return False
-    if PERSISTENT in ("1", "true", "on"):
-        return True
-    if PERSISTENT == "nomask":
-        return not p.causal_like
-    raise ValueError(f"IOATTN_SM90_BWD_PERSISTENT={PERSISTENT!r}: expected 0, 1 or nomask")
 
 
 def _order(grid: tuple[int, int], p: AttnParams, device: torch.device) -> int:

@@ -258,60 +258,6 @@ def test_sm90_fused_bwd(c: Case, order, monkeypatch):
         assert_close_rule(f"{c.id} {name}", g, r, b, factor=GRAD_FACTOR)
 
 
-PERSISTENT_CASES = FUSED_CASES + [Case(1024, 1023, d=128, b=3, h=8, h_k=4),  # 192 blocks
-                                   Case(2048, 2048, d=64, b=2, h=6, causal=True, dtype=FP16),
-                                   # most key blocks seen by no query: blocks without steps
-                                   Case(100, 1000, d=128, h=4, h_k=2, window=(20, 5))]
-
-
-@needs_sm90
-@pytest.mark.parametrize("sms", [3, None], ids=["3-ctas", "one-a-sm"])
-@pytest.mark.parametrize("order", ["auto", "after", "first", "lag", "alt"])
-@pytest.mark.parametrize("c", PERSISTENT_CASES, ids=lambda c: "sm90-persistent-bwd-" + c.id)
-def test_sm90_persistent_bwd(c: Case, order, sms, monkeypatch):
-    """IOATTN_SM90_BWD_PERSISTENT: the fused dK/dV kernel's persistent CTAs, each over several
-    key blocks (3 CTAs for the whole grid, or one a SM), the barriers' ring positions and the
-    K / V hand-over carried from block to block, in each dQ order; every gradient against the
-    reference (poisoned before the launch), and the launch really was persistent."""
-    from ioattn.dense import sm90_bwd
-
-    if order == "alt" and c.d != 64:
-        pytest.skip("one partial a step in turn: d=64 only")
-    monkeypatch.setattr(sm90_bwd, "PERSISTENT", "1")
-    if sms is not None:
-        monkeypatch.setattr(sm90_bwd, "sm_count", lambda device: sms)
-    launches = []
-    real = sm90_bwd.persistent
-    monkeypatch.setattr(sm90_bwd, "persistent",
-                        lambda fused, p: launches.append(real(fused, p)) or launches[-1])
-    _bwd_order(monkeypatch, order)
-    _fwd_bwd(c, True)
-    assert launches == [True], launches
-
-
-def test_bwd_persistent_rule(monkeypatch):
-    """Which calls the fused dK/dV kernel runs persistent (``sm90_bwd.persistent``): never
-    varlen or the two-kernel form; 1 every other call, nomask only without a mask, 0 none; any
-    other value is refused by name."""
-    from ioattn.dense import sm90_bwd
-    from ioattn.dense.params import AttnParams
-
-    def params(left, right, cu=None):
-        return AttnParams(8, 2048, 2048, 128, 128, 0.1, left, right, 0.0, 0.0, cu, cu, None,
-                          None, 0)
-
-    cu = torch.tensor([0, 2048], dtype=torch.int32)
-    for value, want in (("1", (True, True)), ("nomask", (True, False)), ("0", (False, False))):
-        monkeypatch.setattr(sm90_bwd, "PERSISTENT", value)
-        assert (sm90_bwd.persistent(True, params(-1, -1)),
-                sm90_bwd.persistent(True, params(-1, 0))) == want, value
-        assert not sm90_bwd.persistent(False, params(-1, -1))
-        assert not sm90_bwd.persistent(True, params(-1, -1, cu))
-    monkeypatch.setattr(sm90_bwd, "PERSISTENT", "yes please")
-    with pytest.raises(ValueError, match="IOATTN_SM90_BWD_PERSISTENT"):
-        sm90_bwd.persistent(True, params(-1, -1))
-
-
 ROW_STATS_CASES = FUSED_CASES[:7] + [Case(113, 203, d=256), Case(300, 300, d=256, h=4, h_k=2,
                                                                   window=(50, 20))]
 
@@ -917,7 +863,7 @@ def test_sm90_kernel_compiles_for_hopper():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # (89 kernels, ~7 min on one core: the limit leaves room for a loaded CI machine)
+    # (85 kernels, ~7 min on one core: the limit leaves room for a loaded CI machine)
     res = subprocess.run([sys.executable, "-m", "ioattn.dense.inspect", "--gluon", "--json"], env=env,
                          capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -937,10 +883,8 @@ def test_sm90_kernel_compiles_for_hopper():
     # forward (d=128 at 4k, d=256), the causal dK/dV and dQ kernels at d = 128, 256; and
     # (IOATTN_SM90_PAD_NARROW, the default) the forward at 96, 192 / 128 and 192 with QKᵀ over d's
     # own columns and V / O at d_v's own width, the dQ kernel (96, 192 / 128) and the
-    # column-split dK/dV kernel (192 / 128) with S and dP over d's and d_v's own columns; and
-    # (opt-in IOATTN_SM90_BWD_PERSISTENT) the fused dK/dV kernel's persistent CTAs at d = 64,
-    # 128, without a mask and causal
-    assert len(reports) == 89, names
+    # column-split dK/dV kernel (192 / 128) with S and dP over d's and d_v's own columns
+    assert len(reports) == 85, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
     hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
     assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
