@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-rotate]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -411,16 +411,6 @@ for step in $steps; do
                --dims 96,192,192x128 --hidden 1536 --seqlens 1024,8192 --dtypes bf16 \
                --impls $impls --no-plots --out "$OUT/pad_narrow$v.json" > /tmp/pad_narrow$v.log 2>&1
              echo "== narrow=$v"; grep -E "^(fwd|bwd)" /tmp/pad_narrow$v.log; done ;;
-    bwd-rotate) # each key block's query tiles from its own starting tile (opt-in
-           # IOATTN_SM90_BWD_ROTATE=1; d=64 non-causal runs SEGMENTS, unrotated: a control): the
-           # bf16 grid's backward at d = 64 / 128, 2k / 4k / 16k, on (with cuDNN) then off
-           # (~2 x 80 s); its tests run in `tests`
-           i=0; for v in 1 0; do i=$((i+1)); impls=ioattn; [ $i = 1 ] && impls=ioattn,sdpa_cudnn
-             IOATTN_SM90_BWD_ROTATE=$v timeout 150 python -m ioattn bench --modes bwd \
-               --dims 64,128 --seqlens ${ROT_SEQLENS:-2048,4096,16384} --dtypes bf16 \
-               --impls $impls --no-plots --out "$OUT/bwd_rotate${v}.json" \
-               > "/tmp/bwd_rotate$i.log" 2>&1
-             echo "== rotate=$v"; grep -E "^bwd" "/tmp/bwd_rotate$i.log"; done ;;
     bwd-ncu) # the main backward kernel (ours: _bwd_dkdv_sm90, cuDNN's bprop) of one d=128
            # non-causal call at 2k and 16k under ncu: speed of light, warp stall reasons, memory
            # workload; what makes ours lose 9% to cuDNN's at 2k but 1.5% at 16k (~60 s each)

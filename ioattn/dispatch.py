@@ -112,9 +112,6 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_FWD_LPT", "1", "sm90 forward: its tiles (the dynamic scheduler's, or one CTA "
      "each) in grouped heaviest-first order (heads in groups of about a wave, each group's "
      "heaviest tiles first)"),
-    ("IOATTN_SM90_BWD_ROTATE", "0", "sm90 backward (dK/dV, d <= 128, outside its masked / "
-     "unmasked loops): key block j of n takes its query tiles from tile j * n_m / n on, "
-     "wrapping, so one head's blocks add their dQ partials into different rows at each step"),
     ("IOATTN_SM90_BWD_LPT", "1", "sm90 backward: the dK/dV and dQ kernels' blocks in grouped "
      "heaviest-first order"),
     ("IOATTN_SM90_PERSISTENT", "auto", "sm90 forward: persistent CTAs over query tiles (batched); "

@@ -114,14 +114,6 @@ ROW_STATS = os.environ.get("IOATTN_SM90_BWD_ROW_STATS", "1").lower() in ("1", "t
 # (results/tune/lpt_bwd128_*_a1337ee_*), so a maskless grid keeps the old order
 LPT = os.environ.get("IOATTN_SM90_BWD_LPT", "1").lower() in ("1", "true", "on")
 DQ_ORDER = os.environ.get("IOATTN_SM90_BWD_DQ_ORDER", "auto").lower()
-# (dK/dV, d <= 128, outside SEGMENTS) key block j of a head's n takes its query tiles from tile
-# j * n_m / n on, wrapping (``_step_tile``), instead of every block from the first: the blocks of
-# one head run side by side in step, so in the fused form they all add their dQ partials into
-# the same 64 query rows at each step (16 TMA reductions into one 32 KB tile at once at d=128,
-# 2k). Why try it: the fused kernel trails cuDNN's by ~7 us a CTA at every length (2048 CTAs,
-# results/kernel_parts_d90c06b_*) and the CTAs' ramp is not it (the persistent form, NOTES
-# session 17). IOATTN_SM90_BWD_ROTATE=1 turns it on (off until timed)
-ROTATE = os.environ.get("IOATTN_SM90_BWD_ROTATE", "0").lower() in ("1", "true", "on")
 # (the dK/dV kernels) Pᵀ's exponentials kept before the wait for dPᵀ, so they run while dPᵀ is on
 # the tensor cores: in the sm90 SASS ptxas otherwise hoists that wait above 27-28 of a thread's
 # 32 exponentials (d=64 alt, d=128 lag orders). They go in a branch of their own on the step's
@@ -192,27 +184,12 @@ def _key_half(k_smem, i, FUSED_DQ: gl.constexpr):
 
 
 @gluon.jit
-def _step_tile(t, n_m, rot, ROTATE: gl.constexpr):
-    """Step t's (query head of the group, query tile index within the block's n_m): tiles in
-    order, or (ROTATE) from tile ``rot`` on, wrapping, so that the key blocks of one head, which
-    run side by side, reduce their dQ partials into different query tiles at each step."""
-    g = t // n_m
-    i = t - g * n_m
-    if ROTATE:
-        i = i + rot
-        if i >= n_m:
-            i = i - n_m
-    return g, i
-
-
-@gluon.jit
 def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
                    qdo_full, qdo_empty, fixed, q_start, k_row, kv_col, h0, lo_m, n_m, n_steps,
                    seqlen_q, n_keys, LSE, DELTA, ld_smem, lse_base, stride_lh,
                    STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, FUSED_DQ: gl.constexpr,
-                   KEY_TILES: gl.constexpr = 2, ROW_STATS: gl.constexpr = False, rot=0,
-                   ROTATE: gl.constexpr = False):
-    # (ROTATE: the steps' tiles from ``rot`` on, ``_step_tile``) KEY_TILES: 64-key K/V tiles per CTA (1: the d = 256 column-split kernel). ROW_STATS: each
+                   KEY_TILES: gl.constexpr = 2, ROW_STATS: gl.constexpr = False):
+    # KEY_TILES: 64-key K/V tiles per CTA (1: the d = 256 column-split kernel). ROW_STATS: each
     # stage also carries its 64 rows' LSE (base 2, +inf for rows past the sequence and for fully
     # masked rows, so their P is 0) and delta in ld_smem[2 st], ld_smem[2 st + 1], stored by this
     # warp and announced by a second arrival on qdo_full[st]
@@ -245,8 +222,8 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
     fixes = 0  # per-stage phase bits of fixed[st]
     for t in range(n_steps):
         st = t % STAGES
-        g, ti = _step_tile(t, n_m, rot, ROTATE)
-        row = q_start + lo_m + ti * HALF
+        g = t // n_m
+        row = q_start + lo_m + (t - g * n_m) * HALF
         col = (h0 + g) * HEAD_D
         if ROW_STATS:  # loaded before the wait for the stage, so that it hides their latency
             rows = row - q_start + gl.arange(0, HALF, layout=ld_layout)
@@ -325,8 +302,7 @@ def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELT
                  stride_lh, h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left,
                  window_right, qk_scale_log2, softcap_scale, STAGES: gl.constexpr,
                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                 MASK: gl.constexpr, ROW_STATS: gl.constexpr, rot=0,
-                 ROTATE: gl.constexpr = False):
+                 MASK: gl.constexpr, ROW_STATS: gl.constexpr):
     """Step t's start in a dK/dV consumer warpgroup: its 64 query rows' LSE and delta, Q and dO
     from the ring, Pᵀ (fp32) and dPᵀ for this warpgroup's 64 keys, then dV's update issued. MASK:
     0, the step's tile needs no mask (``_mask_segments``); 1, it is masked; 2, tested at run
@@ -340,8 +316,8 @@ def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELT
     cols = n0 + gl.arange(0, HALF, layout=key_l)  # this warpgroup's keys (Sᵀ rows)
     s_zero = gl.zeros([HALF, HALF], gl.float32, layout=s_layout)
     st = t % STAGES
-    g, ti = _step_tile(t, n_m, rot, ROTATE)
-    m0 = lo_m + ti * HALF
+    g = t // n_m
+    m0 = lo_m + (t - g * n_m) * HALF
     rows = m0 + gl.arange(0, HALF, layout=row_l)
     if not ROW_STATS:
         lse_ptrs = LSE + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows
@@ -395,8 +371,7 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_
                    window_right, qk_scale_log2,
                    softcap_scale, sm_scale, WG: gl.constexpr, STAGES: gl.constexpr,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                   HAS_PREV: gl.constexpr, MASK: gl.constexpr, ROW_STATS: gl.constexpr, rot=0,
-                   ROTATE: gl.constexpr = False):
+                   HAS_PREV: gl.constexpr, MASK: gl.constexpr, ROW_STATS: gl.constexpr):
     """(fused, DQ_LAG) Step t with step t - 1's dQ partial (HAS_PREV) issued right after this
     step's dV update: the GEMM overlaps this step's dS, and the two warpgroups meet at a dSᵀ
     buffer one step after writing it instead of within the step. Returns (dv, dk, fixes)."""
@@ -408,7 +383,7 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_
         t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
         h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
         softcap_scale,
-        STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK, ROW_STATS, rot, ROTATE)
+        STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK, ROW_STATS)
     if HAS_PREV:
         prev = ds_smem.index((t - 1) % 2)
         dq_tok = _dq_partial(prev, prev.slice(WG * HALF, HALF, dim=0), k, k_smem, ds_ready, t - 1,
@@ -468,7 +443,7 @@ def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem
                sm_scale, WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                DQ_FIRST: gl.constexpr, DQ_ALT: gl.constexpr, MASK: gl.constexpr,
-               ROW_STATS: gl.constexpr, rot=0, ROTATE: gl.constexpr = False):
+               ROW_STATS: gl.constexpr):
     """Step t of a dK/dV consumer warpgroup outside DQ_LAG (MASK as ``_dkdv_scores``). Returns
     (dv, dk, fixes)."""
     HEAD_D: gl.constexpr = q_smem.shape[2]
@@ -480,7 +455,7 @@ def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem
         t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
         h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
         softcap_scale,
-        STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK, ROW_STATS, rot, ROTATE)
+        STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK, ROW_STATS)
     ds = p * (dp - delta[None, :])
     if FUSED_DQ:
         # dSᵀ (scaled, so dK and dQ come out scaled) through shared memory: this
@@ -551,8 +526,7 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                    HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                    DQ_FIRST: gl.constexpr, DQ_LAG: gl.constexpr, DQ_ALT: gl.constexpr,
                    SEGMENTS: gl.constexpr, ROW_STATS: gl.constexpr, K_COLS: gl.constexpr,
-                   V_COLS: gl.constexpr, rot=0, ROTATE: gl.constexpr = False):
-    # (ROTATE, not with SEGMENTS: the steps' tiles from ``rot`` on, ``_step_tile``)
+                   V_COLS: gl.constexpr):
     HEAD_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     # dK / dV: [64 keys, d] (Sᵀ / dPᵀ: [64 keys, 64 query rows], ``_dkdv_scores``)
@@ -582,7 +556,7 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                 stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                 window_right, qk_scale_log2,
                 softcap_scale, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
-                False, 2, ROW_STATS, rot, ROTATE)
+                False, 2, ROW_STATS)
             for t in range(1, n_steps):
                 dv, dk, fixes = _dkdv_lag_step(
                     t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
@@ -590,7 +564,7 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                     stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                     window_right, qk_scale_log2,
                     softcap_scale, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT,
-                    IS_VARLEN, True, 2, ROW_STATS, rot, ROTATE)
+                    IS_VARLEN, True, 2, ROW_STATS)
             # the last step's dQ partial
             last = n_steps - 1
             prev = ds_smem.index(last % 2)
@@ -623,7 +597,7 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                 lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
                 softcap_scale,
                 sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_ALT, 2,
-                ROW_STATS, rot, ROTATE)
+                ROW_STATS)
 
     d_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
     keys = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))
@@ -638,7 +612,7 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
 
 @gluon.jit
 def _dq_writer(dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_steps,
-               HEAD_D: gl.constexpr, DQ_ALT: gl.constexpr, rot=0, ROTATE: gl.constexpr = False):
+               HEAD_D: gl.constexpr, DQ_ALT: gl.constexpr):
     """(fused) The dQ writer warp, FA3's arrangement: per step, each consumer warpgroup's fp32
     partial (its half of the columns from d = 128, else the full width over its own keys) goes
     from shared memory to the dQ accumulator by an asynchronous TMA reduction; the writer waits
@@ -648,8 +622,8 @@ def _dq_writer(dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_s
     SPLIT_DQ: gl.constexpr = DQ_COLS < HEAD_D
     if DQ_ALT:
         for t in range(n_steps):
-            g, ti = _step_tile(t, n_m, rot, ROTATE)
-            row = q_start + lo_m + ti * HALF
+            g = t // n_m
+            row = q_start + lo_m + (t - g * n_m) * HALF
             wg = t % 2
             mbarrier.wait(dq_full.index(wg), (t // 2) & 1)
             tma_reduce_add(dqa_desc, [row, (h0 + g) * HEAD_D], dq_smem.index(wg))
@@ -657,8 +631,8 @@ def _dq_writer(dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_s
             mbarrier.arrive(dq_empty.index(wg), count=1)
     else:
         for t in range(n_steps):
-            g, ti = _step_tile(t, n_m, rot, ROTATE)
-            row = q_start + lo_m + ti * HALF
+            g = t // n_m
+            row = q_start + lo_m + (t - g * n_m) * HALF
             col = (h0 + g) * HEAD_D
             for wg in gl.static_range(2):
                 mbarrier.wait(dq_full.index(wg), t & 1)
@@ -712,11 +686,10 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                    DQ_LAG: gl.constexpr = False, DQ_ALT: gl.constexpr = False,
                    SEGMENTS: gl.constexpr = False, ROW_STATS: gl.constexpr = False,
                    softcap_scale=None, K_COLS: gl.constexpr = 0, V_COLS: gl.constexpr = 0,
-                   head_group=1, ROTATE: gl.constexpr = False):
+                   head_group=1):
     # K_COLS / V_COLS: dK's and dV's own head dims where the tiles are zero-padded past them
     # (head dims 96 / 192 read in place, ``rows_descriptor(pad_to=...)``); 0: the tiles' width;
-    # head_group: the blocks' order (``_key_block``); ROTATE (``ROTATE``): key block j of n
-    # takes its query tiles from tile j * n_m / n on (``_step_tile``)
+    # head_group: the blocks' order (``_key_block``)
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
     (off_hk, q_start, seqlen_q, k_start, seqlen_k, start_n, lo_m, n_steps, h0, dk_off, dv_off,
      lse_base) = _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
@@ -726,10 +699,6 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
     n_m = n_steps // kv_group
     if start_n >= seqlen_k:
         return
-    gl.static_assert(not (ROTATE and SEGMENTS), "ROTATE's steps are not in SEGMENTS' runs")
-    rot = n_m * 0
-    if ROTATE:
-        rot = (start_n // (2 * HALF)) * n_m // gl.cdiv(seqlen_k, 2 * HALF)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, HALF, HEAD_D],
                                        tile_layout(q_desc.layout))
@@ -792,7 +761,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS, rot, ROTATE)),
+                              ROW_STATS, K_COLS, V_COLS)),
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
@@ -800,14 +769,14 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS, rot, ROTATE)),
+                              ROW_STATS, K_COLS, V_COLS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
                               LSE, DELTA, ld_smem, lse_base, stride_lh, STAGES, IS_VARLEN, FUSED_DQ, 2,
-                              ROW_STATS, rot, ROTATE)),
+                              ROW_STATS)),
             (_dq_writer, (dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_steps,
-                          HEAD_D, DQ_ALT, rot, ROTATE)),
+                          HEAD_D, DQ_ALT)),
         ], [4, 1, 1], [CONSUMER_REGS_, PRODUCER_REGS_, PRODUCER_REGS_])
     else:
         gl.warp_specialize([
@@ -818,7 +787,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS, rot, ROTATE)),
+                              ROW_STATS, K_COLS, V_COLS)),
             (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
                               dq_empty, dk_off, dv_off,
@@ -826,12 +795,12 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS, rot, ROTATE)),
+                              ROW_STATS, K_COLS, V_COLS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
                               LSE, DELTA, ld_smem, lse_base, stride_lh, STAGES, IS_VARLEN, FUSED_DQ, 2,
-                              ROW_STATS, rot, ROTATE)),
+                              ROW_STATS)),
         ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
     invalidate(kv_bar, 1)
@@ -1352,8 +1321,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
             STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_LAG=order == "lag", DQ_ALT=order == "alt",
             DQ_FIRST=order == "first", SEGMENTS=segments(d, p.causal_like), ROW_STATS=ROW_STATS,
-            softcap_scale=softcap_scale, head_group=_order(grid, p, q.device),
-            ROTATE=ROTATE and not segments(d, p.causal_like), **cols, **flags)
+            softcap_scale=softcap_scale, head_group=_order(grid, p, q.device), **cols, **flags)
         if fused:
             dq.copy_(dq_acc[..., :q.shape[-1]] if d_pad else dq_acc)
             return
