@@ -401,8 +401,8 @@ for step in $steps; do
            grep -E "^FAILED" "$OUT/tests_pad.log"; tail -1 "$OUT/tests_pad.log" ;;
     pad-narrow) # 96 / 192 / (192, 128) with QKᵀ (S, dP in the backward's dQ and column-split
            # dK/dV kernels) over d's / d_v's own columns and the forward's V / O at d_v's own
-           # width (opt-in IOATTN_SM90_PAD_NARROW): its tests, then forward and backward on (with
-           # cuDNN) / off, hidden 1536, 1k and 8k (~60 + 2 x 150 s)
+           # width (IOATTN_SM90_PAD_NARROW, the default since 999186c): its tests, then forward
+           # and backward on (with cuDNN) / off, hidden 1536, 1k and 8k (~60 + 2 x 150 s)
            timeout 150 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
              -k "padded_in_place" > "$OUT/tests_pad_narrow.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_pad_narrow.log"; tail -1 "$OUT/tests_pad_narrow.log"

@@ -879,10 +879,10 @@ def test_sm90_kernel_compiles_for_hopper():
     # softcap: the d=128 causal forward, the causal fused backward as launched (d = 64, 128),
     # the d=128 causal dQ kernel, the d=128 paged forward; the forward and backward (fused or
     # column-split dK/dV, dQ) over [rows, heads, d] views (head dims 96 and 192 / 128 read in
-    # place, IOATTN_SM90_PAD=tma); and the grouped heaviest-first order: the causal
-    # forward (d=128 at 4k, d=256), the causal dK/dV and dQ kernels at d = 128, 256; and
-    # (IOATTN_SM90_PAD_NARROW, the default) the forward at 96, 192 / 128 and 192 with QKᵀ over d's
-    # own columns and V / O at d_v's own width, the dQ kernel (96, 192 / 128) and the
+    # place, IOATTN_SM90_PAD=tma); and the grouped heaviest-first order: the causal forward
+    # (d=128 at 4k, d=256), the causal dK/dV and dQ kernels at d = 128, 256; and
+    # (IOATTN_SM90_PAD_NARROW, the default) the forward at 96, 192 / 128 and 192 with QKᵀ over
+    # d's own columns and V / O at d_v's own width, the dQ kernel (96, 192 / 128) and the
     # column-split dK/dV kernel (192 / 128) with S and dP over d's and d_v's own columns
     assert len(reports) == 85, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
