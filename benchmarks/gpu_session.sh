@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -436,6 +436,23 @@ for step in $steps; do
                python benchmarks/profile_fwd.py --d 128 --seqlen 2048 --backward --calls 4 \
                --backend $be > "$OUT/ncu_parts_$be.txt" 2>&1
              grep -E "^  [a-zA-Z_]|duration|dram__bytes|lts__t_bytes" "$OUT/ncu_parts_$be.txt" | head -60; done ;;
+    bwd-tma-store) # dK / dV stored by TMA from the Q / dO stages (IOATTN_SM90_BWD_TMA_STORE, default
+           # on): the sm90 tests (not the compile check: CI runs it, and it alone takes ~4 min),
+           # the CTA timeline (d=128 2k), then the backward on (with cuDNN) / off at d = 64 / 128,
+           # 2k-16k (~200 + 40 + 2 x 120 s)
+           timeout 230 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
+             -k "not kernel_compiles" > "$OUT/tests_sm90.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_sm90.log"; tail -1 "$OUT/tests_sm90.log"
+           for c in "2048" "2048 --causal"; do set -- $c ""
+             timeout 60 python benchmarks/bwd_timeline.py --d 128 --seqlen $1 ${2:-} \
+               --json "$OUT/timeline_$1${2:+_causal}.json" > /tmp/timeline.log 2>&1
+             echo "== timeline $c"; grep -A6 '"wg0_us"' /tmp/timeline.log | head -7
+             grep -E '"cta_us"|"kernel_us"' /tmp/timeline.log | head -2; done
+           for v in 1 0; do impls=ioattn_sm90; [ $v = 1 ] && impls=ioattn_sm90,sdpa_cudnn
+             IOATTN_SM90_BWD_TMA_STORE=$v timeout 170 python -m ioattn bench --modes bwd \
+               --dims 64,128 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls $impls \
+               --no-plots --out "$OUT/bwd_tma_store$v.json" > /tmp/tma_store$v.log 2>&1
+             echo "== tma_store=$v"; grep -E "^bwd" /tmp/tma_store$v.log; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

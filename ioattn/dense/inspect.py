@@ -268,7 +268,8 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                          sm90_fwd._attn_fwd_sm90,
                          dict(q_desc=64, o_desc=64, k_desc=tile_n, v_desc=tile_n), d,
                          dict(flags, PAGED=False, PAGE=1, **form)))
-            bwd_desc = dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64)
+            bwd_desc = dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64, dk_desc=64,
+                            dv_desc=64)
             dq_bn = sm90_bwd._dq_block_n(d)
             # the other row-stats form (LSE / delta in shared memory or held in registers)
             other_rs = " global-loads" if sm90_bwd.ROW_STATS else " rowstats"
@@ -301,7 +302,8 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                     forms.append((f"+dq {launched} softcap", dict(fused[launched],
                                                                   softcap_scale="fp32")))
                 jobs += [(f"sm90 bwd dkdv{suffix} d{d} {tag} 128 keys ws", sm90_bwd._bwd_dkdv_sm90,
-                          bwd_desc, d, dict(flags, STAGES=sm90_bwd.DKDV_STAGES, **form))
+                          bwd_desc, d, dict(flags, STAGES=sm90_bwd.DKDV_STAGES, TMA_STORE=True,
+                                            **form))
                          for suffix, form in forms]
             dq_forms = [("", {})] + ([(" softcap", dict(softcap_scale="fp32"))]
                                      if (d, tag) == (128, "causal") else [])
@@ -375,7 +377,8 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
             k_cols = 96 if d == 128 else 192
             hv = dict(IS_VARLEN=varlen, HAS_LEFT=False, HAS_RIGHT=varlen, **regs,
                       heads_view=True)
-            bwd_desc = dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64)
+            bwd_desc = dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64, dk_desc=64,
+                            dv_desc=64)
             if d == 256:
                 jobs.append((f"sm90 bwd dkdv-cols d{d} {mask} heads-view K_COLS={k_cols} "
                              f"V_COLS={real} 64 keys ws", sm90_bwd._bwd_dkdv_cols_sm90, bwd_desc,

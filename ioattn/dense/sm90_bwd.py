@@ -55,7 +55,8 @@ from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (PADDED_HEAD_DIMS, barriers, box_cols, floor_div,
                                       invalidate, query_tile, query_tiles, rows_descriptor,
                                       score_scales, seq_bounds, softcap_tanh, store_cols,
-                                      tile_layout, tma_load, tma_reduce_add, wgmma_a_operand,
+                                      tile_layout, tma_load, tma_reduce_add, tma_store,
+                                      wgmma_a_operand, rows_view,
                                       wgmma_acc_layout, zero_last_key_tile, zero_tail_rows,
                                       grouped_order, head_group_size, mma_over_cols)
 from ioattn.dispatch import sm_count
@@ -114,6 +115,12 @@ ROW_STATS = os.environ.get("IOATTN_SM90_BWD_ROW_STATS", "1").lower() in ("1", "t
 # (results/tune/lpt_bwd128_*_a1337ee_*), so a maskless grid keeps the old order
 LPT = os.environ.get("IOATTN_SM90_BWD_LPT", "1").lower() in ("1", "true", "on")
 DQ_ORDER = os.environ.get("IOATTN_SM90_BWD_DQ_ORDER", "auto").lower()
+# (the dK/dV kernel at d = 64 / 128) dK and dV of each full 64-key half staged in the warpgroup's
+# Q / dO stage and stored by TMA, instead of from the wgmma registers in 4-byte pieces: those
+# took 4.2-4.8 us of a 76 us CTA at d = 128 non-causal 2k (1 us at d = 64), by %globaltimer
+# stamps (benchmarks/bwd_timeline.py, results/tune/bwd_timeline_*_c97fce0_*). Default on;
+# IOATTN_SM90_BWD_TMA_STORE=0 the register stores
+TMA_STORE = os.environ.get("IOATTN_SM90_BWD_TMA_STORE", "1").lower() in ("1", "true", "on")
 # (the dK/dV kernels) Pᵀ's exponentials kept before the wait for dPᵀ, so they run while dPᵀ is on
 # the tensor cores: in the sm90 SASS ptxas otherwise hoists that wait above 27-28 of a thread's
 # 32 exponentials (d=64 alt, d=128 lag orders). They go in a branch of their own on the step's
@@ -517,16 +524,18 @@ def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem
 
 
 @gluon.jit
-def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
-                   qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, dk_off,
-                   dv_off, stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m,
+def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                   dq_smem, kv_bar, qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
+                   dq_empty, dk_off, dv_off, k_row, kv_col, stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m,
                    n_steps, start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                    qk_scale_log2, softcap_scale, sm_scale,
                    WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                    HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                    DQ_FIRST: gl.constexpr, DQ_LAG: gl.constexpr, DQ_ALT: gl.constexpr,
                    SEGMENTS: gl.constexpr, ROW_STATS: gl.constexpr, K_COLS: gl.constexpr,
-                   V_COLS: gl.constexpr):
+                   V_COLS: gl.constexpr, TMA_STORE: gl.constexpr):
+    # TMA_STORE: dK / dV of a full 64-key half staged in this warpgroup's Q / dO stage and
+    # stored by TMA (rows k_row + WG * 64 of dk_desc / dv_desc, column kv_col)
     HEAD_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     # dK / dV: [64 keys, d] (Sᵀ / dPᵀ: [64 keys, 64 query rows], ``_dkdv_scores``)
@@ -604,10 +613,26 @@ def _dkdv_consumer(DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
     ok = (keys < seqlen_k)[:, None]
     if not FUSED_DQ:
         dk = dk * sm_scale
-    store_cols(DK + dk_off + keys[:, None].to(gl.int64) * stride_dkn + d_cols[None, :],
-               dk.to(dtype), ok, d_cols, K_COLS)
-    store_cols(DV + dv_off + keys[:, None].to(gl.int64) * stride_dvn + d_cols[None, :],
-               dv.to(dtype), ok, d_cols, V_COLS)
+    if TMA_STORE and n0 + HALF <= seqlen_k:
+        # stage WG of the Q / dO ring is free once both warpgroups have released its last
+        # step (nothing is loaded after the last step): dK, dV there, then one TMA store each
+        # (from registers, the wgmma layout's 4-byte pieces took ~4 us a CTA at d = 128)
+        uses = (n_steps - WG + STAGES - 1) // STAGES
+        if uses > 0:
+            mbarrier.wait(qdo_empty.index(WG), (uses - 1) & 1)
+        dk_smem = q_smem.index(WG)
+        dv_smem = do_smem.index(WG)
+        dk_smem.store(dk.to(dtype))
+        dv_smem.store(dv.to(dtype))
+        fence_async_shared()
+        tma_store(dk_desc, k_row + WG * HALF, kv_col, dk_smem)
+        tma_store(dv_desc, k_row + WG * HALF, kv_col, dv_smem)
+        tma.store_wait(0)
+    else:
+        store_cols(DK + dk_off + keys[:, None].to(gl.int64) * stride_dkn + d_cols[None, :],
+                   dk.to(dtype), ok, d_cols, K_COLS)
+        store_cols(DV + dv_off + keys[:, None].to(gl.int64) * stride_dvn + d_cols[None, :],
+                   dv.to(dtype), ok, d_cols, V_COLS)
 
 
 @gluon.jit
@@ -676,7 +701,8 @@ def _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed, 
 
 
 @gluon.jit
-def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA, CU_Q, CU_K,
+def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, DK, DV, LSE, DELTA,
+                   CU_Q, CU_K,
                    stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lb, stride_lh,
                    n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
                    sm_scale, qk_scale_log2, window_left, window_right,
@@ -686,10 +712,11 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
                    DQ_LAG: gl.constexpr = False, DQ_ALT: gl.constexpr = False,
                    SEGMENTS: gl.constexpr = False, ROW_STATS: gl.constexpr = False,
                    softcap_scale=None, K_COLS: gl.constexpr = 0, V_COLS: gl.constexpr = 0,
-                   head_group=1):
+                   head_group=1, TMA_STORE: gl.constexpr = False):
     # K_COLS / V_COLS: dK's and dV's own head dims where the tiles are zero-padded past them
     # (head dims 96 / 192 read in place, ``rows_descriptor(pad_to=...)``); 0: the tiles' width;
-    # head_group: the blocks' order (``_key_block``)
+    # head_group: the blocks' order (``_key_block``); TMA_STORE: dK / dV of full key halves by
+    # TMA through dk_desc / dv_desc (``_dkdv_consumer``)
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
     (off_hk, q_start, seqlen_q, k_start, seqlen_k, start_n, lo_m, n_steps, h0, dk_off, dv_off,
      lse_base) = _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
@@ -754,22 +781,22 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
     # (the partition lists are literal: Gluon loses constexpr-ness through tuple arguments)
     if FUSED_DQ:
         gl.warp_specialize([
-            (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                              kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
-                              dq_empty, dk_off, dv_off,
-                              stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m, n_steps,
+            (_dkdv_consumer, (DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem,
+                              v_smem, ds_smem, dq_smem, kv_bar.index(0), qdo_full, qdo_empty, fixed,
+                              ds_ready, ds_empty, dq_full, dq_empty, dk_off, dv_off,
+                              k_start + start_n, off_hk * HEAD_D, stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS)),
-            (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                              kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
-                              dq_empty, dk_off, dv_off,
-                              stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m, n_steps,
+                              ROW_STATS, K_COLS, V_COLS, TMA_STORE)),
+            (_dkdv_consumer, (DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem,
+                              v_smem, ds_smem, dq_smem, kv_bar.index(0), qdo_full, qdo_empty, fixed,
+                              ds_ready, ds_empty, dq_full, dq_empty, dk_off, dv_off,
+                              k_start + start_n, off_hk * HEAD_D, stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS)),
+                              ROW_STATS, K_COLS, V_COLS, TMA_STORE)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -780,22 +807,22 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, DK, DV, LSE, DELTA
         ], [4, 1, 1], [CONSUMER_REGS_, PRODUCER_REGS_, PRODUCER_REGS_])
     else:
         gl.warp_specialize([
-            (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                              kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
-                              dq_empty, dk_off, dv_off,
-                              stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m, n_steps,
+            (_dkdv_consumer, (DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem,
+                              v_smem, ds_smem, dq_smem, kv_bar.index(0), qdo_full, qdo_empty, fixed,
+                              ds_ready, ds_empty, dq_full, dq_empty, dk_off, dv_off,
+                              k_start + start_n, off_hk * HEAD_D, stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS)),
-            (_dkdv_consumer, (DK, DV, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                              kv_bar.index(0), qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
-                              dq_empty, dk_off, dv_off,
-                              stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m, n_steps,
+                              ROW_STATS, K_COLS, V_COLS, TMA_STORE)),
+            (_dkdv_consumer, (DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem,
+                              v_smem, ds_smem, dq_smem, kv_bar.index(0), qdo_full, qdo_empty, fixed,
+                              ds_ready, ds_empty, dq_full, dq_empty, dk_off, dv_off,
+                              k_start + start_n, off_hk * HEAD_D, stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m, n_steps,
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS)),
+                              ROW_STATS, K_COLS, V_COLS, TMA_STORE)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -1309,6 +1336,10 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
                   if fused else None)
         order = dq_order(d, p.causal_like) if fused else "after"
         grid = (-(-p.max_seqlen_k // (2 * half)), p.batch * n_heads_k)
+        # dK / dV stored by TMA (full key halves) where they form [rows, heads * d] matrices
+        # (the head dims read in place keep the masked stores from registers)
+        tma_store = (TMA_STORE and d_pad is None
+                     and all(_tma_writable(t, p.is_varlen) for t in (dk, dv)))
         launcher(_bwd_dkdv_sm90)[grid](
             # (fused, 3D views: K in one 128-row box, ``_dkdv_producer``)
             q_desc, do_desc,
@@ -1316,12 +1347,15 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             rows_descriptor(v, p.is_varlen, half, pad_to=d_pad),
             # (fused) each warpgroup reduces its columns of dQ
             rows_descriptor(dq_acc, p.is_varlen, half, dq_cols(d)) if fused else q_desc,
+            rows_descriptor(dk, p.is_varlen, half) if tma_store else q_desc,
+            rows_descriptor(dv, p.is_varlen, half) if tma_store else q_desc,
             dk, dv, lse, delta, cu_q, cu_k,
             dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
             STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_LAG=order == "lag", DQ_ALT=order == "alt",
             DQ_FIRST=order == "first", SEGMENTS=segments(d, p.causal_like), ROW_STATS=ROW_STATS,
-            softcap_scale=softcap_scale, head_group=_order(grid, p, q.device), **cols, **flags)
+            softcap_scale=softcap_scale, head_group=_order(grid, p, q.device), TMA_STORE=tma_store,
+            **cols, **flags)
         if fused:
             dq.copy_(dq_acc[..., :q.shape[-1]] if d_pad else dq_acc)
             return
@@ -1334,6 +1368,14 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
         STAGES=DQ_STAGES, softcap_scale=softcap_scale, K_COLS=cols.get("K_COLS", 0),
         head_group=_order(grid, p, q.device), **narrow, **flags)
+
+
+def _tma_writable(t: torch.Tensor, varlen: bool) -> bool:
+    """Whether a gradient can be stored through a [rows, heads * d] TMA descriptor: that view,
+    16-byte aligned base and row stride (the op layer's fresh outputs always are)."""
+    view = rows_view(t, varlen)
+    return (view is not None and (view[1] * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0)
 
 
 def _order(grid: tuple[int, int], p: AttnParams, device: torch.device) -> int:
