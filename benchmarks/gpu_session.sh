@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -444,7 +444,7 @@ for step in $steps; do
              -k "not kernel_compiles" > "$OUT/tests_sm90.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_sm90.log"; tail -1 "$OUT/tests_sm90.log"
            for c in "2048" "2048 --causal"; do set -- $c ""
-             timeout 60 python benchmarks/bwd_timeline.py --d 128 --seqlen $1 ${2:-} \
+             timeout 60 python benchmarks/timeline.py --kernel bwd --d 128 --seqlen $1 ${2:-} \
                --json "$OUT/timeline_$1${2:+_causal}.json" > /tmp/timeline.log 2>&1
              echo "== timeline $c"; grep -A6 '"wg0_us"' /tmp/timeline.log | head -7
              grep -E '"cta_us"|"kernel_us"' /tmp/timeline.log | head -2; done
@@ -453,6 +453,24 @@ for step in $steps; do
                --dims 64,128 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls $impls \
                --no-plots --out "$OUT/bwd_tma_store$v.json" > /tmp/tma_store$v.log 2>&1
              echo "== tma_store=$v"; grep -E "^bwd" /tmp/tma_store$v.log; done ;;
+    fwd-o-tma) # the persistent forward's O by TMA from the tile's last V stage (IOATTN_SM90_FWD_O_TMA,
+           # opt-in): the persistent / forward tests with it on, the tile timeline (d=128 2k, on
+           # and off), then the forward on (with cuDNN) / off at d = 64 / 128, 2k-16k
+           # (~120 + 4 x 25 + 2 x 100 s)
+           IOATTN_SM90_FWD_O_TMA=1 timeout 150 python -m pytest -q -n 14 -p no:cacheprovider -rf \
+             tests/dense/test_sm90.py -k "persistent or fwd_bwd" > "$OUT/tests_o_tma.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_o_tma.log"; tail -1 "$OUT/tests_o_tma.log"
+           for v in 1 0; do for c in "2048" "2048 --causal"; do set -- $c ""
+             IOATTN_SM90_FWD_O_TMA=$v timeout 60 python benchmarks/timeline.py --kernel fwd --d 128 \
+               --seqlen $1 ${2:-} --json "$OUT/fwd_timeline_o_tma${v}_$1${2:+_causal}.json" \
+               > /tmp/timeline.log 2>&1
+             echo "== o_tma=$v timeline $c"; grep -A3 '"wg0_us"' /tmp/timeline.log | head -4
+             grep -E '"tile_us"|"kernel_us"|"median"' /tmp/timeline.log | head -3; done; done
+           for v in 1 0; do impls=ioattn_sm90; [ $v = 1 ] && impls=ioattn_sm90,sdpa_cudnn
+             IOATTN_SM90_FWD_O_TMA=$v timeout 150 python -m ioattn bench --modes fwd \
+               --dims 64,128 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls $impls \
+               --no-plots --out "$OUT/fwd_o_tma$v.json" > /tmp/o_tma$v.log 2>&1
+             echo "== o_tma=$v"; grep -E "^fwd" /tmp/o_tma$v.log; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -152,6 +152,10 @@ ENV_SWITCHES = (
      "in shared memory by the producer, read just before use (0: held in registers)"),
     ("IOATTN_SM90_BWD_D256", "1", "sm90 backward at d=256: a column-split dK/dV kernel and the dQ "
      "kernel on 32-key tiles (0: the portable backward there)"),
+    ("IOATTN_SM90_BWD_TMA_STORE", "1", "sm90 backward dK/dV kernel (d=64/128): dK and dV of full "
+     "64-key halves staged in the freed Q/dO stage and stored by TMA (0: stored from registers)"),
+    ("IOATTN_SM90_FWD_O_TMA", "0", "sm90 persistent forward: O staged in the tile's last V "
+     "stage and stored by TMA (full 64-row halves; 0: stored from registers)"),
     ("IOATTN_SM90_FUSED_BWD", "1", "sm90 backward: one kernel, dQ by TMA reduce-add (0: two "
      "kernels without atomics, as deterministic=True)"),
     ("IOATTN_SM90_DECODE", "1", "planned paged decode on the sm90 Gluon kernel"),

@@ -332,6 +332,10 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
             jobs.append(_batched_causal_job(d, "2k ", 2048))
         if d == 128:  # softcap (its tanh before the softmax), the causal form of long problems
             jobs.append(_batched_causal_job(d, "softcap ", 1 << 14, softcap_scale="fp32"))
+            # (opt-in, IOATTN_SM90_FWD_O_TMA) the persistent forward's O by TMA from the last
+            # V stage, without a mask
+            jobs += [(name.replace(" 128x", " o-tma 128x"), fn, desc, d_, dict(ce, O_TMA=True))
+                     for name, fn, desc, d_, ce in jobs if name == f"sm90 fwd d{d} full 128x128 ws"]
         if d in (128, 256):  # (opt-in, IOATTN_SM90_FWD_LPT / _BWD_LPT) the grouped heaviest-
             # first order: the causal forward at 4k (d=128: the dynamic scheduler's ids; d=256:
             # one CTA per tile, the grid's), the causal dK/dV kernel as launched, the dQ kernel

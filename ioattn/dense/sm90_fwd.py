@@ -76,6 +76,14 @@ PERSISTENT_MODE = os.environ.get("IOATTN_SM90_PERSISTENT", "auto").lower()
 # alternated runs 731 / 724 against 681 / 687 TFLOP/s without a mask, 647 / 641 against
 # 604 / 600 causal (results/tune/lpt_d256_8k_*_a1337ee_*)
 LPT = os.environ.get("IOATTN_SM90_FWD_LPT", "1").lower() in ("1", "true", "on")
+# (the persistent forward) each tile's O staged in its last V stage (free once both warpgroups'
+# last P·V retired; its release to the producer waits for the store) and stored by TMA, instead
+# of from the wgmma registers in 4-byte pieces (a persistent CTA's Q buffer may already hold the
+# next tile's Q). The backward's dK / dV stores from registers took 4.2-4.8 us a CTA (session
+# 18's timeline); here O is 16 KB a warpgroup at d=128. Needs 64 rows of V's tile a consumer
+# warpgroup (d=128, and d=64 on two warpgroups). IOATTN_SM90_FWD_O_TMA=1 turns it on (off until
+# timed on the H200)
+O_TMA = os.environ.get("IOATTN_SM90_FWD_O_TMA", "0").lower() in ("1", "true", "on")
 # three consumer warpgroups at d=64 (192-row tiles, FA3's shape there); on by default since it
 # measured 1.03-1.05x the two-warpgroup form non-causal from 2k and 1.23x causal at 2k on the
 # H200 (results/sm90_fwd_wg3_{1,0}_*.json; causal 4k-16k within 3%), IOATTN_SM90_FWD_WG3=0 turns
@@ -492,10 +500,12 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                   window_right, qk_scale_log2, softcap_scale, it0, rnd0, q_phase, WG: gl.constexpr,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                  EXP_EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0):
+                  EXP_EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0,
+                  KEEP_LAST_V: gl.constexpr = False):
     """One warpgroup's 64 query rows of a tile: key tiles from ring position it0, pingpong rounds
     from rnd0, Q's load completing phase q_phase of q_bar. Returns (out, lse): out normalized in
-    the input dtype, lse in natural log; rows that saw no key give out 0 and LSE -inf."""
+    the input dtype, lse in natural log; rows that saw no key give out 0 and LSE -inf.
+    KEEP_LAST_V: the last V stage is not released here (the caller stages O in it)."""
     HEAD_DV: gl.constexpr = v_smem.shape[2]  # V's and O's tile width (Q / K's may differ)
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
@@ -541,7 +551,8 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
         acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         _pass_turn(turn, WG, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=[acc_tok])
-        mbarrier.arrive(v_empty.index(last), count=1)
+        if not KEEP_LAST_V:
+            mbarrier.arrive(v_empty.index(last), count=1)
     return _finish(acc, m_i, l_i, dtype)
 
 
@@ -672,14 +683,15 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_
 
 
 @gluon.jit
-def _consume_persistent_tile(t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
-                             k_full, v_full, k_empty, v_empty, v_fixed, turn, CU_Q, CU_K,
-                             stride_om, stride_oh, stride_lb, stride_lh, n_heads, kv_group,
-                             seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right,
-                             qk_scale_log2, softcap_scale, WG: gl.constexpr, STAGES: gl.constexpr,
-                             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                             PINGPONG: gl.constexpr, EXP_EARLY: gl.constexpr,
-                             O_COLS: gl.constexpr, QK_COLS: gl.constexpr = 0):
+def _consume_persistent_tile(t, it, tc, rnd, o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
+                             q_empty, k_full, v_full, k_empty, v_empty, v_fixed, o_bar, turn,
+                             CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh, n_heads,
+                             kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
+                             window_right, qk_scale_log2, softcap_scale, WG: gl.constexpr,
+                             STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                             HAS_RIGHT: gl.constexpr, PINGPONG: gl.constexpr,
+                             EXP_EARLY: gl.constexpr, O_COLS: gl.constexpr,
+                             QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = False):
     """One warpgroup's rows of tile t; returns the updated ring position, tiles-with-work count
     and pingpong rounds."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -692,22 +704,28 @@ def _consume_persistent_tile(t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_b
                              lo, n_tiles, window_left, window_right, qk_scale_log2,
                              softcap_scale, it, rnd,
                              tc & 1, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG, True,
-                             EXP_EARLY, QK_COLS)
-    _store_tile(out, lse, t, O, LSE, CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh,
-                n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right,
-                WG, TILE_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, O_COLS)
+                             EXP_EARLY, QK_COLS, O_TMA)
+    _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, (it + n_tiles - 1) % STAGES,
+                n_tiles, tc, CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh, n_heads,
+                kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right, WG,
+                TILE_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, O_COLS, O_TMA)
     has_work = (n_tiles > 0).to(gl.int32)
     return it + n_tiles, tc + has_work, rnd + has_work * (n_tiles + 1)
 
 
 @gluon.jit
-def _store_tile(out, lse, t, O, LSE, CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh,
-                n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
-                window_right, WG: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, O_COLS: gl.constexpr):
+def _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, last, n_tiles, tc, CU_Q,
+                CU_K, stride_om, stride_oh, stride_lb, stride_lh, n_heads, kv_group,
+                seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right,
+                WG: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, O_COLS: gl.constexpr,
+                O_TMA: gl.constexpr):
     """A persistent CTA's store of a warpgroup's rows of tile t: the output offsets recomputed
-    here rather than kept live through the key loop; Q's buffer may already hold the next
-    tile's Q, so O is stored from registers."""
+    here rather than kept live through the key loop. Q's buffer may already hold the next
+    tile's Q, so O is stored from registers, or (O_TMA, a tile with key blocks) staged in the
+    tile's last V stage (``last``, which its consumer kept) once every warpgroup's last P·V has
+    read it (o_bar, phase from tc, the CTA's tiles with work so far) and stored by TMA; that
+    stage goes back to the producer after the store has read it."""
     (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
      n_tiles) = query_tile_at(n_m - 1 - t % n_m, t // n_m, CU_Q, CU_K, n_heads, kv_group,
                               seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
@@ -715,8 +733,27 @@ def _store_tile(out, lse, t, O, LSE, CU_Q, CU_K, stride_om, stride_oh, stride_lb
     row0 = start_m + WG * HALF_M
     _store_lse(LSE, lse, off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
                + lse_start, row0, seqlen_q)
-    _store_rows(O, out, q_start.to(gl.int64) * stride_om + off_h.to(gl.int64) * stride_oh,
-                stride_om, row0, seqlen_q, O_COLS)
+    o_off = q_start.to(gl.int64) * stride_om + off_h.to(gl.int64) * stride_oh
+    if O_TMA:
+        if n_tiles > 0:
+            mbarrier.arrive(o_bar, count=1)
+            mbarrier.wait(o_bar, tc & 1)
+            if row0 + HALF_M <= seqlen_q:  # (a partial half would run into the next sequence)
+                WGS: gl.constexpr = TILE_M // HALF_M
+                o_all = v_smem.index(last)._reinterpret(out.dtype, [WGS, HALF_M, out.shape[1]],
+                                                        tile_layout(o_desc.layout))
+                o_smem = o_all.index(WG)
+                o_smem.store(out)
+                fence_async_shared()
+                tma_store(o_desc, q_start + row0, off_h * out.shape[1], o_smem)
+                tma.store_wait(0)
+            else:
+                _store_rows(O, out, o_off, stride_om, row0, seqlen_q, O_COLS)
+            mbarrier.arrive(v_empty.index(last), count=1)
+        else:
+            _store_rows(O, out, o_off, stride_om, row0, seqlen_q, O_COLS)
+    else:
+        _store_rows(O, out, o_off, stride_om, row0, seqlen_q, O_COLS)
 
 
 @gluon.jit
@@ -725,11 +762,11 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
                          stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
                          n_bh, window_left, window_right, qk_scale_log2,
                          softcap_scale, tile_smem, tile_full,
-                         tile_empty, WG: gl.constexpr,
+                         tile_empty, o_bar, WG: gl.constexpr,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr,
                          EXP_EARLY: gl.constexpr, O_COLS: gl.constexpr,
-                         QK_COLS: gl.constexpr = 0):
+                         QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = False):
     """A persistent CTA's tiles, in the producer's order: program_id, program_id + programs, ...
     in snake order (``_snake``), or (DYNAMIC) the ids the producer draws from the tile counter
     and passes on through shared memory; tiles run over (query tile, batch * head), query tiles
@@ -744,12 +781,12 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
     t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
     while t < total:
         it, tc, rnd = _consume_persistent_tile(
-            t, it, tc, rnd, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
-            k_empty, v_empty, v_fixed, turn, CU_Q, CU_K, stride_om, stride_oh, stride_lb,
-            stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
-            window_right, qk_scale_log2,
+            t, it, tc, rnd, o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full,
+            v_full, k_empty, v_empty, v_fixed, o_bar, turn, CU_Q, CU_K, stride_om, stride_oh,
+            stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m,
+            window_left, window_right, qk_scale_log2,
             softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_EARLY, O_COLS,
-            QK_COLS)
+            QK_COLS, O_TMA)
         k += 1
         t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
 
@@ -766,7 +803,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    WGS: gl.constexpr = 2,
                    DYNAMIC: gl.constexpr = False, COUNTER=None, EXP_EARLY: gl.constexpr = False,
                    softcap_scale=None, O_COLS: gl.constexpr = 0, head_group=1,
-                   QK_COLS: gl.constexpr = 0):
+                   QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = False):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # head_group: the tiles (the tile counter's ids, or the grid's CTAs) in grouped heaviest-
     # first order (``sm90_common.grouped_order``, ``LPT``); 1: one head after another
@@ -775,7 +812,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     # the cache as [pages * PAGE, heads * d] rows with boxes of min(PAGE, BLOCK_N) rows.
     # PERSISTENT (batched only): a grid of at most one CTA per SM, each walking query tiles
     # (``_consumer_persistent``); n_bh = batch * heads. Otherwise one CTA per (query tile,
-    # batch * head) on a 2D grid.
+    # batch * head) on a 2D grid. O_TMA (persistent): O by TMA from the tile's last V stage
+    # (``_store_tile``).
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
     HEAD_DV: gl.constexpr = box_cols(v_desc.block_type.shape)  # V's and O's tiles
     gl.static_assert(not (PERSISTENT and (IS_VARLEN or PAGED)),
@@ -811,6 +849,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                               gl.SwizzledSharedLayout(1, 1, 1, [0]))
         tile_full = barriers(2, 1)
         tile_empty = barriers(2, WGS)  # one arrive per consumer warpgroup
+        o_bar = barriers(1, WGS)  # (O_TMA) every warpgroup's last P·V of a tile has retired
         if WGS == 3:
             gl.warp_specialize([
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
@@ -819,27 +858,27 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right,
                                         qk_scale_log2, softcap_scale,
-                                        tile_smem, tile_full, tile_empty,
+                                        tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS)),
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right,
                                         qk_scale_log2, softcap_scale,
-                                        tile_smem, tile_full, tile_empty,
+                                        tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS)),
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right,
                                         qk_scale_log2, softcap_scale,
-                                        tile_smem, tile_full, tile_empty,
+                                        tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         2, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS)),
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
@@ -855,18 +894,18 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right,
                                         qk_scale_log2, softcap_scale,
-                                        tile_smem, tile_full, tile_empty,
+                                        tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS)),
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right,
                                         qk_scale_log2, softcap_scale,
-                                        tile_smem, tile_full, tile_empty,
+                                        tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS)),
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
@@ -876,6 +915,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
             ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
         invalidate(tile_full, 2)
         invalidate(tile_empty, 2)
+        invalidate(o_bar, 1)
     else:
         q_row = q_start + start_m
         o_base_off = q_start.to(gl.int64) * stride_om + off_h.to(gl.int64) * stride_oh
@@ -1049,6 +1089,14 @@ def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> di
                 DYNAMIC=schedule == "dynamic", EXP_EARLY=_exp_early(head_dim, wide, mask))
 
 
+def _o_tma(form: dict, d_pad: int | None) -> bool:
+    """Whether the persistent forward stores O by TMA from the last V stage (``O_TMA``): the
+    stage holds every consumer warpgroup's 64 rows, and O is a [rows, heads * d_v] matrix (not a
+    head dim read in place through [rows, heads, d] views)."""
+    return (O_TMA and form["PERSISTENT"] and form["BLOCK_N"] >= 64 * form["WGS"]
+            and d_pad is None)
+
+
 def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor) -> None:
     """Launch the sm90 forward into ``out`` / ``lse`` (layouts as ``triton_fwd.attn_fwd``).
@@ -1093,6 +1141,7 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
         PRODUCER_REGS_=PRODUCER_REGS, PAGED=False, PAGE=1, **form, COUNTER=counter,
         O_COLS=d_v if dv_pad and dv_pad != d_v else 0, head_group=group, QK_COLS=qk_cols,
+        O_TMA=_o_tma(form, d_pad),
         num_warps=4,
     )
 

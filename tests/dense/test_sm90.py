@@ -136,6 +136,7 @@ PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
                     Case(777, 777, d=128, h=6, h_k=3, window=(100, -1)),
                     Case(300, 300, d=256, h=4, h_k=2, window=(50, 20)),
                     Case(2048, 2048, d=64, b=1, h=40),  # 640 tiles on 132 SMs: CTAs loop
+                    Case(2048, 2048, d=128, causal=True, b=1, h=24),  # (384 tiles)
                     # bottom-right causal with more queries than keys: tiles with no key
                     Case(1000, 100, d=64, causal=True, h=4, h_k=2),
                     Case(300, 300, d=64, h=2, window=(50, 20)),
@@ -144,8 +145,8 @@ PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
 
 
 @needs_sm90
-@pytest.mark.parametrize("mode", ["0", "static", "dynamic", "dynamic-wg3", "dynamic-wg3-pingpong",
-                                  "dynamic-wg3-wide-pingpong"])
+@pytest.mark.parametrize("mode", ["0", "static", "dynamic", "dynamic-o-tma", "dynamic-wg3",
+                                  "dynamic-wg3-pingpong", "dynamic-wg3-wide-pingpong"])
 @pytest.mark.parametrize("c", PERSISTENT_CASES, ids=lambda c: "sm90-persistent-" + c.id)
 def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     """The sm90 forward's tile schedules (IOATTN_SM90_PERSISTENT; by default dynamic at d=64 and
@@ -153,9 +154,14 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     drawn from an atomic counter and passed to the consumers through shared memory (the K/V
     ring and the barrier phases run on across tiles, O is stored from registers while the next
     tile's Q loads); at d=64 also with three consumer warpgroups (IOATTN_SM90_WG3_PERSISTENT),
-    and those taking turns round robin (IOATTN_SM90_PINGPONG=1: the turns run on across tiles).
-    Run twice: the counter is zeroed per launch."""
+    and those taking turns round robin (IOATTN_SM90_PINGPONG=1: the turns run on across tiles);
+    and (IOATTN_SM90_FWD_O_TMA) O staged in each tile's last V stage and stored by TMA, partial
+    row halves from registers. Run twice: the counter is zeroed per launch."""
     from ioattn.dense import sm90_fwd
+
+    if mode == "dynamic-o-tma":
+        monkeypatch.setattr(sm90_fwd, "O_TMA", True)
+        mode = "dynamic"
 
     if mode.startswith("dynamic-wg3"):
         if c.d != 64:
@@ -863,7 +869,7 @@ def test_sm90_kernel_compiles_for_hopper():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # (85 kernels, ~7 min on one core: the limit leaves room for a loaded CI machine)
+    # (86 kernels, ~7 min on one core: the limit leaves room for a loaded CI machine)
     res = subprocess.run([sys.executable, "-m", "ioattn.dense.inspect", "--gluon", "--json"], env=env,
                          capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -883,8 +889,9 @@ def test_sm90_kernel_compiles_for_hopper():
     # (d=128 at 4k, d=256), the causal dK/dV and dQ kernels at d = 128, 256; and
     # (IOATTN_SM90_PAD_NARROW, the default) the forward at 96, 192 / 128 and 192 with QKᵀ over
     # d's own columns and V / O at d_v's own width, the dQ kernel (96, 192 / 128) and the
-    # column-split dK/dV kernel (192 / 128) with S and dP over d's and d_v's own columns
-    assert len(reports) == 85, names
+    # column-split dK/dV kernel (192 / 128) with S and dP over d's and d_v's own columns; and
+    # (opt-in, IOATTN_SM90_FWD_O_TMA) the d=128 persistent forward storing O by TMA
+    assert len(reports) == 86, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
     hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
     assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
@@ -923,6 +930,9 @@ def test_sm90_kernel_compiles_for_hopper():
         # softcap's tanh on the MUFU (tanh.approx, the default), in the softcap forms only
         approx = os.environ.get("IOATTN_SM90_SOFTCAP_APPROX", "1").lower() in ("1", "true", "on")
         assert (sass["MUFU.TANH"] > 0) == ("softcap" in r["name"] and approx), r
+        # TMA stores: the backward's dK / dV (d <= 128), the O_TMA forward's O
+        if "dkdv+dq" in r["name"] and "heads-view" not in r["name"] or "o-tma" in r["name"]:
+            assert sass["UTMASTG"] > 0, r
 
 
 _EXP_ORDER_SCRIPT = r'''
