@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [decode-prefetch]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -471,6 +471,16 @@ for step in $steps; do
                --dims 64,128 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls $impls \
                --no-plots --out "$OUT/fwd_o_tma$v.json" > /tmp/o_tma$v.log 2>&1
              echo "== o_tma=$v"; grep -E "^fwd" /tmp/o_tma$v.log; done ;;
+    decode-prefetch) # L2 prefetches of each decode CTA's first tiles before its PDL wait
+           # (IOATTN_SM90_DECODE_PREFETCH, opt-in): the PDL tests with it, then the two acceptance
+           # cells on (with cuDNN) / off, graphloop rows included (~90 + 2 x 100 s)
+           timeout 120 python -m pytest -q -n 8 -p no:cacheprovider tests/decode/test_decode_sm90.py \
+             -k "pdl or graph_capture" > "$OUT/tests_decode_prefetch.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_decode_prefetch.log"; tail -1 "$OUT/tests_decode_prefetch.log"
+           for v in 1 0; do IOATTN_SM90_DECODE_PREFETCH=$v \
+             timeout 110 python -m ioattn bench --suite decode --cells 64x4096x16,1x32768x16 \
+             --prefill-cells "" --out "$OUT/decode_prefetch$v.json" > "/tmp/decode_pf_$v.log" 2>&1
+             echo "== prefetch=$v"; grep -E "ioattn_paged |ioattn_paged_graph|cudnn" "/tmp/decode_pf_$v.log"; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

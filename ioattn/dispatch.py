@@ -169,6 +169,8 @@ ENV_SWITCHES = (
      "their last item (no combine launch)"),
     ("IOATTN_SM90_DECODE_PDL", "1", "sm90 decode: programmatic dependent launch (its CTAs start "
      "while the previous kernel finishes, and wait for it before touching memory)"),
+    ("IOATTN_SM90_DECODE_PREFETCH", "0", "sm90 decode (with PDL): L2 prefetches of each CTA's "
+     "first key tiles before its wait for the previous kernel"),
     ("IOATTN_SM90_DECODE_HEADS_FIRST", "1", "sm90 decode: the grid as (KV heads, items), one "
      "item's heads side by side (they read the same cache rows)"),
 )

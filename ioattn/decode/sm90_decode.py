@@ -83,6 +83,15 @@ PDL = os.environ.get("IOATTN_SM90_DECODE_PDL", "1").lower() in ("1", "true", "on
 # to back; 1 x 32k replayed 3.37 / 3.41 against 3.41 / 3.45 (within a run's spread)
 HEADS_FIRST = os.environ.get("IOATTN_SM90_DECODE_HEADS_FIRST", "1").lower() in ("1", "true", "on")
 PRODUCER_REGS = 24
+# (with PDL) before its wait for the previous kernel, each CTA aims L2 prefetches
+# (cp.async.bulk.prefetch.L2) at its item's first STAGES key tiles (K and V rows of its KV head),
+# so they stream from memory while the previous kernel's last CTAs (a split request's merge, the
+# stragglers) finish, instead of after. Safe whatever that kernel writes: the plan buffers and
+# page table are read there only to aim the prefetches (the item is read again after the wait),
+# and L2 stays coherent with later writes. Expected: the graph-replayed 1 x 32k cell toward the
+# kernel's own rate (3.41-3.45 TB/s replayed against 3.76 in the kernel).
+# IOATTN_SM90_DECODE_PREFETCH=1 turns it on (off until timed on the H200)
+PREFETCH = os.environ.get("IOATTN_SM90_DECODE_PREFETCH", "0").lower() in ("1", "true", "on")
 
 
 @gluon.jit
@@ -380,8 +389,37 @@ def _decode_producer_items(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed,
 
 
 @gluon.jit
+def _prefetch_item(K_RAW, V_RAW, k_row_stride, v_row_stride, INDICES, WORK, SEQ, N_WORK, w,
+                   batch, capacity, row_off, page_rows, col, PAGE: gl.constexpr,
+                   HEAD_D: gl.constexpr, BLOCK_N_: gl.constexpr, TILES: gl.constexpr):
+    """L2 prefetches of item w's first TILES key tiles (each key slot's K and V row of this KV
+    head: HEAD_D elements), one slot a thread at a time over the CTA's 128 threads."""
+    if w < gl.load(N_WORK):
+        off_b, part, lo, hi, start, n_tiles, bt_row, n_pages_b, q_row = _item(
+            WORK, SEQ, w, batch, capacity, BLOCK_N_)
+        N: gl.constexpr = 256  # key slots, two a thread (arange takes a power of two)
+        gl.static_assert(TILES * BLOCK_N_ <= N)
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        keys = start + gl.arange(0, N, layout=layout)
+        idx = keys // PAGE
+        ok = (keys < gl.minimum(hi, start + TILES * BLOCK_N_)) & (idx < n_pages_b)
+        page = gl.load(INDICES + bt_row + idx, mask=ok, other=0)
+        rows = page.to(gl.int64) * page_rows + row_off + keys % PAGE
+        k_addr = (K_RAW + rows * k_row_stride + col).to(gl.int64, bitcast=True)
+        v_addr = (V_RAW + rows * v_row_stride + col).to(gl.int64, bitcast=True)
+        nbytes = gl.full([N], HEAD_D * K_RAW.dtype.element_ty.primitive_bitwidth // 8, gl.int32,
+                         layout=layout)
+        gl.inline_asm_elementwise(
+            "{ .reg .pred %p; setp.ne.u32 %p, $4, 0; "
+            "@%p cp.async.bulk.prefetch.L2.global [$1], $3; "
+            "@%p cp.async.bulk.prefetch.L2.global [$2], $3; mov.u32 $0, 0; }",
+            "=r,l,l,r,r", [k_addr, v_addr, nbytes, ok.to(gl.int32)], dtype=gl.int32,
+            is_pure=False, pack=1)
+
+
+@gluon.jit
 def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK, N_WORK,
-                 COUNTS, SLOT_START,
+                 COUNTS, SLOT_START, K_RAW, V_RAW, k_row_stride, v_row_stride,
                  stride_qs, stride_qh, stride_os, stride_oh, batch, n_heads, group, capacity,
                  page_rows, head_rows, head_cols, qk_scale_log2,
                  PAGE: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N_: gl.constexpr,
@@ -389,7 +427,8 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                  MERGE: gl.constexpr = False, GROUP_P2: gl.constexpr = 1,
                  MERGE_SLOTS: gl.constexpr = 1, CONVERT: gl.constexpr = False,
                  BALANCED: gl.constexpr = False, COLS=None, softcap_scale=None,
-                 PDL: gl.constexpr = False, HEADS_FIRST: gl.constexpr = False):
+                 PDL: gl.constexpr = False, HEADS_FIRST: gl.constexpr = False,
+                 PREFETCH_: gl.constexpr = False):
     # MERGE: split requests are merged in the kernel by their last item (COUNTS [batch * KV
     # heads] int32 tickets, zero between launches; SLOT_START [batch + 1] the partial slots),
     # GROUP_P2 / MERGE_SLOTS the merge's tile (``_merge_parts``)
@@ -399,11 +438,17 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
     # plan's columns x KV heads, column c's items being WORK rows COLS[c] .. COLS[c + 1] - 1;
     # HEADS_FIRST: the grid's axes swapped (KV heads, items), so the CTAs of one item's heads
     # are launched side by side and read the same cache rows (NHD: every head's slice of a key
-    # slot's row) at about the same time
+    # slot's row) at about the same time; PREFETCH_ (with PDL, one item a CTA): L2 prefetches
+    # of the item's first tiles before the wait (``PREFETCH``; K_RAW / V_RAW the caches' views' bases, rows
+    # k_row_stride / v_row_stride elements apart)
     KV_AXIS: gl.constexpr = 0 if HEADS_FIRST else 1
     w = gl.program_id(1 - KV_AXIS)
     off_hk = gl.program_id(KV_AXIS)
     if PDL:  # launched with launch_pdl: the previous kernel may still run (see ``PDL``)
+        if PREFETCH_:
+            _prefetch_item(K_RAW, V_RAW, k_row_stride, v_row_stride, INDICES, WORK, SEQ,
+                           N_WORK, w, batch, capacity, off_hk.to(gl.int64) * head_rows,
+                           page_rows, off_hk * head_cols, PAGE, HEAD_D, BLOCK_N_, STAGES_)
         grid_dependency_wait()
         launch_dependents()
     if not BALANCED:
@@ -540,17 +585,19 @@ def _descriptor(t: torch.Tensor, view: tuple, box: int) -> Desc:
 
 def launch_constexprs(d: int, page: int, group: int, fp8: bool, merge: bool,
                       balanced: bool = False, pdl: bool = False,
-                      heads_first: bool = False) -> dict:
+                      heads_first: bool = False, prefetch: bool = False) -> dict:
     """The kernel's constexprs for a cache of head dim d and pages of ``page`` keys, a GQA group
     of ``group`` query heads, an fp8 cache or not, the merge in the kernel or not, a balanced
     plan's columns or one item a CTA, programmatic dependent launch or not, the grid as (KV
-    heads, items) or not (the launch and the compile checks of ``ioattn.dense.inspect``);
-    LSE_BASE2 is the caller's."""
+    heads, items) or not, L2 prefetches before PDL's wait or not (not in the balanced form,
+    where they made the fp8 softcap kernel spill; the launch and the compile
+    checks of ``ioattn.dense.inspect``); LSE_BASE2 is the caller's."""
     group_p2 = 1 << (group - 1).bit_length()
     return dict(PAGE=page, HEAD_D=d, BLOCK_N_=BLOCK_N, STAGES_=STAGES_FP8 if fp8 else STAGES,
                 PRODUCER_REGS_=PRODUCER_REGS, MERGE=merge, GROUP_P2=group_p2,
                 MERGE_SLOTS=max(1, min(32, 8192 // (group_p2 * d))), CONVERT=fp8,
-                BALANCED=balanced, PDL=pdl, HEADS_FIRST=heads_first)
+                BALANCED=balanced, PDL=pdl, HEADS_FIRST=heads_first,
+                PREFETCH_=prefetch and pdl and not balanced)
 
 
 def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
@@ -591,11 +638,11 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     qk_scale_log2, softcap_scale = score_scales(softmax_scale, softcap)
     launcher(_decode_sm90)[grid](
         k_desc, v_desc, q, out, lse, o_part, lse_part, seqlens_indptr, indices, work, n_work,
-        counts, slot_start,
+        counts, slot_start, k, v, view[4], _row_view(v)[4],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), batch, h, group,
         indices.shape[0] * page, page_rows, head_rows, head_cols, qk_scale_log2,
         LSE_BASE2=lse_base2, softcap_scale=softcap_scale,
         **launch_constexprs(d, page, group, fp8, merge is not None, columns is not None, pdl,
-                            heads_first),
+                            heads_first, PREFETCH),
         COLS=columns, num_warps=4, maxnreg=MAXNREG, launch_pdl=pdl,
     )

@@ -482,11 +482,12 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
                         arch: int = 90, merge: bool = False, group: int = 4,
                         kv_dtype: str | None = None, balanced: bool = False,
                         softcap: bool = False, pdl: bool | None = None,
-                        heads_first: bool | None = None) -> KernelReport:
+                        heads_first: bool | None = None,
+                        prefetch: bool | None = None) -> KernelReport:
     """The sm90 paged decode kernel (``ioattn.decode.sm90_decode``) as its launcher specializes it
     (kv_dtype "fp8e4nv" / "fp8e5": an fp8 cache, converted in shared memory; balanced: a
     balanced plan's columns, each CTA looping over its items; softcap: its tanh on the scores;
-    pdl / heads_first: those switches, default as the environment sets them)."""
+    pdl / heads_first / prefetch: those switches, default as the environment sets them)."""
     from ioattn.decode import sm90_decode as sd
 
     fn = sd._decode_sm90
@@ -500,7 +501,8 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
     desc = f"tensordesc<{kv}[{box}, {d}],{lay}>"
     ptrs = dict(Q=f"*{dtype}", O=f"*{dtype}", LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32",
                 SEQ="*i32", INDICES="*i32", WORK="*i32", N_WORK="*i32", COUNTS="*i32",
-                SLOT_START="*i32", **(dict(COLS="*i32") if balanced else {}))
+                SLOT_START="*i32", K_RAW=f"*{kv}", V_RAW=f"*{kv}",
+                **(dict(COLS="*i32") if balanced else {}))
     sig = {n: desc if n.endswith("_desc") else ptrs.get(n, "constexpr" if n.isupper() or
                                                         n.endswith("_") else "i32")
            for n in fn.arg_names}
@@ -508,8 +510,9 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
     sig["softcap_scale"] = "fp32" if softcap else "constexpr"
     pdl = sd.PDL if pdl is None else pdl
     heads_first = sd.HEADS_FIRST if heads_first is None else heads_first
+    prefetch = sd.PREFETCH if prefetch is None else prefetch
     ce = dict(LSE_BASE2=True, **sd.launch_constexprs(d, page, group, fp8, merge, balanced, pdl,
-                                                     heads_first))
+                                                     heads_first, prefetch))
     if not softcap:
         ce["softcap_scale"] = None
     if not balanced:
@@ -517,7 +520,8 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
     return gluon_report(f"sm90 paged decode d{d} page{page}{' merge' if merge else ''}"
                         f"{' ' + kv if fp8 else ''}{' balanced' if balanced else ''}"
                         f"{' softcap' if softcap else ''}{' pdl' if pdl else ''}"
-                        f"{' heads-first' if heads_first else ''} ws", fn, sig, ce, arch,
+                        f"{' heads-first' if heads_first else ''}"
+                        f"{' prefetch' if ce['PREFETCH_'] else ''} ws", fn, sig, ce, arch,
                         maxnreg=sd.MAXNREG, launch_pdl=pdl)
 
 

@@ -330,11 +330,12 @@ def test_sm90_decode_graph_capture_short_replay_long(merge, monkeypatch):
 
 
 @needs_sm90
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("merge", [False, True, "balanced"],
                          ids=["combine", "merge-in-kernel", "balanced"])
 @pytest.mark.parametrize("c", [CASES[0], CASES[1], CASES[4], CASES[6]],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-def test_sm90_decode_pdl_heads_first(c, merge, monkeypatch):
+def test_sm90_decode_pdl_heads_first(c, merge, prefetch, monkeypatch):
     """IOATTN_SM90_DECODE_PDL and IOATTN_SM90_DECODE_HEADS_FIRST (both on by default): the
     kernel launched with programmatic dependent launch (the switch, or FlashInfer's
     run(enable_pdl=True)), on a (KV heads, items) grid. Three runs back to back, eager and then
@@ -342,8 +343,10 @@ def test_sm90_decode_pdl_heads_first(c, merge, monkeypatch):
     before the replays) against the references. With the in-kernel merge each decode may start
     while the one before it finishes, sharing its partial slots and merge tickets (a missing
     wait would show only by chance: the check is of the results); with the combine, the
-    combine kernel (not PDL-launched) sits between them."""
+    combine kernel (not PDL-launched) sits between them. prefetch (IOATTN_SM90_DECODE_PREFETCH):
+    each CTA's L2 prefetches before its wait change nothing in the results."""
     monkeypatch.setattr(sm90_decode, "PDL", True)
+    monkeypatch.setattr(sm90_decode, "PREFETCH", prefetch)
     monkeypatch.setattr(sm90_decode, "HEADS_FIRST", True)
     balanced = merge == "balanced"
     calls = _sm90_decode_on(monkeypatch, bool(merge), balanced)
