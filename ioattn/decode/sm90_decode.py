@@ -389,11 +389,13 @@ def _decode_producer_items(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed,
 
 
 @gluon.jit
-def _prefetch_item(K_RAW, V_RAW, k_row_stride, v_row_stride, INDICES, WORK, SEQ, N_WORK, w,
-                   batch, capacity, row_off, page_rows, col, PAGE: gl.constexpr,
+def _prefetch_item(K_RAW, V_RAW, k_row_stride, v_row_stride, view_rows, INDICES, WORK, SEQ,
+                   N_WORK, w, batch, capacity, row_off, page_rows, col, PAGE: gl.constexpr,
                    HEAD_D: gl.constexpr, BLOCK_N_: gl.constexpr, TILES: gl.constexpr):
     """L2 prefetches of item w's first TILES key tiles (each key slot's K and V row of this KV
-    head: HEAD_D elements), one slot a thread at a time over the CTA's 128 threads."""
+    head: HEAD_D elements), one slot a thread at a time over the CTA's 128 threads. Rows are
+    clamped to the views' view_rows: a page table the previous kernel is still writing may
+    hold anything here."""
     if w < gl.load(N_WORK):
         off_b, part, lo, hi, start, n_tiles, bt_row, n_pages_b, q_row = _item(
             WORK, SEQ, w, batch, capacity, BLOCK_N_)
@@ -405,6 +407,7 @@ def _prefetch_item(K_RAW, V_RAW, k_row_stride, v_row_stride, INDICES, WORK, SEQ,
         ok = (keys < gl.minimum(hi, start + TILES * BLOCK_N_)) & (idx < n_pages_b)
         page = gl.load(INDICES + bt_row + idx, mask=ok, other=0)
         rows = page.to(gl.int64) * page_rows + row_off + keys % PAGE
+        rows = gl.minimum(gl.maximum(rows, 0), view_rows - 1)
         k_addr = (K_RAW + rows * k_row_stride + col).to(gl.int64, bitcast=True)
         v_addr = (V_RAW + rows * v_row_stride + col).to(gl.int64, bitcast=True)
         nbytes = gl.full([N], HEAD_D * K_RAW.dtype.element_ty.primitive_bitwidth // 8, gl.int32,
@@ -428,7 +431,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                  MERGE_SLOTS: gl.constexpr = 1, CONVERT: gl.constexpr = False,
                  BALANCED: gl.constexpr = False, COLS=None, softcap_scale=None,
                  PDL: gl.constexpr = False, HEADS_FIRST: gl.constexpr = False,
-                 PREFETCH_: gl.constexpr = False):
+                 PREFETCH_: gl.constexpr = False, view_rows=None):
     # MERGE: split requests are merged in the kernel by their last item (COUNTS [batch * KV
     # heads] int32 tickets, zero between launches; SLOT_START [batch + 1] the partial slots),
     # GROUP_P2 / MERGE_SLOTS the merge's tile (``_merge_parts``)
@@ -440,14 +443,15 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
     # are launched side by side and read the same cache rows (NHD: every head's slice of a key
     # slot's row) at about the same time; PREFETCH_ (with PDL, one item a CTA): L2 prefetches
     # of the item's first tiles before the wait (``PREFETCH``; K_RAW / V_RAW the caches' views' bases, rows
-    # k_row_stride / v_row_stride elements apart)
+    # k_row_stride / v_row_stride elements apart, view_rows rows: None without prefetches, as
+    # one more scalar argument made the balanced fp8 forms spill 64 B)
     KV_AXIS: gl.constexpr = 0 if HEADS_FIRST else 1
     w = gl.program_id(1 - KV_AXIS)
     off_hk = gl.program_id(KV_AXIS)
     if PDL:  # launched with launch_pdl: the previous kernel may still run (see ``PDL``)
         if PREFETCH_:
-            _prefetch_item(K_RAW, V_RAW, k_row_stride, v_row_stride, INDICES, WORK, SEQ,
-                           N_WORK, w, batch, capacity, off_hk.to(gl.int64) * head_rows,
+            _prefetch_item(K_RAW, V_RAW, k_row_stride, v_row_stride, view_rows, INDICES, WORK,
+                           SEQ, N_WORK, w, batch, capacity, off_hk.to(gl.int64) * head_rows,
                            page_rows, off_hk * head_cols, PAGE, HEAD_D, BLOCK_N_, STAGES_)
         grid_dependency_wait()
         launch_dependents()
@@ -644,5 +648,6 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
         LSE_BASE2=lse_base2, softcap_scale=softcap_scale,
         **launch_constexprs(d, page, group, fp8, merge is not None, columns is not None, pdl,
                             heads_first, PREFETCH),
-        COLS=columns, num_warps=4, maxnreg=MAXNREG, launch_pdl=pdl,
+        COLS=columns, view_rows=k_desc.shape[0] if PREFETCH and pdl and columns is None else None,
+        num_warps=4, maxnreg=MAXNREG, launch_pdl=pdl,
     )

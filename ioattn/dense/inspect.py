@@ -288,7 +288,7 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                 seg = sm90_bwd.segments(d, causal)
                 opt = dict(SEGMENTS=seg, ROW_STATS=sm90_bwd.ROW_STATS)
                 two_kernel = dict(FUSED_DQ=False, **opt)
-                fused = {o: dict(FUSED_DQ=True, DQ_FIRST=o == "first", DQ_LAG=o == "lag",
+                fused = {o: dict(FUSED_DQ=True, DQ_FIRST=o == "first", DQ_LAG=sm90_bwd.lag_flag(o),
                                  DQ_ALT=o == "alt", **opt) for o in orders}
                 forms = [("", two_kernel)] + [(f"+dq {o}", fused[o]) for o in orders]
                 if tag == "causal":  # the steps in masked / unmasked loops (or not)
@@ -394,7 +394,7 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                 jobs.append((f"sm90 bwd dkdv+dq {order} d{d} {mask} heads-view K_COLS={k_cols} "
                              f"128 keys ws", sm90_bwd._bwd_dkdv_sm90, dict(bwd_desc, k_desc=128), d,
                              dict(hv, STAGES=sm90_bwd.DKDV_STAGES, FUSED_DQ=True,
-                                  DQ_FIRST=order == "first", DQ_LAG=order == "lag",
+                                  DQ_FIRST=order == "first", DQ_LAG=sm90_bwd.lag_flag(order),
                                   DQ_ALT=order == "alt", SEGMENTS=sm90_bwd.segments(d, varlen),
                                   ROW_STATS=sm90_bwd.ROW_STATS, K_COLS=k_cols, V_COLS=real)))
             dq_bn = sm90_bwd._dq_block_n(d)
@@ -517,6 +517,9 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
         ce["softcap_scale"] = None
     if not balanced:
         ce["COLS"] = None
+    if not ce["PREFETCH_"]:  # (the views' rows: an argument only with the prefetches)
+        sig["view_rows"] = "constexpr"
+        ce["view_rows"] = None
     return gluon_report(f"sm90 paged decode d{d} page{page}{' merge' if merge else ''}"
                         f"{' ' + kv if fp8 else ''}{' balanced' if balanced else ''}"
                         f"{' softcap' if softcap else ''}{' pdl' if pdl else ''}"

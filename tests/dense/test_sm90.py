@@ -232,12 +232,13 @@ FUSED_CASES = [Case(113, 203, d=64), Case(113, 203, d=128, causal=True),
 
 
 @needs_sm90
-@pytest.mark.parametrize("order", ["after", "first", "lag", "alt"])
+@pytest.mark.parametrize("order", ["after", "first", "lag", "alt", "lag-late"])
 @pytest.mark.parametrize("c", FUSED_CASES, ids=lambda c: "sm90-fused-bwd-" + c.id)
 def test_sm90_fused_bwd(c: Case, order, monkeypatch):
     """The fused sm90 backward (dQ added by TMA reductions; the default, sm90_bwd.FUSED) against
     the reference's gradients, with each step's dQ partial issued after or before dK's update, or
-    one step late, or (d=64) formed by one warpgroup a step in turn (IOATTN_SM90_BWD_DQ_ORDER)."""
+    one step late (before the next step's dS, or after its store: "lag-late"), or (d=64) formed
+    by one warpgroup a step in turn (IOATTN_SM90_BWD_DQ_ORDER)."""
     from ioattn.dense import op
     from ioattn.dense.params import make_params
     from ioattn.dense.sm90_bwd import attn_bwd_sm90
@@ -370,7 +371,7 @@ def _bwd_order(monkeypatch, order: str) -> None:
 
 
 @needs_sm90
-@pytest.mark.parametrize("order", ["auto", "after", "first", "lag", "alt"])
+@pytest.mark.parametrize("order", ["auto", "after", "first", "lag", "alt", "lag-late"])
 @pytest.mark.parametrize("c", [Case(0, 0, d=128, b=5, causal=True, h=6, h_k=2),
                                Case(0, 0, d=64, b=4, window=(30, 3), dtype=FP16),
                                Case(0, 0, d=256, b=3, causal=True)],
@@ -869,7 +870,7 @@ def test_sm90_kernel_compiles_for_hopper():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # (86 kernels, ~7 min on one core: the limit leaves room for a loaded CI machine)
+    # (88 kernels, ~7 min on one core: the limit leaves room for a loaded CI machine)
     res = subprocess.run([sys.executable, "-m", "ioattn.dense.inspect", "--gluon", "--json"], env=env,
                          capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -890,8 +891,9 @@ def test_sm90_kernel_compiles_for_hopper():
     # (IOATTN_SM90_PAD_NARROW, the default) the forward at 96, 192 / 128 and 192 with QKᵀ over
     # d's own columns and V / O at d_v's own width, the dQ kernel (96, 192 / 128) and the
     # column-split dK/dV kernel (192 / 128) with S and dP over d's and d_v's own columns; and
-    # (opt-in, IOATTN_SM90_FWD_O_TMA) the d=128 persistent forward storing O by TMA
-    assert len(reports) == 86, names
+    # (opt-in, IOATTN_SM90_FWD_O_TMA) the d=128 persistent forward storing O by TMA; and the
+    # fused backward in the "lag-late" dQ order (d = 64, 128)
+    assert len(reports) == 88, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
     hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
     assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
