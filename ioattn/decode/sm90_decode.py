@@ -442,9 +442,9 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
     # HEADS_FIRST: the grid's axes swapped (KV heads, items), so the CTAs of one item's heads
     # are launched side by side and read the same cache rows (NHD: every head's slice of a key
     # slot's row) at about the same time; PREFETCH_ (with PDL, one item a CTA): L2 prefetches
-    # of the item's first tiles before the wait (``PREFETCH``; K_RAW / V_RAW the caches' views' bases, rows
-    # k_row_stride / v_row_stride elements apart, view_rows rows: None without prefetches, as
-    # one more scalar argument made the balanced fp8 forms spill 64 B)
+    # of the item's first tiles before the wait (``PREFETCH``; K_RAW / V_RAW the caches' views'
+    # bases, rows k_row_stride / v_row_stride elements apart, view_rows rows: None without
+    # prefetches, as one more scalar argument made the balanced fp8 forms spill 64 B)
     KV_AXIS: gl.constexpr = 0 if HEADS_FIRST else 1
     w = gl.program_id(1 - KV_AXIS)
     off_hk = gl.program_id(KV_AXIS)
@@ -594,8 +594,8 @@ def launch_constexprs(d: int, page: int, group: int, fp8: bool, merge: bool,
     of ``group`` query heads, an fp8 cache or not, the merge in the kernel or not, a balanced
     plan's columns or one item a CTA, programmatic dependent launch or not, the grid as (KV
     heads, items) or not, L2 prefetches before PDL's wait or not (not in the balanced form,
-    where they made the fp8 softcap kernel spill; the launch and the compile
-    checks of ``ioattn.dense.inspect``); LSE_BASE2 is the caller's."""
+    where they made the fp8 softcap kernel spill; the launch and the compile checks of
+    ``ioattn.dense.inspect``); LSE_BASE2 is the caller's."""
     group_p2 = 1 << (group - 1).bit_length()
     return dict(PAGE=page, HEAD_D=d, BLOCK_N_=BLOCK_N, STAGES_=STAGES_FP8 if fp8 else STAGES,
                 PRODUCER_REGS_=PRODUCER_REGS, MERGE=merge, GROUP_P2=group_p2,
@@ -640,14 +640,14 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     if heads_first:
         grid = grid[::-1]
     qk_scale_log2, softcap_scale = score_scales(softmax_scale, softcap)
+    consts = launch_constexprs(d, page, group, fp8, merge is not None, columns is not None, pdl,
+                               heads_first, PREFETCH)
     launcher(_decode_sm90)[grid](
         k_desc, v_desc, q, out, lse, o_part, lse_part, seqlens_indptr, indices, work, n_work,
         counts, slot_start, k, v, view[4], _row_view(v)[4],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), batch, h, group,
         indices.shape[0] * page, page_rows, head_rows, head_cols, qk_scale_log2,
         LSE_BASE2=lse_base2, softcap_scale=softcap_scale,
-        **launch_constexprs(d, page, group, fp8, merge is not None, columns is not None, pdl,
-                            heads_first, PREFETCH),
-        COLS=columns, view_rows=k_desc.shape[0] if PREFETCH and pdl and columns is None else None,
+        **consts, COLS=columns, view_rows=k_desc.shape[0] if consts["PREFETCH_"] else None,
         num_warps=4, maxnreg=MAXNREG, launch_pdl=pdl,
     )

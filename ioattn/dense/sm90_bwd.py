@@ -119,7 +119,7 @@ DQ_ORDER = os.environ.get("IOATTN_SM90_BWD_DQ_ORDER", "auto").lower()
 # (the dK/dV kernel at d = 64 / 128) dK and dV of each full 64-key half staged in the warpgroup's
 # Q / dO stage and stored by TMA, instead of from the wgmma registers in 4-byte pieces: those
 # took 4.2-4.8 us of a 76 us CTA at d = 128 non-causal 2k (1 us at d = 64), by %globaltimer
-# stamps (benchmarks/bwd_timeline.py, results/tune/bwd_timeline_*_c97fce0_*). Default on;
+# stamps (benchmarks/timeline.py --kernel bwd, results/tune/bwd_timeline_*_c97fce0_*). Default on;
 # IOATTN_SM90_BWD_TMA_STORE=0 the register stores
 TMA_STORE = os.environ.get("IOATTN_SM90_BWD_TMA_STORE", "1").lower() in ("1", "true", "on")
 # (the dK/dV kernels) Pᵀ's exponentials kept before the wait for dPᵀ, so they run while dPᵀ is on
@@ -534,8 +534,8 @@ def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem
 @gluon.jit
 def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, ds_smem,
                    dq_smem, kv_bar, qdo_full, qdo_empty, fixed, ds_ready, ds_empty, dq_full,
-                   dq_empty, dk_off, dv_off, k_row, kv_col, stride_dkn, stride_dvn, lse_base, stride_lh, h0, ld_smem, lo_m, n_m,
-                   n_steps, start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
+                   dq_empty, dk_off, dv_off, k_row, kv_col, stride_dkn, stride_dvn, lse_base,
+                   stride_lh, h0, ld_smem, lo_m, n_m, n_steps, start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                    qk_scale_log2, softcap_scale, sm_scale,
                    WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                    HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
