@@ -102,6 +102,18 @@ def test_fp8_coverage(monkeypatch):
                                             v.to(torch.float8_e4m3fn), 1, False) is not None
 
 
+def test_prefetch_rule():
+    """L2 prefetches before the wait (IOATTN_SM90_DECODE_PREFETCH) only with PDL (without it
+    there is nothing to wait for) and one item a CTA (not the balanced form)."""
+    def rule(**kw):
+        return sm90_decode.launch_constexprs(128, 16, 4, False, True, **kw)["PREFETCH_"]
+
+    assert rule(pdl=True, prefetch=True)
+    assert not rule(pdl=False, prefetch=True)
+    assert not rule(pdl=True, prefetch=True, balanced=True)
+    assert not rule(pdl=True, prefetch=False)
+
+
 def test_small_plans_stay_portable_in_eager_calls(monkeypatch):
     """Eager plans that read few bytes keep the portable kernel (the Gluon launch's host time
     outweighs its kernel there); large plans take the sm90 kernel where it covers the call, and

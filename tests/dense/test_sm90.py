@@ -621,6 +621,33 @@ def test_rows_view_of_layouts():
     assert "16 bytes" in tma_view_problem("k", torch.empty(3, 5, 1, 4, dtype=torch.bfloat16), False)
 
 
+def test_sm90_tma_epilogue_rules(monkeypatch):
+    """Where the kernels store their outputs by TMA: the backward's dK / dV where they form
+    16-byte aligned [rows, heads * d] matrices (IOATTN_SM90_BWD_TMA_STORE); the persistent
+    forward's O (opt-in IOATTN_SM90_FWD_O_TMA) where the last V stage holds every consumer
+    warpgroup's 64 rows and O is not a head dim read in place; the "lag" orders' DQ_LAG flag."""
+    from ioattn.dense import sm90_bwd, sm90_fwd
+
+    writable = sm90_bwd._tma_writable
+    assert writable(torch.empty(2, 50, 4, 64, dtype=torch.bfloat16), False)
+    assert not writable(torch.empty(2, 4, 50, 64, dtype=torch.bfloat16).transpose(1, 2), False)
+    assert not writable(torch.empty(2, 50, 4, 64, dtype=torch.bfloat16)[:, :, :, :36], False)
+    assert writable(torch.empty(300, 4, 128, dtype=torch.float16), True)
+    monkeypatch.setattr(sm90_fwd, "O_TMA", True)
+    monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", "auto")
+    monkeypatch.setattr(sm90_fwd, "WG3", True)
+    monkeypatch.setattr(sm90_fwd, "WG3_BLOCK_N", "auto")
+    form = sm90_fwd.launch_form
+    assert sm90_fwd._o_tma(form(128, False, "none", 8192), None)
+    assert sm90_fwd._o_tma(form(64, False, "causal", 2048), None)  # two warpgroups, 128 keys
+    assert not sm90_fwd._o_tma(form(64, False, "none", 8192), None)  # 192 rows, 128 keys
+    assert not sm90_fwd._o_tma(form(128, True, "causal", 8192), None)  # varlen: one CTA a tile
+    assert not sm90_fwd._o_tma(form(128, False, "none", 8192), 128)  # d = 96 read in place
+    monkeypatch.setattr(sm90_fwd, "O_TMA", False)
+    assert not sm90_fwd._o_tma(form(128, False, "none", 8192), None)
+    assert [sm90_bwd.lag_flag(o) for o in sm90_bwd.DQ_ORDERS] == [0, 0, 1, 0, 2]
+
+
 @pytest.mark.parametrize("d,d_v", [(96, 96), (192, 192), (192, 128)])
 def test_sm90_padded_head_dims_host_side(d, d_v, device, monkeypatch):
     """The op's side of the zero padding, anywhere: with the portable kernels standing in for
