@@ -73,6 +73,11 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256) if D256 else (64, 128)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 DKDV_STAGES = 2
+# (the d = 64 dK/dV kernel) Q/dO ring stages, IOATTN_SM90_BWD_STAGES: "auto" (default) 2, or 3 /
+# 4 (opt-in until timed: d = 64 takes 132 / 150 / 166 KB of shared memory at 2 / 3 / 4 stages,
+# spill-free; with 2 the producer runs one 1.44 us step ahead of the consumers at 2k, about an
+# L2 round trip under load). d = 128 has no room for a third stage (231 KB).
+STAGES_MODE = os.environ.get("IOATTN_SM90_BWD_STAGES", "auto").lower()
 DQ_BLOCK_N = 64
 DQ_STAGES = 2
 # The fused backward (dQ by TMA reductions in the dK/dV kernel, issued by a writer warp): on by
@@ -1237,6 +1242,15 @@ def dq_order(head_dim: int, masked: bool) -> str:
     return "after" if order == "alt" and dq_cols(head_dim) != head_dim else order
 
 
+def dkdv_stages(head_dim: int) -> int:
+    """Q/dO stages of the d <= 128 dK/dV kernel (``STAGES_MODE``; d = 128 always 2)."""
+    if STAGES_MODE == "auto" or head_dim != 64:
+        return DKDV_STAGES
+    if STAGES_MODE not in ("2", "3", "4"):
+        raise ValueError(f"IOATTN_SM90_BWD_STAGES={STAGES_MODE!r}: expected auto, 2, 3 or 4")
+    return int(STAGES_MODE)
+
+
 def lag_flag(order: str) -> int:
     """The kernels' DQ_LAG constexpr for a dQ order: 0 (not lagged), 1 ("lag"), 2 ("lag-late")."""
     return {"lag": 1, "lag-late": 2}.get(order, 0)
@@ -1365,7 +1379,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             dk, dv, lse, delta, cu_q, cu_k,
             dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-            STAGES=DKDV_STAGES, FUSED_DQ=fused, DQ_LAG=lag_flag(order), DQ_ALT=order == "alt",
+            STAGES=dkdv_stages(d), FUSED_DQ=fused, DQ_LAG=lag_flag(order), DQ_ALT=order == "alt",
             DQ_FIRST=order == "first", SEGMENTS=segments(d, p.causal_like), ROW_STATS=ROW_STATS,
             softcap_scale=softcap_scale, head_group=_order(grid, p, q.device), TMA_STORE=tma_store,
             **cols, **flags)

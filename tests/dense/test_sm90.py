@@ -294,6 +294,36 @@ def test_sm90_bwd_row_stats(c: Case, form, monkeypatch):
     _check_sm90_grads(c, varlen=True)
 
 
+@needs_sm90
+@pytest.mark.parametrize("stages", ["3", "4"])
+@pytest.mark.parametrize("form", ["auto", "lag-late", "two-kernel"])
+@pytest.mark.parametrize("c", [c for c in ROW_STATS_CASES if c.d == 64],
+                         ids=lambda c: "sm90-bwd-stages-" + c.id)
+def test_sm90_bwd_stages(c: Case, form, stages, monkeypatch):
+    """The d=64 dK/dV kernel on a deeper Q/dO ring (IOATTN_SM90_BWD_STAGES 3 / 4; the ring's
+    phases, the row stats' slots and the TMA-store epilogue's stage all follow the count),
+    fused (as auto picks its order, and "lag-late") and two-kernel, batched and varlen."""
+    from ioattn.dense import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "STAGES_MODE", stages)
+    monkeypatch.setattr(sm90_bwd, "FUSED", form != "two-kernel")
+    if form in sm90_bwd.DQ_ORDERS:
+        _bwd_order(monkeypatch, form)
+    _check_sm90_grads(c, varlen=True)
+
+
+def test_bwd_stages_rule(monkeypatch):
+    from ioattn.dense import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "STAGES_MODE", "3")
+    assert (sm90_bwd.dkdv_stages(64), sm90_bwd.dkdv_stages(128)) == (3, 2)
+    monkeypatch.setattr(sm90_bwd, "STAGES_MODE", "auto")
+    assert sm90_bwd.dkdv_stages(64) == 2
+    monkeypatch.setattr(sm90_bwd, "STAGES_MODE", "5")
+    with pytest.raises(ValueError, match="IOATTN_SM90_BWD_STAGES"):
+        sm90_bwd.dkdv_stages(64)
+
+
 def _check_sm90_grads(c: Case, varlen: bool) -> None:
     """Gradients through backend='sm90' against the reference, for the case batched and (varlen)
     packed with ragged lengths (b=3, zero-length sequences included)."""
