@@ -64,8 +64,9 @@ for d, page, merge, kv, bal, cap, pdl in (
     # kernel; kv: an fp8 cache, converted; bal: a balanced plan's columns, looped over; cap:
     # softcap's tanh on the scores; pdl: programmatic dependent launch, with the grid's axes
     # swapped too; "pf": and L2 prefetches before its wait, IOATTN_SM90_DECODE_PREFETCH)
+    on = None if pdl is None else True  # (None: as the environment sets them)
     r = decode_gluon_report(d, page, merge=merge, kv_dtype=kv, balanced=bal, softcap=cap,
-                            pdl=pdl and True, heads_first=pdl and True, prefetch=pdl == "pf")
+                            pdl=on, heads_first=on, prefetch=pdl == "pf")
     # (softcap's tanh on the MUFU: tanh.approx, unless IOATTN_SM90_SOFTCAP_APPROX=0)
     assert ("softcap" in r.name and APPROX) == (r.sass["MUFU.TANH"] > 0), r
     assert r.grid_dependency == (" pdl" in r.name), r
