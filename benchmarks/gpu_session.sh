@@ -9,6 +9,14 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD IOATTN_GIT_COMMIT=${IOATTN_GIT_COMMIT:-unknown}
 OUT=${OUT:-/tmp/ioattn_out}; mkdir -p "$OUT"
 steps=${*:-tests bench long}
+# onoff VAR "V1 V2 ..." NAME ARGS...: `python -m ioattn bench ARGS` once per value of VAR (the
+# first with cuDNN beside ioattn's sm90 backend), into $OUT/NAME<value>.json; prints the rows
+onoff() {
+  local var=$1 values=$2 name=$3 impls=ioattn_sm90,sdpa_cudnn v; shift 3
+  for v in $values; do
+    env "$var=$v" timeout 170 python -m ioattn bench "$@" --impls $impls --no-plots \
+      --out "$OUT/$name$v.json" > "/tmp/$name$v.log" 2>&1
+    echo "== $var=$v"; grep -E "^(fwd|bwd)" "/tmp/$name$v.log"; impls=ioattn_sm90; done; }
 for step in $steps; do
   case $step in
     tests) # 14 workers: a cold Triton cache took more than 240 s with 8 (and 450 s ran 684 of ~690, session 16)
@@ -448,11 +456,8 @@ for step in $steps; do
                --json "$OUT/timeline_$1${2:+_causal}.json" > /tmp/timeline.log 2>&1
              echo "== timeline $c"; grep -A6 '"wg0_us"' /tmp/timeline.log | head -7
              grep -E '"cta_us"|"kernel_us"' /tmp/timeline.log | head -2; done
-           for v in 1 0; do impls=ioattn_sm90; [ $v = 1 ] && impls=ioattn_sm90,sdpa_cudnn
-             IOATTN_SM90_BWD_TMA_STORE=$v timeout 170 python -m ioattn bench --modes bwd \
-               --dims 64,128 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls $impls \
-               --no-plots --out "$OUT/bwd_tma_store$v.json" > /tmp/tma_store$v.log 2>&1
-             echo "== tma_store=$v"; grep -E "^bwd" /tmp/tma_store$v.log; done ;;
+           onoff IOATTN_SM90_BWD_TMA_STORE "1 0" bwd_tma_store --modes bwd --dims 64,128 \
+             --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     fwd-o-tma) # the persistent forward's O by TMA from the tile's last V stage (IOATTN_SM90_FWD_O_TMA,
            # opt-in): the persistent / forward tests with it on, the tile timeline (d=128 2k, on
            # and off), then the forward on (with cuDNN) / off at d = 64 / 128, 2k-16k
@@ -466,11 +471,8 @@ for step in $steps; do
                > /tmp/timeline.log 2>&1
              echo "== o_tma=$v timeline $c"; grep -A3 '"wg0_us"' /tmp/timeline.log | head -4
              grep -E '"tile_us"|"kernel_us"|"median"' /tmp/timeline.log | head -3; done; done
-           for v in 1 0; do impls=ioattn_sm90; [ $v = 1 ] && impls=ioattn_sm90,sdpa_cudnn
-             IOATTN_SM90_FWD_O_TMA=$v timeout 150 python -m ioattn bench --modes fwd \
-               --dims 64,128 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls $impls \
-               --no-plots --out "$OUT/fwd_o_tma$v.json" > /tmp/o_tma$v.log 2>&1
-             echo "== o_tma=$v"; grep -E "^fwd" /tmp/o_tma$v.log; done ;;
+           onoff IOATTN_SM90_FWD_O_TMA "1 0" fwd_o_tma --modes fwd --dims 64,128 \
+             --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     decode-prefetch) # L2 prefetches of each decode CTA's first tiles before its PDL wait
            # (IOATTN_SM90_DECODE_PREFETCH, opt-in): the PDL tests with it, then the two acceptance
            # cells on (with cuDNN) / off, graphloop rows included (~90 + 2 x 100 s)
@@ -487,21 +489,15 @@ for step in $steps; do
            timeout 150 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
              -k "fused_bwd or varlen" > "$OUT/tests_lag_late.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_lag_late.log"; tail -1 "$OUT/tests_lag_late.log"
-           for v in lag-late auto; do impls=ioattn_sm90; [ $v = lag-late ] && impls=ioattn_sm90,sdpa_cudnn
-             IOATTN_SM90_BWD_DQ_ORDER=$v timeout 140 python -m ioattn bench --modes bwd \
-               --dims 64,128 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls $impls \
-               --no-plots --out "$OUT/bwd_order_$v.json" > /tmp/order_$v.log 2>&1
-             echo "== order=$v"; grep -E "^bwd" /tmp/order_$v.log; done ;;
+           onoff IOATTN_SM90_BWD_DQ_ORDER "lag-late auto" bwd_order_ --modes bwd --dims 64,128 \
+             --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     bwd-stages) # the d=64 dK/dV kernel's Q/dO ring at 3 / 4 stages (IOATTN_SM90_BWD_STAGES, opt-in):
            # its tests, then the d=64 backward at 2 (with cuDNN) / 3 / 4 (~90 + 3 x 70 s)
            timeout 120 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
              -k "stages" > "$OUT/tests_bwd_stages.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_bwd_stages.log"; tail -1 "$OUT/tests_bwd_stages.log"
-           for v in 2 3 4; do impls=ioattn_sm90; [ $v = 2 ] && impls=ioattn_sm90,sdpa_cudnn
-             IOATTN_SM90_BWD_STAGES=$v timeout 100 python -m ioattn bench --modes bwd --dims 64 \
-               --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls $impls --no-plots \
-               --out "$OUT/bwd_stages$v.json" > /tmp/stages$v.log 2>&1
-             echo "== stages=$v"; grep -E "^bwd" /tmp/stages$v.log; done ;;
+           onoff IOATTN_SM90_BWD_STAGES "2 3 4" bwd_stages --modes bwd --dims 64 \
+             --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -95,6 +95,17 @@ PREFETCH = os.environ.get("IOATTN_SM90_DECODE_PREFETCH", "0").lower() in ("1", "
 
 
 @gluon.jit
+def _slot_row(INDICES, bt_row, n_pages_b, key, page_rows, row_off, PAGE: gl.constexpr,
+              mask=True):
+    """Row (int64) of the cache views holding a request's key slot (scalar or tensor): its page
+    from the request's page-table row, row_off for the head (HND), key % PAGE within the page.
+    Entries past the request's pages (or masked off) read as page 0."""
+    idx = key // PAGE
+    page = gl.load(INDICES + bt_row + idx, mask=mask & (idx < n_pages_b), other=0)
+    return page.to(gl.int64) * page_rows + row_off + key % PAGE
+
+
+@gluon.jit
 def _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, bt_row,
                      n_pages_b, start, n_tiles, n_keys, row_off, page_rows, col,
                      PAGE: gl.constexpr, STAGES_: gl.constexpr, CONVERT: gl.constexpr, it0=0,
@@ -111,10 +122,8 @@ def _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDIC
         mbarrier.wait(empty.index(st), (((it0 + j) // STAGES_) & 1) ^ 1)
         mbarrier.expect(full.index(st), 2 * (BLOCK_N_ // BOX) * k_desc.block_type.nbytes)
         for i in gl.static_range(BLOCK_N_ // BOX):
-            key = start + j * BLOCK_N_ + i * BOX
-            idx = key // PAGE
-            page = gl.load(INDICES + bt_row + idx, mask=idx < n_pages_b, other=0)
-            row = (page.to(gl.int64) * page_rows + row_off + key % PAGE).to(gl.int32)
+            row = _slot_row(INDICES, bt_row, n_pages_b, start + j * BLOCK_N_ + i * BOX,
+                            page_rows, row_off, PAGE).to(gl.int32)
             tma.async_copy_global_to_shared(k_desc, [row, col], full.index(st),
                                             k_smem.index(st).slice(i * BOX, BOX, dim=0))
             tma.async_copy_global_to_shared(v_desc, [row, col], full.index(st),
@@ -403,10 +412,8 @@ def _prefetch_item(K_RAW, V_RAW, k_row_stride, v_row_stride, view_rows, INDICES,
         gl.static_assert(TILES * BLOCK_N_ <= N)
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         keys = start + gl.arange(0, N, layout=layout)
-        idx = keys // PAGE
-        ok = (keys < gl.minimum(hi, start + TILES * BLOCK_N_)) & (idx < n_pages_b)
-        page = gl.load(INDICES + bt_row + idx, mask=ok, other=0)
-        rows = page.to(gl.int64) * page_rows + row_off + keys % PAGE
+        ok = keys < gl.minimum(hi, start + TILES * BLOCK_N_)
+        rows = _slot_row(INDICES, bt_row, n_pages_b, keys, page_rows, row_off, PAGE, ok)
         rows = gl.minimum(gl.maximum(rows, 0), view_rows - 1)
         k_addr = (K_RAW + rows * k_row_stride + col).to(gl.int64, bitcast=True)
         v_addr = (V_RAW + rows * v_row_stride + col).to(gl.int64, bitcast=True)

@@ -55,8 +55,8 @@ from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (PADDED_HEAD_DIMS, barriers, box_cols, floor_div,
                                       invalidate, query_tile, query_tiles, rows_descriptor,
                                       score_scales, seq_bounds, softcap_tanh, store_cols,
-                                      tile_layout, tma_load, tma_reduce_add, tma_store,
-                                      wgmma_a_operand, rows_view,
+                                      tile_layout, tma_load, tma_reduce_add, stage_tma_store,
+                                      wgmma_a_operand, tma_view_problem, base_problem,
                                       wgmma_acc_layout, zero_last_key_tile, zero_tail_rows,
                                       grouped_order, head_group_size, mma_over_cols)
 from ioattn.dispatch import sm_count
@@ -633,13 +633,8 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
         uses = (n_steps - WG + STAGES - 1) // STAGES
         if uses > 0:
             mbarrier.wait(qdo_empty.index(WG), (uses - 1) & 1)
-        dk_smem = q_smem.index(WG)
-        dv_smem = do_smem.index(WG)
-        dk_smem.store(dk.to(dtype))
-        dv_smem.store(dv.to(dtype))
-        fence_async_shared()
-        tma_store(dk_desc, k_row + WG * HALF, kv_col, dk_smem)
-        tma_store(dv_desc, k_row + WG * HALF, kv_col, dv_smem)
+        stage_tma_store(dk_desc, k_row + WG * HALF, kv_col, q_smem.index(WG), dk.to(dtype))
+        stage_tma_store(dv_desc, k_row + WG * HALF, kv_col, do_smem.index(WG), dv.to(dtype))
         tma.store_wait(0)
     else:
         store_cols(DK + dk_off + keys[:, None].to(gl.int64) * stride_dkn + d_cols[None, :],
@@ -1398,11 +1393,9 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
 
 
 def _tma_writable(t: torch.Tensor, varlen: bool) -> bool:
-    """Whether a gradient can be stored through a [rows, heads * d] TMA descriptor: that view,
-    16-byte aligned base and row stride (the op layer's fresh outputs always are)."""
-    view = rows_view(t, varlen)
-    return (view is not None and (view[1] * t.element_size()) % 16 == 0
-            and t.data_ptr() % 16 == 0)
+    """Whether a gradient can be stored through a [rows, heads * d] TMA descriptor (the op
+    layer's fresh outputs always can): the checks the inputs' descriptors pass."""
+    return tma_view_problem("", t, varlen) is None and base_problem("", t) is None
 
 
 def _order(grid: tuple[int, int], p: AttnParams, device: torch.device) -> int:

@@ -112,6 +112,15 @@ def tma_store(desc, row, col, smem):
 
 
 @gluon.jit
+def stage_tma_store(desc, row, col, smem, x):
+    """An output tile from registers through ``smem`` (a free buffer of the desc's box) to the
+    box at (row, col) by TMA; ``tma.store_wait`` tells when smem may be written again."""
+    smem.store(x)
+    fence_async_shared()
+    tma_store(desc, row, col, smem)
+
+
+@gluon.jit
 def store_cols(ptrs, x, rows_ok, cols, N: gl.constexpr):
     """Masked stores of an output or gradient tile from registers: rows where rows_ok, and
     columns < N where the tile is zero-padded past its tensor's head dim N (0: every column)."""

@@ -43,7 +43,7 @@ from ioattn.dense.params import AttnParams
 from ioattn.dense.sm90_common import (OPERAND_DTYPES, PADDED_HEAD_DIMS, barriers, base_problem,
                                       invalidate, query_tile, query_tile_at, key_tiles,
                                       rows_descriptor, score_scales, softcap_tanh, box_cols,
-                                      store_cols, tile_layout, tma_load, tma_store,
+                                      store_cols, tile_layout, tma_load, stage_tma_store,
                                       tma_view_problem, grouped_order, head_group_size,
                                       mma_over_cols, narrow_dv,
                                       wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile)
@@ -674,9 +674,7 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_
         if out.shape[1] != q_smem.shape[2]:  # (V / O narrower than Q / K: O's own tile there)
             o_smem = o_smem._reinterpret(out.dtype, [HALF_M, out.shape[1]],
                                          tile_layout(o_desc.layout))
-        o_smem.store(out)
-        fence_async_shared()
-        tma_store(o_desc, o_row + WG * HALF_M, o_col, o_smem)
+        stage_tma_store(o_desc, o_row + WG * HALF_M, o_col, o_smem, out)
         tma.store_wait(0)
     else:
         _store_rows(O, out, o_base_off, stride_om, row0, seqlen_q, O_COLS)
@@ -706,7 +704,7 @@ def _consume_persistent_tile(t, it, tc, rnd, o_desc, O, LSE, q_smem, k_smem, v_s
                              tc & 1, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG, True,
                              EXP_EARLY, QK_COLS, O_TMA)
     _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, (it + n_tiles - 1) % STAGES,
-                n_tiles, tc, CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh, n_heads,
+                tc, CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh, n_heads,
                 kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right, WG,
                 TILE_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, O_COLS, O_TMA)
     has_work = (n_tiles > 0).to(gl.int32)
@@ -714,8 +712,7 @@ def _consume_persistent_tile(t, it, tc, rnd, o_desc, O, LSE, q_smem, k_smem, v_s
 
 
 @gluon.jit
-def _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, last, n_tiles, tc, CU_Q,
-                CU_K, stride_om, stride_oh, stride_lb, stride_lh, n_heads, kv_group,
+def _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, last, tc, CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh, n_heads, kv_group,
                 seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right,
                 WG: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, O_COLS: gl.constexpr,
@@ -742,10 +739,8 @@ def _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, last, n_til
                 WGS: gl.constexpr = TILE_M // HALF_M
                 o_all = v_smem.index(last)._reinterpret(out.dtype, [WGS, HALF_M, out.shape[1]],
                                                         tile_layout(o_desc.layout))
-                o_smem = o_all.index(WG)
-                o_smem.store(out)
-                fence_async_shared()
-                tma_store(o_desc, q_start + row0, off_h * out.shape[1], o_smem)
+                stage_tma_store(o_desc, q_start + row0, off_h * out.shape[1], o_all.index(WG),
+                                out)
                 tma.store_wait(0)
             else:
                 _store_rows(O, out, o_off, stride_om, row0, seqlen_q, O_COLS)
