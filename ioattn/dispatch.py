@@ -143,8 +143,7 @@ ENV_SWITCHES = (
      "tiles in the persistent form too (else two there, or the 192x128 tile)"),
     ("IOATTN_SM90_BWD_DQ_ORDER", "auto", "sm90 fused backward: where each step's dQ partial is "
      "issued: after dK's update, first (before it), lag (one step late, overlapping the next "
-     "step's dS), alt (d=64: one warpgroup a step, in turn, over all 128 keys), lag-late (lag, "
-     "issued after the step's dS is stored); auto: alt at d=64, lag at d=128 without a mask, "
+     "step's dS), alt (d=64: one warpgroup a step, in turn, over all 128 keys); auto: alt at d=64, lag at d=128 without a mask, "
      "after under one"),
     ("IOATTN_SM90_BWD_SEGMENTS", "auto", "sm90 backward (d<=128, not the lag order): each query "
      "head's steps in three loops, the middle one without the mask's code; auto: d=64 without "
@@ -157,7 +156,7 @@ ENV_SWITCHES = (
      "(auto: 2; 3 or 4 fit its shared memory)"),
     ("IOATTN_SM90_BWD_TMA_STORE", "1", "sm90 backward dK/dV kernel (d=64/128): dK and dV of full "
      "64-key halves staged in the freed Q/dO stage and stored by TMA (0: stored from registers)"),
-    ("IOATTN_SM90_FWD_O_TMA", "0", "sm90 persistent forward: O staged in the tile's last V "
+    ("IOATTN_SM90_FWD_O_TMA", "1", "sm90 persistent forward: O staged in the tile's last V "
      "stage and stored by TMA (full 64-row halves; 0: stored from registers)"),
     ("IOATTN_SM90_FUSED_BWD", "1", "sm90 backward: one kernel, dQ by TMA reduce-add (0: two "
      "kernels without atomics, as deterministic=True)"),
@@ -172,7 +171,7 @@ ENV_SWITCHES = (
      "their last item (no combine launch)"),
     ("IOATTN_SM90_DECODE_PDL", "1", "sm90 decode: programmatic dependent launch (its CTAs start "
      "while the previous kernel finishes, and wait for it before touching memory)"),
-    ("IOATTN_SM90_DECODE_PREFETCH", "0", "sm90 decode (with PDL): L2 prefetches of each CTA's "
+    ("IOATTN_SM90_DECODE_PREFETCH", "1", "sm90 decode (with PDL): L2 prefetches of each CTA's "
      "first key tiles before its wait for the previous kernel"),
     ("IOATTN_SM90_DECODE_HEADS_FIRST", "1", "sm90 decode: the grid as (KV heads, items), one "
      "item's heads side by side (they read the same cache rows)"),

@@ -288,7 +288,7 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                 seg = sm90_bwd.segments(d, causal)
                 opt = dict(SEGMENTS=seg, ROW_STATS=sm90_bwd.ROW_STATS)
                 two_kernel = dict(FUSED_DQ=False, **opt)
-                fused = {o: dict(FUSED_DQ=True, DQ_FIRST=o == "first", DQ_LAG=sm90_bwd.lag_flag(o),
+                fused = {o: dict(FUSED_DQ=True, DQ_FIRST=o == "first", DQ_LAG=o == "lag",
                                  DQ_ALT=o == "alt", **opt) for o in orders}
                 forms = [("", two_kernel)] + [(f"+dq {o}", fused[o]) for o in orders]
                 if tag == "causal":  # the steps in masked / unmasked loops (or not)
@@ -332,9 +332,9 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
             jobs.append(_batched_causal_job(d, "2k ", 2048))
         if d == 128:  # softcap (its tanh before the softmax), the causal form of long problems
             jobs.append(_batched_causal_job(d, "softcap ", 1 << 14, softcap_scale="fp32"))
-            # (opt-in, IOATTN_SM90_FWD_O_TMA) the persistent forward's O by TMA from the last
-            # V stage, without a mask
-            jobs += [(name.replace(" 128x", " o-tma 128x"), fn, desc, d_, dict(ce, O_TMA=True))
+            # (IOATTN_SM90_FWD_O_TMA=0) the persistent forward's O stored from registers, not
+            # by TMA from the last V stage, without a mask
+            jobs += [(name.replace(" 128x", " o-regs 128x"), fn, desc, d_, dict(ce, O_TMA=False))
                      for name, fn, desc, d_, ce in jobs if name == f"sm90 fwd d{d} full 128x128 ws"]
         if d in (128, 256):  # (opt-in, IOATTN_SM90_FWD_LPT / _BWD_LPT) the grouped heaviest-
             # first order: the causal forward at 4k (d=128: the dynamic scheduler's ids; d=256:
@@ -363,7 +363,7 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                         dict(q_desc=64, o_desc=o_box, k_desc=form_["BLOCK_N"], v_desc=v_box), d,
                         dict(IS_VARLEN=varlen_, HAS_LEFT=False, HAS_RIGHT=varlen_,
                              PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1,
-                             **form_, heads_view=True, **ce))
+                             **dict(form_, O_TMA=False), heads_view=True, **ce))
             jobs.append(fwd_view_job(f"O_COLS={real} ", varlen, mask, form, form["BLOCK_N"], 64,
                                      O_COLS=real))
             # IOATTN_SM90_PAD_NARROW: QKᵀ over d's own columns (two wgmma groups), V and O in
@@ -394,7 +394,7 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                 jobs.append((f"sm90 bwd dkdv+dq {order} d{d} {mask} heads-view K_COLS={k_cols} "
                              f"128 keys ws", sm90_bwd._bwd_dkdv_sm90, dict(bwd_desc, k_desc=128), d,
                              dict(hv, STAGES=sm90_bwd.DKDV_STAGES, FUSED_DQ=True,
-                                  DQ_FIRST=order == "first", DQ_LAG=sm90_bwd.lag_flag(order),
+                                  DQ_FIRST=order == "first", DQ_LAG=order == "lag",
                                   DQ_ALT=order == "alt", SEGMENTS=sm90_bwd.segments(d, varlen),
                                   ROW_STATS=sm90_bwd.ROW_STATS, K_COLS=k_cols, V_COLS=real)))
             dq_bn = sm90_bwd._dq_block_n(d)

@@ -93,9 +93,10 @@ FUSED = os.environ.get("IOATTN_SM90_FUSED_BWD", "1").lower() not in ("0", "false
 # takes what measured fastest on the H200 (results/sm90_bwd_order_*_a0cfad4_*.json and
 # results/tune/sm90_bwd_order_*_a0cfad4_*.log, in one session): alt at d = 64 (+10-14% over
 # after), lag at d = 128 without a mask (+5-9%; it loses 4-6% under causal masks), first at
-# d = 128 under a mask (+4-5%). "lag-late" (opt-in until timed): "lag" with the partial issued
-# after the step's dSᵀ is stored rather than before dS is formed (``_dkdv_lag_step``)
-DQ_ORDERS = ("after", "first", "lag", "alt", "lag-late")
+# d = 128 under a mask (+4-5%). (Tried, session 19: "lag" with the partial issued after the
+# step's dSᵀ store, d = 128 spills 256 -> 32 B, ran -6% at 2k and within 1% from 4k without a
+# mask, results/bwd_order_lag-late_ebb00c7_*.json; not kept.)
+DQ_ORDERS = ("after", "first", "lag", "alt")
 # (d <= 128, outside the "lag" order) each query head's steps in three loops, the middle one (the
 # tiles that need no mask) without the mask's code: 15-30% fewer instructions a step in the SASS.
 # IOATTN_SM90_BWD_SEGMENTS: "auto" (default) at d = 64 without a causal mask or window, 1 / 0
@@ -384,13 +385,10 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_
                    window_right, qk_scale_log2,
                    softcap_scale, sm_scale, WG: gl.constexpr, STAGES: gl.constexpr,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                   HAS_PREV: gl.constexpr, MASK: gl.constexpr, ROW_STATS: gl.constexpr,
-                   LATE: gl.constexpr = False):
+                   HAS_PREV: gl.constexpr, MASK: gl.constexpr, ROW_STATS: gl.constexpr):
     """(fused, DQ_LAG) Step t with step t - 1's dQ partial (HAS_PREV) issued right after this
     step's dV update: the GEMM overlaps this step's dS, and the two warpgroups meet at a dSᵀ
-    buffer one step after writing it instead of within the step. LATE ("lag-late"): the
-    partial issued after this step's dSᵀ is stored instead, its accumulator no longer live
-    beside P and dP (d=128 SASS spills 256 -> 32 B). Returns (dv, dk, fixes)."""
+    buffer one step after writing it instead of within the step. Returns (dv, dk, fixes)."""
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = dq_smem.shape[2]
     SPLIT_DQ: gl.constexpr = DQ_COLS < q_smem.shape[2]
@@ -400,7 +398,7 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_
         h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
         softcap_scale,
         STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK, ROW_STATS)
-    if HAS_PREV and not LATE:
+    if HAS_PREV:
         prev = ds_smem.index((t - 1) % 2)
         dq_tok = _dq_partial(prev, prev.slice(WG * HALF, HALF, dim=0), k, k_smem, ds_ready, t - 1,
                              WG, DQ_COLS, SPLIT_DQ, dq_layout)
@@ -412,10 +410,6 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_
             mbarrier.wait(ds_empty.index(t % 2), ((t // 2) - 1) & 1)
     ds_s.store((ds * sm_scale).to(dtype))
     fence_async_shared()
-    if HAS_PREV and LATE:
-        prev = ds_smem.index((t - 1) % 2)
-        dq_tok = _dq_partial(prev, prev.slice(WG * HALF, HALF, dim=0), k, k_smem, ds_ready, t - 1,
-                             WG, DQ_COLS, SPLIT_DQ, dq_layout)
     if SPLIT_DQ:
         gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
         mbarrier.arrive(ds_ready.index(t % 2), count=1)
@@ -578,7 +572,7 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
                 stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                 window_right, qk_scale_log2,
                 softcap_scale, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
-                False, 2, ROW_STATS, DQ_LAG == 2)
+                False, 2, ROW_STATS)
             for t in range(1, n_steps):
                 dv, dk, fixes = _dkdv_lag_step(
                     t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
@@ -586,7 +580,7 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
                     stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                     window_right, qk_scale_log2,
                     softcap_scale, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT,
-                    IS_VARLEN, True, 2, ROW_STATS, DQ_LAG == 2)
+                    IS_VARLEN, True, 2, ROW_STATS)
             # the last step's dQ partial
             last = n_steps - 1
             prev = ds_smem.index(last % 2)
@@ -1246,11 +1240,6 @@ def dkdv_stages(head_dim: int) -> int:
     return int(STAGES_MODE)
 
 
-def lag_flag(order: str) -> int:
-    """The kernels' DQ_LAG constexpr for a dQ order: 0 (not lagged), 1 ("lag"), 2 ("lag-late")."""
-    return {"lag": 1, "lag-late": 2}.get(order, 0)
-
-
 def segments(head_dim: int, masked: bool) -> bool:
     """(fused and two-kernel dK/dV, d <= 128) whether the steps run in masked / unmasked loops.
     "auto" takes them where they measured faster on the H200: d = 64 without a mask, +3-4% from
@@ -1374,7 +1363,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             dk, dv, lse, delta, cu_q, cu_k,
             dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-            STAGES=dkdv_stages(d), FUSED_DQ=fused, DQ_LAG=lag_flag(order), DQ_ALT=order == "alt",
+            STAGES=dkdv_stages(d), FUSED_DQ=fused, DQ_LAG=order == "lag", DQ_ALT=order == "alt",
             DQ_FIRST=order == "first", SEGMENTS=segments(d, p.causal_like), ROW_STATS=ROW_STATS,
             softcap_scale=softcap_scale, head_group=_order(grid, p, q.device), TMA_STORE=tma_store,
             **cols, **flags)

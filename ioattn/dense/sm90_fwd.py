@@ -81,9 +81,12 @@ LPT = os.environ.get("IOATTN_SM90_FWD_LPT", "1").lower() in ("1", "true", "on")
 # of from the wgmma registers in 4-byte pieces (a persistent CTA's Q buffer may already hold the
 # next tile's Q). The backward's dK / dV stores from registers took 4.2-4.8 us a CTA (session
 # 18's timeline); here O is 16 KB a warpgroup at d=128. Needs 64 rows of V's tile a consumer
-# warpgroup (d=128, and d=64 on two warpgroups). IOATTN_SM90_FWD_O_TMA=1 turns it on (off until
-# timed on the H200)
-O_TMA = os.environ.get("IOATTN_SM90_FWD_O_TMA", "0").lower() in ("1", "true", "on")
+# warpgroup (d=128, and d=64 on two warpgroups). On by default: on / off in one run with cuDNN
+# (results/fwd_o_tma{1,0}_ebb00c7_*.json) d=128 +4% / +5% non-causal at 2k / 4k, +17% / +13%
+# causal at 2k / 8k, d=64 (two warpgroups) +1-8%; the stamped d=128 2k tile 30.1 -> 27.3 us
+# non-causal, 18.2 -> 16.9 causal (results/tune/fwd_timeline_o_tma*_ebb00c7_*).
+# IOATTN_SM90_FWD_O_TMA=0 turns it off
+O_TMA = os.environ.get("IOATTN_SM90_FWD_O_TMA", "1").lower() in ("1", "true", "on")
 # three consumer warpgroups at d=64 (192-row tiles, FA3's shape there); on by default since it
 # measured 1.03-1.05x the two-warpgroup form non-causal from 2k and 1.23x causal at 2k on the
 # H200 (results/sm90_fwd_wg3_{1,0}_*.json; causal 4k-16k within 3%), IOATTN_SM90_FWD_WG3=0 turns
@@ -1071,7 +1074,8 @@ def mask_kind(window_left: int, window_right: int) -> str:
 def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> dict:
     """The forward's constexprs that depend on the problem's shape (``attn_fwd_sm90``, and the
     compile checks of ``inspect``): consumer warpgroups, keys per tile, ring stages, consumer
-    registers, pingpong, persistence and its scheduler, the exponentials' place. mask:
+    registers, pingpong, persistence and its scheduler, the exponentials' place, O's store by
+    TMA (``_o_tma`` adds the launch's own conditions). mask:
     ``mask_kind``'s."""
     if mask not in ("none", "causal", "window"):
         raise ValueError(f"mask={mask!r}: expected 'none', 'causal' or 'window'")
@@ -1079,17 +1083,21 @@ def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> di
     wgs = _wgs(head_dim, varlen, wide=wide)
     block_n, stages, regs = _tile(head_dim, wgs, wide)
     schedule = _schedule(head_dim, varlen)
+    persistent = schedule is not None
     return dict(WGS=wgs, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=regs,
-                PINGPONG=_pingpong(head_dim, wgs), PERSISTENT=schedule is not None,
-                DYNAMIC=schedule == "dynamic", EXP_EARLY=_exp_early(head_dim, wide, mask))
+                PINGPONG=_pingpong(head_dim, wgs), PERSISTENT=persistent,
+                DYNAMIC=schedule == "dynamic", EXP_EARLY=_exp_early(head_dim, wide, mask),
+                O_TMA=O_TMA and persistent and block_n >= 64 * wgs)
 
 
-def _o_tma(form: dict, d_pad: int | None) -> bool:
-    """Whether the persistent forward stores O by TMA from the last V stage (``O_TMA``): the
-    stage holds every consumer warpgroup's 64 rows, and O is a [rows, heads * d_v] matrix (not a
-    head dim read in place through [rows, heads, d] views)."""
-    return (O_TMA and form["PERSISTENT"] and form["BLOCK_N"] >= 64 * form["WGS"]
-            and d_pad is None)
+def _o_tma(form: dict, d_pad: int | None, max_seqlen_k: int) -> bool:
+    """Whether the persistent forward stores O by TMA from the last V stage: the form's rule
+    (``O_TMA``: persistent, the stage holds every consumer warpgroup's 64 rows), O a [rows,
+    heads * d_v] matrix (not a head dim read in place through [rows, heads, d] views), and more
+    than one key: Triton specializes an integer argument of 1 into a constant, and with
+    seqlen_k = 1 folded in, this form fails in LLVM lowering (an assertion in SmallVector,
+    Triton 3.6; one key is one key tile, nothing for the TMA store to gain)."""
+    return form["O_TMA"] and d_pad is None and max_seqlen_k != 1
 
 
 def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -1134,9 +1142,9 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, p.batch * n_heads,
         qk_scale_log2, p.window_left, p.window_right, softcap_scale=softcap_scale,
         IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
-        PRODUCER_REGS_=PRODUCER_REGS, PAGED=False, PAGE=1, **form, COUNTER=counter,
+        PRODUCER_REGS_=PRODUCER_REGS, PAGED=False, PAGE=1,
+        **dict(form, O_TMA=_o_tma(form, d_pad, p.max_seqlen_k)), COUNTER=counter,
         O_COLS=d_v if dv_pad and dv_pad != d_v else 0, head_group=group, QK_COLS=qk_cols,
-        O_TMA=_o_tma(form, d_pad),
         num_warps=4,
     )
 
