@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [decode-prefetch] [bwd-stages]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -11,12 +11,13 @@ OUT=${OUT:-/tmp/ioattn_out}; mkdir -p "$OUT"
 steps=${*:-tests bench long}
 # onoff VAR "V1 V2 ..." NAME ARGS...: `python -m ioattn bench ARGS` once per value of VAR (the
 # first with cuDNN beside ioattn's sm90 backend), into $OUT/NAME<value>.json; prints the rows
-onoff() {
-  local var=$1 values=$2 name=$3 impls=ioattn_sm90,sdpa_cudnn v; shift 3
+onoff() {  # cuDNN in every value's run: timed alone, the value without it ran up to ~10% apart
+  # in cells the switch does not reach (session 19), so each run keeps the same company
+  local var=$1 values=$2 name=$3 v; shift 3
   for v in $values; do
-    env "$var=$v" timeout 170 python -m ioattn bench "$@" --impls $impls --no-plots \
-      --out "$OUT/$name$v.json" > "/tmp/$name$v.log" 2>&1
-    echo "== $var=$v"; grep -E "^(fwd|bwd)" "/tmp/$name$v.log"; impls=ioattn_sm90; done; }
+    env "$var=$v" timeout 200 python -m ioattn bench "$@" --impls ioattn_sm90,sdpa_cudnn \
+      --no-plots --out "$OUT/$name$v.json" > "/tmp/$name$v.log" 2>&1
+    echo "== $var=$v"; grep -E "^(fwd|bwd)" "/tmp/$name$v.log"; done; }
 for step in $steps; do
   case $step in
     tests) # 14 workers: a cold Triton cache took more than 240 s with 8 (and 450 s ran 684 of ~690, session 16)
@@ -473,6 +474,21 @@ for step in $steps; do
              grep -E '"tile_us"|"kernel_us"|"median"' /tmp/timeline.log | head -3; done; done
            onoff IOATTN_SM90_FWD_O_TMA "1 0" fwd_o_tma --modes fwd --dims 64,128 \
              --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
+    fwd-o-defer) # the persistent forward's O stage released a block into the next tile instead
+           # of waited for at the store (IOATTN_SM90_FWD_O_DEFER, opt-in): the persistent tests
+           # with it, the d=128 2k tile timeline on / off, then d = 64 / 128 forward on / off
+           # with cuDNN in both (~60 + 4 x 25 + 2 x 120 s)
+           IOATTN_SM90_FWD_O_DEFER=1 timeout 150 python -m pytest -q -n 14 -p no:cacheprovider -rf \
+             tests/dense/test_sm90.py -k "persistent or fwd_bwd" > "$OUT/tests_o_defer.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_o_defer.log"; tail -1 "$OUT/tests_o_defer.log"
+           for v in 1 0; do for c in "2048" "2048 --causal"; do set -- $c ""
+             IOATTN_SM90_FWD_O_DEFER=$v timeout 60 python benchmarks/timeline.py --kernel fwd \
+               --d 128 --seqlen $1 ${2:-} --json "$OUT/fwd_timeline_o_defer${v}_$1${2:+_causal}.json" \
+               > /tmp/timeline.log 2>&1
+             echo "== o_defer=$v timeline $c"
+             grep -E '"tile_us"|"kernel_us"|"store"' /tmp/timeline.log | head -4; done; done
+           onoff IOATTN_SM90_FWD_O_DEFER "1 0" fwd_o_defer --modes fwd --dims 64,128 \
+             --seqlens 2048,4096,16384 --dtypes bf16 ;;
     decode-prefetch) # L2 prefetches of each decode CTA's first tiles before its PDL wait
            # (IOATTN_SM90_DECODE_PREFETCH, opt-in): the PDL tests with it, then the two acceptance
            # cells on (with cuDNN) / off, graphloop rows included (~90 + 2 x 100 s)

@@ -87,6 +87,12 @@ LPT = os.environ.get("IOATTN_SM90_FWD_LPT", "1").lower() in ("1", "true", "on")
 # non-causal, 18.2 -> 16.9 causal (results/tune/fwd_timeline_o_tma*_ebb00c7_*).
 # IOATTN_SM90_FWD_O_TMA=0 turns it off
 O_TMA = os.environ.get("IOATTN_SM90_FWD_O_TMA", "1").lower() in ("1", "true", "on")
+# (with O_TMA) the stage goes back to the producer once the next tile's first key block is done
+# instead of after a wait for the store at the end of the tile (its 1.4-1.8 us, stamped, a 27 us
+# d=128 2k tile, results/tune/fwd_timeline_o_tma1_*_ebb00c7_*). The producer needs that stage
+# again for the next tile's third V block. IOATTN_SM90_FWD_O_DEFER=1 turns it on (opt-in until
+# timed on the H200)
+O_DEFER = os.environ.get("IOATTN_SM90_FWD_O_DEFER", "0").lower() in ("1", "true", "on")
 # three consumer warpgroups at d=64 (192-row tiles, FA3's shape there); on by default since it
 # measured 1.03-1.05x the two-warpgroup form non-causal from 2k and 1.23x causal at 2k on the
 # H200 (results/sm90_fwd_wg3_{1,0}_*.json; causal 4k-16k within 3%), IOATTN_SM90_FWD_WG3=0 turns
@@ -500,15 +506,17 @@ def _store_rows(O, out, o_base_off, stride_om, row0, seqlen_q, O_COLS: gl.conste
 @gluon.jit
 def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty,
                   v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles, window_left,
-                  window_right, qk_scale_log2, softcap_scale, it0, rnd0, q_phase, WG: gl.constexpr,
-                  STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                  ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                  EXP_EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0,
-                  KEEP_LAST_V: gl.constexpr = False):
+                  window_right, qk_scale_log2, softcap_scale, it0, rnd0, q_phase, pend,
+                  WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                  HAS_RIGHT: gl.constexpr, ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr,
+                  PERSISTENT: gl.constexpr, EXP_EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0,
+                  KEEP_LAST_V: gl.constexpr = 0):
     """One warpgroup's 64 query rows of a tile: key tiles from ring position it0, pingpong rounds
     from rnd0, Q's load completing phase q_phase of q_bar. Returns (out, lse): out normalized in
     the input dtype, lse in natural log; rows that saw no key give out 0 and LSE -inf.
-    KEEP_LAST_V: the last V stage is not released here (the caller stages O in it)."""
+    KEEP_LAST_V (``O_TMA``): the last V stage is not released here (the caller stages O in it);
+    2: and pend (V stage + 1, or 0) is the previous tile's, whose O store is released once this
+    tile's first block is done, or at once without key blocks (``_release_o_stage``)."""
     HEAD_DV: gl.constexpr = v_smem.shape[2]  # V's and O's tile width (Q / K's may differ)
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
@@ -533,6 +541,8 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                                    qk_scale_log2,
                                    softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG,
                                    EXP_EARLY, QK_COLS)
+        if KEEP_LAST_V == 2:
+            _release_o_stage(v_empty, pend)
         p, acc, m_i, l_i = _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
                                           turn, p, acc, m_i, l_i, it0, rnd0, n_tiles, lo, row0,
                                           seqlen_k, off, window_left, window_right,
@@ -556,7 +566,19 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
         acc = warpgroup_mma_wait(0, deps=[acc_tok])
         if not KEEP_LAST_V:
             mbarrier.arrive(v_empty.index(last), count=1)
+    elif KEEP_LAST_V == 2:  # no key block: the previous tile's O stage goes back now
+        _release_o_stage(v_empty, pend)
     return _finish(acc, m_i, l_i, dtype)
+
+
+@gluon.jit
+def _release_o_stage(v_empty, pend):
+    """(O_TMA == 2) A V stage holding a previous tile's O (pend: its index + 1; 0: none) back to
+    the producer once the TMA store has read it: released a block into the next tile rather than
+    waited for at the store, so the store's read overlaps that block."""
+    if pend > 0:
+        tma.store_wait(0)
+        mbarrier.arrive(v_empty.index(pend - 1), count=1)
 
 
 @gluon.jit
@@ -668,7 +690,7 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                              v_empty, v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                              window_left, window_right, qk_scale_log2,
-                             softcap_scale, 0, 0, 0, WG, STAGES,
+                             softcap_scale, 0, 0, 0, 0, WG, STAGES,
                              HAS_LEFT, HAS_RIGHT, ZERO_TAIL, PINGPONG, False, EXP_EARLY, QK_COLS)
     row0 = start_m + WG * HALF_M
     _store_lse(LSE, lse, lse_off, row0, seqlen_q)
@@ -684,7 +706,7 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_
 
 
 @gluon.jit
-def _consume_persistent_tile(t, it, tc, rnd, o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
+def _consume_persistent_tile(t, it, tc, rnd, pend, o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
                              q_empty, k_full, v_full, k_empty, v_empty, v_fixed, o_bar, turn,
                              CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh, n_heads,
                              kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
@@ -692,9 +714,9 @@ def _consume_persistent_tile(t, it, tc, rnd, o_desc, O, LSE, q_smem, k_smem, v_s
                              STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                              HAS_RIGHT: gl.constexpr, PINGPONG: gl.constexpr,
                              EXP_EARLY: gl.constexpr, O_COLS: gl.constexpr,
-                             QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = False):
-    """One warpgroup's rows of tile t; returns the updated ring position, tiles-with-work count
-    and pingpong rounds."""
+                             QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = 0):
+    """One warpgroup's rows of tile t; returns the updated ring position, tiles-with-work count,
+    pingpong rounds and (O_TMA == 2) the V stage + 1 whose O store is still to be released."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     TILE_M: gl.constexpr = q_smem.shape[0] * HALF_M
     start_m = (n_m - 1 - t % n_m) * TILE_M
@@ -704,19 +726,20 @@ def _consume_persistent_tile(t, it, tc, rnd, o_desc, O, LSE, q_smem, k_smem, v_s
                              v_empty, v_fixed, turn, start_m, seqlen_q_fixed, seqlen_k_fixed,
                              lo, n_tiles, window_left, window_right, qk_scale_log2,
                              softcap_scale, it, rnd,
-                             tc & 1, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG, True,
-                             EXP_EARLY, QK_COLS, O_TMA)
-    _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, (it + n_tiles - 1) % STAGES,
+                             tc & 1, pend, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG,
+                             True, EXP_EARLY, QK_COLS, O_TMA)
+    pend = _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, (it + n_tiles - 1) % STAGES,
                 tc, CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh, n_heads,
                 kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right, WG,
                 TILE_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, O_COLS, O_TMA)
     has_work = (n_tiles > 0).to(gl.int32)
-    return it + n_tiles, tc + has_work, rnd + has_work * (n_tiles + 1)
+    return it + n_tiles, tc + has_work, rnd + has_work * (n_tiles + 1), pend
 
 
 @gluon.jit
-def _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, last, tc, CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh, n_heads, kv_group,
-                seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right,
+def _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, last, tc, CU_Q, CU_K,
+                stride_om, stride_oh, stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
+                seqlen_k_fixed, n_m, window_left, window_right,
                 WG: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, O_COLS: gl.constexpr,
                 O_TMA: gl.constexpr):
@@ -725,7 +748,9 @@ def _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, last, tc, C
     tile's Q, so O is stored from registers, or (O_TMA, a tile with key blocks) staged in the
     tile's last V stage (``last``, which its consumer kept) once every warpgroup's last P·V has
     read it (o_bar, phase from tc, the CTA's tiles with work so far) and stored by TMA; that
-    stage goes back to the producer after the store has read it."""
+    stage goes back to the producer after the store has read it (O_TMA == 2: once the next
+    tile's first block is done, ``_release_o_stage``). Returns the stage + 1 still to be
+    released (O_TMA == 2), or 0."""
     (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
      n_tiles) = query_tile_at(n_m - 1 - t % n_m, t // n_m, CU_Q, CU_K, n_heads, kv_group,
                               seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
@@ -734,6 +759,7 @@ def _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, last, tc, C
     _store_lse(LSE, lse, off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
                + lse_start, row0, seqlen_q)
     o_off = q_start.to(gl.int64) * stride_om + off_h.to(gl.int64) * stride_oh
+    pend = n_tiles * 0
     if O_TMA:
         if n_tiles > 0:
             mbarrier.arrive(o_bar, count=1)
@@ -744,14 +770,19 @@ def _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, last, tc, C
                                                         tile_layout(o_desc.layout))
                 stage_tma_store(o_desc, q_start + row0, off_h * out.shape[1], o_all.index(WG),
                                 out)
-                tma.store_wait(0)
+                if O_TMA == 2:
+                    pend = last + 1
+                else:
+                    tma.store_wait(0)
+                    mbarrier.arrive(v_empty.index(last), count=1)
             else:
                 _store_rows(O, out, o_off, stride_om, row0, seqlen_q, O_COLS)
-            mbarrier.arrive(v_empty.index(last), count=1)
+                mbarrier.arrive(v_empty.index(last), count=1)
         else:
             _store_rows(O, out, o_off, stride_om, row0, seqlen_q, O_COLS)
     else:
         _store_rows(O, out, o_off, stride_om, row0, seqlen_q, O_COLS)
+    return pend
 
 
 @gluon.jit
@@ -764,7 +795,7 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr,
                          EXP_EARLY: gl.constexpr, O_COLS: gl.constexpr,
-                         QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = False):
+                         QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = 0):
     """A persistent CTA's tiles, in the producer's order: program_id, program_id + programs, ...
     in snake order (``_snake``), or (DYNAMIC) the ids the producer draws from the tile counter
     and passes on through shared memory; tiles run over (query tile, batch * head), query tiles
@@ -776,10 +807,11 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
     tc = n_bh * 0  # tiles with work so far (q_bar's phase)
     rnd = n_bh * 0  # pingpong rounds so far
     k = n_bh * 0  # this CTA's tiles so far
+    pend = n_bh * 0  # (O_TMA == 2) a V stage + 1 whose O store is still to be released
     t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
     while t < total:
-        it, tc, rnd = _consume_persistent_tile(
-            t, it, tc, rnd, o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full,
+        it, tc, rnd, pend = _consume_persistent_tile(
+            t, it, tc, rnd, pend, o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full,
             v_full, k_empty, v_empty, v_fixed, o_bar, turn, CU_Q, CU_K, stride_om, stride_oh,
             stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m,
             window_left, window_right, qk_scale_log2,
@@ -787,6 +819,8 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
             QK_COLS, O_TMA)
         k += 1
         t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
+    if O_TMA == 2:
+        tma.store_wait(0)  # the last tile's O store has read its stage
 
 
 @gluon.jit
@@ -1087,17 +1121,19 @@ def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> di
     return dict(WGS=wgs, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=regs,
                 PINGPONG=_pingpong(head_dim, wgs), PERSISTENT=persistent,
                 DYNAMIC=schedule == "dynamic", EXP_EARLY=_exp_early(head_dim, wide, mask),
-                O_TMA=O_TMA and persistent and block_n >= 64 * wgs)
+                O_TMA=(2 if O_DEFER else 1) if O_TMA and persistent and block_n >= 64 * wgs
+                else 0)
 
 
-def _o_tma(form: dict, d_pad: int | None, max_seqlen_k: int) -> bool:
-    """Whether the persistent forward stores O by TMA from the last V stage: the form's rule
-    (``O_TMA``: persistent, the stage holds every consumer warpgroup's 64 rows), O a [rows,
+def _o_tma(form: dict, d_pad: int | None, max_seqlen_k: int) -> int:
+    """Whether the persistent forward stores O by TMA from the last V stage (0: no; 2: with the
+    stage's release deferred, ``O_DEFER``): the form's rule (``O_TMA``: persistent, the stage
+    holds every consumer warpgroup's 64 rows), O a [rows,
     heads * d_v] matrix (not a head dim read in place through [rows, heads, d] views), and more
     than one key: Triton specializes an integer argument of 1 into a constant, and with
     seqlen_k = 1 folded in, this form fails in LLVM lowering (an assertion in SmallVector,
     Triton 3.6; one key is one key tile, nothing for the TMA store to gain)."""
-    return form["O_TMA"] and d_pad is None and max_seqlen_k != 1
+    return form["O_TMA"] if d_pad is None and max_seqlen_k != 1 else 0
 
 
 def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

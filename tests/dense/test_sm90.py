@@ -145,8 +145,9 @@ PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
 
 
 @needs_sm90
-@pytest.mark.parametrize("mode", ["0", "static", "dynamic", "dynamic-o-regs", "dynamic-wg3",
-                                  "dynamic-wg3-pingpong", "dynamic-wg3-wide-pingpong"])
+@pytest.mark.parametrize("mode", ["0", "static", "dynamic", "dynamic-o-regs", "dynamic-o-defer",
+                                  "dynamic-wg3", "dynamic-wg3-pingpong",
+                                  "dynamic-wg3-wide-pingpong"])
 @pytest.mark.parametrize("c", PERSISTENT_CASES, ids=lambda c: "sm90-persistent-" + c.id)
 def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     """The sm90 forward's tile schedules (IOATTN_SM90_PERSISTENT; by default dynamic at d=64 and
@@ -156,12 +157,16 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     tile's Q loads); at d=64 also with three consumer warpgroups (IOATTN_SM90_WG3_PERSISTENT),
     and those taking turns round robin (IOATTN_SM90_PINGPONG=1: the turns run on across tiles);
     O staged in each tile's last V stage and stored by TMA, partial row halves from registers
-    (IOATTN_SM90_FWD_O_TMA, the default; "o-regs": every row from registers). Run twice: the
+    (IOATTN_SM90_FWD_O_TMA, the default; "o-regs": every row from registers; "o-defer": the
+    stage released a block into the next tile, IOATTN_SM90_FWD_O_DEFER). Run twice: the
     counter is zeroed per launch."""
     from ioattn.dense import sm90_fwd
 
     if mode == "dynamic-o-regs":
         monkeypatch.setattr(sm90_fwd, "O_TMA", False)
+        mode = "dynamic"
+    if mode == "dynamic-o-defer":
+        monkeypatch.setattr(sm90_fwd, "O_DEFER", True)
         mode = "dynamic"
 
     if mode.startswith("dynamic-wg3"):
@@ -929,7 +934,7 @@ def test_sm90_kernel_compiles_for_hopper():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # (86 kernels, ~7 min on one core: the limit leaves room for a loaded CI machine)
+    # (88 kernels, ~7 min on one core: the limit leaves room for a loaded CI machine)
     res = subprocess.run([sys.executable, "-m", "ioattn.dense.inspect", "--gluon", "--json"], env=env,
                          capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -950,8 +955,9 @@ def test_sm90_kernel_compiles_for_hopper():
     # (IOATTN_SM90_PAD_NARROW, the default) the forward at 96, 192 / 128 and 192 with QKᵀ over
     # d's own columns and V / O at d_v's own width, the dQ kernel (96, 192 / 128) and the
     # column-split dK/dV kernel (192 / 128) with S and dP over d's and d_v's own columns; and
-    # (IOATTN_SM90_FWD_O_TMA=0) the d=128 persistent forward storing O from registers
-    assert len(reports) == 86, names
+    # (IOATTN_SM90_FWD_O_TMA=0) the d=128 persistent forward storing O from registers, and
+    # (opt-in, IOATTN_SM90_FWD_O_DEFER) with O's stage released a block into the next tile
+    assert len(reports) == 88, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
     hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
     assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
