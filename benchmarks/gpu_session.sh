@@ -483,8 +483,8 @@ for step in $steps; do
            grep -E "^FAILED" "$OUT/tests_o_defer.log"; tail -1 "$OUT/tests_o_defer.log"
            for v in 1 0; do for c in "2048" "2048 --causal"; do set -- $c ""
              IOATTN_SM90_FWD_O_DEFER=$v timeout 60 python benchmarks/timeline.py --kernel fwd \
-               --d 128 --seqlen $1 ${2:-} --json "$OUT/fwd_timeline_o_defer${v}_$1${2:+_causal}.json" \
-               > /tmp/timeline.log 2>&1
+               --d 128 --seqlen $1 ${2:-} \
+               --json "$OUT/fwd_timeline_o_defer${v}_$1${2:+_causal}.json" > /tmp/timeline.log 2>&1
              echo "== o_defer=$v timeline $c"
              grep -E '"tile_us"|"kernel_us"|"store"' /tmp/timeline.log | head -4; done; done
            onoff IOATTN_SM90_FWD_O_DEFER "1 0" fwd_o_defer --modes fwd --dims 64,128 \

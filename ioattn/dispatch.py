@@ -143,8 +143,8 @@ ENV_SWITCHES = (
      "tiles in the persistent form too (else two there, or the 192x128 tile)"),
     ("IOATTN_SM90_BWD_DQ_ORDER", "auto", "sm90 fused backward: where each step's dQ partial is "
      "issued: after dK's update, first (before it), lag (one step late, overlapping the next "
-     "step's dS), alt (d=64: one warpgroup a step, in turn, over all 128 keys); auto: alt at d=64, lag at d=128 without a mask, "
-     "after under one"),
+     "step's dS), alt (d=64: one warpgroup a step, in turn, over all 128 keys); auto: alt at "
+     "d=64, lag at d=128 without a mask, after under one"),
     ("IOATTN_SM90_BWD_SEGMENTS", "auto", "sm90 backward (d<=128, not the lag order): each query "
      "head's steps in three loops, the middle one without the mask's code; auto: d=64 without "
      "a causal mask or window"),

@@ -339,7 +339,8 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
             # (opt-in, IOATTN_SM90_FWD_O_DEFER) O's V stage released a block into the next tile
             jobs += [(name.replace(" 128x", " o-defer 128x"), fn, desc, d_, dict(ce, O_TMA=2))
                      for name, fn, desc, d_, ce in jobs
-                     if name in (f"sm90 fwd d{d} full 128x128 ws", f"sm90 fwd d{d} causal 128x128 ws")]
+                     if name in (f"sm90 fwd d{d} full 128x128 ws",
+                                 f"sm90 fwd d{d} causal 128x128 ws")]
         if d in (128, 256):  # (opt-in, IOATTN_SM90_FWD_LPT / _BWD_LPT) the grouped heaviest-
             # first order: the causal forward at 4k (d=128: the dynamic scheduler's ids; d=256:
             # one CTA per tile, the grid's), the causal dK/dV kernel as launched, the dQ kernel

@@ -81,10 +81,12 @@ LPT = os.environ.get("IOATTN_SM90_FWD_LPT", "1").lower() in ("1", "true", "on")
 # of from the wgmma registers in 4-byte pieces (a persistent CTA's Q buffer may already hold the
 # next tile's Q). The backward's dK / dV stores from registers took 4.2-4.8 us a CTA (session
 # 18's timeline); here O is 16 KB a warpgroup at d=128. Needs 64 rows of V's tile a consumer
-# warpgroup (d=128, and d=64 on two warpgroups). On by default: on / off in one run with cuDNN
-# (results/fwd_o_tma{1,0}_ebb00c7_*.json) d=128 +4% / +5% non-causal at 2k / 4k, +17% / +13%
-# causal at 2k / 8k, d=64 (two warpgroups) +1-8%; the stamped d=128 2k tile 30.1 -> 27.3 us
-# non-causal, 18.2 -> 16.9 causal (results/tune/fwd_timeline_o_tma*_ebb00c7_*).
+# warpgroup (d=128, and d=64 on two warpgroups: causal below 4k). On by default: the stamped
+# d=128 2k kernel 493 -> 442 us non-causal, 288 -> 266 causal, the tile 30.1 -> 27.3 / 18.2 ->
+# 16.9 us (results/tune/fwd_timeline_o_tma*_ebb00c7_*); timed on / off (results/fwd_o_tma{1,0}
+# _ebb00c7_*.json, only the "on" run beside cuDNN, which favoured it by up to ~10% in cells it
+# does not reach) d=128 +4% / +5% non-causal at 2k / 4k, +17% / +13% causal at 2k / 8k; in the
+# runs of record the causal d=128 forward +3-7% (dense_229fd66_* against dense_a1337ee_*).
 # IOATTN_SM90_FWD_O_TMA=0 turns it off
 O_TMA = os.environ.get("IOATTN_SM90_FWD_O_TMA", "1").lower() in ("1", "true", "on")
 # (with O_TMA) the stage goes back to the producer once the next tile's first key block is done
@@ -706,8 +708,8 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_
 
 
 @gluon.jit
-def _consume_persistent_tile(t, it, tc, rnd, pend, o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
-                             q_empty, k_full, v_full, k_empty, v_empty, v_fixed, o_bar, turn,
+def _consume_persistent_tile(t, it, tc, rnd, pend, o_desc, O, LSE, q_smem, k_smem, v_smem,
+                             q_bar, q_empty, k_full, v_full, k_empty, v_empty, v_fixed, o_bar, turn,
                              CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh, n_heads,
                              kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
                              window_right, qk_scale_log2, softcap_scale, WG: gl.constexpr,
@@ -728,10 +730,11 @@ def _consume_persistent_tile(t, it, tc, rnd, pend, o_desc, O, LSE, q_smem, k_sme
                              softcap_scale, it, rnd,
                              tc & 1, pend, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG,
                              True, EXP_EARLY, QK_COLS, O_TMA)
-    pend = _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, (it + n_tiles - 1) % STAGES,
-                tc, CU_Q, CU_K, stride_om, stride_oh, stride_lb, stride_lh, n_heads,
-                kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right, WG,
-                TILE_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, O_COLS, O_TMA)
+    pend = _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar,
+                       (it + n_tiles - 1) % STAGES, tc, CU_Q, CU_K, stride_om, stride_oh,
+                       stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
+                       n_m, window_left, window_right, WG, TILE_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                       O_COLS, O_TMA)
     has_work = (n_tiles > 0).to(gl.int32)
     return it + n_tiles, tc + has_work, rnd + has_work * (n_tiles + 1), pend
 
@@ -1128,11 +1131,11 @@ def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> di
 def _o_tma(form: dict, d_pad: int | None, max_seqlen_k: int) -> int:
     """Whether the persistent forward stores O by TMA from the last V stage (0: no; 2: with the
     stage's release deferred, ``O_DEFER``): the form's rule (``O_TMA``: persistent, the stage
-    holds every consumer warpgroup's 64 rows), O a [rows,
-    heads * d_v] matrix (not a head dim read in place through [rows, heads, d] views), and more
-    than one key: Triton specializes an integer argument of 1 into a constant, and with
-    seqlen_k = 1 folded in, this form fails in LLVM lowering (an assertion in SmallVector,
-    Triton 3.6; one key is one key tile, nothing for the TMA store to gain)."""
+    holds every consumer warpgroup's 64 rows), O a [rows, heads * d_v] matrix (not a head dim
+    read in place through [rows, heads, d] views), and more than one key: Triton specializes an
+    integer argument of 1 into a constant, and with seqlen_k = 1 folded in this form fails in
+    LLVM lowering (an assertion in SmallVector, Triton 3.6; one key is one key tile, nothing for
+    the TMA store to gain)."""
     return form["O_TMA"] if d_pad is None and max_seqlen_k != 1 else 0
 
 
