@@ -341,6 +341,10 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                      for name, fn, desc, d_, ce in jobs
                      if name in (f"sm90 fwd d{d} full 128x128 ws",
                                  f"sm90 fwd d{d} causal 128x128 ws")]
+            # (opt-in, IOATTN_SM90_FWD_N192) 192-key blocks in two pieces, K / V by 64-row boxes
+            jobs += [(name.replace(" 128x128", " n192 128x192"), fn,
+                      dict(desc, k_desc=64, v_desc=64), d_, dict(ce, N2=64, STAGES=2))
+                     for name, fn, desc, d_, ce in jobs if name == f"sm90 fwd d{d} full 128x128 ws"]
         if d in (128, 256):  # (opt-in, IOATTN_SM90_FWD_LPT / _BWD_LPT) the grouped heaviest-
             # first order: the causal forward at 4k (d=128: the dynamic scheduler's ids; d=256:
             # one CTA per tile, the grid's), the causal dK/dV kernel as launched, the dQ kernel
@@ -359,7 +363,7 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
         if d in (128, 256):
             real, varlen = (96, False) if d == 128 else (128, True)
             mask = "causal" if varlen else "none"
-            form = sm90_fwd.launch_form(d, varlen, mask, 1 << 14)
+            form = sm90_fwd.launch_form(d, varlen, mask, 1 << 14, padded=True)
             d_real = 96 if d == 128 else 192
 
             def fwd_view_job(tag, varlen_, mask_, form_, v_box, o_box, **ce):
@@ -378,7 +382,7 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
             jobs.append(fwd_view_job(f"narrow QK_COLS={d_real} ", varlen, mask, form, narrow_v,
                                      narrow_o, O_COLS=96 if d == 128 else 0, QK_COLS=d_real))
             if d == 256:  # (192, 192) batched: V / O still 256 wide, QKᵀ over 192
-                form2 = sm90_fwd.launch_form(d, False, "none", 1 << 14)
+                form2 = sm90_fwd.launch_form(d, False, "none", 1 << 14, padded=True)
                 jobs.append(fwd_view_job("narrow QK_COLS=192 O_COLS=192 ", False, "none", form2,
                                          form2["BLOCK_N"], 64, O_COLS=192, QK_COLS=192))
             # and the backward over the same views: dK / dV (96 / 96, or 192 / 128) and dQ
