@@ -20,9 +20,11 @@ onoff() {  # cuDNN in every value's run: timed alone, the value without it ran u
     echo "== $var=$v"; grep -E "^(fwd|bwd)" "/tmp/$name$v.log"; done; }
 for step in $steps; do
   case $step in
-    tests) # 14 workers: a cold Triton cache took more than 240 s with 8 (and 450 s ran 684 of ~690, session 16)
-           timeout 560 python -m pytest -q -n 14 -p no:cacheprovider -rf tests > "$OUT/tests_gpu.log" 2>&1
-           grep -E "^FAILED" "$OUT/tests_gpu.log"; tail -1 "$OUT/tests_gpu.log" ;;
+    tests) # 14 workers: a cold Triton cache took more than 240 s with 8 (and 450 s ran 684 of ~690, session 16);
+           # -v: each result on its own line as it lands, so a run cut at its limit still names
+           # its failures (session 19's was cut before the summary)
+           timeout 560 python -m pytest -v -n 14 -p no:cacheprovider -rf tests > "$OUT/tests_gpu.log" 2>&1
+           grep -E "FAILED|ERROR" "$OUT/tests_gpu.log" | head -20; tail -1 "$OUT/tests_gpu.log" ;;
     warm)  # the compile caches (Triton's, inductor's for Flex) filled by six processes at once,
            # one per head dim and mode, before a timed run: `warm bench` (WARM_DTYPES=fp16 before
            # bench-fp16, 120 + 460 s in one call); a cold bench spent its first minutes compiling
