@@ -160,8 +160,9 @@ ENV_SWITCHES = (
      "stage and stored by TMA (full 64-row halves; 0: stored from registers)"),
     ("IOATTN_SM90_FWD_O_DEFER", "0", "sm90 persistent forward (with O_TMA): the V stage holding "
      "O goes back to the producer after the next tile's first key block, not after a wait"),
-    ("IOATTN_SM90_FWD_N192", "0", "sm90 persistent forward at d=128 without a mask: 192-key "
-     "blocks as two pieces (128 + 64 rows), 2 stages (FlashAttention-3's wider non-causal tile)"),
+    ("IOATTN_SM90_FWD_SPLIT", "0", "sm90 forward without a mask (batched, persistent): key "
+     "blocks as two pieces, 192 keys at d=128 and 80 at d=256 (FlashAttention-3's wider tiles); "
+     "1 both, 128 / 256 one head dim"),
     ("IOATTN_SM90_FUSED_BWD", "1", "sm90 backward: one kernel, dQ by TMA reduce-add (0: two "
      "kernels without atomics, as deterministic=True)"),
     ("IOATTN_SM90_DECODE", "1", "planned paged decode on the sm90 Gluon kernel"),

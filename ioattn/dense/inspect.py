@@ -341,10 +341,15 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                      for name, fn, desc, d_, ce in jobs
                      if name in (f"sm90 fwd d{d} full 128x128 ws",
                                  f"sm90 fwd d{d} causal 128x128 ws")]
-            # (opt-in, IOATTN_SM90_FWD_N192) 192-key blocks in two pieces, K / V by 64-row boxes
-            jobs += [(name.replace(" 128x128", " n192 128x192"), fn,
-                      dict(desc, k_desc=64, v_desc=64), d_, dict(ce, N2=64, STAGES=2))
-                     for name, fn, desc, d_, ce in jobs if name == f"sm90 fwd d{d} full 128x128 ws"]
+
+        if d in (128, 256):  # (opt-in, IOATTN_SM90_FWD_SPLIT) key blocks in two pieces, K / V
+            # by N2-row boxes: 128 + 64 keys at d=128, 64 + 16 at d=256 (persistent there too)
+            n2 = 64 if d == 128 else 16
+            jobs += [(name.replace(f" 128x{bn}", f" split 128x{bn + n2}"), fn,
+                      dict(desc, k_desc=n2, v_desc=n2), d_,
+                      dict(ce, N2=n2, STAGES=2, PERSISTENT=True, DYNAMIC=True, PINGPONG=False,
+                           O_TMA=1 if d == 128 else 0))
+                     for name, fn, desc, d_, ce in jobs if name == f"sm90 fwd d{d} full 128x{bn} ws"]
         if d in (128, 256):  # (opt-in, IOATTN_SM90_FWD_LPT / _BWD_LPT) the grouped heaviest-
             # first order: the causal forward at 4k (d=128: the dynamic scheduler's ids; d=256:
             # one CTA per tile, the grid's), the causal dK/dV kernel as launched, the dQ kernel

@@ -95,14 +95,18 @@ O_TMA = os.environ.get("IOATTN_SM90_FWD_O_TMA", "1").lower() in ("1", "true", "o
 # again for the next tile's third V block. IOATTN_SM90_FWD_O_DEFER=1 turns it on (opt-in until
 # timed on the H200)
 O_DEFER = os.environ.get("IOATTN_SM90_FWD_O_DEFER", "0").lower() in ("1", "true", "on")
-# d=128 without a mask or window (batched, persistent): key blocks of 192 keys as two pieces (128
-# + 64 rows: Gluon 3.6 wants power-of-two tensor and shared-memory shapes), 2 stages (224 KB).
-# FlashAttention-3's d=128 non-causal tile is 128 x 176: a block's fixed costs (the row max and
-# sum across lanes, O's rescale, the barrier waits, the wgmma issue and waits) spread over more
-# keys. Its non-causal forward ran 672 TFLOP/s at 16k on this H200 (../shared/anchors), ours 621
-# on 128-key blocks; causal, where both use 128 x 128, ours 691 against its 651.
-# IOATTN_SM90_FWD_N192=1 turns it on (opt-in until timed on the H200)
-N192 = os.environ.get("IOATTN_SM90_FWD_N192", "0").lower() in ("1", "true", "on")
+# batched problems without a mask or window: key blocks as two pieces (Gluon 3.6 wants
+# power-of-two tensor and shared-memory shapes), 2 stages, persistent (``_consumer_split``):
+# d=128 on 192 keys (128 + 64; 224 KB), d=256 on 80 (64 + 16; 224 KB, without pingpong, which
+# the split form does not take). FlashAttention-3's tiles there are 128 x 176 and 128 x 80: a
+# block's fixed costs (the row max and sum across lanes, O's rescale, the barrier waits, the
+# wgmma issue and waits) spread over more keys. Its non-causal forward ran 672 / 739 TFLOP/s at
+# 16k on this H200 (../shared/anchors), ours 621 / 673 on 128 / 64-key blocks; causal d=128,
+# where both use 128 x 128, ours 691 against its 651. IOATTN_SM90_FWD_SPLIT: "0" (default, off
+# until timed on the H200), "1" both head dims, "128" / "256" one
+SPLIT = os.environ.get("IOATTN_SM90_FWD_SPLIT", "0").lower()
+if SPLIT not in ("0", "1", "128", "256"):
+    raise ValueError(f"IOATTN_SM90_FWD_SPLIT={SPLIT!r}: expected 0, 1, 128 or 256")
 # three consumer warpgroups at d=64 (192-row tiles, FA3's shape there); on by default since it
 # measured 1.03-1.05x the two-warpgroup form non-causal from 2k and 1.23x causal at 2k on the
 # H200 (results/sm90_fwd_wg3_{1,0}_*.json; causal 4k-16k within 3%), IOATTN_SM90_FWD_WG3=0 turns
@@ -1372,26 +1376,37 @@ def mask_kind(window_left: int, window_right: int) -> str:
     return "causal" if window_left < 0 else "window"
 
 
+def _split_n2(head_dim: int, varlen: bool, mask: str, padded: bool) -> int:
+    """Rows of a split key block's second piece (``SPLIT``; 0: one-piece blocks): 64 at d=128,
+    16 at d=256, for batched problems without a mask or window whose head dim is not read
+    through a padded view, where the persistent schedule is not turned off."""
+    if SPLIT not in ("1", str(head_dim)) or head_dim not in (128, 256):
+        return 0
+    if varlen or padded or mask != "none" or _schedule(128, varlen) is None:
+        return 0
+    return 64 if head_dim == 128 else 16
+
+
 def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int,
                 padded: bool = False) -> dict:
     """The forward's constexprs that depend on the problem's shape (``attn_fwd_sm90``, and the
     compile checks of ``inspect``): consumer warpgroups, keys per tile, ring stages, consumer
     registers, pingpong, persistence and its scheduler, the exponentials' place, O's store by
-    TMA (``_o_tma`` adds the launch's own conditions), the split key blocks (``N192``). mask:
+    TMA (``_o_tma`` adds the launch's own conditions), the split key blocks (``SPLIT``). mask:
     ``mask_kind``'s; padded: a head dim read in place through a padded view (96, 192)."""
     if mask not in ("none", "causal", "window"):
         raise ValueError(f"mask={mask!r}: expected 'none', 'causal' or 'window'")
     wide = _wide(head_dim, varlen, mask, max_seqlen_q)
     wgs = _wgs(head_dim, varlen, wide=wide)
     block_n, stages, regs = _tile(head_dim, wgs, wide)
-    schedule = _schedule(head_dim, varlen)
+    n2 = _split_n2(head_dim, varlen, mask, padded)
+    # (split blocks: persistent at d=256 too, 2 stages: Q and K / V pieces in 224 KB)
+    schedule = _schedule(128 if n2 else head_dim, varlen)
     persistent = schedule is not None
-    n2 = 64 if (N192 and head_dim == 128 and mask == "none" and persistent and wgs == 2
-                and not padded) else 0
     if n2:
-        stages = 2  # 2 x (48 + 48) KB of K / V pieces and Q's 32 KB: 224 KB
+        stages = 2
     return dict(WGS=wgs, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=regs, N2=n2,
-                PINGPONG=_pingpong(head_dim, wgs), PERSISTENT=persistent,
+                PINGPONG=_pingpong(head_dim, wgs) and not n2, PERSISTENT=persistent,
                 DYNAMIC=schedule == "dynamic", EXP_EARLY=_exp_early(head_dim, wide, mask),
                 O_TMA=(2 if O_DEFER else 1) if O_TMA and persistent and block_n >= 64 * wgs
                 else 0)
@@ -1430,7 +1445,7 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             group = head_group_size(n_bh, n_m, grid[0])
     elif LPT:
         group = head_group_size(grid[1], grid[0], sm_count(q.device))
-    block_n = 64 if form["N2"] else form["BLOCK_N"]  # K / V rows a TMA copy (N2: 64-row boxes)
+    block_n = form["N2"] or form["BLOCK_N"]  # K / V rows a TMA copy (split: N2-row boxes)
     # (IOATTN_SM90_PAD_NARROW) QKᵀ over d's own columns, V and O in tiles of their own width
     qk_cols, dv_pad = (d, narrow_dv(d_v)) if d_pad and sm90_common.PAD_NARROW else (0, d_pad)
     q_desc = rows_descriptor(q, p.is_varlen, HALF_M.value, pad_to=d_pad)

@@ -184,26 +184,32 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     _forward_only(c)
 
 
-N192_CASES = [Case(113, 203, d=128), Case(384, 576, d=128, h=2),  # 576: three whole blocks
-              Case(1023, 1000, d=128, b=2, h=4, h_k=2, dtype=FP16),
-              Case(2048, 2048, d=128, b=1, h=24),  # 384 tiles on 132 SMs: CTAs loop
-              Case(300, 1, d=128, h=2), Case(257, 700, d=128, softcap=30.0)]
+SPLIT_CASES = [Case(113, 203, d=d) for d in (128, 256)] + [
+    Case(384, 576, d=128, h=2), Case(300, 240, d=256, h=2),  # whole blocks (192 / 80 keys)
+    Case(1023, 1000, d=128, b=2, h=4, h_k=2, dtype=FP16),
+    Case(1000, 1023, d=256, b=2, h=4, h_k=2, dtype=FP16),
+    Case(2048, 2048, d=128, b=1, h=24), Case(1024, 1024, d=256, b=1, h=20),  # CTAs loop
+    Case(300, 1, d=128, h=2), Case(300, 1, d=256, h=2),
+    Case(257, 700, d=128, softcap=30.0), Case(257, 700, d=256, softcap=30.0)]
 
 
 @needs_sm90
 @pytest.mark.parametrize("o", ["tma", "defer", "regs"])
-@pytest.mark.parametrize("c", N192_CASES, ids=lambda c: "sm90-n192-" + c.id)
-def test_sm90_fwd_n192(c: Case, o, monkeypatch):
-    """(opt-in IOATTN_SM90_FWD_N192) the d=128 forward without a mask on 192-key blocks held
-    as two pieces (128 + 64 rows), partial last blocks included, with O stored by TMA (and its
-    stage released a block into the next tile, "defer") or from registers. Run twice: the
-    persistent CTAs' ring and barrier phases run on across tiles and launches start afresh."""
+@pytest.mark.parametrize("c", SPLIT_CASES, ids=lambda c: "sm90-split-" + c.id)
+def test_sm90_fwd_split(c: Case, o, monkeypatch):
+    """(opt-in IOATTN_SM90_FWD_SPLIT) the forward without a mask on key blocks held as two
+    pieces, 128 + 64 keys at d=128 and 64 + 16 at d=256 (persistent there too), partial last
+    blocks included, with O stored by TMA (d=128; its stage released a block into the next tile
+    with "defer") or from registers. Run twice: the persistent CTAs' ring and barrier phases
+    run on across tiles and launches start afresh."""
     from ioattn.dense import sm90_fwd
 
-    monkeypatch.setattr(sm90_fwd, "N192", True)
+    if c.d == 256 and o != "tma":
+        pytest.skip("d=256 stores O from registers in either O mode")
+    monkeypatch.setattr(sm90_fwd, "SPLIT", "1")
     monkeypatch.setattr(sm90_fwd, "O_TMA", o != "regs")
     monkeypatch.setattr(sm90_fwd, "O_DEFER", o == "defer")
-    assert sm90_fwd.launch_form(128, False, "none", c.s_q)["N2"] == 64
+    assert sm90_fwd.launch_form(c.d, False, "none", c.s_q)["N2"] == (64 if c.d == 128 else 16)
     _forward_only(c)
     _forward_only(c)
 
@@ -707,10 +713,15 @@ def test_sm90_tma_epilogue_rules(monkeypatch):
     assert not sm90_fwd._o_tma(form(64, False, "none", 1), None, 1)
     monkeypatch.setattr(sm90_fwd, "O_TMA", False)
     assert not sm90_fwd._o_tma(form(128, False, "none", 8192), None, 8192)
-    # (IOATTN_SM90_FWD_N192) the split 192-key blocks: d=128 batched without a mask only
-    monkeypatch.setattr(sm90_fwd, "N192", True)
+    # (IOATTN_SM90_FWD_SPLIT) key blocks in two pieces: batched without a mask, d = 128 / 256
+    monkeypatch.setattr(sm90_fwd, "SPLIT", "1")
     split = form(128, False, "none", 8192)
     assert split["N2"] == 64 and split["STAGES"] == 2 and split["BLOCK_N"] == 128
+    split = form(256, False, "none", 8192)  # persistent, without pingpong
+    assert split["N2"] == 16 and split["PERSISTENT"] and not split["PINGPONG"]
+    monkeypatch.setattr(sm90_fwd, "SPLIT", "256")
+    assert form(128, False, "none", 8192)["N2"] == 0
+    monkeypatch.setattr(sm90_fwd, "SPLIT", "1")
     assert form(128, False, "causal", 8192)["N2"] == 0
     assert form(128, True, "none", 8192)["N2"] == 0  # varlen: one CTA a tile
     assert form(128, False, "none", 8192, padded=True)["N2"] == 0  # d = 96 read in place
@@ -966,7 +977,7 @@ def test_sm90_kernel_compiles_for_hopper():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # (89 kernels, ~7 min on one core: the limit leaves room for a loaded CI machine)
+    # (90 kernels, ~7 min on one core: the limit leaves room for a loaded CI machine)
     res = subprocess.run([sys.executable, "-m", "ioattn.dense.inspect", "--gluon", "--json"], env=env,
                          capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -989,8 +1000,8 @@ def test_sm90_kernel_compiles_for_hopper():
     # column-split dK/dV kernel (192 / 128) with S and dP over d's and d_v's own columns; and
     # (IOATTN_SM90_FWD_O_TMA=0) the d=128 persistent forward storing O from registers, and
     # (opt-in, IOATTN_SM90_FWD_O_DEFER) with O's stage released a block into the next tile,
-    # and (opt-in, IOATTN_SM90_FWD_N192) on 192-key blocks in two pieces
-    assert len(reports) == 89, names
+    # and (opt-in, IOATTN_SM90_FWD_SPLIT) on key blocks in two pieces (d = 128, 256)
+    assert len(reports) == 90, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
     hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
     assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
@@ -1012,8 +1023,8 @@ def test_sm90_kernel_compiles_for_hopper():
             limit = 1024 if "d128" in r["name"] else 128
             if "segments=True" in r["name"]:  # (d=128) three copies of the step, each spilling
                 limit = 4096
-        elif "n192" in r["name"]:
-            limit = 128  # (opt-in) 192-key blocks: S and P over 192 keys beside O, ~70 B
+        elif " split " in r["name"]:
+            limit = 128  # (opt-in) d=128's 192-key blocks: S and P beside O, ~70 B
         elif r["name"].startswith("sm90 fwd d128 causal"):
             # the persistent (dynamic) form: tile ids and offsets, with O's TMA store ~150 B
             limit = 256
