@@ -200,9 +200,9 @@ def main() -> None:
         rows, slots = -(-a.seqlen // 128) * b * h, BWD_SLOTS
     else:
         form = sm90_fwd.launch_form(a.d, False, "causal" if a.causal else "none", a.seqlen)
-        if not form["PERSISTENT"] or form["WGS"] != 2:
+        if not form["PERSISTENT"] or form["WGS"] != 2 or form["N2"]:
             raise SystemExit(f"--kernel fwd: d={a.d} runs {form}; the stamps cover the "
-                             "persistent two-warpgroup forward")
+                             "persistent two-warpgroup forward on one-piece key blocks")
         rows, slots = -(-a.seqlen // 128) * b * h, FWD_SLOTS
     stamps = torch.zeros(rows, slots, dtype=torch.int64, device="cuda")
     install(a.kernel, stamps.data_ptr())
