@@ -344,12 +344,13 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
 
         if d in (128, 256):  # (opt-in, IOATTN_SM90_FWD_SPLIT) key blocks in two pieces, K / V
             # by N2-row boxes: 128 + 64 keys at d=128, 64 + 16 at d=256 (persistent there too)
-            n2 = 64 if d == 128 else 16
-            jobs += [(name.replace(f" 128x{bn}", f" split 128x{bn + n2}"), fn,
-                      dict(desc, k_desc=n2, v_desc=n2), d_,
-                      dict(ce, N2=n2, STAGES=2, PERSISTENT=True, DYNAMIC=True, PINGPONG=False,
-                           O_TMA=1 if d == 128 else 0))
-                     for name, fn, desc, d_, ce in jobs if name == f"sm90 fwd d{d} full 128x{bn} ws"]
+            form = sm90_fwd.launch_form(d, False, "none", 1 << 14, split=True)
+            n2 = form["N2"]
+            jobs.append((f"sm90 fwd d{d} full split 128x{form['BLOCK_N'] + n2} ws",
+                         sm90_fwd._attn_fwd_sm90, dict(q_desc=64, o_desc=64, k_desc=n2, v_desc=n2),
+                         d, dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=False,
+                                 PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1,
+                                 **form)))
         if d in (128, 256):  # (opt-in, IOATTN_SM90_FWD_LPT / _BWD_LPT) the grouped heaviest-
             # first order: the causal forward at 4k (d=128: the dynamic scheduler's ids; d=256:
             # one CTA per tile, the grid's), the causal dK/dV kernel as launched, the dQ kernel

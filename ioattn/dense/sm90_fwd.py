@@ -231,7 +231,36 @@ def _key_tile_load(desc, tile, bar, BT, bt_row, bt_width, key0, col, PAGED: gl.c
             tma.async_copy_global_to_shared(desc, [page * PAGE + key % PAGE, col], bar,
                                             tile.slice(i * BOX, BOX, dim=0))
     else:
-        tma_load(desc, key0, col, bar, tile)
+        _load_rows(desc, tile, bar, key0, col)
+
+
+@gluon.jit
+def _load_rows(desc, tile, bar, row, col):
+    """TMA loads of ``tile``'s rows from ``desc``'s view at (row, col), a copy per box of rows
+    (one when the box is the tile)."""
+    BOX: gl.constexpr = desc.block_type.shape[0]
+    N: gl.constexpr = tile.shape[0] // BOX
+    if N == 1:
+        tma_load(desc, row, col, bar, tile)
+    else:
+        for i in gl.static_range(N):
+            tma_load(desc, row + i * BOX, col, bar, tile.slice(i * BOX, BOX, dim=0))
+
+
+@gluon.jit
+def _load_q(q_desc, q_smem, q_bar, q_empty, q_row, q_col, tc, n_tiles,
+            PERSISTENT: gl.constexpr):
+    """A query tile's Q halves (one 64-row piece per consumer warpgroup), when it has key
+    blocks (the consumers never wait for Q otherwise and, one CTA a tile, reuse its buffers to
+    stage O, so Q must not be in flight then); persistent, once the consumers have freed Q
+    (the previous tile's last QKᵀ retired; tc: the CTA's earlier tiles with work)."""
+    has_work = n_tiles > 0
+    if PERSISTENT:
+        mbarrier.wait(q_empty, (tc & 1) ^ 1, pred=has_work)
+    WGS: gl.constexpr = q_smem.shape[0]
+    mbarrier.expect(q_bar, WGS * q_desc.block_type.nbytes, pred=has_work)
+    for i in gl.static_range(WGS):
+        tma_load(q_desc, q_row + i * HALF_M, q_col, q_bar, q_smem.index(i), pred=has_work)
 
 
 @gluon.jit
@@ -249,16 +278,7 @@ def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty
         v_col = kv_col
     else:
         v_col = kv_col // k_smem.shape[2] * v_smem.shape[2]
-    # no key block: the consumers never wait for Q (and, non-persistent, reuse its buffers to
-    # stage O), so Q must not be in flight then
-    has_work = n_tiles > 0
-    if PERSISTENT:
-        # the consumers free Q once the previous tile's last QKᵀ has retired
-        mbarrier.wait(q_empty, (tc & 1) ^ 1, pred=has_work)
-    WGS: gl.constexpr = q_smem.shape[0]  # consumer warpgroups: one 64-row Q piece each
-    mbarrier.expect(q_bar, WGS * q_desc.block_type.nbytes, pred=has_work)
-    for i in gl.static_range(WGS):
-        tma_load(q_desc, q_row + i * HALF_M, q_col, q_bar, q_smem.index(i), pred=has_work)
+    _load_q(q_desc, q_smem, q_bar, q_empty, q_row, q_col, tc, n_tiles, PERSISTENT)
     for j in range(n_tiles):
         it = it0 + j
         st = it % STAGES
@@ -839,15 +859,6 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
 
 
 @gluon.jit
-def _load_rows(desc, tile, bar, row, col):
-    """TMA loads of ``tile``'s rows from ``desc``'s view at (row, col), a copy per box of rows."""
-    BOX: gl.constexpr = desc.block_type.shape[0]
-    N: gl.constexpr = tile.shape[0] // BOX
-    for i in gl.static_range(N):
-        tma_load(desc, row + i * BOX, col, bar, tile.slice(i * BOX, BOX, dim=0))
-
-
-@gluon.jit
 def _produce_split_tile(t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, k2_smem, v_smem,
                         v2_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, CU_Q, CU_K,
                         n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
@@ -865,13 +876,8 @@ def _produce_split_tile(t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, k2_sm
      n_tiles) = query_tile_at(n_m - 1 - t % n_m, t // n_m, CU_Q, CU_K, n_heads, kv_group,
                               seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
                               TILE_M, KB, False, False, False)
-    WGS: gl.constexpr = q_smem.shape[0]
-    has_work = n_tiles > 0
-    mbarrier.wait(q_empty, (tc & 1) ^ 1, pred=has_work)
-    mbarrier.expect(q_bar, WGS * q_desc.block_type.nbytes, pred=has_work)
-    for i in gl.static_range(WGS):
-        tma_load(q_desc, q_start + start_m + i * HALF_M, off_h * HEAD_D, q_bar, q_smem.index(i),
-                 pred=has_work)
+    _load_q(q_desc, q_smem, q_bar, q_empty, q_start + start_m, off_h * HEAD_D, tc, n_tiles,
+            True)
     col = off_hk * HEAD_D
     for j in range(n_tiles):
         st = (it + j) % STAGES
@@ -885,7 +891,7 @@ def _produce_split_tile(t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, k2_sm
         mbarrier.expect(v_full.index(st), (KB // BOX) * v_desc.block_type.nbytes)
         _load_rows(v_desc, v_smem.index(st), v_full.index(st), key0, col)
         _load_rows(v_desc, v2_smem.index(st), v_full.index(st), key0 + NA, col)
-    return it + n_tiles, tc + has_work.to(gl.int32)
+    return it + n_tiles, tc + (n_tiles > 0).to(gl.int32)
 
 
 @gluon.jit
@@ -1353,14 +1359,15 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     return max_seqlen_q >= 2048 or (max_seqlen_q >= 512 and max_seqlen_k >= 2048)
 
 
-def _schedule(head_dim: int, varlen: bool) -> str | None:
+def _schedule(head_dim: int, varlen: bool, split: bool = False) -> str | None:
     """The forward's persistent schedule ("dynamic", "static") or None for one CTA per tile:
     batched problems only (varlen/paged tiles keep one CTA each: their last-tile zeroing is
-    signalled once per CTA); ``PERSISTENT_MODE`` says which."""
+    signalled once per CTA); ``PERSISTENT_MODE`` says which. split: the split key blocks'
+    form (``SPLIT``), persistent at every head dim it takes."""
     if varlen or PERSISTENT_MODE in ("0", "off", "false"):
         return None
     if PERSISTENT_MODE == "auto":
-        return "dynamic" if head_dim in (64, 128) else None
+        return "dynamic" if head_dim in (64, 128) or split else None
     return "dynamic" if PERSISTENT_MODE == "dynamic" else "static"
 
 
@@ -1376,32 +1383,35 @@ def mask_kind(window_left: int, window_right: int) -> str:
     return "causal" if window_left < 0 else "window"
 
 
-def _split_n2(head_dim: int, varlen: bool, mask: str, padded: bool) -> int:
-    """Rows of a split key block's second piece (``SPLIT``; 0: one-piece blocks): 64 at d=128,
-    16 at d=256, for batched problems without a mask or window whose head dim is not read
-    through a padded view, where the persistent schedule is not turned off."""
-    if SPLIT not in ("1", str(head_dim)) or head_dim not in (128, 256):
+def _split_n2(head_dim: int, varlen: bool, mask: str, padded: bool, split: bool) -> int:
+    """Rows of a split key block's second piece (0: one-piece blocks): 64 at d=128, 16 at
+    d=256, where split asks for it, for batched problems without a mask or window whose head
+    dim is not read through a padded view, where the persistent schedule is not turned off."""
+    if not split or head_dim not in (128, 256):
         return 0
-    if varlen or padded or mask != "none" or _schedule(128, varlen) is None:
+    if padded or mask != "none" or _schedule(head_dim, varlen, split=True) is None:
         return 0
     return 64 if head_dim == 128 else 16
 
 
 def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int,
-                padded: bool = False) -> dict:
+                padded: bool = False, split: bool | None = None) -> dict:
     """The forward's constexprs that depend on the problem's shape (``attn_fwd_sm90``, and the
     compile checks of ``inspect``): consumer warpgroups, keys per tile, ring stages, consumer
     registers, pingpong, persistence and its scheduler, the exponentials' place, O's store by
     TMA (``_o_tma`` adds the launch's own conditions), the split key blocks (``SPLIT``). mask:
-    ``mask_kind``'s; padded: a head dim read in place through a padded view (96, 192)."""
+    ``mask_kind``'s; padded: a head dim read in place through a padded view (96, 192); split:
+    whether to take the split key blocks where they apply (None: as ``SPLIT`` says)."""
     if mask not in ("none", "causal", "window"):
         raise ValueError(f"mask={mask!r}: expected 'none', 'causal' or 'window'")
     wide = _wide(head_dim, varlen, mask, max_seqlen_q)
     wgs = _wgs(head_dim, varlen, wide=wide)
     block_n, stages, regs = _tile(head_dim, wgs, wide)
-    n2 = _split_n2(head_dim, varlen, mask, padded)
+    if split is None:
+        split = SPLIT in ("1", str(head_dim))
+    n2 = _split_n2(head_dim, varlen, mask, padded, split)
     # (split blocks: persistent at d=256 too, 2 stages: Q and K / V pieces in 224 KB)
-    schedule = _schedule(128 if n2 else head_dim, varlen)
+    schedule = _schedule(head_dim, varlen, split=n2 > 0)
     persistent = schedule is not None
     if n2:
         stages = 2

@@ -4,6 +4,7 @@ which picks this kernel on sm90 wherever it covers the call."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -685,6 +686,19 @@ def test_rows_view_of_layouts():
     assert rows_view(torch.empty(2, 50, 4, 96)[:, :20], False) is None  # batches apart
     assert rows_view(torch.empty(70, 1, 8)[::2], True) == (35, 16)
     assert "16 bytes" in tma_view_problem("k", torch.empty(3, 5, 1, 4, dtype=torch.bfloat16), False)
+
+
+def test_timeline_stamps_match_the_kernels():
+    """benchmarks/timeline.py's stamped copies of the sm90 backward and forward modules build:
+    each anchor it patches occurs once in the kernels' source (it raises otherwise), so a
+    kernel change that moves or repeats one shows here, not on the GPU."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "timeline.py"
+    spec = importlib.util.spec_from_file_location("ioattn_timeline", path)
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+    assert "_tl_c1()" in timeline.bwd_source(0) and "_tl_f1(t)" in timeline.fwd_source(0)
 
 
 def test_sm90_tma_epilogue_rules(monkeypatch):
