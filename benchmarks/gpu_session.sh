@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [fwd-split] [decode-prefetch] [bwd-stages]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -477,7 +477,7 @@ for step in $steps; do
            onoff IOATTN_SM90_FWD_O_TMA "1 0" fwd_o_tma --modes fwd --dims 64,128 \
              --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     fwd-o-defer) # the persistent forward's O stage released a block into the next tile instead
-           # of waited for at the store (IOATTN_SM90_FWD_O_DEFER, opt-in): the persistent tests
+           # of waited for at the store (IOATTN_SM90_FWD_O_DEFER, the default): the persistent tests
            # with it, the d=128 2k tile timeline on / off, then d = 64 / 128 forward on / off
            # with cuDNN in both (~60 + 4 x 25 + 2 x 120 s)
            IOATTN_SM90_FWD_O_DEFER=1 timeout 150 python -m pytest -q -n 14 -p no:cacheprovider -rf \
@@ -491,14 +491,6 @@ for step in $steps; do
              grep -E '"tile_us"|"kernel_us"|"store"' /tmp/timeline.log | head -4; done; done
            onoff IOATTN_SM90_FWD_O_DEFER "1 0" fwd_o_defer --modes fwd --dims 64,128 \
              --seqlens 2048,4096,16384 --dtypes bf16 ;;
-    fwd-split) # the forward without a mask on key blocks in two pieces, 192 keys at d=128 and 80 at
-           # d=256 (IOATTN_SM90_FWD_SPLIT, opt-in; FA3's wider tiles): its tests, then the d = 128 /
-           # 256 forward on / off with cuDNN in both, 2k-16k (~90 + 2 x 150 s)
-           timeout 150 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
-             -k "split" > "$OUT/tests_split.log" 2>&1
-           grep -E "^FAILED" "$OUT/tests_split.log"; tail -1 "$OUT/tests_split.log"
-           onoff IOATTN_SM90_FWD_SPLIT "1 0" fwd_split --modes fwd --dims 128,256 \
-             --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     decode-prefetch) # L2 prefetches of each decode CTA's first tiles before its PDL wait
            # (IOATTN_SM90_DECODE_PREFETCH, opt-in): the PDL tests with it, then the two acceptance
            # cells on (with cuDNN) / off, graphloop rows included (~90 + 2 x 100 s)

@@ -106,7 +106,6 @@ def fwd_source(base: int) -> str:
                  "    start_m = (n_m - 1 - t % n_m) * TILE_M\n",
                  "    TILE_M: gl.constexpr = q_smem.shape[0] * HALF_M\n    _tl_f0(t)\n    _tl_fsm(t)\n"
                  "    start_m = (n_m - 1 - t % n_m) * TILE_M\n")
-    # (the one-piece tile's store: the split form's has the same call after ``_finish``)
     src = _patch(src, "EXP_EARLY, QK_COLS, O_TMA)\n    pend = _store_tile(",
                  "EXP_EARLY, QK_COLS, O_TMA)\n    _tl_f1(t)\n    pend = _store_tile(")
     return _patch(src, "    has_work = (n_tiles > 0).to(gl.int32)\n    return it + n_tiles,",
@@ -201,9 +200,9 @@ def main() -> None:
         rows, slots = -(-a.seqlen // 128) * b * h, BWD_SLOTS
     else:
         form = sm90_fwd.launch_form(a.d, False, "causal" if a.causal else "none", a.seqlen)
-        if not form["PERSISTENT"] or form["WGS"] != 2 or form["N2"]:
+        if not form["PERSISTENT"] or form["WGS"] != 2:
             raise SystemExit(f"--kernel fwd: d={a.d} runs {form}; the stamps cover the "
-                             "persistent two-warpgroup forward on one-piece key blocks")
+                             "persistent two-warpgroup forward")
         rows, slots = -(-a.seqlen // 128) * b * h, FWD_SLOTS
     stamps = torch.zeros(rows, slots, dtype=torch.int64, device="cuda")
     install(a.kernel, stamps.data_ptr())

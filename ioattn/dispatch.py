@@ -158,11 +158,9 @@ ENV_SWITCHES = (
      "64-key halves staged in the freed Q/dO stage and stored by TMA (0: stored from registers)"),
     ("IOATTN_SM90_FWD_O_TMA", "1", "sm90 persistent forward: O staged in the tile's last V "
      "stage and stored by TMA (full 64-row halves; 0: stored from registers)"),
-    ("IOATTN_SM90_FWD_O_DEFER", "0", "sm90 persistent forward (with O_TMA): the V stage holding "
-     "O goes back to the producer after the next tile's first key block, not after a wait"),
-    ("IOATTN_SM90_FWD_SPLIT", "0", "sm90 forward without a mask (batched, persistent): key "
-     "blocks as two pieces, 192 keys at d=128 and 80 at d=256 (FlashAttention-3's wider tiles); "
-     "1 both, 128 / 256 one head dim"),
+    ("IOATTN_SM90_FWD_O_DEFER", "1", "sm90 persistent forward (with O_TMA): the V stage holding "
+     "O goes back to the producer after the next tile's first key block, not after a wait "
+     "(0: waited for at the store)"),
     ("IOATTN_SM90_FUSED_BWD", "1", "sm90 backward: one kernel, dQ by TMA reduce-add (0: two "
      "kernels without atomics, as deterministic=True)"),
     ("IOATTN_SM90_DECODE", "1", "planned paged decode on the sm90 Gluon kernel"),

@@ -336,21 +336,13 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
             # by TMA from the last V stage, without a mask
             jobs += [(name.replace(" 128x", " o-regs 128x"), fn, desc, d_, dict(ce, O_TMA=False))
                      for name, fn, desc, d_, ce in jobs if name == f"sm90 fwd d{d} full 128x128 ws"]
-            # (opt-in, IOATTN_SM90_FWD_O_DEFER) O's V stage released a block into the next tile
-            jobs += [(name.replace(" 128x", " o-defer 128x"), fn, desc, d_, dict(ce, O_TMA=2))
+            # (IOATTN_SM90_FWD_O_DEFER=0) O's V stage waited for at the store, not released a
+            # block into the next tile
+            jobs += [(name.replace(" 128x", " o-nodefer 128x"), fn, desc, d_, dict(ce, O_TMA=1))
                      for name, fn, desc, d_, ce in jobs
                      if name in (f"sm90 fwd d{d} full 128x128 ws",
                                  f"sm90 fwd d{d} causal 128x128 ws")]
 
-        if d in (128, 256):  # (opt-in, IOATTN_SM90_FWD_SPLIT) key blocks in two pieces, K / V
-            # by N2-row boxes: 128 + 64 keys at d=128, 64 + 16 at d=256 (persistent there too)
-            form = sm90_fwd.launch_form(d, False, "none", 1 << 14, split=True)
-            n2 = form["N2"]
-            jobs.append((f"sm90 fwd d{d} full split 128x{form['BLOCK_N'] + n2} ws",
-                         sm90_fwd._attn_fwd_sm90, dict(q_desc=64, o_desc=64, k_desc=n2, v_desc=n2),
-                         d, dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=False,
-                                 PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1,
-                                 **form)))
         if d in (128, 256):  # (opt-in, IOATTN_SM90_FWD_LPT / _BWD_LPT) the grouped heaviest-
             # first order: the causal forward at 4k (d=128: the dynamic scheduler's ids; d=256:
             # one CTA per tile, the grid's), the causal dK/dV kernel as launched, the dQ kernel
@@ -369,7 +361,7 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
         if d in (128, 256):
             real, varlen = (96, False) if d == 128 else (128, True)
             mask = "causal" if varlen else "none"
-            form = sm90_fwd.launch_form(d, varlen, mask, 1 << 14, padded=True)
+            form = sm90_fwd.launch_form(d, varlen, mask, 1 << 14)
             d_real = 96 if d == 128 else 192
 
             def fwd_view_job(tag, varlen_, mask_, form_, v_box, o_box, **ce):
@@ -388,7 +380,7 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
             jobs.append(fwd_view_job(f"narrow QK_COLS={d_real} ", varlen, mask, form, narrow_v,
                                      narrow_o, O_COLS=96 if d == 128 else 0, QK_COLS=d_real))
             if d == 256:  # (192, 192) batched: V / O still 256 wide, QKᵀ over 192
-                form2 = sm90_fwd.launch_form(d, False, "none", 1 << 14, padded=True)
+                form2 = sm90_fwd.launch_form(d, False, "none", 1 << 14)
                 jobs.append(fwd_view_job("narrow QK_COLS=192 O_COLS=192 ", False, "none", form2,
                                          form2["BLOCK_N"], 64, O_COLS=192, QK_COLS=192))
             # and the backward over the same views: dK / dV (96 / 96, or 192 / 128) and dQ

@@ -74,9 +74,11 @@ CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 DKDV_STAGES = 2
 # (the d = 64 dK/dV kernel) Q/dO ring stages, IOATTN_SM90_BWD_STAGES: "auto" (default) 2, or 3 /
-# 4 (opt-in until timed: d = 64 takes 132 / 150 / 166 KB of shared memory at 2 / 3 / 4 stages,
-# spill-free; with 2 the producer runs one 1.44 us step ahead of the consumers at 2k, about an
-# L2 round trip under load). d = 128 has no room for a third stage (231 KB).
+# 4 (d = 64 takes 132 / 150 / 166 KB of shared memory at 2 / 3 / 4 stages, spill-free; with 2
+# the producer runs one 1.44 us step ahead of the consumers at 2k, about an L2 round trip under
+# load). Timed on the H200 with cuDNN in each run (results/bwd_stages{2,3,4}_e33e22c_*.json):
+# 3 stages 1-5% slower non-causal, 4 within -1 / +1.4% of 2, so 2 stays. d = 128 has no room
+# for a third stage (231 KB).
 STAGES_MODE = os.environ.get("IOATTN_SM90_BWD_STAGES", "auto").lower()
 DQ_BLOCK_N = 64
 DQ_STAGES = 2

@@ -92,21 +92,11 @@ O_TMA = os.environ.get("IOATTN_SM90_FWD_O_TMA", "1").lower() in ("1", "true", "o
 # (with O_TMA) the stage goes back to the producer once the next tile's first key block is done
 # instead of after a wait for the store at the end of the tile (its 1.4-1.8 us, stamped, a 27 us
 # d=128 2k tile, results/tune/fwd_timeline_o_tma1_*_ebb00c7_*). The producer needs that stage
-# again for the next tile's third V block. IOATTN_SM90_FWD_O_DEFER=1 turns it on (opt-in until
-# timed on the H200)
-O_DEFER = os.environ.get("IOATTN_SM90_FWD_O_DEFER", "0").lower() in ("1", "true", "on")
-# batched problems without a mask or window: key blocks as two pieces (Gluon 3.6 wants
-# power-of-two tensor and shared-memory shapes), 2 stages, persistent (``_consumer_split``):
-# d=128 on 192 keys (128 + 64; 224 KB), d=256 on 80 (64 + 16; 224 KB, without pingpong, which
-# the split form does not take). FlashAttention-3's tiles there are 128 x 176 and 128 x 80: a
-# block's fixed costs (the row max and sum across lanes, O's rescale, the barrier waits, the
-# wgmma issue and waits) spread over more keys. Its non-causal forward ran 672 / 739 TFLOP/s at
-# 16k on this H200 (../shared/anchors), ours 621 / 673 on 128 / 64-key blocks; causal d=128,
-# where both use 128 x 128, ours 691 against its 651. IOATTN_SM90_FWD_SPLIT: "0" (default, off
-# until timed on the H200), "1" both head dims, "128" / "256" one
-SPLIT = os.environ.get("IOATTN_SM90_FWD_SPLIT", "0").lower()
-if SPLIT not in ("0", "1", "128", "256"):
-    raise ValueError(f"IOATTN_SM90_FWD_SPLIT={SPLIT!r}: expected 0, 1, 128 or 256")
+# again for the next tile's third V block. Stamped d=128 2k kernel 440.5 -> 438.0 us non-causal,
+# 269.0 -> 262.4 causal (results/tune/fwd_timeline_o_defer{1,0}_*_e33e22c_*); timed on / off
+# with cuDNN in both runs, d=128 causal 2k +6%, the other d = 64 / 128 cells within the runs'
+# ~2-4% (results/fwd_o_defer{1,0}_e33e22c_*.json). IOATTN_SM90_FWD_O_DEFER=0 turns it off
+O_DEFER = os.environ.get("IOATTN_SM90_FWD_O_DEFER", "1").lower() in ("1", "true", "on")
 # three consumer warpgroups at d=64 (192-row tiles, FA3's shape there); on by default since it
 # measured 1.03-1.05x the two-warpgroup form non-causal from 2k and 1.23x causal at 2k on the
 # H200 (results/sm90_fwd_wg3_{1,0}_*.json; causal 4k-16k within 3%), IOATTN_SM90_FWD_WG3=0 turns
@@ -231,20 +221,7 @@ def _key_tile_load(desc, tile, bar, BT, bt_row, bt_width, key0, col, PAGED: gl.c
             tma.async_copy_global_to_shared(desc, [page * PAGE + key % PAGE, col], bar,
                                             tile.slice(i * BOX, BOX, dim=0))
     else:
-        _load_rows(desc, tile, bar, key0, col)
-
-
-@gluon.jit
-def _load_rows(desc, tile, bar, row, col):
-    """TMA loads of ``tile``'s rows from ``desc``'s view at (row, col), a copy per box of rows
-    (one when the box is the tile)."""
-    BOX: gl.constexpr = desc.block_type.shape[0]
-    N: gl.constexpr = tile.shape[0] // BOX
-    if N == 1:
-        tma_load(desc, row, col, bar, tile)
-    else:
-        for i in gl.static_range(N):
-            tma_load(desc, row + i * BOX, col, bar, tile.slice(i * BOX, BOX, dim=0))
+        tma_load(desc, key0, col, bar, tile)
 
 
 @gluon.jit
@@ -859,216 +836,6 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
 
 
 @gluon.jit
-def _produce_split_tile(t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, k2_smem, v_smem,
-                        v2_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, CU_Q, CU_K,
-                        n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
-                        window_right, STAGES: gl.constexpr):
-    """(N2, ``_attn_fwd_sm90``) The loads of tile t: its Q halves, then each key block's K and V
-    as two pieces (rows [0, BLOCK_N) and [BLOCK_N, BLOCK_N + N2) of the block) into their
-    rings, one full barrier a stage for both; returns the updated ring position and count of
-    tiles with work (``_produce_persistent_tile``)."""
-    HEAD_D: gl.constexpr = q_smem.shape[2]
-    NA: gl.constexpr = k_smem.shape[1]
-    KB: gl.constexpr = NA + k2_smem.shape[1]  # keys a block
-    BOX: gl.constexpr = k_desc.block_type.shape[0]
-    TILE_M: gl.constexpr = q_smem.shape[0] * HALF_M
-    (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
-     n_tiles) = query_tile_at(n_m - 1 - t % n_m, t // n_m, CU_Q, CU_K, n_heads, kv_group,
-                              seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
-                              TILE_M, KB, False, False, False)
-    _load_q(q_desc, q_smem, q_bar, q_empty, q_start + start_m, off_h * HEAD_D, tc, n_tiles,
-            True)
-    col = off_hk * HEAD_D
-    for j in range(n_tiles):
-        st = (it + j) % STAGES
-        ph = (((it + j) // STAGES) & 1) ^ 1
-        key0 = k_start + lo + j * KB
-        mbarrier.wait(k_empty.index(st), ph)
-        mbarrier.expect(k_full.index(st), (KB // BOX) * k_desc.block_type.nbytes)
-        _load_rows(k_desc, k_smem.index(st), k_full.index(st), key0, col)
-        _load_rows(k_desc, k2_smem.index(st), k_full.index(st), key0 + NA, col)
-        mbarrier.wait(v_empty.index(st), ph)
-        mbarrier.expect(v_full.index(st), (KB // BOX) * v_desc.block_type.nbytes)
-        _load_rows(v_desc, v_smem.index(st), v_full.index(st), key0, col)
-        _load_rows(v_desc, v2_smem.index(st), v_full.index(st), key0 + NA, col)
-    return it + n_tiles, tc + (n_tiles > 0).to(gl.int32)
-
-
-@gluon.jit
-def _producer_split(q_desc, k_desc, v_desc, q_smem, k_smem, k2_smem, v_smem, v2_smem, q_bar,
-                    q_empty, k_full, v_full, k_empty, v_empty, CU_Q, CU_K, n_heads, kv_group,
-                    seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right, COUNTER,
-                    tile_smem, tile_full, tile_empty, STAGES: gl.constexpr,
-                    DYNAMIC: gl.constexpr, head_group=1):
-    """(N2) The persistent producer (``_producer_persistent``) over split key blocks."""
-    n_m = gl.cdiv(seqlen_q_fixed, q_smem.shape[0] * HALF_M)
-    total = n_m * n_bh
-    it = n_bh * 0
-    tc = n_bh * 0
-    k = n_bh * 0
-    t = _producer_next_tile(k, total, COUNTER, tile_smem, tile_full, tile_empty, DYNAMIC, n_m,
-                            head_group)
-    while t < total:
-        it, tc = _produce_split_tile(t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, k2_smem,
-                                     v_smem, v2_smem, q_bar, q_empty, k_full, v_full, k_empty,
-                                     v_empty, CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed,
-                                     seqlen_k_fixed, n_m, window_left, window_right, STAGES)
-        k += 1
-        t = _producer_next_tile(k, total, COUNTER, tile_smem, tile_full, tile_empty, DYNAMIC,
-                                n_m, head_group)
-
-
-@gluon.jit
-def _split_softmax(sa, sb, m_i, l_i, col0, seqlen_k, qk_scale_log2, softcap_scale,
-                   OP_DTYPE: gl.constexpr, OP_LAYOUT: gl.constexpr):
-    """(N2) ``_softmax_step`` over a key block held as two score pieces (keys col0 + [0, NA) and
-    col0 + NA + [0, NB)), without a causal mask or window: only keys past seqlen_k are masked
-    (the last block), and every block has a key below seqlen_k, so each row's max is finite.
-    Returns (pa, pb, alpha, m, l), P already P·V's OP_DTYPE register operand (its fp32 form,
-    twice the registers, dies here rather than across the loop's back edge)."""
-    NA: gl.constexpr = sa.shape[1]
-    NB: gl.constexpr = sb.shape[1]
-    row_a: gl.constexpr = gl.SliceLayout(1, sa.type.layout)
-    row_b: gl.constexpr = gl.SliceLayout(1, sb.type.layout)
-    sa = softcap_tanh(sa, softcap_scale)
-    sb = softcap_tanh(sb, softcap_scale)
-    if col0 + NA + NB > seqlen_k:
-        cols_a = col0 + gl.arange(0, NA, layout=gl.SliceLayout(0, sa.type.layout))
-        cols_b = col0 + NA + gl.arange(0, NB, layout=gl.SliceLayout(0, sb.type.layout))
-        sa = gl.where(cols_a[None, :] < seqlen_k, sa, float("-inf"))
-        sb = gl.where(cols_b[None, :] < seqlen_k, sb, float("-inf"))
-    mx = gl.maximum(gl.max(sa, axis=1), gl.convert_layout(gl.max(sb, axis=1), row_a))
-    m_new = gl.maximum(m_i, mx * qk_scale_log2)
-    pa = gl.exp2(sa * qk_scale_log2 - m_new[:, None])
-    pb = gl.exp2(sb * qk_scale_log2 - gl.convert_layout(m_new, row_b)[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_new = l_i * alpha + gl.sum(pa, axis=1) + gl.convert_layout(gl.sum(pb, axis=1), row_a)
-    pa = gl.convert_layout(pa.to(OP_DTYPE), OP_LAYOUT)
-    pb = gl.convert_layout(pb.to(OP_DTYPE), OP_LAYOUT)
-    return pa, pb, alpha, m_new, l_new
-
-
-@gluon.jit
-def _split_qk(q, k_smem, k2_smem, st, sa_zero, sb_zero):
-    """(N2) S of a split key block: two asynchronous wgmma groups, one per piece."""
-    ta = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), sa_zero, use_acc=False,
-                       is_async=True)
-    tb = warpgroup_mma(q, k2_smem.index(st).permute((1, 0)), sb_zero, use_acc=False,
-                       is_async=True)
-    return ta, tb
-
-
-@gluon.jit
-def _split_pv(pa, pb, v_smem, v2_smem, st, acc):
-    """(N2) acc += P·V over both pieces of a key block (P as register operands): two chained
-    wgmma groups."""
-    tok = warpgroup_mma(pa, v_smem.index(st), acc, is_async=True)
-    return warpgroup_mma(pb, v2_smem.index(st), tok, is_async=True)
-
-
-@gluon.jit
-def _consume_split_tile(t, it, tc, pend, o_desc, O, LSE, q_smem, k_smem, k2_smem, v_smem,
-                        v2_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, o_bar, CU_Q,
-                        CU_K, stride_om, stride_oh, stride_lb, stride_lh, n_heads, kv_group,
-                        seqlen_q_fixed, seqlen_k_fixed, n_m, window_left, window_right,
-                        qk_scale_log2, softcap_scale, WG: gl.constexpr, STAGES: gl.constexpr,
-                        O_TMA: gl.constexpr):
-    """(N2) One warpgroup's rows of tile t over split key blocks (``_consume_persistent_tile``
-    and ``_consume_tile`` for this form): QK_j issued before PV_{j-1}, block j's softmax while
-    PV_{j-1} runs; O stored by ``_store_tile``. Returns (ring position, tiles with work, pend)."""
-    NA: gl.constexpr = k_smem.shape[1]
-    NB: gl.constexpr = k2_smem.shape[1]
-    KB: gl.constexpr = NA + NB
-    TILE_M: gl.constexpr = q_smem.shape[0] * HALF_M
-    HEAD_DV: gl.constexpr = v_smem.shape[2]
-    dtype: gl.constexpr = q_smem.dtype
-    o_layout: gl.constexpr = wgmma_acc_layout(HEAD_DV)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    sa_layout: gl.constexpr = wgmma_acc_layout(NA)
-    row_a: gl.constexpr = gl.SliceLayout(1, sa_layout)
-    start_m = (n_m - 1 - t % n_m) * TILE_M
-    lo, n_tiles = key_tiles(start_m, TILE_M, seqlen_q_fixed, seqlen_k_fixed, window_left,
-                            window_right, KB, False, False)
-    q = q_smem.index(WG)
-    m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_a)
-    l_i = gl.full([HALF_M], 0.0, gl.float32, layout=row_a)
-    acc = gl.zeros([HALF_M, HEAD_DV], gl.float32, layout=o_layout)
-    sa_zero = gl.zeros([HALF_M, NA], gl.float32, layout=sa_layout)
-    sb_zero = gl.zeros([HALF_M, NB], gl.float32, layout=wgmma_acc_layout(NB))
-    p_layout: gl.constexpr = wgmma_a_operand(o_layout)
-    if n_tiles > 0:
-        mbarrier.wait(q_bar, tc & 1)
-        st = it % STAGES
-        mbarrier.wait(k_full.index(st), (it // STAGES) & 1)
-        ta, tb = _split_qk(q, k_smem, k2_smem, st, sa_zero, sb_zero)
-        sa, sb = warpgroup_mma_wait(0, deps=[ta, tb])
-        mbarrier.arrive(k_empty.index(st), count=1)
-        pa, pb, alpha, m_i, l_i = _split_softmax(sa, sb, m_i, l_i, lo, seqlen_k_fixed,
-                                                 qk_scale_log2, softcap_scale, dtype, p_layout)
-        if O_TMA == 2:
-            _release_o_stage(v_empty, pend)
-        for j in range(1, n_tiles):
-            cur = it + j
-            st = cur % STAGES
-            prev = (cur - 1) % STAGES
-            mbarrier.wait(k_full.index(st), (cur // STAGES) & 1)
-            mbarrier.wait(v_full.index(prev), ((cur - 1) // STAGES) & 1)
-            ta, tb = _split_qk(q, k_smem, k2_smem, st, sa_zero, sb_zero)
-            acc_tok = _split_pv(pa, pb, v_smem, v2_smem, prev, acc)
-            sa, sb = warpgroup_mma_wait(2, deps=[ta, tb])  # P·V's two groups go on
-            mbarrier.arrive(k_empty.index(st), count=1)
-            pa, pb, alpha, m_i, l_i = _split_softmax(sa, sb, m_i, l_i, lo + j * KB,
-                                                     seqlen_k_fixed, qk_scale_log2,
-                                                     softcap_scale, dtype, p_layout)
-            acc = warpgroup_mma_wait(0, deps=[acc_tok])
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        # every QKᵀ of this tile has retired: the producer may load the next tile's Q
-        mbarrier.arrive(q_empty, count=1)
-        last_it = it + n_tiles - 1
-        last = last_it % STAGES
-        mbarrier.wait(v_full.index(last), (last_it // STAGES) & 1)
-        acc = warpgroup_mma_wait(0, deps=[_split_pv(pa, pb, v_smem, v2_smem, last, acc)])
-        if not O_TMA:
-            mbarrier.arrive(v_empty.index(last), count=1)
-    elif O_TMA == 2:
-        _release_o_stage(v_empty, pend)
-    out, lse = _finish(acc, m_i, l_i, dtype)
-    pend = _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar,
-                       (it + n_tiles - 1) % STAGES, tc, CU_Q, CU_K, stride_om, stride_oh,
-                       stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
-                       n_m, window_left, window_right, WG, TILE_M, KB, False, False, 0, O_TMA)
-    return it + n_tiles, tc + (n_tiles > 0).to(gl.int32), pend
-
-
-@gluon.jit
-def _consumer_split(o_desc, O, LSE, q_smem, k_smem, k2_smem, v_smem, v2_smem, q_bar, q_empty,
-                    k_full, v_full, k_empty, v_empty, CU_Q, CU_K, stride_om, stride_oh, stride_lb,
-                    stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_bh,
-                    window_left, window_right, qk_scale_log2, softcap_scale, tile_smem,
-                    tile_full, tile_empty, o_bar, WG: gl.constexpr, STAGES: gl.constexpr,
-                    DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
-    """(N2) A persistent CTA's tiles over split key blocks (``_consumer_persistent``)."""
-    n_m = gl.cdiv(seqlen_q_fixed, q_smem.shape[0] * HALF_M)
-    total = n_m * n_bh
-    it = n_bh * 0
-    tc = n_bh * 0
-    k = n_bh * 0
-    pend = n_bh * 0
-    t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
-    while t < total:
-        it, tc, pend = _consume_split_tile(
-            t, it, tc, pend, o_desc, O, LSE, q_smem, k_smem, k2_smem, v_smem, v2_smem, q_bar,
-            q_empty, k_full, v_full, k_empty, v_empty, o_bar, CU_Q, CU_K, stride_om, stride_oh,
-            stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m,
-            window_left, window_right, qk_scale_log2, softcap_scale, WG, STAGES, O_TMA)
-        k += 1
-        t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
-    if O_TMA == 2:
-        tma.store_wait(0)  # the last tile's O store has read its stage
-
-
-@gluon.jit
 def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    stride_om, stride_oh, stride_lb, stride_lh, stride_btb, bt_width,
                    n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_bh,
@@ -1080,8 +847,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    WGS: gl.constexpr = 2,
                    DYNAMIC: gl.constexpr = False, COUNTER=None, EXP_EARLY: gl.constexpr = False,
                    softcap_scale=None, O_COLS: gl.constexpr = 0, head_group=1,
-                   QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = False,
-                   N2: gl.constexpr = 0):
+                   QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = False):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # head_group: the tiles (the tile counter's ids, or the grid's CTAs) in grouped heaviest-
     # first order (``sm90_common.grouped_order``, ``LPT``); 1: one head after another
@@ -1091,8 +857,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     # PERSISTENT (batched only): a grid of at most one CTA per SM, each walking query tiles
     # (``_consumer_persistent``); n_bh = batch * heads. Otherwise one CTA per (query tile,
     # batch * head) on a 2D grid. O_TMA (persistent): O by TMA from the tile's last V stage
-    # (``_store_tile``). N2 (persistent, two warpgroups, no mask or window, d = d_v): key blocks of
-    # BLOCK_N + N2 keys held in two rings, BLOCK_N and N2 rows a stage (``_consumer_split``).
+    # (``_store_tile``).
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
     HEAD_DV: gl.constexpr = box_cols(v_desc.block_type.shape)  # V's and O's tiles
     gl.static_assert(not (PERSISTENT and (IS_VARLEN or PAGED)),
@@ -1129,37 +894,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
         tile_full = barriers(2, 1)
         tile_empty = barriers(2, WGS)  # one arrive per consumer warpgroup
         o_bar = barriers(1, WGS)  # (O_TMA) every warpgroup's last P·V of a tile has retired
-        if N2 > 0:
-            gl.static_assert(WGS == 2 and not PINGPONG and not HAS_LEFT and not HAS_RIGHT
-                             and QK_COLS == 0 and HEAD_D == HEAD_DV,
-                             "split key blocks: two warpgroups, no mask or window, d = d_v")
-            k2_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, N2, HEAD_D],
-                                                tile_layout(k_desc.layout))
-            v2_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, N2, HEAD_DV],
-                                                tile_layout(v_desc.layout))
-            gl.warp_specialize([
-                (_consumer_split, (o_desc, O, LSE, q_smem, k_smem, k2_smem, v_smem, v2_smem,
-                                   q_bar.index(0), q_empty.index(0), k_full, v_full, k_empty,
-                                   v_empty, CU_Q, CU_K, stride_om, stride_oh, stride_lb,
-                                   stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
-                                   n_bh, window_left, window_right, qk_scale_log2, softcap_scale,
-                                   tile_smem, tile_full, tile_empty, o_bar.index(0), 0, STAGES,
-                                   DYNAMIC, O_TMA)),
-                (_consumer_split, (o_desc, O, LSE, q_smem, k_smem, k2_smem, v_smem, v2_smem,
-                                   q_bar.index(0), q_empty.index(0), k_full, v_full, k_empty,
-                                   v_empty, CU_Q, CU_K, stride_om, stride_oh, stride_lb,
-                                   stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
-                                   n_bh, window_left, window_right, qk_scale_log2, softcap_scale,
-                                   tile_smem, tile_full, tile_empty, o_bar.index(0), 1, STAGES,
-                                   DYNAMIC, O_TMA)),
-                (_producer_split, (q_desc, k_desc, v_desc, q_smem, k_smem, k2_smem, v_smem,
-                                   v2_smem, q_bar.index(0), q_empty.index(0), k_full, v_full,
-                                   k_empty, v_empty, CU_Q, CU_K, n_heads, kv_group,
-                                   seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left,
-                                   window_right, COUNTER, tile_smem, tile_full, tile_empty,
-                                   STAGES, DYNAMIC, head_group)),
-            ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
-        elif WGS == 3:
+        if WGS == 3:
             gl.warp_specialize([
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
@@ -1359,15 +1094,14 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     return max_seqlen_q >= 2048 or (max_seqlen_q >= 512 and max_seqlen_k >= 2048)
 
 
-def _schedule(head_dim: int, varlen: bool, split: bool = False) -> str | None:
+def _schedule(head_dim: int, varlen: bool) -> str | None:
     """The forward's persistent schedule ("dynamic", "static") or None for one CTA per tile:
     batched problems only (varlen/paged tiles keep one CTA each: their last-tile zeroing is
-    signalled once per CTA); ``PERSISTENT_MODE`` says which. split: the split key blocks'
-    form (``SPLIT``), persistent at every head dim it takes."""
+    signalled once per CTA); ``PERSISTENT_MODE`` says which."""
     if varlen or PERSISTENT_MODE in ("0", "off", "false"):
         return None
     if PERSISTENT_MODE == "auto":
-        return "dynamic" if head_dim in (64, 128) or split else None
+        return "dynamic" if head_dim in (64, 128) else None
     return "dynamic" if PERSISTENT_MODE == "dynamic" else "static"
 
 
@@ -1383,40 +1117,20 @@ def mask_kind(window_left: int, window_right: int) -> str:
     return "causal" if window_left < 0 else "window"
 
 
-def _split_n2(head_dim: int, varlen: bool, mask: str, padded: bool, split: bool) -> int:
-    """Rows of a split key block's second piece (0: one-piece blocks): 64 at d=128, 16 at
-    d=256, where split asks for it, for batched problems without a mask or window whose head
-    dim is not read through a padded view, where the persistent schedule is not turned off."""
-    if not split or head_dim not in (128, 256):
-        return 0
-    if padded or mask != "none" or _schedule(head_dim, varlen, split=True) is None:
-        return 0
-    return 64 if head_dim == 128 else 16
-
-
-def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int,
-                padded: bool = False, split: bool | None = None) -> dict:
+def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> dict:
     """The forward's constexprs that depend on the problem's shape (``attn_fwd_sm90``, and the
     compile checks of ``inspect``): consumer warpgroups, keys per tile, ring stages, consumer
     registers, pingpong, persistence and its scheduler, the exponentials' place, O's store by
-    TMA (``_o_tma`` adds the launch's own conditions), the split key blocks (``SPLIT``). mask:
-    ``mask_kind``'s; padded: a head dim read in place through a padded view (96, 192); split:
-    whether to take the split key blocks where they apply (None: as ``SPLIT`` says)."""
+    TMA (``_o_tma`` adds the launch's own conditions). mask: ``mask_kind``'s."""
     if mask not in ("none", "causal", "window"):
         raise ValueError(f"mask={mask!r}: expected 'none', 'causal' or 'window'")
     wide = _wide(head_dim, varlen, mask, max_seqlen_q)
     wgs = _wgs(head_dim, varlen, wide=wide)
     block_n, stages, regs = _tile(head_dim, wgs, wide)
-    if split is None:
-        split = SPLIT in ("1", str(head_dim))
-    n2 = _split_n2(head_dim, varlen, mask, padded, split)
-    # (split blocks: persistent at d=256 too, 2 stages: Q and K / V pieces in 224 KB)
-    schedule = _schedule(head_dim, varlen, split=n2 > 0)
+    schedule = _schedule(head_dim, varlen)
     persistent = schedule is not None
-    if n2:
-        stages = 2
-    return dict(WGS=wgs, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=regs, N2=n2,
-                PINGPONG=_pingpong(head_dim, wgs) and not n2, PERSISTENT=persistent,
+    return dict(WGS=wgs, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=regs,
+                PINGPONG=_pingpong(head_dim, wgs), PERSISTENT=persistent,
                 DYNAMIC=schedule == "dynamic", EXP_EARLY=_exp_early(head_dim, wide, mask),
                 O_TMA=(2 if O_DEFER else 1) if O_TMA and persistent and block_n >= 64 * wgs
                 else 0)
@@ -1443,7 +1157,7 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     d_pad = PADDED_HEAD_DIMS.get((d, d_v))
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
     form = launch_form(d_pad or d, p.is_varlen, mask_kind(p.window_left, p.window_right),
-                       p.max_seqlen_q, padded=d_pad is not None)
+                       p.max_seqlen_q)
     grid = (-(-p.max_seqlen_q // (form["WGS"] * HALF_M.value)), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
@@ -1455,12 +1169,11 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             group = head_group_size(n_bh, n_m, grid[0])
     elif LPT:
         group = head_group_size(grid[1], grid[0], sm_count(q.device))
-    block_n = form["N2"] or form["BLOCK_N"]  # K / V rows a TMA copy (split: N2-row boxes)
     # (IOATTN_SM90_PAD_NARROW) QKᵀ over d's own columns, V and O in tiles of their own width
     qk_cols, dv_pad = (d, narrow_dv(d_v)) if d_pad and sm90_common.PAD_NARROW else (0, d_pad)
     q_desc = rows_descriptor(q, p.is_varlen, HALF_M.value, pad_to=d_pad)
-    k_desc = rows_descriptor(k, p.is_varlen, block_n, pad_to=d_pad)
-    v_desc = rows_descriptor(v, p.is_varlen, block_n, pad_to=dv_pad)
+    k_desc = rows_descriptor(k, p.is_varlen, form["BLOCK_N"], pad_to=d_pad)
+    v_desc = rows_descriptor(v, p.is_varlen, form["BLOCK_N"], pad_to=dv_pad)
     o_desc = rows_descriptor(out, p.is_varlen, HALF_M.value, pad_to=dv_pad)
     dummy = lse  # unused pointer arguments (batched layout)
     # tiles after the first G come from a counter of this launch's own (a shared one would let

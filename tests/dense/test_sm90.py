@@ -146,7 +146,7 @@ PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
 
 
 @needs_sm90
-@pytest.mark.parametrize("mode", ["0", "static", "dynamic", "dynamic-o-regs", "dynamic-o-defer",
+@pytest.mark.parametrize("mode", ["0", "static", "dynamic", "dynamic-o-regs", "dynamic-o-nodefer",
                                   "dynamic-wg3", "dynamic-wg3-pingpong",
                                   "dynamic-wg3-wide-pingpong"])
 @pytest.mark.parametrize("c", PERSISTENT_CASES, ids=lambda c: "sm90-persistent-" + c.id)
@@ -158,16 +158,17 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     tile's Q loads); at d=64 also with three consumer warpgroups (IOATTN_SM90_WG3_PERSISTENT),
     and those taking turns round robin (IOATTN_SM90_PINGPONG=1: the turns run on across tiles);
     O staged in each tile's last V stage and stored by TMA, partial row halves from registers
-    (IOATTN_SM90_FWD_O_TMA, the default; "o-regs": every row from registers; "o-defer": the
-    stage released a block into the next tile, IOATTN_SM90_FWD_O_DEFER). Run twice: the
+    (IOATTN_SM90_FWD_O_TMA, the default, the stage released a block into the next tile,
+    IOATTN_SM90_FWD_O_DEFER, the default; "o-regs": every row from registers; "o-nodefer": the
+    stage waited for at the store). Run twice: the
     counter is zeroed per launch."""
     from ioattn.dense import sm90_fwd
 
     if mode == "dynamic-o-regs":
         monkeypatch.setattr(sm90_fwd, "O_TMA", False)
         mode = "dynamic"
-    if mode == "dynamic-o-defer":
-        monkeypatch.setattr(sm90_fwd, "O_DEFER", True)
+    if mode == "dynamic-o-nodefer":
+        monkeypatch.setattr(sm90_fwd, "O_DEFER", False)
         mode = "dynamic"
 
     if mode.startswith("dynamic-wg3"):
@@ -181,36 +182,6 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
             monkeypatch.setattr(sm90_fwd, "WG3_BLOCK_N", "128")
         mode = "dynamic"
     monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", mode)
-    _forward_only(c)
-    _forward_only(c)
-
-
-SPLIT_CASES = [Case(113, 203, d=d) for d in (128, 256)] + [
-    Case(384, 576, d=128, h=2), Case(300, 240, d=256, h=2),  # whole blocks (192 / 80 keys)
-    Case(1023, 1000, d=128, b=2, h=4, h_k=2, dtype=FP16),
-    Case(1000, 1023, d=256, b=2, h=4, h_k=2, dtype=FP16),
-    Case(2048, 2048, d=128, b=1, h=24), Case(1024, 1024, d=256, b=1, h=20),  # CTAs loop
-    Case(300, 1, d=128, h=2), Case(300, 1, d=256, h=2),
-    Case(257, 700, d=128, softcap=30.0), Case(257, 700, d=256, softcap=30.0)]
-
-
-@needs_sm90
-@pytest.mark.parametrize("o", ["tma", "defer", "regs"])
-@pytest.mark.parametrize("c", SPLIT_CASES, ids=lambda c: "sm90-split-" + c.id)
-def test_sm90_fwd_split(c: Case, o, monkeypatch):
-    """(opt-in IOATTN_SM90_FWD_SPLIT) the forward without a mask on key blocks held as two
-    pieces, 128 + 64 keys at d=128 and 64 + 16 at d=256 (persistent there too), partial last
-    blocks included, with O stored by TMA (d=128; its stage released a block into the next tile
-    with "defer") or from registers. Run twice: the persistent CTAs' ring and barrier phases
-    run on across tiles and launches start afresh."""
-    from ioattn.dense import sm90_fwd
-
-    if c.d == 256 and o != "tma":
-        pytest.skip("d=256 stores O from registers in either O mode")
-    monkeypatch.setattr(sm90_fwd, "SPLIT", "1")
-    monkeypatch.setattr(sm90_fwd, "O_TMA", o != "regs")
-    monkeypatch.setattr(sm90_fwd, "O_DEFER", o == "defer")
-    assert sm90_fwd.launch_form(c.d, False, "none", c.s_q)["N2"] == (64 if c.d == 128 else 16)
     _forward_only(c)
     _forward_only(c)
 
@@ -718,28 +689,17 @@ def test_sm90_tma_epilogue_rules(monkeypatch):
     monkeypatch.setattr(sm90_fwd, "WG3", True)
     monkeypatch.setattr(sm90_fwd, "WG3_BLOCK_N", "auto")
     form = sm90_fwd.launch_form
-    assert sm90_fwd._o_tma(form(128, False, "none", 8192), None, 8192)
+    assert sm90_fwd._o_tma(form(128, False, "none", 8192), None, 8192) == 2  # O_DEFER
     assert sm90_fwd._o_tma(form(64, False, "causal", 2048), None, 2048)  # two warpgroups
     assert not sm90_fwd._o_tma(form(64, False, "none", 8192), None, 8192)  # 192 rows, 128 keys
     assert not sm90_fwd._o_tma(form(128, True, "causal", 8192), None, 8192)  # varlen
     assert not sm90_fwd._o_tma(form(128, False, "none", 8192), 128, 8192)  # d = 96 in place
     # one key: Triton folds seqlen_k = 1 into the kernel, and that form fails to compile
     assert not sm90_fwd._o_tma(form(64, False, "none", 1), None, 1)
+    monkeypatch.setattr(sm90_fwd, "O_DEFER", False)
+    assert sm90_fwd._o_tma(form(128, False, "none", 8192), None, 8192) == 1
     monkeypatch.setattr(sm90_fwd, "O_TMA", False)
     assert not sm90_fwd._o_tma(form(128, False, "none", 8192), None, 8192)
-    # (IOATTN_SM90_FWD_SPLIT) key blocks in two pieces: batched without a mask, d = 128 / 256
-    monkeypatch.setattr(sm90_fwd, "SPLIT", "1")
-    split = form(128, False, "none", 8192)
-    assert split["N2"] == 64 and split["STAGES"] == 2 and split["BLOCK_N"] == 128
-    split = form(256, False, "none", 8192)  # persistent, without pingpong
-    assert split["N2"] == 16 and split["PERSISTENT"] and not split["PINGPONG"]
-    monkeypatch.setattr(sm90_fwd, "SPLIT", "256")
-    assert form(128, False, "none", 8192)["N2"] == 0
-    monkeypatch.setattr(sm90_fwd, "SPLIT", "1")
-    assert form(128, False, "causal", 8192)["N2"] == 0
-    assert form(128, True, "none", 8192)["N2"] == 0  # varlen: one CTA a tile
-    assert form(128, False, "none", 8192, padded=True)["N2"] == 0  # d = 96 read in place
-    assert form(64, False, "none", 8192)["N2"] == 0
 
 
 @pytest.mark.parametrize("d,d_v", [(96, 96), (192, 192), (192, 128)])
@@ -1013,9 +973,9 @@ def test_sm90_kernel_compiles_for_hopper():
     # d's own columns and V / O at d_v's own width, the dQ kernel (96, 192 / 128) and the
     # column-split dK/dV kernel (192 / 128) with S and dP over d's and d_v's own columns; and
     # (IOATTN_SM90_FWD_O_TMA=0) the d=128 persistent forward storing O from registers, and
-    # (opt-in, IOATTN_SM90_FWD_O_DEFER) with O's stage released a block into the next tile,
-    # and (opt-in, IOATTN_SM90_FWD_SPLIT) on key blocks in two pieces (d = 128, 256)
-    assert len(reports) == 90, names
+    # (IOATTN_SM90_FWD_O_DEFER=0) with O's stage waited for at the store, not released a
+    # block into the next tile
+    assert len(reports) == 88, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
     hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
     assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
@@ -1037,8 +997,6 @@ def test_sm90_kernel_compiles_for_hopper():
             limit = 1024 if "d128" in r["name"] else 128
             if "segments=True" in r["name"]:  # (d=128) three copies of the step, each spilling
                 limit = 4096
-        elif " split " in r["name"]:
-            limit = 128  # (opt-in) d=128's 192-key blocks: S and P beside O, ~70 B
         elif r["name"].startswith("sm90 fwd d128 causal"):
             # the persistent (dynamic) form: tile ids and offsets, with O's TMA store ~150 B
             limit = 256
