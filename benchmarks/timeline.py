@@ -92,7 +92,8 @@ def bwd_source(base: int) -> str:
                  "    keys = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))\n")
     src = _patch(src, "\n\n\n@gluon.jit\ndef _dq_writer(",
                  "\n    _tl_c4()\n\n\n@gluon.jit\ndef _dq_writer(")
-    prod = "    ld_layout: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])  # 64 rows over one warp\n"
+    prod = ("    ld_layout: gl.constexpr = gl.BlockedLayout([ROWS // 32], [32], [1], [0])"
+            "  # over one warp\n")
     src = _patch(src, prod, prod + "    _tl_smid()\n    _tl_prod()\n")
     return _patch(src, "            mbarrier.arrive(dq_empty.index(1), count=1)\n\n\n",
                   "            mbarrier.arrive(dq_empty.index(1), count=1)\n    _tl_writer()\n\n\n")

@@ -99,6 +99,15 @@ FUSED = os.environ.get("IOATTN_SM90_FUSED_BWD", "1").lower() not in ("0", "false
 # step's dSᵀ store, d = 128 spills 256 -> 32 B, ran -6% at 2k and within 1% from 4k without a
 # mask, results/bwd_order_lag-late_ebb00c7_*.json; not kept.)
 DQ_ORDERS = ("after", "first", "lag", "alt")
+# (fused, d = 64) query rows a dK/dV step: 64, or 128, FlashAttention-3's step at d <= 64: Sᵀ and
+# dPᵀ as [64 keys, 128 rows] wgmmas (N = 128 where 64-row steps issue N = 64, a quarter less
+# shared-memory traffic per FLOP for those GEMMs), dV's and dK's updates over 128 rows a GEMM,
+# each warpgroup's dQ partial its half of the rows over both warpgroups' 128 keys (two 64 x 64
+# reductions a 128-row step, as "alt"'s one a 64-row step), half the steps' barrier waits and
+# row-stat loads. 194 KB of shared memory. The anchor this aims at: FA3-class d=64 backward 540
+# TFLOP/s at 16k on this H200 (../shared/anchors), ours 448 on 64-row steps.
+# IOATTN_SM90_BWD_ROWS: "64" (default, until timed on the H200) or "128"
+ROWS_MODE = os.environ.get("IOATTN_SM90_BWD_ROWS", "64").lower()
 # (d <= 128, outside the "lag" order) each query head's steps in three loops, the middle one (the
 # tiles that need no mask) without the mask's code: 15-30% fewer instructions a step in the SASS.
 # IOATTN_SM90_BWD_SEGMENTS: "auto" (default) at d = 64 without a causal mask or window, 1 / 0
@@ -155,14 +164,15 @@ def _mask_scores(s, rows, cols, seqlen_q, seqlen_k, off, window_left, window_rig
 
 @gluon.jit
 def _tile_needs_mask(m0, n0, seqlen_q, seqlen_k, off, window_left, window_right,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, KEYS: gl.constexpr = 128):
-    # whether a 64-row x KEYS-key tile at (m0, n0) has a masked pair (scalar test; the dQ
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, KEYS: gl.constexpr = 128,
+                     ROWS: gl.constexpr = 64):
+    # whether a ROWS-row x KEYS-key tile at (m0, n0) has a masked pair (scalar test; the dQ
     # kernel's 64-key tiles use the default 128, conservatively)
-    need = (m0 + HALF > seqlen_q) | (n0 + KEYS > seqlen_k)
+    need = (m0 + ROWS > seqlen_q) | (n0 + KEYS > seqlen_k)
     if HAS_RIGHT:
         need = need | (n0 + KEYS - 1 > m0 + off + window_right)
     if HAS_LEFT:
-        need = need | (n0 < m0 + HALF - 1 + off - window_left)
+        need = need | (n0 < m0 + ROWS - 1 + off - window_left)
     return need
 
 
@@ -206,11 +216,13 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
                    STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, FUSED_DQ: gl.constexpr,
                    KEY_TILES: gl.constexpr = 2, ROW_STATS: gl.constexpr = False):
     # KEY_TILES: 64-key K/V tiles per CTA (1: the d = 256 column-split kernel). ROW_STATS: each
-    # stage also carries its 64 rows' LSE (base 2, +inf for rows past the sequence and for fully
+    # stage also carries its rows' LSE (base 2, +inf for rows past the sequence and for fully
     # masked rows, so their P is 0) and delta in ld_smem[2 st], ld_smem[2 st + 1], stored by this
-    # warp and announced by a second arrival on qdo_full[st]
+    # warp and announced by a second arrival on qdo_full[st]. A step's query rows: the stages'
+    # (64, or 128 in the ROWS form, ``ROWS_MODE``)
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
-    ld_layout: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])  # 64 rows over one warp
+    ROWS: gl.constexpr = q_smem.shape[1]
+    ld_layout: gl.constexpr = gl.BlockedLayout([ROWS // 32], [32], [1], [0])  # over one warp
     has_work = n_steps > 0
     # K's box: HALF rows a copy, or (3D views of a padded head dim, fused form) the whole
     # [2 HALF, d] buffer in one copy: a 3D box cannot land in a row slice of a 128-byte swizzled
@@ -239,10 +251,10 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
     for t in range(n_steps):
         st = t % STAGES
         g = t // n_m
-        row = q_start + lo_m + (t - g * n_m) * HALF
+        row = q_start + lo_m + (t - g * n_m) * ROWS
         col = (h0 + g) * HEAD_D
         if ROW_STATS:  # loaded before the wait for the stage, so that it hides their latency
-            rows = row - q_start + gl.arange(0, HALF, layout=ld_layout)
+            rows = row - q_start + gl.arange(0, ROWS, layout=ld_layout)
             ok = rows < seqlen_q
             offs = lse_base + (h0 + g).to(gl.int64) * stride_lh + rows
             lse = gl.load(LSE + offs, mask=ok, other=float("inf"))
@@ -260,7 +272,7 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
             # a query tile past the last packed sequence: zero those Q and dO rows (dSᵀ·Q and
             # dPᵀ = V·dOᵀ would carry 0 * NaN into dK and dV), then release the tile
             first = q_start + seqlen_q - row
-            if first < HALF:
+            if first < ROWS:
                 mbarrier.wait(qdo_full.index(st), (t // STAGES) & 1)
                 zero_tail_rows(q_smem.index(st), first)
                 zero_tail_rows(do_smem.index(st), first)
@@ -273,9 +285,15 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
 def _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG: gl.constexpr, DQ_COLS: gl.constexpr,
                 SPLIT_DQ: gl.constexpr, dq_layout: gl.constexpr):
     """(fused) Issue step t's dQ partial of this warpgroup: from d = 128 its half of the columns
-    over both warpgroups' keys (once both have stored their dSᵀ: ds_ready), else the full width
-    over its own keys. Returns the wgmma's pending result."""
-    if SPLIT_DQ:
+    over both warpgroups' keys (once both have stored their dSᵀ: ds_ready); with 128-row steps
+    (ds_all [128 keys, 128 rows]) its half of the rows over both warpgroups' keys; else the full
+    width over its own keys. Returns the wgmma's pending result."""
+    if ds_all.shape[1] == 2 * HALF:
+        mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
+        tok = warpgroup_mma(ds_all.slice(WG * HALF, HALF, dim=1).permute((1, 0)), k_smem,
+                            gl.zeros([HALF, DQ_COLS], gl.float32, layout=dq_layout),
+                            use_acc=False, is_async=True)
+    elif SPLIT_DQ:
         mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
         tok = warpgroup_mma(ds_all.permute((1, 0)), k_smem.slice(WG * DQ_COLS, DQ_COLS, dim=1),
                             gl.zeros([HALF, DQ_COLS], gl.float32, layout=dq_layout),
@@ -307,7 +325,7 @@ def _qdo_stage(t, q_smem, do_smem, qdo_full, fixed, fixes, m0, seqlen_q, STAGES:
     st = t % STAGES
     mbarrier.wait(qdo_full.index(st), (t // STAGES) & 1)
     if IS_VARLEN:
-        if m0 + HALF > seqlen_q:  # rows past the end are being zeroed
+        if m0 + q_smem.shape[1] > seqlen_q:  # rows past the end are being zeroed
             mbarrier.wait(fixed.index(st), (fixes >> st) & 1)
             fixes = fixes ^ (1 << st)
     return q_smem.index(st), do_smem.index(st), fixes
@@ -319,22 +337,24 @@ def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELT
                  window_right, qk_scale_log2, softcap_scale, STAGES: gl.constexpr,
                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
                  MASK: gl.constexpr, ROW_STATS: gl.constexpr):
-    """Step t's start in a dK/dV consumer warpgroup: its 64 query rows' LSE and delta, Q and dO
-    from the ring, Pᵀ (fp32) and dPᵀ for this warpgroup's 64 keys, then dV's update issued. MASK:
+    """Step t's start in a dK/dV consumer warpgroup: its query rows' (64, or 128 in the ROWS
+    form: the stages' rows) LSE and delta, Q and dO from the ring, Pᵀ (fp32) and dPᵀ for this
+    warpgroup's 64 keys, then dV's update issued. MASK:
     0, the step's tile needs no mask (``_mask_segments``); 1, it is masked; 2, tested at run
     time. ROW_STATS: LSE and delta come from the stage's ld_smem rows (``_dkdv_producer``), read
     just before their use, instead of global loads held in registers from the step's start.
     Returns (stage, q, do, p, dp, delta, fixes, dV's pending update)."""
-    s_layout: gl.constexpr = wgmma_acc_layout(HALF)
+    ROWS: gl.constexpr = q_smem.shape[1]
+    s_layout: gl.constexpr = wgmma_acc_layout(ROWS)
     key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_l: gl.constexpr = gl.SliceLayout(0, s_layout)
     off = seqlen_k - seqlen_q
     cols = n0 + gl.arange(0, HALF, layout=key_l)  # this warpgroup's keys (Sᵀ rows)
-    s_zero = gl.zeros([HALF, HALF], gl.float32, layout=s_layout)
+    s_zero = gl.zeros([HALF, ROWS], gl.float32, layout=s_layout)
     st = t % STAGES
     g = t // n_m
-    m0 = lo_m + (t - g * n_m) * HALF
-    rows = m0 + gl.arange(0, HALF, layout=row_l)
+    m0 = lo_m + (t - g * n_m) * ROWS
+    rows = m0 + gl.arange(0, ROWS, layout=row_l)
     if not ROW_STATS:
         lse_ptrs = LSE + lse_base + (h0 + g).to(gl.int64) * stride_lh + rows
         row_ok = rows < seqlen_q
@@ -354,7 +374,7 @@ def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELT
                          window_right, HAS_LEFT, HAS_RIGHT)
     elif MASK == 2:
         if _tile_needs_mask(m0, n0, seqlen_q, seqlen_k, off, window_left, window_right,
-                            HAS_LEFT, HAS_RIGHT, HALF):
+                            HAS_LEFT, HAS_RIGHT, HALF, ROWS):
             s = _mask_scores(s, rows[None, :], cols[:, None], seqlen_q, seqlen_k, off,
                              window_left, window_right, HAS_LEFT, HAS_RIGHT)
     if ROW_STATS:  # the rows' LSE (base 2) and delta from shared memory, just before each use
@@ -430,21 +450,21 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_
 
 @gluon.jit
 def _mask_segments(lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
-                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """(a, b), a <= b: of a head's query tiles lo_m + 64 i (i < n_m) against the 64 keys from n0,
-    those with a <= i < b need no mask (``_tile_needs_mask`` with 64 keys is false for them): a
-    causal / right-window mask reaches the first tiles, a left window the last ones, the
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, ROWS: gl.constexpr = 64):
+    """(a, b), a <= b: of a head's query tiles lo_m + ROWS i (i < n_m) against the 64 keys from
+    n0, those with a <= i < b need no mask (``_tile_needs_mask`` with 64 keys is false for them):
+    a causal / right-window mask reaches the first tiles, a left window the last ones, the
     sequence's end the last tile (rows) or every tile (keys)."""
     off = seqlen_k - seqlen_q
     a = n_m * 0
     b = n_m
-    if lo_m + n_m * HALF > seqlen_q:
+    if lo_m + n_m * ROWS > seqlen_q:
         b = n_m - 1
     if HAS_RIGHT:  # masked while m0 < n0 + 63 - off - window_right
-        a = gl.minimum(gl.maximum(gl.cdiv(n0 + HALF - 1 - off - window_right - lo_m, HALF), 0),
+        a = gl.minimum(gl.maximum(gl.cdiv(n0 + HALF - 1 - off - window_right - lo_m, ROWS), 0),
                        n_m)
-    if HAS_LEFT:  # masked once m0 > n0 - 63 - off + window_left
-        b = gl.minimum(b, gl.maximum(floor_div(n0 - HALF + 1 - off + window_left - lo_m, HALF)
+    if HAS_LEFT:  # masked once m0 > n0 - (ROWS - 1) - off + window_left
+        b = gl.minimum(b, gl.maximum(floor_div(n0 - ROWS + 1 - off + window_left - lo_m, ROWS)
                                      + 1, 0))
     if n0 + HALF > seqlen_k:
         a = n_m
@@ -481,12 +501,14 @@ def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem
         # over all 128 keys and adds it to the fp32 dQ buffer with one TMA reduction: one
         # 64 x d partial per step leaves the CTA, not one per warpgroup (rows past the
         # sequence get dS = 0) (d = 64: a half would cut the 128-byte swizzle rows, so
-        # each warpgroup forms the full-width partial over its own keys)
+        # each warpgroup forms the full-width partial over its own keys; with 128-row
+        # steps, [128 keys, 128 rows] buffers, each forms the full width for its half of
+        # the rows over all 128 keys)
         ds_all = ds_smem.index(t % 2)
         ds_s = ds_all.slice(WG * HALF, HALF, dim=0)
         ds_s.store((ds * sm_scale).to(dtype))
         fence_async_shared()
-        if SPLIT_DQ or DQ_ALT:
+        if SPLIT_DQ or DQ_ALT or q_smem.shape[1] == 2 * HALF:
             gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
             mbarrier.arrive(ds_ready.index(t % 2), count=1)
         if DQ_ALT:
@@ -594,7 +616,7 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
         # each query head's steps in three runs: the tiles before a and from b on masked, those
         # between without the mask's code (``_mask_segments``)
         a, b = _mask_segments(lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
-                              HAS_LEFT, HAS_RIGHT)
+                              HAS_LEFT, HAS_RIGHT, q_smem.shape[1])
         for g in range(n_steps // gl.maximum(n_m, 1)):
             for run in gl.static_range(3):
                 lo = g * n_m + (0 if run == 0 else (a if run == 1 else b))
@@ -629,8 +651,13 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
         uses = (n_steps - WG + STAGES - 1) // STAGES
         if uses > 0:
             mbarrier.wait(qdo_empty.index(WG), (uses - 1) & 1)
-        stage_tma_store(dk_desc, k_row + WG * HALF, kv_col, q_smem.index(WG), dk.to(dtype))
-        stage_tma_store(dv_desc, k_row + WG * HALF, kv_col, do_smem.index(WG), dv.to(dtype))
+        q_stage = q_smem.index(WG)
+        do_stage = do_smem.index(WG)
+        if q_smem.shape[1] != HALF:  # (128-row stages) the first 64 rows
+            q_stage = q_stage.slice(0, HALF, dim=0)
+            do_stage = do_stage.slice(0, HALF, dim=0)
+        stage_tma_store(dk_desc, k_row + WG * HALF, kv_col, q_stage, dk.to(dtype))
+        stage_tma_store(dv_desc, k_row + WG * HALF, kv_col, do_stage, dv.to(dtype))
         tma.store_wait(0)
     else:
         store_cols(DK + dk_off + keys[:, None].to(gl.int64) * stride_dkn + d_cols[None, :],
@@ -641,12 +668,13 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
 
 @gluon.jit
 def _dq_writer(dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_steps,
-               HEAD_D: gl.constexpr, DQ_ALT: gl.constexpr):
+               HEAD_D: gl.constexpr, DQ_ALT: gl.constexpr, ROWS: gl.constexpr = 64):
     """(fused) The dQ writer warp, FA3's arrangement: per step, each consumer warpgroup's fp32
-    partial (its half of the columns from d = 128, else the full width over its own keys) goes
-    from shared memory to the dQ accumulator by an asynchronous TMA reduction; the writer waits
-    only for the reductions to have read their buffers before handing them back. DQ_ALT: one
-    partial a step, from warpgroup t % 2."""
+    partial (its half of the columns from d = 128, its half of the rows in 128-row steps
+    (ROWS), else the full width over its own keys) goes from shared memory to the dQ
+    accumulator by an asynchronous TMA reduction; the writer waits only for the reductions to
+    have read their buffers before handing them back. DQ_ALT: one partial a step, from
+    warpgroup t % 2."""
     DQ_COLS: gl.constexpr = dq_smem.shape[2]
     SPLIT_DQ: gl.constexpr = DQ_COLS < HEAD_D
     if DQ_ALT:
@@ -661,12 +689,14 @@ def _dq_writer(dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_s
     else:
         for t in range(n_steps):
             g = t // n_m
-            row = q_start + lo_m + (t - g * n_m) * HALF
+            row = q_start + lo_m + (t - g * n_m) * ROWS
             col = (h0 + g) * HEAD_D
             for wg in gl.static_range(2):
                 mbarrier.wait(dq_full.index(wg), t & 1)
                 if SPLIT_DQ:
                     tma_reduce_add(dqa_desc, [row, col + wg * DQ_COLS], dq_smem.index(wg))
+                elif ROWS != HALF:
+                    tma_reduce_add(dqa_desc, [row + wg * HALF, col], dq_smem.index(wg))
                 else:
                     tma_reduce_add(dqa_desc, [row, col], dq_smem.index(wg))
             tma.store_wait(0)
@@ -678,10 +708,10 @@ def _dq_writer(dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_s
 def _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed, window_left,
                window_right, stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lb,
                BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
-               HAS_RIGHT: gl.constexpr, head_group=1):
+               HAS_RIGHT: gl.constexpr, head_group=1, ROWS: gl.constexpr = 64):
     """A dK/dV CTA's key block: (KV head, the sequence's bounds, its first key, the first query
-    row of its 64-row steps, the steps over the GQA group's query heads, the group's first query
-    head, and the dK / dV / LSE offsets). head_group != 1: the (key blocks, batch * KV heads)
+    row of its ROWS-row steps, the steps over the GQA group's query heads, the group's first
+    query head, and the dK / dV / LSE offsets). head_group != 1: the (key blocks, batch * KV heads)
     grid's CTAs, in launch order, take the blocks in grouped heaviest-first order
     (``sm90_common.grouped_order``, ``LPT``); 1: block = program_id(0), one head after another."""
     if head_group == 1:
@@ -695,7 +725,7 @@ def _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed, 
     q_start, seqlen_q, k_start, seqlen_k, lse_start = seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed,
                                                                  seqlen_k_fixed, IS_VARLEN)
     start_n = block * BLOCK_N
-    lo_m, n_m = query_tiles(start_n, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right, HALF,
+    lo_m, n_m = query_tiles(start_n, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right, ROWS,
                             HAS_LEFT, HAS_RIGHT)
     dk_off = k_start.to(gl.int64) * stride_dkn + off_hk.to(gl.int64) * stride_dkh
     dv_off = k_start.to(gl.int64) * stride_dvn + off_hk.to(gl.int64) * stride_dvh
@@ -720,20 +750,25 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
     # K_COLS / V_COLS: dK's and dV's own head dims where the tiles are zero-padded past them
     # (head dims 96 / 192 read in place, ``rows_descriptor(pad_to=...)``); 0: the tiles' width;
     # head_group: the blocks' order (``_key_block``); TMA_STORE: dK / dV of full key halves by
-    # TMA through dk_desc / dv_desc (``_dkdv_consumer``)
+    # TMA through dk_desc / dv_desc (``_dkdv_consumer``). A step's query rows: Q's box rows,
+    # 64, or 128 (the ROWS form, ``ROWS_MODE``: fused, d = 64, dQ after or first)
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
+    ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    gl.static_assert(ROWS == HALF or (ROWS == 2 * HALF and FUSED_DQ and HEAD_D == HALF
+                                      and not DQ_LAG and not DQ_ALT),
+                     "128-row steps: fused, d = 64, dQ after or first")
     (off_hk, q_start, seqlen_q, k_start, seqlen_k, start_n, lo_m, n_steps, h0, dk_off, dv_off,
      lse_base) = _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
                             window_left, window_right, stride_dkn, stride_dkh, stride_dvn,
                             stride_dvh, stride_lb, 2 * HALF, IS_VARLEN, HAS_LEFT, HAS_RIGHT,
-                            head_group)
+                            head_group, ROWS)
     n_m = n_steps // kv_group
     if start_n >= seqlen_k:
         return
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, HALF, HEAD_D],
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, ROWS, HEAD_D],
                                        tile_layout(q_desc.layout))
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, HALF, HEAD_D],
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, ROWS, HEAD_D],
                                         tile_layout(do_desc.layout))
     if FUSED_DQ:
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [2 * HALF, HEAD_D],
@@ -744,9 +779,9 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, HALF, HEAD_D],
                                        tile_layout(v_desc.layout))
     if FUSED_DQ:
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * HALF, HALF],
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * HALF, ROWS],
                                                                        q_desc.dtype)
-        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 2 * HALF, HALF], ds_layout)
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 2 * HALF, ROWS], ds_layout)
         # one fp32 dQ partial per consumer warpgroup, read by the writer's TMA reductions
         dq_smem = gl.allocate_shared_memory(dqa_desc.dtype, [2, HALF, dqa_desc.block_type.shape[1]],
                                             dqa_desc.layout)
@@ -775,8 +810,8 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
     # (ROW_STATS) a second arrival per phase: the producer's stores of the rows' LSE / delta
     qdo_full = barriers(STAGES, 2 if ROW_STATS else 1)
     qdo_empty = barriers(STAGES, 2)  # one arrive per consumer warpgroup
-    if ROW_STATS:  # per stage: its 64 rows' LSE (base 2) and delta (``_dkdv_producer``)
-        ld_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, HALF],
+    if ROW_STATS:  # per stage: its rows' LSE (base 2) and delta (``_dkdv_producer``)
+        ld_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, ROWS],
                                             gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
         ld_smem = fixed  # unused
@@ -807,7 +842,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                               LSE, DELTA, ld_smem, lse_base, stride_lh, STAGES, IS_VARLEN, FUSED_DQ, 2,
                               ROW_STATS)),
             (_dq_writer, (dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_steps,
-                          HEAD_D, DQ_ALT)),
+                          HEAD_D, DQ_ALT, ROWS)),
         ], [4, 1, 1], [CONSUMER_REGS_, PRODUCER_REGS_, PRODUCER_REGS_])
     else:
         gl.warp_specialize([
@@ -1218,19 +1253,30 @@ def unsupported_reason(head_dim: int, head_dim_v: int, softcap: float, has_alibi
     return None
 
 
-def dq_order(head_dim: int, masked: bool) -> str:
+def dq_order(head_dim: int, masked: bool, rows: int = 64) -> str:
     """(fused) Where each step's dQ partial is issued (``DQ_ORDERS``; ``DQ_ORDER`` overrides
     "auto", which takes what measured fastest): "alt" at d = 64, at d = 128 "lag" without a mask
     and "after" under one (causal or a window; with the row stats in shared memory "after" ran
     +2-4% over "first", results/tune/sm90_bwd_rowstats_orders_ef679d0_*.log). "alt" needs the
-    full-width partial (d = 64); asked for elsewhere it is "after"."""
+    full-width partial (d = 64); asked for elsewhere it is "after". 128-row steps (rows,
+    ``step_rows``) take "after" or "first" (each warpgroup's partial is its half of the rows)."""
     order = DQ_ORDER
     if order == "auto":
         order = "alt" if head_dim == 64 else ("after" if masked else "lag")
     if order not in DQ_ORDERS:
         raise ValueError(f"IOATTN_SM90_BWD_DQ_ORDER={DQ_ORDER!r}: expected auto or one of "
                          f"{', '.join(DQ_ORDERS)}")
+    if rows != HALF.value and order in ("alt", "lag"):
+        return "after"
     return "after" if order == "alt" and dq_cols(head_dim) != head_dim else order
+
+
+def step_rows(head_dim: int, fused: bool) -> int:
+    """Query rows a step of the d <= 128 dK/dV kernel (``ROWS_MODE``): 128 where asked for, in
+    the fused form at d = 64; else 64."""
+    if ROWS_MODE not in ("64", "128"):
+        raise ValueError(f"IOATTN_SM90_BWD_ROWS={ROWS_MODE!r}: expected 64 or 128")
+    return 128 if ROWS_MODE == "128" and fused and head_dim == 64 else HALF.value
 
 
 def dkdv_stages(head_dim: int) -> int:
@@ -1347,12 +1393,16 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         # (a padded head dim: the buffer at d columns a head, as the kernel's tiles)
         dq_acc = (torch.zeros(q.shape[:-1] + (d,), dtype=torch.float32, device=q.device)
                   if fused else None)
-        order = dq_order(d, p.causal_like) if fused else "after"
+        rows = step_rows(d, fused)
+        order = dq_order(d, p.causal_like, rows) if fused else "after"
         grid = (-(-p.max_seqlen_k // (2 * half)), p.batch * n_heads_k)
         # dK / dV stored by TMA (full key halves) where they form [rows, heads * d] matrices
         # (the head dims read in place keep the masked stores from registers)
         tma_store = (TMA_STORE and d_pad is None
                      and all(_tma_writable(t, p.is_varlen) for t in (dk, dv)))
+        if rows != half:  # Q / dO by 128-row boxes (``step_rows``; d = 64, no padded views)
+            q_desc = rows_descriptor(q, p.is_varlen, rows)
+            do_desc = rows_descriptor(dout, p.is_varlen, rows)
         launcher(_bwd_dkdv_sm90)[grid](
             # (fused, 3D views: K in one 128-row box, ``_dkdv_producer``)
             q_desc, do_desc,

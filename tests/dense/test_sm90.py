@@ -320,6 +320,52 @@ def test_sm90_bwd_stages(c: Case, form, stages, monkeypatch):
     _check_sm90_grads(c, varlen=True)
 
 
+ROWS_CASES = [Case(113, 203, d=64), Case(777, 777, d=64, h=4, h_k=1),
+              Case(1000, 100, d=64, causal=True), Case(100, 1000, d=64, causal=True),
+              Case(300, 300, d=64, h=4, h_k=2, window=(50, 20)),
+              Case(1023, 1000, d=64, b=2, h=2, causal=True, dtype=FP16),
+              Case(40, 300, d=64, h=2),  # one 128-row step a key block
+              Case(2048, 2048, d=64, b=1, h=4), Case(257, 700, d=64, softcap=30.0)]
+
+
+@needs_sm90
+@pytest.mark.parametrize("form", ["after", "first", "segments"])
+@pytest.mark.parametrize("c", ROWS_CASES, ids=lambda c: "sm90-bwd-rows128-" + c.id)
+def test_sm90_bwd_rows128(c: Case, form, monkeypatch):
+    """(opt-in IOATTN_SM90_BWD_ROWS=128) the fused d=64 dK/dV kernel on 128-row steps: Sᵀ / dPᵀ
+    over 128 query rows, each warpgroup's dQ partial half of the rows, with dQ after or before
+    dK's update and the masked / unmasked step loops forced on; partial last steps, GQA,
+    causal with more / fewer queries than keys, a window, softcap, batched and varlen."""
+    from ioattn.dense import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "ROWS_MODE", "128")
+    monkeypatch.setattr(sm90_bwd, "SEGMENTS", "1" if form == "segments" else "0")
+    _bwd_order(monkeypatch, "first" if form == "first" else "after")
+    if c.softcap:  # (batched: the varlen check takes no softcap)
+        _fwd_bwd(c, True)
+    else:
+        _check_sm90_grads(c, varlen=True)
+
+
+def test_bwd_rows_rule(monkeypatch):
+    """128-row steps where asked for: the fused form at d = 64 only, in the after / first
+    orders (alt and lag, which the 64-row steps take, become after)."""
+    from ioattn.dense import sm90_bwd
+
+    assert sm90_bwd.step_rows(64, True) == 64  # default
+    monkeypatch.setattr(sm90_bwd, "ROWS_MODE", "128")
+    assert [sm90_bwd.step_rows(d, True) for d in (64, 128, 256)] == [128, 64, 64]
+    assert sm90_bwd.step_rows(64, False) == 64  # the two-kernel form
+    monkeypatch.setattr(sm90_bwd, "DQ_ORDER", "auto")
+    assert sm90_bwd.dq_order(64, False) == "alt"
+    assert sm90_bwd.dq_order(64, False, 128) == "after"
+    monkeypatch.setattr(sm90_bwd, "DQ_ORDER", "first")
+    assert sm90_bwd.dq_order(64, True, 128) == "first"
+    monkeypatch.setattr(sm90_bwd, "ROWS_MODE", "96")
+    with pytest.raises(ValueError, match="IOATTN_SM90_BWD_ROWS"):
+        sm90_bwd.step_rows(64, True)
+
+
 def test_bwd_stages_rule(monkeypatch):
     from ioattn.dense import sm90_bwd
 
@@ -974,8 +1020,9 @@ def test_sm90_kernel_compiles_for_hopper():
     # column-split dK/dV kernel (192 / 128) with S and dP over d's and d_v's own columns; and
     # (IOATTN_SM90_FWD_O_TMA=0) the d=128 persistent forward storing O from registers, and
     # (IOATTN_SM90_FWD_O_DEFER=0) with O's stage waited for at the store, not released a
-    # block into the next tile
-    assert len(reports) == 88, names
+    # block into the next tile; and (opt-in, IOATTN_SM90_BWD_ROWS=128) the fused d=64 dK/dV
+    # kernel on 128-row steps (full: dQ after / first; causal; varlen causal)
+    assert len(reports) == 92, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
     hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
     assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
@@ -995,6 +1042,8 @@ def test_sm90_kernel_compiles_for_hopper():
         limit = 16
         if "dkdv" in r["name"]:
             limit = 1024 if "d128" in r["name"] else 128
+            if "rows=128" in r["name"]:  # Sᵀ, dPᵀ [64, 128] beside dK, dV: 52-96 B, varlen 284
+                limit = 512
             if "segments=True" in r["name"]:  # (d=128) three copies of the step, each spilling
                 limit = 4096
         elif r["name"].startswith("sm90 fwd d128 causal"):
