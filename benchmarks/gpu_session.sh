@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [fwd-q-regs]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -501,6 +501,21 @@ for step in $steps; do
              timeout 110 python -m ioattn bench --suite decode --cells 64x4096x16,1x32768x16 \
              --prefill-cells "" --out "$OUT/decode_prefetch$v.json" > "/tmp/decode_pf_$v.log" 2>&1
              echo "== prefetch=$v"; grep -E "ioattn_paged |ioattn_paged_graph|cudnn" "/tmp/decode_pf_$v.log"; done ;;
+    fwd-q-regs) # the persistent two-warpgroup forward with Q in registers (IOATTN_SM90_FWD_Q_REGS,
+           # opt-in: QKᵀ's A operand from registers): its tests, the d=128 2k tile timeline on /
+           # off, then d = 64 / 128 forward on (with cuDNN) / off, 2k-16k (~60 + 4 x 25 + 2 x 100 s)
+           IOATTN_SM90_FWD_Q_REGS=1 timeout 150 python -m pytest -q -n 14 -p no:cacheprovider -rf \
+             tests/dense/test_sm90.py -k "persistent or fwd_bwd or softcap_fwd" \
+             > "$OUT/tests_q_regs.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_q_regs.log" | head -20; tail -1 "$OUT/tests_q_regs.log"
+           for v in 1 0; do for c in "2048" "2048 --causal"; do set -- $c ""
+             IOATTN_SM90_FWD_Q_REGS=$v timeout 60 python benchmarks/timeline.py --kernel fwd \
+               --d 128 --seqlen $1 ${2:-} \
+               --json "$OUT/fwd_timeline_q_regs${v}_$1${2:+_causal}.json" > /tmp/timeline.log 2>&1
+             echo "== q_regs=$v timeline $c"
+             grep -E '"tile_us"|"kernel_us"' /tmp/timeline.log | head -2; done; done
+           onoff IOATTN_SM90_FWD_Q_REGS "1 0" fwd_q_regs --modes fwd --dims 64,128 \
+             --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     bwd-rows) # the fused d=64 backward on 128-row steps (IOATTN_SM90_BWD_ROWS=128, opt-in; FA3's
            # d <= 64 step): its tests, then the d=64 backward at 128 (with cuDNN) / 64, 2k-16k
            # (~90 + 2 x 70 s)

@@ -107,8 +107,7 @@ def fwd_source(base: int) -> str:
                  "    start_m = (n_m - 1 - t % n_m) * TILE_M\n",
                  "    TILE_M: gl.constexpr = q_smem.shape[0] * HALF_M\n    _tl_f0(t)\n    _tl_fsm(t)\n"
                  "    start_m = (n_m - 1 - t % n_m) * TILE_M\n")
-    src = _patch(src, "EXP_EARLY, QK_COLS, O_TMA)\n    pend = _store_tile(",
-                 "EXP_EARLY, QK_COLS, O_TMA)\n    _tl_f1(t)\n    pend = _store_tile(")
+    src = _patch(src, "    pend = _store_tile(", "    _tl_f1(t)\n    pend = _store_tile(")
     return _patch(src, "    has_work = (n_tiles > 0).to(gl.int32)\n    return it + n_tiles,",
                   "    _tl_f2(t)\n    has_work = (n_tiles > 0).to(gl.int32)\n    return it + n_tiles,")
 
