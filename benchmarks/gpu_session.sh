@@ -18,6 +18,14 @@ onoff() {  # cuDNN in every value's run: timed alone, the value without it ran u
     env "$var=$v" timeout 200 python -m ioattn bench "$@" --impls ioattn_sm90,sdpa_cudnn \
       --no-plots --out "$OUT/$name$v.json" > "/tmp/$name$v.log" 2>&1
     echo "== $var=$v"; grep -E "^(fwd|bwd)" "/tmp/$name$v.log"; done; }
+# timelines VAR NAME: the stamped d=128 2k forward (non-causal, causal) with VAR at 1 and 0,
+# into $OUT/fwd_timeline_NAME<value>_2048[_causal].json; prints the tile, kernel and store times
+timelines() {
+  local var=$1 name=$2 v c; for v in 1 0; do for c in "" "--causal"; do
+    env "$var=$v" timeout 60 python benchmarks/timeline.py --kernel fwd --d 128 --seqlen 2048 $c \
+      --json "$OUT/fwd_timeline_$name${v}_2048${c:+_causal}.json" > /tmp/timeline.log 2>&1
+    echo "== $var=$v timeline 2048 $c"
+    grep -E '"tile_us"|"kernel_us"|"store"' /tmp/timeline.log | head -4; done; done; }
 for step in $steps; do
   case $step in
     tests) # 14 workers: a cold Triton cache took more than 240 s with 8 (and 450 s ran 684 of ~690, session 16);
@@ -468,12 +476,7 @@ for step in $steps; do
            IOATTN_SM90_FWD_O_TMA=1 timeout 150 python -m pytest -q -n 14 -p no:cacheprovider -rf \
              tests/dense/test_sm90.py -k "persistent or fwd_bwd" > "$OUT/tests_o_tma.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_o_tma.log"; tail -1 "$OUT/tests_o_tma.log"
-           for v in 1 0; do for c in "2048" "2048 --causal"; do set -- $c ""
-             IOATTN_SM90_FWD_O_TMA=$v timeout 60 python benchmarks/timeline.py --kernel fwd --d 128 \
-               --seqlen $1 ${2:-} --json "$OUT/fwd_timeline_o_tma${v}_$1${2:+_causal}.json" \
-               > /tmp/timeline.log 2>&1
-             echo "== o_tma=$v timeline $c"; grep -A3 '"wg0_us"' /tmp/timeline.log | head -4
-             grep -E '"tile_us"|"kernel_us"|"median"' /tmp/timeline.log | head -3; done; done
+           timelines IOATTN_SM90_FWD_O_TMA o_tma
            onoff IOATTN_SM90_FWD_O_TMA "1 0" fwd_o_tma --modes fwd --dims 64,128 \
              --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     fwd-o-defer) # the persistent forward's O stage released a block into the next tile instead
@@ -483,12 +486,7 @@ for step in $steps; do
            IOATTN_SM90_FWD_O_DEFER=1 timeout 150 python -m pytest -q -n 14 -p no:cacheprovider -rf \
              tests/dense/test_sm90.py -k "persistent or fwd_bwd" > "$OUT/tests_o_defer.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_o_defer.log"; tail -1 "$OUT/tests_o_defer.log"
-           for v in 1 0; do for c in "2048" "2048 --causal"; do set -- $c ""
-             IOATTN_SM90_FWD_O_DEFER=$v timeout 60 python benchmarks/timeline.py --kernel fwd \
-               --d 128 --seqlen $1 ${2:-} \
-               --json "$OUT/fwd_timeline_o_defer${v}_$1${2:+_causal}.json" > /tmp/timeline.log 2>&1
-             echo "== o_defer=$v timeline $c"
-             grep -E '"tile_us"|"kernel_us"|"store"' /tmp/timeline.log | head -4; done; done
+           timelines IOATTN_SM90_FWD_O_DEFER o_defer
            onoff IOATTN_SM90_FWD_O_DEFER "1 0" fwd_o_defer --modes fwd --dims 64,128 \
              --seqlens 2048,4096,16384 --dtypes bf16 ;;
     decode-prefetch) # L2 prefetches of each decode CTA's first tiles before its PDL wait
@@ -508,12 +506,7 @@ for step in $steps; do
              tests/dense/test_sm90.py -k "persistent or fwd_bwd or softcap_fwd" \
              > "$OUT/tests_q_regs.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_q_regs.log" | head -20; tail -1 "$OUT/tests_q_regs.log"
-           for v in 1 0; do for c in "2048" "2048 --causal"; do set -- $c ""
-             IOATTN_SM90_FWD_Q_REGS=$v timeout 60 python benchmarks/timeline.py --kernel fwd \
-               --d 128 --seqlen $1 ${2:-} \
-               --json "$OUT/fwd_timeline_q_regs${v}_$1${2:+_causal}.json" > /tmp/timeline.log 2>&1
-             echo "== q_regs=$v timeline $c"
-             grep -E '"tile_us"|"kernel_us"' /tmp/timeline.log | head -2; done; done
+           timelines IOATTN_SM90_FWD_Q_REGS q_regs
            onoff IOATTN_SM90_FWD_Q_REGS "1 0" fwd_q_regs --modes fwd --dims 64,128 \
              --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     bwd-rows) # the fused d=64 backward on 128-row steps (IOATTN_SM90_BWD_ROWS=128, opt-in; FA3's
