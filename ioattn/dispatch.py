@@ -154,6 +154,8 @@ ENV_SWITCHES = (
      "kernel on 32-key tiles (0: the portable backward there)"),
     ("IOATTN_SM90_BWD_ROWS", "64", "sm90 fused backward at d=64: query rows a dK/dV step, 64 or "
      "128 (FlashAttention-3's d <= 64 step: N = 128 score GEMMs, dQ split by rows)"),
+    ("IOATTN_SM90_BWD_KV_REGS", "0", "sm90 backward dK/dV kernel at d=64 (64-row steps): K and V "
+     "in registers, the score GEMMs' A operands from there (less shared-memory traffic)"),
     ("IOATTN_SM90_BWD_STAGES", "auto", "sm90 backward dK/dV kernel at d=64: Q/dO ring stages "
      "(auto: 2; 3 or 4 fit its shared memory)"),
     ("IOATTN_SM90_BWD_TMA_STORE", "1", "sm90 backward dK/dV kernel (d=64/128): dK and dV of full "

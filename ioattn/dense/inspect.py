@@ -305,6 +305,13 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                           bwd_desc, d, dict(flags, STAGES=sm90_bwd.DKDV_STAGES, TMA_STORE=True,
                                             **form))
                          for suffix, form in forms]
+                if d == 64:  # (opt-in, IOATTN_SM90_BWD_KV_REGS) K / V in registers for Sᵀ, dPᵀ:
+                    # the two-kernel and fused forms as launched
+                    jobs += [(f"sm90 bwd dkdv{suffix} kv-regs d{d} {tag} 128 keys ws",
+                              sm90_bwd._bwd_dkdv_sm90, bwd_desc, d,
+                              dict(flags, STAGES=sm90_bwd.DKDV_STAGES, TMA_STORE=True,
+                                   KV_REGS=True, **form))
+                             for suffix, form in forms[:2]]
                 if d == 64:  # (opt-in, IOATTN_SM90_BWD_ROWS=128) fused on 128-row steps, Q /
                     # dO by 128-row boxes, dQ after dK's update (full: also first)
                     jobs += [(f"sm90 bwd dkdv+dq {o} rows=128 d{d} {tag} 128 keys ws",

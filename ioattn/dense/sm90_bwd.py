@@ -108,6 +108,15 @@ DQ_ORDERS = ("after", "first", "lag", "alt")
 # TFLOP/s at 16k on this H200 (../shared/anchors), ours 448 on 64-row steps.
 # IOATTN_SM90_BWD_ROWS: "64" (default, until timed on the H200) or "128"
 ROWS_MODE = os.environ.get("IOATTN_SM90_BWD_ROWS", "64").lower()
+# (d = 64, 64-row steps) each consumer warpgroup's K and V halves loaded into registers once and
+# Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ issued with their A operand from there ("RS" wgmma) rather than from
+# shared memory, and (fused) dK += dSᵀ·Q with dSᵀ from registers: at d = 64 every GEMM of the
+# step is N = 64, so SS GEMMs read as many operand bytes as they compute on; this way a step
+# reads ~48 KB of shared memory a warpgroup instead of ~72. 32 registers a thread; sm90 compile
+# spill-free (as without) in the batched forms, varlen 76 B (84 without); the 128-row steps
+# (484 B) and d = 128 (500+ B) spill with it, so they keep K / V in shared memory.
+# IOATTN_SM90_BWD_KV_REGS=1 turns it on (opt-in until timed on the H200)
+KV_REGS = os.environ.get("IOATTN_SM90_BWD_KV_REGS", "0").lower() in ("1", "true", "on")
 # (d <= 128, outside the "lag" order) each query head's steps in three loops, the middle one (the
 # tiles that need no mask) without the mask's code: 15-30% fewer instructions a step in the SASS.
 # IOATTN_SM90_BWD_SEGMENTS: "auto" (default) at d = 64 without a causal mask or window, 1 / 0
@@ -401,7 +410,7 @@ def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELT
 
 
 @gluon.jit
-def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
+def _dkdv_lag_step(t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                    qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, LSE, DELTA, lse_base,
                    stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                    window_right, qk_scale_log2,
@@ -416,7 +425,7 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_
     SPLIT_DQ: gl.constexpr = DQ_COLS < q_smem.shape[2]
     dq_layout: gl.constexpr = wgmma_acc_layout(DQ_COLS)
     st, q, do, p, dp, delta, fixes, dv_tok = _dkdv_scores(
-        t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
+        t, dv, ka, va, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
         h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
         softcap_scale,
         STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK, ROW_STATS)
@@ -472,23 +481,26 @@ def _mask_segments(lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @gluon.jit
-def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
+def _dkdv_step(t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base, stride_lh, h0,
                ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
                softcap_scale,
                sm_scale, WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                DQ_FIRST: gl.constexpr, DQ_ALT: gl.constexpr, MASK: gl.constexpr,
-               ROW_STATS: gl.constexpr):
-    """Step t of a dK/dV consumer warpgroup outside DQ_LAG (MASK as ``_dkdv_scores``). Returns
-    (dv, dk, fixes)."""
+               ROW_STATS: gl.constexpr, DS_REGS: gl.constexpr = False):
+    """Step t of a dK/dV consumer warpgroup outside DQ_LAG (MASK as ``_dkdv_scores``): k its
+    key half in shared memory (dQ's operand), ka / va the A operands of Sᵀ and dPᵀ (its K and V
+    halves in shared memory, or with KV_REGS in registers). DS_REGS (fused): dK += dSᵀ·Q with
+    dSᵀ from registers rather than from its shared-memory copy (which dQ's GEMM reads).
+    Returns (dv, dk, fixes)."""
     HEAD_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = dq_smem.shape[2]
     SPLIT_DQ: gl.constexpr = DQ_COLS < HEAD_D
     dq_layout: gl.constexpr = wgmma_acc_layout(DQ_COLS)
     st, q, do, p, dp, delta, fixes, dv_tok = _dkdv_scores(
-        t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
+        t, dv, ka, va, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
         h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
         softcap_scale,
         STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK, ROW_STATS)
@@ -506,15 +518,19 @@ def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem
         # the rows over all 128 keys)
         ds_all = ds_smem.index(t % 2)
         ds_s = ds_all.slice(WG * HALF, HALF, dim=0)
-        ds_s.store((ds * sm_scale).to(dtype))
+        ds_lo = (ds * sm_scale).to(dtype)
+        ds_s.store(ds_lo)
         fence_async_shared()
+        ds_a = ds_s  # dK's A operand
+        if DS_REGS:
+            ds_a = gl.convert_layout(ds_lo, wgmma_a_operand(wgmma_acc_layout(HEAD_D)))
         if SPLIT_DQ or DQ_ALT or q_smem.shape[1] == 2 * HALF:
             gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
             mbarrier.arrive(ds_ready.index(t % 2), count=1)
         if DQ_ALT:
             # (d = 64) one warpgroup per step, in turn, forms the whole dQ partial over
             # both warpgroups' 128 keys: one 64 x 64 reduction a step instead of two
-            dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
+            dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
             if t % 2 == WG:
                 mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
                 dq_tok = warpgroup_mma(ds_all.permute((1, 0)), k_smem,
@@ -532,10 +548,10 @@ def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem
             # handed to the writer (wgmma groups retire in issue order)
             dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
                                  SPLIT_DQ, dq_layout)
-            dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
+            dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
             dv, dq = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok])
         else:
-            dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
+            dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
             dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
                                  SPLIT_DQ, dq_layout)
             dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
@@ -564,7 +580,7 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
                    HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                    DQ_FIRST: gl.constexpr, DQ_LAG: gl.constexpr, DQ_ALT: gl.constexpr,
                    SEGMENTS: gl.constexpr, ROW_STATS: gl.constexpr, K_COLS: gl.constexpr,
-                   V_COLS: gl.constexpr, TMA_STORE: gl.constexpr):
+                   V_COLS: gl.constexpr, TMA_STORE: gl.constexpr, KV_REGS: gl.constexpr = False):
     # TMA_STORE: dK / dV of a full 64-key half staged in this warpgroup's Q / dO stage and
     # stored by TMA (rows k_row + WG * 64 of dk_desc / dv_desc, column kv_col)
     HEAD_D: gl.constexpr = q_smem.shape[2]
@@ -587,11 +603,20 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
         if IS_VARLEN and FUSED_DQ:
             if seqlen_k - start_n < 2 * HALF:  # the producer zeroes keys past the end
                 mbarrier.wait(fixed.index(STAGES), 0)
+    # Sᵀ's and dPᵀ's A operands: this warpgroup's K and V halves in shared memory, or (KV_REGS)
+    # loaded into registers once (without steps nothing was loaded, and nothing reads them);
+    # KV_REGS also takes dK's dSᵀ from registers (``_dkdv_step``'s DS_REGS)
+    ka = k
+    va = v
+    if KV_REGS:
+        kv_op: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(q_smem.shape[1]))
+        ka = k.load(kv_op)
+        va = v.load(kv_op)
     fixes = n_steps * 0  # (varlen) parity per stage of the zeroed-rows barriers
     if FUSED_DQ and DQ_LAG:
         if n_steps > 0:  # the first step (no partial before it) peeled
             dv, dk, fixes = _dkdv_lag_step(
-                0, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
+                0, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                 qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, LSE, DELTA, lse_base,
                 stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                 window_right, qk_scale_log2,
@@ -599,7 +624,7 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
                 False, 2, ROW_STATS)
             for t in range(1, n_steps):
                 dv, dk, fixes = _dkdv_lag_step(
-                    t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
+                    t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                     qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, LSE, DELTA, lse_base,
                     stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                     window_right, qk_scale_log2,
@@ -623,21 +648,21 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
                 hi = g * n_m + (a if run == 0 else (b if run == 1 else n_m))
                 for t in range(lo, hi):
                     dv, dk, fixes = _dkdv_step(
-                        t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
+                        t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                         qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base,
                         stride_lh, h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
                         qk_scale_log2,
                         softcap_scale, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ,
-                        IS_VARLEN, DQ_FIRST, DQ_ALT, 0 if run == 1 else 1, ROW_STATS)
+                        IS_VARLEN, DQ_FIRST, DQ_ALT, 0 if run == 1 else 1, ROW_STATS, KV_REGS)
     else:  # one loop, each tile's mask tested at run time
         for t in range(n_steps):
             dv, dk, fixes = _dkdv_step(
-                t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
+                t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                 qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base, stride_lh, h0, ld_smem,
                 lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
                 softcap_scale,
                 sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_ALT, 2,
-                ROW_STATS)
+                ROW_STATS, KV_REGS)
 
     d_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
     keys = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))
@@ -746,7 +771,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                    DQ_LAG: gl.constexpr = False, DQ_ALT: gl.constexpr = False,
                    SEGMENTS: gl.constexpr = False, ROW_STATS: gl.constexpr = False,
                    softcap_scale=None, K_COLS: gl.constexpr = 0, V_COLS: gl.constexpr = 0,
-                   head_group=1, TMA_STORE: gl.constexpr = False):
+                   head_group=1, TMA_STORE: gl.constexpr = False, KV_REGS: gl.constexpr = False):
     # K_COLS / V_COLS: dK's and dV's own head dims where the tiles are zero-padded past them
     # (head dims 96 / 192 read in place, ``rows_descriptor(pad_to=...)``); 0: the tiles' width;
     # head_group: the blocks' order (``_key_block``); TMA_STORE: dK / dV of full key halves by
@@ -827,7 +852,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS, TMA_STORE)),
+                              ROW_STATS, K_COLS, V_COLS, TMA_STORE, KV_REGS)),
             (_dkdv_consumer, (DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem,
                               v_smem, ds_smem, dq_smem, kv_bar.index(0), qdo_full, qdo_empty, fixed,
                               ds_ready, ds_empty, dq_full, dq_empty, dk_off, dv_off,
@@ -835,7 +860,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS, TMA_STORE)),
+                              ROW_STATS, K_COLS, V_COLS, TMA_STORE, KV_REGS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -853,7 +878,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS, TMA_STORE)),
+                              ROW_STATS, K_COLS, V_COLS, TMA_STORE, KV_REGS)),
             (_dkdv_consumer, (DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem,
                               v_smem, ds_smem, dq_smem, kv_bar.index(0), qdo_full, qdo_empty, fixed,
                               ds_ready, ds_empty, dq_full, dq_empty, dk_off, dv_off,
@@ -861,7 +886,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS, TMA_STORE)),
+                              ROW_STATS, K_COLS, V_COLS, TMA_STORE, KV_REGS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -1271,6 +1296,12 @@ def dq_order(head_dim: int, masked: bool, rows: int = 64) -> str:
     return "after" if order == "alt" and dq_cols(head_dim) != head_dim else order
 
 
+def kv_regs(head_dim: int, rows: int) -> bool:
+    """Whether the dK/dV kernel keeps each warpgroup's K and V halves in registers for Sᵀ and
+    dPᵀ (``KV_REGS``): at d = 64 on 64-row steps."""
+    return KV_REGS and head_dim == 64 and rows == HALF.value
+
+
 def step_rows(head_dim: int, fused: bool) -> int:
     """Query rows a step of the d <= 128 dK/dV kernel (``ROWS_MODE``): 128 where asked for, in
     the fused form at d = 64; else 64."""
@@ -1418,7 +1449,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             STAGES=dkdv_stages(d), FUSED_DQ=fused, DQ_LAG=order == "lag", DQ_ALT=order == "alt",
             DQ_FIRST=order == "first", SEGMENTS=segments(d, p.causal_like), ROW_STATS=ROW_STATS,
             softcap_scale=softcap_scale, head_group=_order(grid, p, q.device), TMA_STORE=tma_store,
-            **cols, **flags)
+            KV_REGS=kv_regs(d, rows), **cols, **flags)
         if fused:
             dq.copy_(dq_acc[..., :q.shape[-1]] if d_pad else dq_acc)
             return

@@ -325,6 +325,29 @@ def test_sm90_bwd_stages(c: Case, form, stages, monkeypatch):
     _check_sm90_grads(c, varlen=True)
 
 
+@needs_sm90
+@pytest.mark.parametrize("form", ["auto", "after", "first", "lag", "segments", "two-kernel"])
+@pytest.mark.parametrize("c", [c for c in ROW_STATS_CASES if c.d == 64]
+                         + [Case(300, 300, d=64, h=4, h_k=2, window=(50, 20)),
+                            Case(257, 700, d=64, softcap=30.0)],
+                         ids=lambda c: "sm90-bwd-kv-regs-" + c.id)
+def test_sm90_bwd_kv_regs(c: Case, form, monkeypatch):
+    """(opt-in IOATTN_SM90_BWD_KV_REGS) the d=64 dK/dV kernel with each warpgroup's K and V in
+    registers for Sᵀ and dPᵀ: fused in each dQ order that takes it (auto: alt) and with the
+    masked / unmasked step loops forced on, and two-kernel; batched and varlen."""
+    from ioattn.dense import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "KV_REGS", True)
+    monkeypatch.setattr(sm90_bwd, "FUSED", form != "two-kernel")
+    monkeypatch.setattr(sm90_bwd, "SEGMENTS", "1" if form == "segments" else "auto")
+    if form in sm90_bwd.DQ_ORDERS:
+        _bwd_order(monkeypatch, form)
+    if c.softcap:  # (batched: the varlen check takes no softcap)
+        _fwd_bwd(c, True)
+    else:
+        _check_sm90_grads(c, varlen=True)
+
+
 ROWS_CASES = [Case(113, 203, d=64), Case(777, 777, d=64, h=4, h_k=1),
               Case(1000, 100, d=64, causal=True), Case(100, 1000, d=64, causal=True),
               Case(300, 300, d=64, h=4, h_k=2, window=(50, 20)),
@@ -354,10 +377,15 @@ def test_sm90_bwd_rows128(c: Case, form, monkeypatch):
 
 def test_bwd_rows_rule(monkeypatch):
     """128-row steps where asked for: the fused form at d = 64 only, in the after / first
-    orders (alt and lag, which the 64-row steps take, become after)."""
+    orders (alt and lag, which the 64-row steps take, become after); K / V in registers at
+    d = 64 on 64-row steps only."""
     from ioattn.dense import sm90_bwd
 
     assert sm90_bwd.step_rows(64, True) == 64  # default
+    assert not sm90_bwd.kv_regs(64, 64)  # default off
+    monkeypatch.setattr(sm90_bwd, "KV_REGS", True)  # K / V in registers: d=64, 64-row steps
+    assert [sm90_bwd.kv_regs(64, 64), sm90_bwd.kv_regs(64, 128), sm90_bwd.kv_regs(128, 64)] == [
+        True, False, False]
     monkeypatch.setattr(sm90_bwd, "ROWS_MODE", "128")
     assert [sm90_bwd.step_rows(d, True) for d in (64, 128, 256)] == [128, 64, 64]
     assert sm90_bwd.step_rows(64, False) == 64  # the two-kernel form
@@ -1036,8 +1064,9 @@ def test_sm90_kernel_compiles_for_hopper():
     # block into the next tile; and (opt-in, IOATTN_SM90_BWD_ROWS=128) the fused d=64 dK/dV
     # kernel on 128-row steps (full: dQ after / first; causal; varlen causal); and (opt-in,
     # IOATTN_SM90_FWD_Q_REGS) the persistent two-warpgroup forward with Q in registers (d=128
-    # full and causal, d=64 causal below 4k)
-    assert len(reports) == 95, names
+    # full and causal, d=64 causal below 4k); and (opt-in, IOATTN_SM90_BWD_KV_REGS) the d=64
+    # dK/dV kernel with K / V in registers (two-kernel and fused as launched, each mask)
+    assert len(reports) == 101, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
     hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
     assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
