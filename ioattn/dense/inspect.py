@@ -317,8 +317,8 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                     jobs += [(f"sm90 bwd dkdv+dq {o} rows=128 d{d} {tag} 128 keys ws",
                               sm90_bwd._bwd_dkdv_sm90, dict(bwd_desc, q_desc=128, do_desc=128), d,
                               dict(flags, STAGES=sm90_bwd.DKDV_STAGES, TMA_STORE=True,
-                                   **dict(fused.get(o) or dict(fused[launched], DQ_ALT=False),
-                                          DQ_FIRST=o == "first", DQ_LAG=False, DQ_ALT=False)))
+                                   **dict(fused[launched], DQ_FIRST=o == "first", DQ_LAG=False,
+                                          DQ_ALT=False)))
                              for o in (("after", "first") if tag == "full" else ("after",))]
             dq_forms = [("", {})] + ([(" softcap", dict(softcap_scale="fp32"))]
                                      if (d, tag) == (128, "causal") else [])
