@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-d64] [fwd-q-regs]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-regs] [fwd-q-regs]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -509,19 +509,20 @@ for step in $steps; do
            timelines IOATTN_SM90_FWD_Q_REGS q_regs
            onoff IOATTN_SM90_FWD_Q_REGS "1 0" fwd_q_regs --modes fwd --dims 64,128 \
              --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
-    bwd-d64) # the d=64 backward's two opt-in forms: K / V in registers for the score GEMMs
-           # (IOATTN_SM90_BWD_KV_REGS=1) and 128-row steps (IOATTN_SM90_BWD_ROWS=128, FA3's d <= 64
-           # step): their tests, then the d=64 backward in each form and the default, 2k-16k,
-           # cuDNN in every run (~120 + 3 x 70 s)
-           timeout 180 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
-             -k "rows128 or kv_regs" > "$OUT/tests_bwd_d64.log" 2>&1
-           grep -E "^FAILED" "$OUT/tests_bwd_d64.log" | head -20; tail -1 "$OUT/tests_bwd_d64.log"
-           for form in base IOATTN_SM90_BWD_KV_REGS=1 IOATTN_SM90_BWD_ROWS=128; do
-             name=bwd_d64_${form#IOATTN_SM90_BWD_}; name=${name//=/}
-             env ${form/base/IOATTN_SM90_BWD_ROWS=64} timeout 200 python -m ioattn bench --modes bwd \
-               --dims 64 --seqlens 2048,4096,8192,16384 --dtypes bf16 \
+    bwd-regs) # the backward's opt-in forms, each timed beside cuDNN (2k-16k): d = 64 / 128 as
+           # default and with dK's dSᵀ from registers (IOATTN_SM90_BWD_DS_REGS=1); d=64 with K / V
+           # in registers (IOATTN_SM90_BWD_KV_REGS=1), with both, and on 128-row steps
+           # (IOATTN_SM90_BWD_ROWS=128, FA3's d <= 64 step); after their tests (~150 + 5 x 60 s)
+           timeout 200 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
+             -k "rows128 or operand_regs" > "$OUT/tests_bwd_regs.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_bwd_regs.log" | head -20; tail -1 "$OUT/tests_bwd_regs.log"
+           for form in "base 64,128" "DS_REGS=1 64,128" "KV_REGS=1 64" "KV_REGS=1,DS_REGS=1 64" \
+                       "ROWS=128 64"; do set -- $form
+             name=bwd_regs_${1//[=,]/}; envs=IOATTN_SM90_BWD_${1//,/ IOATTN_SM90_BWD_}
+             env ${envs/IOATTN_SM90_BWD_base/IOATTN_SM90_BWD_ROWS=64} timeout 200 python -m ioattn \
+               bench --modes bwd --dims $2 --seqlens 2048,4096,8192,16384 --dtypes bf16 \
                --impls ioattn_sm90,sdpa_cudnn --no-plots --out "$OUT/$name.json" > "/tmp/$name.log" 2>&1
-             echo "== $form"; grep -E "^bwd" "/tmp/$name.log"; done ;;
+             echo "== $1"; grep -E "^bwd" "/tmp/$name.log"; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

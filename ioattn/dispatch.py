@@ -156,6 +156,8 @@ ENV_SWITCHES = (
      "128 (FlashAttention-3's d <= 64 step: N = 128 score GEMMs, dQ split by rows)"),
     ("IOATTN_SM90_BWD_KV_REGS", "0", "sm90 backward dK/dV kernel at d=64 (64-row steps): K and V "
      "in registers, the score GEMMs' A operands from there (less shared-memory traffic)"),
+    ("IOATTN_SM90_BWD_DS_REGS", "0", "sm90 fused backward (d=64/128): dK's dS^T operand from "
+     "registers, not its shared-memory copy (less shared-memory traffic)"),
     ("IOATTN_SM90_BWD_STAGES", "auto", "sm90 backward dK/dV kernel at d=64: Q/dO ring stages "
      "(auto: 2; 3 or 4 fit its shared memory)"),
     ("IOATTN_SM90_BWD_TMA_STORE", "1", "sm90 backward dK/dV kernel (d=64/128): dK and dV of full "

@@ -305,13 +305,20 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                           bwd_desc, d, dict(flags, STAGES=sm90_bwd.DKDV_STAGES, TMA_STORE=True,
                                             **form))
                          for suffix, form in forms]
-                if d == 64:  # (opt-in, IOATTN_SM90_BWD_KV_REGS) K / V in registers for Sᵀ, dPᵀ:
-                    # the two-kernel and fused forms as launched
-                    jobs += [(f"sm90 bwd dkdv{suffix} kv-regs d{d} {tag} 128 keys ws",
-                              sm90_bwd._bwd_dkdv_sm90, bwd_desc, d,
-                              dict(flags, STAGES=sm90_bwd.DKDV_STAGES, TMA_STORE=True,
-                                   KV_REGS=True, **form))
-                             for suffix, form in forms[:2]]
+                # (opt-in, IOATTN_SM90_BWD_DS_REGS) the fused form as launched with dK's dSᵀ
+                # from registers, and (d=64, opt-in IOATTN_SM90_BWD_KV_REGS) K / V in registers
+                # for Sᵀ, dPᵀ: the two-kernel and fused forms as launched, and with both
+                fused_tag, fused_form = forms[1]  # (the fused form as launched)
+                regs_forms = [(f"{fused_tag} ds-regs", dict(fused_form, DS_REGS=True))]
+                if d == 64:
+                    regs_forms += [(f"{suffix} kv-regs", dict(form, KV_REGS=True))
+                                   for suffix, form in forms[:2]]
+                    regs_forms.append((f"{fused_tag} kv-regs ds-regs",
+                                       dict(fused_form, KV_REGS=True, DS_REGS=True)))
+                jobs += [(f"sm90 bwd dkdv{suffix} d{d} {tag} 128 keys ws", sm90_bwd._bwd_dkdv_sm90,
+                          bwd_desc, d, dict(flags, STAGES=sm90_bwd.DKDV_STAGES, TMA_STORE=True,
+                                            **form))
+                         for suffix, form in regs_forms]
                 if d == 64:  # (opt-in, IOATTN_SM90_BWD_ROWS=128) fused on 128-row steps, Q /
                     # dO by 128-row boxes, dQ after dK's update (full: also first)
                     jobs += [(f"sm90 bwd dkdv+dq {o} rows=128 d{d} {tag} 128 keys ws",

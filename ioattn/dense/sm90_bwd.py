@@ -108,15 +108,22 @@ DQ_ORDERS = ("after", "first", "lag", "alt")
 # TFLOP/s at 16k on this H200 (../shared/anchors), ours 448 on 64-row steps.
 # IOATTN_SM90_BWD_ROWS: "64" (default, until timed on the H200) or "128"
 ROWS_MODE = os.environ.get("IOATTN_SM90_BWD_ROWS", "64").lower()
-# (d = 64, 64-row steps) each consumer warpgroup's K and V halves loaded into registers once and
-# Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ issued with their A operand from there ("RS" wgmma) rather than from
-# shared memory, and (fused) dK += dSᵀ·Q with dSᵀ from registers: at d = 64 every GEMM of the
-# step is N = 64, so SS GEMMs read as many operand bytes as they compute on; this way a step
-# reads ~48 KB of shared memory a warpgroup instead of ~72. 32 registers a thread; sm90 compile
-# spill-free (as without) in the batched forms, varlen 76 B (84 without); the 128-row steps
-# (484 B) and d = 128 (500+ B) spill with it, so they keep K / V in shared memory.
-# IOATTN_SM90_BWD_KV_REGS=1 turns it on (opt-in until timed on the H200)
+# Shared-memory traffic of the dK/dV kernel, by byte count at full tensor rate (NOTES, session
+# 20): a d = 128 step reads ~136 KB a warpgroup (Sᵀ, dPᵀ, dK and dQ are SS wgmmas) and with the
+# TMA writes and dQ's reductions the CTA asks ~131 B a clock of the 128 the shared memory
+# serves; at d = 64, where every GEMM is N = 64, SS GEMMs read as many operand bytes as they
+# compute on. Two opt-ins take operands from registers instead ("RS" wgmma):
+# (d = 64, 64-row steps) KV_REGS: each consumer warpgroup's K and V halves loaded into registers
+# once, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ from there (~56 KB a step a warpgroup instead of ~72; 32
+# registers a thread, spill-free in the batched forms, varlen 76 B (84 without); the 128-row
+# steps and d = 128 spill 480+ B with it). IOATTN_SM90_BWD_KV_REGS=1 turns it on.
 KV_REGS = os.environ.get("IOATTN_SM90_BWD_KV_REGS", "0").lower() in ("1", "true", "on")
+# (fused, d <= 128) DS_REGS: dK += dSᵀ·Q with dSᵀ from the registers it is stored from (its
+# shared-memory copy stays for dQ's GEMM): 8 KB less a step a warpgroup (d = 128: 136 -> 128;
+# d = 64 with KV_REGS: 56 -> 48). sm90 compile: no new spills at d = 64 or 128 (d = 128 after
+# 4 B, lag 256 B, as without). IOATTN_SM90_BWD_DS_REGS=1 turns it on. Both opt-in until timed
+# on the H200
+DS_REGS = os.environ.get("IOATTN_SM90_BWD_DS_REGS", "0").lower() in ("1", "true", "on")
 # (d <= 128, outside the "lag" order) each query head's steps in three loops, the middle one (the
 # tiles that need no mask) without the mask's code: 15-30% fewer instructions a step in the SASS.
 # IOATTN_SM90_BWD_SEGMENTS: "auto" (default) at d = 64 without a causal mask or window, 1 / 0
@@ -416,10 +423,12 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem
                    window_right, qk_scale_log2,
                    softcap_scale, sm_scale, WG: gl.constexpr, STAGES: gl.constexpr,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                   HAS_PREV: gl.constexpr, MASK: gl.constexpr, ROW_STATS: gl.constexpr):
+                   HAS_PREV: gl.constexpr, MASK: gl.constexpr, ROW_STATS: gl.constexpr,
+                   DS_REGS: gl.constexpr = False):
     """(fused, DQ_LAG) Step t with step t - 1's dQ partial (HAS_PREV) issued right after this
     step's dV update: the GEMM overlaps this step's dS, and the two warpgroups meet at a dSᵀ
-    buffer one step after writing it instead of within the step. Returns (dv, dk, fixes)."""
+    buffer one step after writing it instead of within the step. k, ka, va, DS_REGS as
+    ``_dkdv_step``'s. Returns (dv, dk, fixes)."""
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = dq_smem.shape[2]
     SPLIT_DQ: gl.constexpr = DQ_COLS < q_smem.shape[2]
@@ -439,12 +448,13 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem
     if SPLIT_DQ:
         if t >= 2:  # both warpgroups' dQ GEMMs of step t - 2 have read this buffer
             mbarrier.wait(ds_empty.index(t % 2), ((t // 2) - 1) & 1)
-    ds_s.store((ds * sm_scale).to(dtype))
+    ds_lo = (ds * sm_scale).to(dtype)
+    ds_s.store(ds_lo)
     fence_async_shared()
     if SPLIT_DQ:
         gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
         mbarrier.arrive(ds_ready.index(t % 2), count=1)
-    dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
+    dk_tok = warpgroup_mma(_ds_operand(ds_s, ds_lo, dk, DS_REGS), q, dk, is_async=True)
     if HAS_PREV:
         dv, dq = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok])
         if SPLIT_DQ:
@@ -455,6 +465,17 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem
         dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
     mbarrier.arrive(qdo_empty.index(st), count=1)
     return dv, dk, fixes
+
+
+@gluon.jit
+def _ds_operand(ds_s, ds_lo, dk, DS_REGS: gl.constexpr):
+    """dK += dSᵀ·Q's A operand: dSᵀ's shared-memory copy (ds_s, which dQ's GEMM reads too), or
+    (DS_REGS) the registers it was stored from (ds_lo, in the input dtype), in the operand
+    layout of dk's accumulator."""
+    if DS_REGS:
+        return gl.convert_layout(ds_lo, wgmma_a_operand(dk.type.layout))
+    else:
+        return ds_s
 
 
 @gluon.jit
@@ -521,9 +542,7 @@ def _dkdv_step(t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem, dq
         ds_lo = (ds * sm_scale).to(dtype)
         ds_s.store(ds_lo)
         fence_async_shared()
-        ds_a = ds_s  # dK's A operand
-        if DS_REGS:
-            ds_a = gl.convert_layout(ds_lo, wgmma_a_operand(wgmma_acc_layout(HEAD_D)))
+        ds_a = _ds_operand(ds_s, ds_lo, dk, DS_REGS)  # dK's A operand
         if SPLIT_DQ or DQ_ALT or q_smem.shape[1] == 2 * HALF:
             gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
             mbarrier.arrive(ds_ready.index(t % 2), count=1)
@@ -580,7 +599,8 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
                    HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                    DQ_FIRST: gl.constexpr, DQ_LAG: gl.constexpr, DQ_ALT: gl.constexpr,
                    SEGMENTS: gl.constexpr, ROW_STATS: gl.constexpr, K_COLS: gl.constexpr,
-                   V_COLS: gl.constexpr, TMA_STORE: gl.constexpr, KV_REGS: gl.constexpr = False):
+                   V_COLS: gl.constexpr, TMA_STORE: gl.constexpr, KV_REGS: gl.constexpr = False,
+                   DS_REGS: gl.constexpr = False):
     # TMA_STORE: dK / dV of a full 64-key half staged in this warpgroup's Q / dO stage and
     # stored by TMA (rows k_row + WG * 64 of dk_desc / dv_desc, column kv_col)
     HEAD_D: gl.constexpr = q_smem.shape[2]
@@ -604,8 +624,7 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
             if seqlen_k - start_n < 2 * HALF:  # the producer zeroes keys past the end
                 mbarrier.wait(fixed.index(STAGES), 0)
     # Sᵀ's and dPᵀ's A operands: this warpgroup's K and V halves in shared memory, or (KV_REGS)
-    # loaded into registers once (without steps nothing was loaded, and nothing reads them);
-    # KV_REGS also takes dK's dSᵀ from registers (``_dkdv_step``'s DS_REGS)
+    # loaded into registers once (without steps nothing was loaded, and nothing reads them)
     ka = k
     va = v
     if KV_REGS:
@@ -621,7 +640,7 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
                 stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                 window_right, qk_scale_log2,
                 softcap_scale, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
-                False, 2, ROW_STATS)
+                False, 2, ROW_STATS, DS_REGS)
             for t in range(1, n_steps):
                 dv, dk, fixes = _dkdv_lag_step(
                     t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
@@ -629,7 +648,7 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
                     stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                     window_right, qk_scale_log2,
                     softcap_scale, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT,
-                    IS_VARLEN, True, 2, ROW_STATS)
+                    IS_VARLEN, True, 2, ROW_STATS, DS_REGS)
             # the last step's dQ partial
             last = n_steps - 1
             prev = ds_smem.index(last % 2)
@@ -653,7 +672,7 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
                         stride_lh, h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
                         qk_scale_log2,
                         softcap_scale, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ,
-                        IS_VARLEN, DQ_FIRST, DQ_ALT, 0 if run == 1 else 1, ROW_STATS, KV_REGS)
+                        IS_VARLEN, DQ_FIRST, DQ_ALT, 0 if run == 1 else 1, ROW_STATS, DS_REGS)
     else:  # one loop, each tile's mask tested at run time
         for t in range(n_steps):
             dv, dk, fixes = _dkdv_step(
@@ -662,7 +681,7 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
                 lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
                 softcap_scale,
                 sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_ALT, 2,
-                ROW_STATS, KV_REGS)
+                ROW_STATS, DS_REGS)
 
     d_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
     keys = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))
@@ -771,7 +790,8 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                    DQ_LAG: gl.constexpr = False, DQ_ALT: gl.constexpr = False,
                    SEGMENTS: gl.constexpr = False, ROW_STATS: gl.constexpr = False,
                    softcap_scale=None, K_COLS: gl.constexpr = 0, V_COLS: gl.constexpr = 0,
-                   head_group=1, TMA_STORE: gl.constexpr = False, KV_REGS: gl.constexpr = False):
+                   head_group=1, TMA_STORE: gl.constexpr = False, KV_REGS: gl.constexpr = False,
+                   DS_REGS: gl.constexpr = False):
     # K_COLS / V_COLS: dK's and dV's own head dims where the tiles are zero-padded past them
     # (head dims 96 / 192 read in place, ``rows_descriptor(pad_to=...)``); 0: the tiles' width;
     # head_group: the blocks' order (``_key_block``); TMA_STORE: dK / dV of full key halves by
@@ -852,7 +872,8 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS, TMA_STORE, KV_REGS)),
+                              ROW_STATS, K_COLS, V_COLS, TMA_STORE, KV_REGS,
+                              DS_REGS)),
             (_dkdv_consumer, (DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem,
                               v_smem, ds_smem, dq_smem, kv_bar.index(0), qdo_full, qdo_empty, fixed,
                               ds_ready, ds_empty, dq_full, dq_empty, dk_off, dv_off,
@@ -860,7 +881,8 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS, TMA_STORE, KV_REGS)),
+                              ROW_STATS, K_COLS, V_COLS, TMA_STORE, KV_REGS,
+                              DS_REGS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -878,7 +900,8 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS, TMA_STORE, KV_REGS)),
+                              ROW_STATS, K_COLS, V_COLS, TMA_STORE, KV_REGS,
+                              DS_REGS)),
             (_dkdv_consumer, (DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem,
                               v_smem, ds_smem, dq_smem, kv_bar.index(0), qdo_full, qdo_empty, fixed,
                               ds_ready, ds_empty, dq_full, dq_empty, dk_off, dv_off,
@@ -886,7 +909,8 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS, TMA_STORE, KV_REGS)),
+                              ROW_STATS, K_COLS, V_COLS, TMA_STORE, KV_REGS,
+                              DS_REGS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -1302,6 +1326,12 @@ def kv_regs(head_dim: int, rows: int) -> bool:
     return KV_REGS and head_dim == 64 and rows == HALF.value
 
 
+def ds_regs(fused: bool, rows: int) -> bool:
+    """Whether the fused dK/dV kernel takes dK's dSᵀ operand from registers (``DS_REGS``): on
+    64-row steps (the 128-row steps' [64, 128] dSᵀ would add 32 registers to a spilling form)."""
+    return DS_REGS and fused and rows == HALF.value
+
+
 def step_rows(head_dim: int, fused: bool) -> int:
     """Query rows a step of the d <= 128 dK/dV kernel (``ROWS_MODE``): 128 where asked for, in
     the fused form at d = 64; else 64."""
@@ -1449,7 +1479,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             STAGES=dkdv_stages(d), FUSED_DQ=fused, DQ_LAG=order == "lag", DQ_ALT=order == "alt",
             DQ_FIRST=order == "first", SEGMENTS=segments(d, p.causal_like), ROW_STATS=ROW_STATS,
             softcap_scale=softcap_scale, head_group=_order(grid, p, q.device), TMA_STORE=tma_store,
-            KV_REGS=kv_regs(d, rows), **cols, **flags)
+            KV_REGS=kv_regs(d, rows), DS_REGS=ds_regs(fused, rows), **cols, **flags)
         if fused:
             dq.copy_(dq_acc[..., :q.shape[-1]] if d_pad else dq_acc)
             return

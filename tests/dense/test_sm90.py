@@ -325,19 +325,28 @@ def test_sm90_bwd_stages(c: Case, form, stages, monkeypatch):
     _check_sm90_grads(c, varlen=True)
 
 
+REGS_CASES = [c for c in ROW_STATS_CASES if c.d in (64, 128)] + [
+    Case(300, 300, d=64, h=4, h_k=2, window=(50, 20)), Case(257, 700, d=64, softcap=30.0),
+    Case(203, 113, d=128, causal=True, softcap=5.0)]
+REGS_FORMS = [("kv", "auto"), ("kv", "lag"), ("kv", "segments"), ("kv", "two-kernel"),
+              ("ds", "auto"), ("ds", "after"), ("ds", "first"), ("ds", "lag"),
+              ("kv+ds", "auto"), ("kv+ds", "first")]
+
+
 @needs_sm90
-@pytest.mark.parametrize("form", ["auto", "after", "first", "lag", "segments", "two-kernel"])
-@pytest.mark.parametrize("c", [c for c in ROW_STATS_CASES if c.d == 64]
-                         + [Case(300, 300, d=64, h=4, h_k=2, window=(50, 20)),
-                            Case(257, 700, d=64, softcap=30.0)],
-                         ids=lambda c: "sm90-bwd-kv-regs-" + c.id)
-def test_sm90_bwd_kv_regs(c: Case, form, monkeypatch):
-    """(opt-in IOATTN_SM90_BWD_KV_REGS) the d=64 dK/dV kernel with each warpgroup's K and V in
-    registers for Sᵀ and dPᵀ: fused in each dQ order that takes it (auto: alt) and with the
-    masked / unmasked step loops forced on, and two-kernel; batched and varlen."""
+@pytest.mark.parametrize("regs,form", REGS_FORMS, ids=["-".join(f) for f in REGS_FORMS])
+@pytest.mark.parametrize("c", REGS_CASES, ids=lambda c: "sm90-bwd-regs-" + c.id)
+def test_sm90_bwd_operand_regs(c: Case, regs, form, monkeypatch):
+    """(opt-in) the dK/dV kernel with GEMM operands from registers: each warpgroup's K and V for
+    Sᵀ / dPᵀ (IOATTN_SM90_BWD_KV_REGS, d=64) and dK's dSᵀ (IOATTN_SM90_BWD_DS_REGS, fused,
+    d = 64 / 128), in the dQ orders that take them (auto: alt at d=64, lag / after at d=128),
+    with the masked / unmasked step loops forced on, and two-kernel; batched and varlen."""
     from ioattn.dense import sm90_bwd
 
-    monkeypatch.setattr(sm90_bwd, "KV_REGS", True)
+    if "kv" in regs and c.d != 64:
+        pytest.skip("K / V in registers at d=64 only")
+    monkeypatch.setattr(sm90_bwd, "KV_REGS", "kv" in regs)
+    monkeypatch.setattr(sm90_bwd, "DS_REGS", "ds" in regs)
     monkeypatch.setattr(sm90_bwd, "FUSED", form != "two-kernel")
     monkeypatch.setattr(sm90_bwd, "SEGMENTS", "1" if form == "segments" else "auto")
     if form in sm90_bwd.DQ_ORDERS:
@@ -386,6 +395,10 @@ def test_bwd_rows_rule(monkeypatch):
     monkeypatch.setattr(sm90_bwd, "KV_REGS", True)  # K / V in registers: d=64, 64-row steps
     assert [sm90_bwd.kv_regs(64, 64), sm90_bwd.kv_regs(64, 128), sm90_bwd.kv_regs(128, 64)] == [
         True, False, False]
+    assert not sm90_bwd.ds_regs(True, 64)  # default off
+    monkeypatch.setattr(sm90_bwd, "DS_REGS", True)  # dK's dSᵀ in registers: fused, 64-row steps
+    assert [sm90_bwd.ds_regs(True, 64), sm90_bwd.ds_regs(False, 64), sm90_bwd.ds_regs(True, 128)
+            ] == [True, False, False]
     monkeypatch.setattr(sm90_bwd, "ROWS_MODE", "128")
     assert [sm90_bwd.step_rows(d, True) for d in (64, 128, 256)] == [128, 64, 64]
     assert sm90_bwd.step_rows(64, False) == 64  # the two-kernel form
@@ -1064,9 +1077,10 @@ def test_sm90_kernel_compiles_for_hopper():
     # block into the next tile; and (opt-in, IOATTN_SM90_BWD_ROWS=128) the fused d=64 dK/dV
     # kernel on 128-row steps (full: dQ after / first; causal; varlen causal); and (opt-in,
     # IOATTN_SM90_FWD_Q_REGS) the persistent two-warpgroup forward with Q in registers (d=128
-    # full and causal, d=64 causal below 4k); and (opt-in, IOATTN_SM90_BWD_KV_REGS) the d=64
-    # dK/dV kernel with K / V in registers (two-kernel and fused as launched, each mask)
-    assert len(reports) == 101, names
+    # full and causal, d=64 causal below 4k); and (opt-in, IOATTN_SM90_BWD_DS_REGS /
+    # _KV_REGS) the dK/dV kernel with dK's dSᵀ in registers (fused as launched, d = 64 / 128)
+    # and at d=64 with K / V in registers (two-kernel and fused as launched, and with both)
+    assert len(reports) == 110, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
     hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
     assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
