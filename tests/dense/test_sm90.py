@@ -387,7 +387,7 @@ def test_sm90_bwd_rows128(c: Case, form, monkeypatch):
 def test_bwd_rows_rule(monkeypatch):
     """128-row steps where asked for: the fused form at d = 64 only, in the after / first
     orders (alt and lag, which the 64-row steps take, become after); K / V in registers at
-    d = 64 on 64-row steps only."""
+    d = 64 on 64-row steps only; dK's dSᵀ from registers in the fused form on 64-row steps."""
     from ioattn.dense import sm90_bwd
 
     assert sm90_bwd.step_rows(64, True) == 64  # default
