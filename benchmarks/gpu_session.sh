@@ -510,14 +510,15 @@ for step in $steps; do
            onoff IOATTN_SM90_FWD_Q_REGS "1 0" fwd_q_regs --modes fwd --dims 64,128 \
              --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     bwd-regs) # the backward's opt-in forms, each timed beside cuDNN (2k-16k): d = 64 / 128 as
-           # default and with dK's dSᵀ from registers (IOATTN_SM90_BWD_DS_REGS=1); d=64 with K / V
-           # in registers (IOATTN_SM90_BWD_KV_REGS=1), with both, and on 128-row steps
-           # (IOATTN_SM90_BWD_ROWS=128, FA3's d <= 64 step); after their tests (~150 + 5 x 60 s)
+           # default and with dK's dSᵀ from registers (IOATTN_SM90_BWD_DS_REGS=1); d=64 with K and
+           # V in registers (IOATTN_SM90_BWD_KV_REGS=1), with both, and on 128-row steps
+           # (IOATTN_SM90_BWD_ROWS=128, FA3's d <= 64 step); d=128 with K alone in registers
+           # (KV_REGS=k), with and without dSᵀ there; after their tests (~150 + 7 x 50 s)
            timeout 200 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
              -k "rows128 or operand_regs" > "$OUT/tests_bwd_regs.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_bwd_regs.log" | head -20; tail -1 "$OUT/tests_bwd_regs.log"
            for form in "base 64,128" "DS_REGS=1 64,128" "KV_REGS=1 64" "KV_REGS=1,DS_REGS=1 64" \
-                       "ROWS=128 64"; do set -- $form
+                       "ROWS=128 64" "KV_REGS=k 128" "KV_REGS=k,DS_REGS=1 128"; do set -- $form
              name=bwd_regs_${1//[=,]/}; envs=IOATTN_SM90_BWD_${1//,/ IOATTN_SM90_BWD_}
              env ${envs/IOATTN_SM90_BWD_base/IOATTN_SM90_BWD_ROWS=64} timeout 200 python -m ioattn \
                bench --modes bwd --dims $2 --seqlens 2048,4096,8192,16384 --dtypes bf16 \

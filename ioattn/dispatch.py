@@ -154,8 +154,9 @@ ENV_SWITCHES = (
      "kernel on 32-key tiles (0: the portable backward there)"),
     ("IOATTN_SM90_BWD_ROWS", "64", "sm90 fused backward at d=64: query rows a dK/dV step, 64 or "
      "128 (FlashAttention-3's d <= 64 step: N = 128 score GEMMs, dQ split by rows)"),
-    ("IOATTN_SM90_BWD_KV_REGS", "0", "sm90 backward dK/dV kernel at d=64 (64-row steps): K and V "
-     "in registers, the score GEMMs' A operands from there (less shared-memory traffic)"),
+    ("IOATTN_SM90_BWD_KV_REGS", "0", "sm90 backward dK/dV kernel (64-row steps): the score "
+     "GEMMs' A operands from registers (less shared-memory traffic): 1 K and V at d=64, k K alone "
+     "at d=64/128"),
     ("IOATTN_SM90_BWD_DS_REGS", "0", "sm90 fused backward (d=64/128): dK's dS^T operand from "
      "registers, not its shared-memory copy (less shared-memory traffic)"),
     ("IOATTN_SM90_BWD_STAGES", "auto", "sm90 backward dK/dV kernel at d=64: Q/dO ring stages "

@@ -306,15 +306,20 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                                             **form))
                          for suffix, form in forms]
                 # (opt-in, IOATTN_SM90_BWD_DS_REGS) the fused form as launched with dK's dSᵀ
-                # from registers, and (d=64, opt-in IOATTN_SM90_BWD_KV_REGS) K / V in registers
-                # for Sᵀ, dPᵀ: the two-kernel and fused forms as launched, and with both
+                # from registers, and (opt-in IOATTN_SM90_BWD_KV_REGS) K / V in registers for
+                # Sᵀ, dPᵀ: d=64 both (two-kernel and fused as launched, and with dSᵀ there),
+                # d=128 K alone (fused as launched, and with dSᵀ there)
                 fused_tag, fused_form = forms[1]  # (the fused form as launched)
                 regs_forms = [(f"{fused_tag} ds-regs", dict(fused_form, DS_REGS=True))]
                 if d == 64:
-                    regs_forms += [(f"{suffix} kv-regs", dict(form, KV_REGS=True))
+                    regs_forms += [(f"{suffix} kv-regs", dict(form, KV_REGS=1))
                                    for suffix, form in forms[:2]]
                     regs_forms.append((f"{fused_tag} kv-regs ds-regs",
-                                       dict(fused_form, KV_REGS=True, DS_REGS=True)))
+                                       dict(fused_form, KV_REGS=1, DS_REGS=True)))
+                else:  # (KV_REGS=k) K alone in registers, with and without dSᵀ there
+                    regs_forms += [(f"{fused_tag} k-regs", dict(fused_form, KV_REGS=2)),
+                                   (f"{fused_tag} k-regs ds-regs",
+                                    dict(fused_form, KV_REGS=2, DS_REGS=True))]
                 jobs += [(f"sm90 bwd dkdv{suffix} d{d} {tag} 128 keys ws", sm90_bwd._bwd_dkdv_sm90,
                           bwd_desc, d, dict(flags, STAGES=sm90_bwd.DKDV_STAGES, TMA_STORE=True,
                                             **form))

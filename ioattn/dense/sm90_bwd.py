@@ -113,11 +113,12 @@ ROWS_MODE = os.environ.get("IOATTN_SM90_BWD_ROWS", "64").lower()
 # TMA writes and dQ's reductions the CTA asks ~131 B a clock of the 128 the shared memory
 # serves; at d = 64, where every GEMM is N = 64, SS GEMMs read as many operand bytes as they
 # compute on. Two opt-ins take operands from registers instead ("RS" wgmma):
-# (d = 64, 64-row steps) KV_REGS: each consumer warpgroup's K and V halves loaded into registers
-# once, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ from there (~56 KB a step a warpgroup instead of ~72; 32
-# registers a thread, spill-free in the batched forms, varlen 76 B (84 without); the 128-row
-# steps and d = 128 spill 480+ B with it). IOATTN_SM90_BWD_KV_REGS=1 turns it on.
-KV_REGS = os.environ.get("IOATTN_SM90_BWD_KV_REGS", "0").lower() in ("1", "true", "on")
+# (64-row steps) KV_REGS: each consumer warpgroup's K and V halves loaded into registers once,
+# Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ from there. IOATTN_SM90_BWD_KV_REGS=1: both, at d = 64 (~56 KB a
+# step a warpgroup instead of ~72; 32 registers a thread, spill-free in the batched forms,
+# varlen 76 B (84 without); the 128-row steps and d = 128 spill 480+ B with both); "k": K
+# alone, at d = 64 and 128 (d = 128: 16 of ~136 KB a step; 32 registers, 156-184 B of spills).
+KV_REGS = os.environ.get("IOATTN_SM90_BWD_KV_REGS", "0").lower()
 # (fused, d <= 128) DS_REGS: dK += dSᵀ·Q with dSᵀ from the registers it is stored from (its
 # shared-memory copy stays for dQ's GEMM): 8 KB less a step a warpgroup (d = 128: 136 -> 128;
 # d = 64 with KV_REGS: 56 -> 48). sm90 compile: no new spills at d = 64 or 128 (d = 128 after
@@ -599,7 +600,7 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
                    HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                    DQ_FIRST: gl.constexpr, DQ_LAG: gl.constexpr, DQ_ALT: gl.constexpr,
                    SEGMENTS: gl.constexpr, ROW_STATS: gl.constexpr, K_COLS: gl.constexpr,
-                   V_COLS: gl.constexpr, TMA_STORE: gl.constexpr, KV_REGS: gl.constexpr = False,
+                   V_COLS: gl.constexpr, TMA_STORE: gl.constexpr, KV_REGS: gl.constexpr = 0,
                    DS_REGS: gl.constexpr = False):
     # TMA_STORE: dK / dV of a full 64-key half staged in this warpgroup's Q / dO stage and
     # stored by TMA (rows k_row + WG * 64 of dk_desc / dv_desc, column kv_col)
@@ -627,10 +628,11 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
     # loaded into registers once (without steps nothing was loaded, and nothing reads them)
     ka = k
     va = v
-    if KV_REGS:
+    if KV_REGS:  # (1: K and V; 2: K alone)
         kv_op: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(q_smem.shape[1]))
         ka = k.load(kv_op)
-        va = v.load(kv_op)
+        if KV_REGS == 1:
+            va = v.load(kv_op)
     fixes = n_steps * 0  # (varlen) parity per stage of the zeroed-rows barriers
     if FUSED_DQ and DQ_LAG:
         if n_steps > 0:  # the first step (no partial before it) peeled
@@ -790,7 +792,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                    DQ_LAG: gl.constexpr = False, DQ_ALT: gl.constexpr = False,
                    SEGMENTS: gl.constexpr = False, ROW_STATS: gl.constexpr = False,
                    softcap_scale=None, K_COLS: gl.constexpr = 0, V_COLS: gl.constexpr = 0,
-                   head_group=1, TMA_STORE: gl.constexpr = False, KV_REGS: gl.constexpr = False,
+                   head_group=1, TMA_STORE: gl.constexpr = False, KV_REGS: gl.constexpr = 0,
                    DS_REGS: gl.constexpr = False):
     # K_COLS / V_COLS: dK's and dV's own head dims where the tiles are zero-padded past them
     # (head dims 96 / 192 read in place, ``rows_descriptor(pad_to=...)``); 0: the tiles' width;
@@ -1320,10 +1322,17 @@ def dq_order(head_dim: int, masked: bool, rows: int = 64) -> str:
     return "after" if order == "alt" and dq_cols(head_dim) != head_dim else order
 
 
-def kv_regs(head_dim: int, rows: int) -> bool:
-    """Whether the dK/dV kernel keeps each warpgroup's K and V halves in registers for Sᵀ and
-    dPᵀ (``KV_REGS``): at d = 64 on 64-row steps."""
-    return KV_REGS and head_dim == 64 and rows == HALF.value
+def kv_regs(head_dim: int, rows: int) -> int:
+    """Which of each warpgroup's K and V halves the dK/dV kernel keeps in registers for Sᵀ and
+    dPᵀ (``KV_REGS``), on 64-row steps: 1 both (asked for with "1", at d = 64), 2 K alone ("k",
+    d <= 128), 0 neither."""
+    if KV_REGS not in ("0", "1", "k"):
+        raise ValueError(f"IOATTN_SM90_BWD_KV_REGS={KV_REGS!r}: expected 0, 1 or k")
+    if rows != HALF.value or KV_REGS == "0":
+        return 0
+    if KV_REGS == "1":
+        return 1 if head_dim == 64 else 0
+    return 2 if head_dim <= 128 else 0
 
 
 def ds_regs(fused: bool, rows: int) -> bool:

@@ -330,7 +330,8 @@ REGS_CASES = [c for c in ROW_STATS_CASES if c.d in (64, 128)] + [
     Case(203, 113, d=128, causal=True, softcap=5.0)]
 REGS_FORMS = [("kv", "auto"), ("kv", "lag"), ("kv", "segments"), ("kv", "two-kernel"),
               ("ds", "auto"), ("ds", "after"), ("ds", "first"), ("ds", "lag"),
-              ("kv+ds", "auto"), ("kv+ds", "first")]
+              ("kv+ds", "auto"), ("kv+ds", "first"), ("k", "auto"), ("k", "after"),
+              ("k", "two-kernel"), ("k+ds", "auto")]
 
 
 @needs_sm90
@@ -338,14 +339,16 @@ REGS_FORMS = [("kv", "auto"), ("kv", "lag"), ("kv", "segments"), ("kv", "two-ker
 @pytest.mark.parametrize("c", REGS_CASES, ids=lambda c: "sm90-bwd-regs-" + c.id)
 def test_sm90_bwd_operand_regs(c: Case, regs, form, monkeypatch):
     """(opt-in) the dK/dV kernel with GEMM operands from registers: each warpgroup's K and V for
-    Sᵀ / dPᵀ (IOATTN_SM90_BWD_KV_REGS, d=64) and dK's dSᵀ (IOATTN_SM90_BWD_DS_REGS, fused,
-    d = 64 / 128), in the dQ orders that take them (auto: alt at d=64, lag / after at d=128),
-    with the masked / unmasked step loops forced on, and two-kernel; batched and varlen."""
+    Sᵀ / dPᵀ (IOATTN_SM90_BWD_KV_REGS=1, d=64), K alone (=k, d = 64 / 128) and dK's dSᵀ
+    (IOATTN_SM90_BWD_DS_REGS, fused, d = 64 / 128), in the dQ orders that take them (auto: alt
+    at d=64, lag / after at d=128), with the masked / unmasked step loops forced on, and
+    two-kernel; batched and varlen."""
     from ioattn.dense import sm90_bwd
 
     if "kv" in regs and c.d != 64:
-        pytest.skip("K / V in registers at d=64 only")
-    monkeypatch.setattr(sm90_bwd, "KV_REGS", "kv" in regs)
+        pytest.skip("K and V in registers at d=64 only")
+    monkeypatch.setattr(sm90_bwd, "KV_REGS", regs.split("+")[0].replace("kv", "1")
+                        if regs.startswith("k") else "0")
     monkeypatch.setattr(sm90_bwd, "DS_REGS", "ds" in regs)
     monkeypatch.setattr(sm90_bwd, "FUSED", form != "two-kernel")
     monkeypatch.setattr(sm90_bwd, "SEGMENTS", "1" if form == "segments" else "auto")
@@ -392,9 +395,15 @@ def test_bwd_rows_rule(monkeypatch):
 
     assert sm90_bwd.step_rows(64, True) == 64  # default
     assert not sm90_bwd.kv_regs(64, 64)  # default off
-    monkeypatch.setattr(sm90_bwd, "KV_REGS", True)  # K / V in registers: d=64, 64-row steps
+    monkeypatch.setattr(sm90_bwd, "KV_REGS", "1")  # K and V in registers: d=64, 64-row steps
     assert [sm90_bwd.kv_regs(64, 64), sm90_bwd.kv_regs(64, 128), sm90_bwd.kv_regs(128, 64)] == [
-        True, False, False]
+        1, 0, 0]
+    monkeypatch.setattr(sm90_bwd, "KV_REGS", "k")  # K alone: d <= 128, 64-row steps
+    assert [sm90_bwd.kv_regs(64, 64), sm90_bwd.kv_regs(128, 64), sm90_bwd.kv_regs(64, 128)] == [
+        2, 2, 0]
+    monkeypatch.setattr(sm90_bwd, "KV_REGS", "2")
+    with pytest.raises(ValueError, match="IOATTN_SM90_BWD_KV_REGS"):
+        sm90_bwd.kv_regs(64, 64)
     assert not sm90_bwd.ds_regs(True, 64)  # default off
     monkeypatch.setattr(sm90_bwd, "DS_REGS", True)  # dK's dSᵀ in registers: fused, 64-row steps
     assert [sm90_bwd.ds_regs(True, 64), sm90_bwd.ds_regs(False, 64), sm90_bwd.ds_regs(True, 128)
@@ -1078,9 +1087,10 @@ def test_sm90_kernel_compiles_for_hopper():
     # kernel on 128-row steps (full: dQ after / first; causal; varlen causal); and (opt-in,
     # IOATTN_SM90_FWD_Q_REGS) the persistent two-warpgroup forward with Q in registers (d=128
     # full and causal, d=64 causal below 4k); and (opt-in, IOATTN_SM90_BWD_DS_REGS /
-    # _KV_REGS) the dK/dV kernel with dK's dSᵀ in registers (fused as launched, d = 64 / 128)
-    # and at d=64 with K / V in registers (two-kernel and fused as launched, and with both)
-    assert len(reports) == 110, names
+    # _KV_REGS) the dK/dV kernel with dK's dSᵀ in registers (fused as launched, d = 64 / 128),
+    # at d=64 with K and V in registers (two-kernel and fused as launched, and with both), at
+    # d=128 with K alone (fused as launched, and with dSᵀ there too)
+    assert len(reports) == 116, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
     hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
     assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
