@@ -269,6 +269,61 @@ def summary_table(rows: list[Row], impls: list[str]) -> str:
     return "\n".join(lines)
 
 
+REPORT_NAMES = {"sdpa_cudnn": "cuDNN", "sdpa_flash": "FA2", "flex": "Flex",
+                "ioattn_triton": "ioattn portable", "sdpa_math": "SDPA math"}
+
+
+def report_markdown(rows: list[Row], min_seqlen: int = 2048, reference: str = "sdpa_cudnn") -> str:
+    """A run's cells from ``min_seqlen`` as markdown tables, one per (mode, dtype): TFLOP/s of
+    ioattn and each anchor in the run, ioattn's ratio to each; under each table how many cells
+    reach 1.0 against ``reference`` (the others listed) and the ratio's range per head dim.
+    (The README's performance tables are this output.)"""
+    by_cell: dict[tuple, dict[str, Row]] = {}
+    for r in rows:
+        if r.s >= min_seqlen and r.tflops:
+            by_cell.setdefault(r.cell(), {})[r.impl] = r
+    groups: dict[tuple, list[tuple]] = {}
+    for cell in by_cell:
+        m, _, _, _, _, _, dt, _ = cell
+        groups.setdefault((m, dt), []).append(cell)
+    out = []
+    for (mode, dt), cells in sorted(groups.items(), key=lambda g: (g[0][0] != "fwd", g[0])):
+        cells.sort(key=lambda c: (c[1], c[7] or 0, c[5], c[3]))  # d, d_v, causal, s
+        anchors_ = [n for n in REPORT_NAMES if any(n in by_cell[c] for c in cells)]
+        names = [REPORT_NAMES[n] for n in anchors_]
+        out += [f"{'Forward' if mode == 'fwd' else 'Backward'}, {dt}:", "",
+                "| d | causal | s | ioattn | " + " | ".join(names) + " | "
+                + " | ".join(f"vs {n}" for n in names) + " |",
+                "|" + "---|" * (4 + 2 * len(names))]
+        below, ranges, n_ok, n_ref = [], {}, 0, 0
+        for c in cells:
+            got = by_cell[c]
+            io = got.get("ioattn")
+            if io is None:
+                continue
+            _, d, _, s, _, causal, _, d_v = c
+            dims = f"{d}" + (f"x{d_v}" if d_v else "")
+            seq = f"{s // 1024}k" if s % 1024 == 0 else str(s)
+            vals = [f"{got[n].tflops:.0f}" if n in got else "-" for n in anchors_]
+            ratio = [f"{io.tflops / got[n].tflops:.2f}" if n in got else "-" for n in anchors_]
+            out.append(f"| {dims} | {'yes' if causal else 'no'} | {seq} | {io.tflops:.0f} | "
+                       + " | ".join(vals) + " | " + " | ".join(ratio) + " |")
+            if reference in got:
+                r = io.tflops / got[reference].tflops
+                n_ref += 1
+                n_ok += r >= 1.0
+                ranges.setdefault(dims, []).append(r)
+                if r < 1.0:
+                    below.append(f"d={dims} {'causal' if causal else 'non-causal'} {seq} {r:.3f}")
+        if n_ref:
+            ref = REPORT_NAMES.get(reference, reference)
+            out += ["", f"{n_ok} of {n_ref} cells at or above 1.0x {ref}"
+                    + (f"; below: {', '.join(below)}" if below else "") + "; ratio by head dim: "
+                    + ", ".join(f"d={k} {min(v):.2f}-{max(v):.2f}" for k, v in ranges.items())]
+        out.append("")
+    return "\n".join(out)
+
+
 # ---------------------------------------------------------------- CLI
 
 def _ints(s: str) -> list[int]:
@@ -347,6 +402,17 @@ def _progress(shapes: list[Shape]) -> Iterator[Shape]:
 
 def main(argv: Optional[Iterable[str]] = None) -> int:
     argv = list(argv) if argv is not None else sys.argv[1:]
+    if "--report" in argv:  # --report RUN.json [--from S]: a run's markdown tables, no timing
+        rp = argparse.ArgumentParser(prog="python -m ioattn bench --report")
+        rp.add_argument("--report", type=Path, required=True, help="a results JSON of this command")
+        rp.add_argument("--from", dest="min_seqlen", type=int, default=2048,
+                        help="the shortest sequence length to list (default 2048)")
+        ra = rp.parse_args(argv)
+        if not ra.report.is_file():
+            rp.error(f"--report {ra.report}: no such file; pass a JSON that `python -m ioattn "
+                     "bench` wrote")
+        print(report_markdown(load_rows(ra.report), ra.min_seqlen))
+        return 0
     if "--suite" in argv:  # --suite dense (this grid, the default) | decode (ioattn.bench.decode)
         i = argv.index("--suite")
         suite = argv[i + 1] if i + 1 < len(argv) else ""

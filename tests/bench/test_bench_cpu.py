@@ -185,3 +185,25 @@ def test_cpu_softcap_run(monkeypatch, tmp_path):
     assert all("softcap" in r["error"] for r in rows if r["impl"] == "sdpa_math")
     with pytest.raises(SystemExit):
         runner.main(args[:-2] + ["--softcap", "-1", "--out", str(tmp_path)])
+
+
+def test_report_markdown(tmp_path, capsys):
+    """`bench --report RUN.json`: a run's cells from --from on as markdown tables with ioattn's
+    ratios, and under each how many cells reach cuDNN (the others named)."""
+    rows = [runner.Row("fwd", 64, 32, s, 16384 // s, c, "bf16", impl, tflops=t)
+            for s in (1024, 2048, 4096) for c in (False, True)
+            for impl, t in (("ioattn", 500.0 if c else 380.0), ("sdpa_cudnn", 450.0),
+                            ("flex", 400.0))]
+    rows.append(runner.Row("fwd", 64, 32, 4096, 4, True, "bf16", "sdpa_flash", error="boom"))
+    path = tmp_path / "run.json"
+    runner.write_json(path, {"rows": [r.to_json() for r in rows]})
+    assert runner.main(["--report", str(path), "--from", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Forward, bf16:")
+    assert "| d | causal | s | ioattn | cuDNN | Flex | vs cuDNN | vs Flex |" in out
+    assert "| 64 | no | 2k | 380 | 450 | 400 | 0.84 | 0.95 |" in out
+    assert "1k" not in out and "FA2" not in out  # below --from; an anchor that only errored
+    assert ("2 of 4 cells at or above 1.0x cuDNN; below: d=64 non-causal 2k 0.844, "
+            "d=64 non-causal 4k 0.844; ratio by head dim: d=64 0.84-1.11") in out
+    with pytest.raises(SystemExit):
+        runner.main(["--report", str(tmp_path / "missing.json")])
