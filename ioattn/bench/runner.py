@@ -277,7 +277,7 @@ def report_markdown(rows: list[Row], min_seqlen: int = 2048, reference: str = "s
     """A run's cells from ``min_seqlen`` as markdown tables, one per (mode, dtype): TFLOP/s of
     ioattn and each anchor in the run, ioattn's ratio to each; under each table how many cells
     reach 1.0 against ``reference`` (the others listed) and the ratio's range per head dim.
-    (The README's performance tables are this output.)"""
+    (The README's performance tables are this output less the portable kernels' column.)"""
     by_cell: dict[tuple, dict[str, Row]] = {}
     for r in rows:
         if r.s >= min_seqlen and r.tflops:
