@@ -510,6 +510,14 @@ for step in $steps; do
            timelines IOATTN_SM90_FWD_Q_REGS q_regs
            onoff IOATTN_SM90_FWD_Q_REGS "1 0" fwd_q_regs --modes fwd --dims 64,128 \
              --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
+    bwd-stages) # the d=64 dK/dV kernel's Q/dO ring at 3 / 4 stages (IOATTN_SM90_BWD_STAGES, 2 by
+           # default since session 20): its tests, then the d=64 backward at 2 / 3 / 4 with cuDNN
+           # in each run (~90 + 3 x 70 s)
+           timeout 120 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
+             -k "stages" > "$OUT/tests_bwd_stages.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_bwd_stages.log"; tail -1 "$OUT/tests_bwd_stages.log"
+           onoff IOATTN_SM90_BWD_STAGES "2 3 4" bwd_stages --modes bwd --dims 64 \
+             --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     bwd-regs) # the backward's opt-in forms, each timed beside cuDNN (2k-16k): d = 64 / 128 as
            # default and with dK's dSᵀ from registers (IOATTN_SM90_BWD_DS_REGS=1); d=64 with K and
            # V in registers (IOATTN_SM90_BWD_KV_REGS=1), with both, and on 128-row steps

@@ -300,26 +300,28 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
 
 @gluon.jit
 def _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG: gl.constexpr, DQ_COLS: gl.constexpr,
-                SPLIT_DQ: gl.constexpr, dq_layout: gl.constexpr):
-    """(fused) Issue step t's dQ partial of this warpgroup: from d = 128 its half of the columns
-    over both warpgroups' keys (once both have stored their dSᵀ: ds_ready); with 128-row steps
-    (ds_all [128 keys, 128 rows]) its half of the rows over both warpgroups' keys; else the full
-    width over its own keys. Returns the wgmma's pending result."""
+                SPLIT_DQ: gl.constexpr, dq_layout: gl.constexpr, ALL_KEYS: gl.constexpr = False):
+    """(fused) Issue step t's dQ partial of this warpgroup, dS·K: from d = 128 its half of the
+    columns over both warpgroups' keys; with 128-row steps (ds_all [128 keys, 128 rows]) its
+    half of the rows over both warpgroups' keys; ALL_KEYS ("alt", d = 64) the whole partial over
+    both warpgroups' keys; those wait until both warpgroups have stored their dSᵀ (ds_ready).
+    Else the full width over its own keys. Returns the wgmma's pending result."""
     if ds_all.shape[1] == 2 * HALF:
-        mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
-        tok = warpgroup_mma(ds_all.slice(WG * HALF, HALF, dim=1).permute((1, 0)), k_smem,
-                            gl.zeros([HALF, DQ_COLS], gl.float32, layout=dq_layout),
-                            use_acc=False, is_async=True)
+        a = ds_all.slice(WG * HALF, HALF, dim=1).permute((1, 0))
+        b = k_smem
     elif SPLIT_DQ:
-        mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
-        tok = warpgroup_mma(ds_all.permute((1, 0)), k_smem.slice(WG * DQ_COLS, DQ_COLS, dim=1),
-                            gl.zeros([HALF, DQ_COLS], gl.float32, layout=dq_layout),
-                            use_acc=False, is_async=True)
+        a = ds_all.permute((1, 0))
+        b = k_smem.slice(WG * DQ_COLS, DQ_COLS, dim=1)
+    elif ALL_KEYS:
+        a = ds_all.permute((1, 0))
+        b = k_smem
     else:
-        tok = warpgroup_mma(ds_s.permute((1, 0)), k,
-                            gl.zeros([HALF, DQ_COLS], gl.float32, layout=dq_layout),
-                            use_acc=False, is_async=True)
-    return tok
+        a = ds_s.permute((1, 0))
+        b = k
+    if ds_all.shape[1] == 2 * HALF or SPLIT_DQ or ALL_KEYS:
+        mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
+    return warpgroup_mma(a, b, gl.zeros([HALF, DQ_COLS], gl.float32, layout=dq_layout),
+                         use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -552,11 +554,8 @@ def _dkdv_step(t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem, dq
             # both warpgroups' 128 keys: one 64 x 64 reduction a step instead of two
             dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
             if t % 2 == WG:
-                mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
-                dq_tok = warpgroup_mma(ds_all.permute((1, 0)), k_smem,
-                                       gl.zeros([HALF, DQ_COLS], gl.float32,
-                                                layout=dq_layout),
-                                       use_acc=False, is_async=True)
+                dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
+                                     SPLIT_DQ, dq_layout, True)
                 dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
                 mbarrier.arrive(qdo_empty.index(st), count=1)
                 _hand_dq(dq, dq_smem, dq_full, dq_empty, t // 2, WG)

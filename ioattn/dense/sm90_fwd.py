@@ -236,22 +236,6 @@ def _key_tile_load(desc, tile, bar, BT, bt_row, bt_width, key0, col, PAGED: gl.c
 
 
 @gluon.jit
-def _load_q(q_desc, q_smem, q_bar, q_empty, q_row, q_col, tc, n_tiles,
-            PERSISTENT: gl.constexpr):
-    """A query tile's Q halves (one 64-row piece per consumer warpgroup), when it has key
-    blocks (the consumers never wait for Q otherwise and, one CTA a tile, reuse its buffers to
-    stage O, so Q must not be in flight then); persistent, once the consumers have freed Q
-    (the previous tile's last QKᵀ retired; tc: the CTA's earlier tiles with work)."""
-    has_work = n_tiles > 0
-    if PERSISTENT:
-        mbarrier.wait(q_empty, (tc & 1) ^ 1, pred=has_work)
-    WGS: gl.constexpr = q_smem.shape[0]
-    mbarrier.expect(q_bar, WGS * q_desc.block_type.nbytes, pred=has_work)
-    for i in gl.static_range(WGS):
-        tma_load(q_desc, q_row + i * HALF_M, q_col, q_bar, q_smem.index(i), pred=has_work)
-
-
-@gluon.jit
 def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
                   k_empty, v_empty, v_fixed, BT, bt_row, bt_width, q_row, q_col, k_row, kv_col,
                   n_tiles, n_keys, it0, tc, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
@@ -266,7 +250,17 @@ def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty
         v_col = kv_col
     else:
         v_col = kv_col // k_smem.shape[2] * v_smem.shape[2]
-    _load_q(q_desc, q_smem, q_bar, q_empty, q_row, q_col, tc, n_tiles, PERSISTENT)
+    # no key block: the consumers never wait for Q (and, non-persistent, reuse its buffers to
+    # stage O), so Q must not be in flight then
+    has_work = n_tiles > 0
+    if PERSISTENT:
+        # the consumers free Q once the previous tile's last QKᵀ has retired (with Q_REGS, once
+        # they have loaded it into registers)
+        mbarrier.wait(q_empty, (tc & 1) ^ 1, pred=has_work)
+    WGS: gl.constexpr = q_smem.shape[0]  # consumer warpgroups: one 64-row Q piece each
+    mbarrier.expect(q_bar, WGS * q_desc.block_type.nbytes, pred=has_work)
+    for i in gl.static_range(WGS):
+        tma_load(q_desc, q_row + i * HALF_M, q_col, q_bar, q_smem.index(i), pred=has_work)
     for j in range(n_tiles):
         it = it0 + j
         st = it % STAGES
