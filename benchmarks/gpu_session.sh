@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-regs] [fwd-q-regs]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [fwd-q-regs]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -518,21 +518,15 @@ for step in $steps; do
            grep -E "^FAILED" "$OUT/tests_bwd_stages.log"; tail -1 "$OUT/tests_bwd_stages.log"
            onoff IOATTN_SM90_BWD_STAGES "2 3 4" bwd_stages --modes bwd --dims 64 \
              --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
-    bwd-regs) # the backward's opt-in forms, each timed beside cuDNN (2k-16k): d = 64 / 128 as
-           # default and with dK's dSᵀ from registers (IOATTN_SM90_BWD_DS_REGS=1); d=64 with K and
-           # V in registers (IOATTN_SM90_BWD_KV_REGS=1), with both, and on 128-row steps
-           # (IOATTN_SM90_BWD_ROWS=128, FA3's d <= 64 step); d=128 with K alone in registers
-           # (KV_REGS=k), with and without dSᵀ there; after their tests (~150 + 7 x 50 s)
-           timeout 200 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
-             -k "rows128 or operand_regs" > "$OUT/tests_bwd_regs.log" 2>&1
-           grep -E "^FAILED" "$OUT/tests_bwd_regs.log" | head -20; tail -1 "$OUT/tests_bwd_regs.log"
-           for form in "base 64,128" "DS_REGS=1 64,128" "KV_REGS=1 64" "KV_REGS=1,DS_REGS=1 64" \
-                       "ROWS=128 64" "KV_REGS=k 128" "KV_REGS=k,DS_REGS=1 128"; do set -- $form
-             name=bwd_regs_${1//[=,]/}; envs=IOATTN_SM90_BWD_${1//,/ IOATTN_SM90_BWD_}
-             env ${envs/IOATTN_SM90_BWD_base/IOATTN_SM90_BWD_ROWS=64} timeout 200 python -m ioattn \
-               bench --modes bwd --dims $2 --seqlens 2048,4096,8192,16384 --dtypes bf16 \
-               --impls ioattn_sm90,sdpa_cudnn --no-plots --out "$OUT/$name.json" > "/tmp/$name.log" 2>&1
-             echo "== $1"; grep -E "^bwd" "/tmp/$name.log"; done ;;
+    bwd-rows) # the fused d=64 backward on 128-row steps (IOATTN_SM90_BWD_ROWS, default since
+           # session 21) and on 64-row steps: the 128-row tests, then both with cuDNN beside each
+           # (~60 + 2 x 50 s). (Session 21's `bwd-regs` step at 736b182 also timed K / V and dSᵀ
+           # as register operands, removed after it: results/bwd_regs_*_736b182_*.json)
+           timeout 150 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
+             -k "rows128 or rows_rule" > "$OUT/tests_bwd_rows.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_bwd_rows.log" | head -20; tail -1 "$OUT/tests_bwd_rows.log"
+           onoff IOATTN_SM90_BWD_ROWS "128 64" bwd_rows --modes bwd --dims 64 \
+             --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -16,10 +16,11 @@ ioattn.flash_attn_func(q, k, v, window_size=(50, 7), backend="sm90")
 cu = torch.tensor([0, 0, 77, 300], dtype=torch.int32, device=dev)
 qv, kv, vv = (torch.randn(300, 4, 128, device=dev, dtype=dt) for _ in range(3))
 ioattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, 223, 223, causal=True, backend="sm90")
-# the sm90 backward kernels
-q, k, v = (torch.randn(1, 203, 4, 128, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
-out = ioattn.flash_attn_func(q, k, v, causal=True, backend="sm90")
-out.backward(torch.randn_like(out))
+# the sm90 backward kernels (d=64: the fused form on 128-row steps, the last one partial)
+for d, causal in ((128, True), (64, False), (64, True)):
+    q, k, v = (torch.randn(1, 203, 4, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
+    out = ioattn.flash_attn_func(q, k, v, causal=causal, backend="sm90")
+    out.backward(torch.randn_like(out))
 # serving: decode wrapper, kv-cache call
 cache = torch.randn(40, 2, 16, 2, 128, device=dev, dtype=dt)
 w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=dev))

@@ -82,9 +82,9 @@ def bwd_source(base: int) -> str:
                  "    if n_steps > 0:\n        mbarrier.wait(kv_bar, 0)\n",
                  "    dv = gl.zeros([HALF, HEAD_D], gl.float32, layout=a_layout)\n    _tl_c0()\n"
                  "    if n_steps > 0:\n        mbarrier.wait(kv_bar, 0)\n        _tl_c1()\n")
-    src = _patch(src, "                False, 2, ROW_STATS, DS_REGS)\n"
+    src = _patch(src, "                False, 2, ROW_STATS)\n"
                  "            for t in range(1, n_steps):\n",
-                 "                False, 2, ROW_STATS, DS_REGS)\n            _tl_c2()\n"
+                 "                False, 2, ROW_STATS)\n            _tl_c2()\n"
                  "            for t in range(1, n_steps):\n")
     src = _patch(src, "    d_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))\n"
                  "    keys = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))\n",

@@ -152,15 +152,10 @@ ENV_SWITCHES = (
      "in shared memory by the producer, read just before use (0: held in registers)"),
     ("IOATTN_SM90_BWD_D256", "1", "sm90 backward at d=256: a column-split dK/dV kernel and the dQ "
      "kernel on 32-key tiles (0: the portable backward there)"),
-    ("IOATTN_SM90_BWD_ROWS", "64", "sm90 fused backward at d=64: query rows a dK/dV step, 64 or "
-     "128 (FlashAttention-3's d <= 64 step: N = 128 score GEMMs, dQ split by rows)"),
-    ("IOATTN_SM90_BWD_KV_REGS", "0", "sm90 backward dK/dV kernel (64-row steps): the score "
-     "GEMMs' A operands from registers (less shared-memory traffic): 1 K and V at d=64, k K alone "
-     "at d=64/128"),
-    ("IOATTN_SM90_BWD_DS_REGS", "0", "sm90 fused backward (d=64/128): dK's dS^T operand from "
-     "registers, not its shared-memory copy (less shared-memory traffic)"),
+    ("IOATTN_SM90_BWD_ROWS", "auto", "sm90 fused backward at d=64: query rows a dK/dV step, auto "
+     "(128), 64 or 128 (FlashAttention-3's d <= 64 step: N = 128 score GEMMs, dQ split by rows)"),
     ("IOATTN_SM90_BWD_STAGES", "auto", "sm90 backward dK/dV kernel at d=64: Q/dO ring stages "
-     "(auto: 2; 3 or 4 fit its shared memory)"),
+     "(auto: 2; 3 or 4 fit its shared memory on 64-row steps, IOATTN_SM90_BWD_ROWS=64)"),
     ("IOATTN_SM90_BWD_TMA_STORE", "1", "sm90 backward dK/dV kernel (d=64/128): dK and dV of full "
      "64-key halves staged in the freed Q/dO stage and stored by TMA (0: stored from registers)"),
     ("IOATTN_SM90_FWD_O_TMA", "1", "sm90 persistent forward: O staged in the tile's last V "

@@ -280,8 +280,9 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                          for suffix, rs in (("", sm90_bwd.ROW_STATS),
                                             (other_rs, not sm90_bwd.ROW_STATS))]
             else:
-                # the two-kernel and fused forms as launched (the fused one in this mask's dQ
-                # order), and (full) the fused one in each other dQ order
+                # the two-kernel and fused forms on 64-row steps (the fused one in this mask's
+                # dQ order; at d = 64 the ROWS=64 form), and (full) the fused one in each other
+                # dQ order
                 launched = sm90_bwd.dq_order(d, causal)
                 orders = [launched] + ([o for o in sm90_bwd.DQ_ORDERS if o != launched
                                         and (o != "alt" or d == 64)] if tag == "full" else [])
@@ -305,27 +306,9 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                           bwd_desc, d, dict(flags, STAGES=sm90_bwd.DKDV_STAGES, TMA_STORE=True,
                                             **form))
                          for suffix, form in forms]
-                # (opt-in, IOATTN_SM90_BWD_DS_REGS) the fused form as launched with dK's dSᵀ
-                # from registers, and (opt-in IOATTN_SM90_BWD_KV_REGS) K / V in registers for
-                # Sᵀ, dPᵀ: d=64 both (two-kernel and fused as launched, and with dSᵀ there),
-                # d=128 K alone (fused as launched, and with dSᵀ there)
-                fused_tag, fused_form = forms[1]  # (the fused form as launched)
-                regs_forms = [(f"{fused_tag} ds-regs", dict(fused_form, DS_REGS=True))]
-                if d == 64:
-                    regs_forms += [(f"{suffix} kv-regs", dict(form, KV_REGS=1))
-                                   for suffix, form in forms[:2]]
-                    regs_forms.append((f"{fused_tag} kv-regs ds-regs",
-                                       dict(fused_form, KV_REGS=1, DS_REGS=True)))
-                else:  # (KV_REGS=k) K alone in registers, with and without dSᵀ there
-                    regs_forms += [(f"{fused_tag} k-regs", dict(fused_form, KV_REGS=2)),
-                                   (f"{fused_tag} k-regs ds-regs",
-                                    dict(fused_form, KV_REGS=2, DS_REGS=True))]
-                jobs += [(f"sm90 bwd dkdv{suffix} d{d} {tag} 128 keys ws", sm90_bwd._bwd_dkdv_sm90,
-                          bwd_desc, d, dict(flags, STAGES=sm90_bwd.DKDV_STAGES, TMA_STORE=True,
-                                            **form))
-                         for suffix, form in regs_forms]
-                if d == 64:  # (opt-in, IOATTN_SM90_BWD_ROWS=128) fused on 128-row steps, Q /
-                    # dO by 128-row boxes, dQ after dK's update (full: also first)
+                if d == 64:  # the fused form as launched at d = 64 (IOATTN_SM90_BWD_ROWS):
+                    # 128-row steps, Q / dO by 128-row boxes, dQ after dK's update (full: also
+                    # first)
                     jobs += [(f"sm90 bwd dkdv+dq {o} rows=128 d{d} {tag} 128 keys ws",
                               sm90_bwd._bwd_dkdv_sm90, dict(bwd_desc, q_desc=128, do_desc=128), d,
                               dict(flags, STAGES=sm90_bwd.DKDV_STAGES, TMA_STORE=True,

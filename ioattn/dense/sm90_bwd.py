@@ -74,7 +74,8 @@ CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 DKDV_STAGES = 2
 # (the d = 64 dK/dV kernel) Q/dO ring stages, IOATTN_SM90_BWD_STAGES: "auto" (default) 2, or 3 /
-# 4 (d = 64 takes 132 / 150 / 166 KB of shared memory at 2 / 3 / 4 stages, spill-free; with 2
+# 4 on 64-row steps (``ROWS_MODE`` 64; the 128-row steps fit 2, 194 KB) (64-row steps at d = 64
+# take 132 / 150 / 166 KB of shared memory at 2 / 3 / 4 stages, spill-free; with 2
 # the producer runs one 1.44 us step ahead of the consumers at 2k, about an L2 round trip under
 # load). Timed on the H200 with cuDNN in each run (results/bwd_stages{2,3,4}_e33e22c_*.json):
 # 3 stages 1-5% slower non-causal, 4 within -1 / +1.4% of 2, so 2 stays. d = 128 has no room
@@ -93,8 +94,8 @@ FUSED = os.environ.get("IOATTN_SM90_FUSED_BWD", "1").lower() not in ("0", "false
 # "alt" (d = 64: one warpgroup per step, in turn, forms the partial over both warpgroups' 128 keys,
 # half the TMA reductions; at d = 64 they are ~4x the d = 128 form's bytes per FLOP). "auto"
 # takes what measured fastest on the H200 (results/sm90_bwd_order_*_a0cfad4_*.json and
-# results/tune/sm90_bwd_order_*_a0cfad4_*.log, in one session): alt at d = 64 (+10-14% over
-# after), lag at d = 128 without a mask (+5-9%; it loses 4-6% under causal masks), first at
+# results/tune/sm90_bwd_order_*_a0cfad4_*.log, in one session): alt at d = 64 on 64-row steps
+# (+10-14% over after; the default 128-row steps, ``ROWS_MODE``, take after), lag at d = 128 without a mask (+5-9%; it loses 4-6% under causal masks), first at
 # d = 128 under a mask (+4-5%). (Tried, session 19: "lag" with the partial issued after the
 # step's dSᵀ store, d = 128 spills 256 -> 32 B, ran -6% at 2k and within 1% from 4k without a
 # mask, results/bwd_order_lag-late_ebb00c7_*.json; not kept.)
@@ -105,26 +106,12 @@ DQ_ORDERS = ("after", "first", "lag", "alt")
 # each warpgroup's dQ partial its half of the rows over both warpgroups' 128 keys (two 64 x 64
 # reductions a 128-row step, as "alt"'s one a 64-row step), half the steps' barrier waits and
 # row-stat loads. 194 KB of shared memory. The anchor this aims at: FA3-class d=64 backward 540
-# TFLOP/s at 16k on this H200 (../shared/anchors), ours 448 on 64-row steps.
-# IOATTN_SM90_BWD_ROWS: "64" (default, until timed on the H200) or "128"
-ROWS_MODE = os.environ.get("IOATTN_SM90_BWD_ROWS", "64").lower()
-# Shared-memory traffic of the dK/dV kernel, by byte count at full tensor rate (NOTES, session
-# 20): a d = 128 step reads ~136 KB a warpgroup (Sᵀ, dPᵀ, dK and dQ are SS wgmmas) and with the
-# TMA writes and dQ's reductions the CTA asks ~131 B a clock of the 128 the shared memory
-# serves; at d = 64, where every GEMM is N = 64, SS GEMMs read as many operand bytes as they
-# compute on. Two opt-ins take operands from registers instead ("RS" wgmma):
-# (64-row steps) KV_REGS: each consumer warpgroup's K and V halves loaded into registers once,
-# Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ from there. IOATTN_SM90_BWD_KV_REGS=1: both, at d = 64 (~56 KB a
-# step a warpgroup instead of ~72; 32 registers a thread, spill-free in the batched forms,
-# varlen 76 B (84 without); the 128-row steps and d = 128 spill 480+ B with both); "k": K
-# alone, at d = 64 and 128 (d = 128: 16 of ~136 KB a step; 32 registers, 156-184 B of spills).
-KV_REGS = os.environ.get("IOATTN_SM90_BWD_KV_REGS", "0").lower()
-# (fused, d <= 128) DS_REGS: dK += dSᵀ·Q with dSᵀ from the registers it is stored from (its
-# shared-memory copy stays for dQ's GEMM): 8 KB less a step a warpgroup (d = 128: 136 -> 128;
-# d = 64 with KV_REGS: 56 -> 48). sm90 compile: no new spills at d = 64 or 128 (d = 128 after
-# 4 B, lag 256 B, as without). IOATTN_SM90_BWD_DS_REGS=1 turns it on. Both opt-in until timed
-# on the H200
-DS_REGS = os.environ.get("IOATTN_SM90_BWD_DS_REGS", "0").lower() in ("1", "true", "on")
+# TFLOP/s at 16k on this H200 (../shared/anchors). Measured against 64-row steps (session 21,
+# cuDNN beside each run, results/bwd_regs_{base,ROWS128}_736b182_*.json): non-causal 2k-16k
+# 404-447 -> 444-486 TFLOP/s (1.08-1.09x cuDNN; 0.94-1.02x on 64-row steps), causal 334-438
+# -> 349-473 (1.07-1.11x). IOATTN_SM90_BWD_ROWS: "auto" (default: 128 where it applies, the
+# fused form at d = 64), "64" or "128"
+ROWS_MODE = os.environ.get("IOATTN_SM90_BWD_ROWS", "auto").lower()
 # (d <= 128, outside the "lag" order) each query head's steps in three loops, the middle one (the
 # tiles that need no mask) without the mask's code: 15-30% fewer instructions a step in the SASS.
 # IOATTN_SM90_BWD_SEGMENTS: "auto" (default) at d = 64 without a causal mask or window, 1 / 0
@@ -420,24 +407,22 @@ def _dkdv_scores(t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELT
 
 
 @gluon.jit
-def _dkdv_lag_step(t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
+def _dkdv_lag_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                    qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, LSE, DELTA, lse_base,
                    stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                    window_right, qk_scale_log2,
                    softcap_scale, sm_scale, WG: gl.constexpr, STAGES: gl.constexpr,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                   HAS_PREV: gl.constexpr, MASK: gl.constexpr, ROW_STATS: gl.constexpr,
-                   DS_REGS: gl.constexpr = False):
+                   HAS_PREV: gl.constexpr, MASK: gl.constexpr, ROW_STATS: gl.constexpr):
     """(fused, DQ_LAG) Step t with step t - 1's dQ partial (HAS_PREV) issued right after this
     step's dV update: the GEMM overlaps this step's dS, and the two warpgroups meet at a dSᵀ
-    buffer one step after writing it instead of within the step. k, ka, va, DS_REGS as
-    ``_dkdv_step``'s. Returns (dv, dk, fixes)."""
+    buffer one step after writing it instead of within the step. Returns (dv, dk, fixes)."""
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = dq_smem.shape[2]
     SPLIT_DQ: gl.constexpr = DQ_COLS < q_smem.shape[2]
     dq_layout: gl.constexpr = wgmma_acc_layout(DQ_COLS)
     st, q, do, p, dp, delta, fixes, dv_tok = _dkdv_scores(
-        t, dv, ka, va, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
+        t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
         h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
         softcap_scale,
         STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK, ROW_STATS)
@@ -451,13 +436,12 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem
     if SPLIT_DQ:
         if t >= 2:  # both warpgroups' dQ GEMMs of step t - 2 have read this buffer
             mbarrier.wait(ds_empty.index(t % 2), ((t // 2) - 1) & 1)
-    ds_lo = (ds * sm_scale).to(dtype)
-    ds_s.store(ds_lo)
+    ds_s.store((ds * sm_scale).to(dtype))
     fence_async_shared()
     if SPLIT_DQ:
         gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
         mbarrier.arrive(ds_ready.index(t % 2), count=1)
-    dk_tok = warpgroup_mma(_ds_operand(ds_s, ds_lo, dk, DS_REGS), q, dk, is_async=True)
+    dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
     if HAS_PREV:
         dv, dq = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok])
         if SPLIT_DQ:
@@ -468,17 +452,6 @@ def _dkdv_lag_step(t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem
         dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
     mbarrier.arrive(qdo_empty.index(st), count=1)
     return dv, dk, fixes
-
-
-@gluon.jit
-def _ds_operand(ds_s, ds_lo, dk, DS_REGS: gl.constexpr):
-    """dK += dSᵀ·Q's A operand: dSᵀ's shared-memory copy (ds_s, which dQ's GEMM reads too), or
-    (DS_REGS) the registers it was stored from (ds_lo, in the input dtype), in the operand
-    layout of dk's accumulator."""
-    if DS_REGS:
-        return gl.convert_layout(ds_lo, wgmma_a_operand(dk.type.layout))
-    else:
-        return ds_s
 
 
 @gluon.jit
@@ -505,26 +478,23 @@ def _mask_segments(lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @gluon.jit
-def _dkdv_step(t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
+def _dkdv_step(t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base, stride_lh, h0,
                ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
                softcap_scale,
                sm_scale, WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                DQ_FIRST: gl.constexpr, DQ_ALT: gl.constexpr, MASK: gl.constexpr,
-               ROW_STATS: gl.constexpr, DS_REGS: gl.constexpr = False):
-    """Step t of a dK/dV consumer warpgroup outside DQ_LAG (MASK as ``_dkdv_scores``): k its
-    key half in shared memory (dQ's operand), ka / va the A operands of Sᵀ and dPᵀ (its K and V
-    halves in shared memory, or with KV_REGS in registers). DS_REGS (fused): dK += dSᵀ·Q with
-    dSᵀ from registers rather than from its shared-memory copy (which dQ's GEMM reads).
-    Returns (dv, dk, fixes)."""
+               ROW_STATS: gl.constexpr):
+    """Step t of a dK/dV consumer warpgroup outside DQ_LAG (MASK as ``_dkdv_scores``). Returns
+    (dv, dk, fixes)."""
     HEAD_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = dq_smem.shape[2]
     SPLIT_DQ: gl.constexpr = DQ_COLS < HEAD_D
     dq_layout: gl.constexpr = wgmma_acc_layout(DQ_COLS)
     st, q, do, p, dp, delta, fixes, dv_tok = _dkdv_scores(
-        t, dv, ka, va, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
+        t, dv, k, v, q_smem, do_smem, qdo_full, fixed, fixes, LSE, DELTA, lse_base, stride_lh,
         h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
         softcap_scale,
         STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN, MASK, ROW_STATS)
@@ -542,17 +512,15 @@ def _dkdv_step(t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem, dq
         # the rows over all 128 keys)
         ds_all = ds_smem.index(t % 2)
         ds_s = ds_all.slice(WG * HALF, HALF, dim=0)
-        ds_lo = (ds * sm_scale).to(dtype)
-        ds_s.store(ds_lo)
+        ds_s.store((ds * sm_scale).to(dtype))
         fence_async_shared()
-        ds_a = _ds_operand(ds_s, ds_lo, dk, DS_REGS)  # dK's A operand
         if SPLIT_DQ or DQ_ALT or q_smem.shape[1] == 2 * HALF:
             gl.thread_barrier()  # the whole warpgroup's stores, before its one arrival
             mbarrier.arrive(ds_ready.index(t % 2), count=1)
         if DQ_ALT:
             # (d = 64) one warpgroup per step, in turn, forms the whole dQ partial over
             # both warpgroups' 128 keys: one 64 x 64 reduction a step instead of two
-            dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
+            dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
             if t % 2 == WG:
                 dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
                                      SPLIT_DQ, dq_layout, True)
@@ -567,10 +535,10 @@ def _dkdv_step(t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem, dq
             # handed to the writer (wgmma groups retire in issue order)
             dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
                                  SPLIT_DQ, dq_layout)
-            dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
+            dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
             dv, dq = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok])
         else:
-            dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
+            dk_tok = warpgroup_mma(ds_s, q, dk, is_async=True)
             dq_tok = _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG, DQ_COLS,
                                  SPLIT_DQ, dq_layout)
             dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
@@ -599,8 +567,7 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
                    HAS_RIGHT: gl.constexpr, FUSED_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                    DQ_FIRST: gl.constexpr, DQ_LAG: gl.constexpr, DQ_ALT: gl.constexpr,
                    SEGMENTS: gl.constexpr, ROW_STATS: gl.constexpr, K_COLS: gl.constexpr,
-                   V_COLS: gl.constexpr, TMA_STORE: gl.constexpr, KV_REGS: gl.constexpr = 0,
-                   DS_REGS: gl.constexpr = False):
+                   V_COLS: gl.constexpr, TMA_STORE: gl.constexpr):
     # TMA_STORE: dK / dV of a full 64-key half staged in this warpgroup's Q / dO stage and
     # stored by TMA (rows k_row + WG * 64 of dk_desc / dv_desc, column kv_col)
     HEAD_D: gl.constexpr = q_smem.shape[2]
@@ -623,33 +590,24 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
         if IS_VARLEN and FUSED_DQ:
             if seqlen_k - start_n < 2 * HALF:  # the producer zeroes keys past the end
                 mbarrier.wait(fixed.index(STAGES), 0)
-    # Sᵀ's and dPᵀ's A operands: this warpgroup's K and V halves in shared memory, or (KV_REGS)
-    # loaded into registers once (without steps nothing was loaded, and nothing reads them)
-    ka = k
-    va = v
-    if KV_REGS:  # (1: K and V; 2: K alone)
-        kv_op: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(q_smem.shape[1]))
-        ka = k.load(kv_op)
-        if KV_REGS == 1:
-            va = v.load(kv_op)
     fixes = n_steps * 0  # (varlen) parity per stage of the zeroed-rows barriers
     if FUSED_DQ and DQ_LAG:
         if n_steps > 0:  # the first step (no partial before it) peeled
             dv, dk, fixes = _dkdv_lag_step(
-                0, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
+                0, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                 qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, LSE, DELTA, lse_base,
                 stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                 window_right, qk_scale_log2,
                 softcap_scale, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
-                False, 2, ROW_STATS, DS_REGS)
+                False, 2, ROW_STATS)
             for t in range(1, n_steps):
                 dv, dk, fixes = _dkdv_lag_step(
-                    t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
+                    t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                     qdo_empty, fixed, ds_ready, ds_empty, dq_full, dq_empty, LSE, DELTA, lse_base,
                     stride_lh, h0, ld_smem, lo_m, n_m, n0, q_start, seqlen_q, seqlen_k, window_left,
                     window_right, qk_scale_log2,
                     softcap_scale, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT,
-                    IS_VARLEN, True, 2, ROW_STATS, DS_REGS)
+                    IS_VARLEN, True, 2, ROW_STATS)
             # the last step's dQ partial
             last = n_steps - 1
             prev = ds_smem.index(last % 2)
@@ -668,21 +626,21 @@ def _dkdv_consumer(DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem
                 hi = g * n_m + (a if run == 0 else (b if run == 1 else n_m))
                 for t in range(lo, hi):
                     dv, dk, fixes = _dkdv_step(
-                        t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
+                        t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                         qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base,
                         stride_lh, h0, ld_smem, lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right,
                         qk_scale_log2,
                         softcap_scale, sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ,
-                        IS_VARLEN, DQ_FIRST, DQ_ALT, 0 if run == 1 else 1, ROW_STATS, DS_REGS)
+                        IS_VARLEN, DQ_FIRST, DQ_ALT, 0 if run == 1 else 1, ROW_STATS)
     else:  # one loop, each tile's mask tested at run time
         for t in range(n_steps):
             dv, dk, fixes = _dkdv_step(
-                t, dv, dk, fixes, k, ka, va, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
+                t, dv, dk, fixes, k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qdo_full,
                 qdo_empty, fixed, ds_ready, dq_full, dq_empty, LSE, DELTA, lse_base, stride_lh, h0, ld_smem,
                 lo_m, n_m, n0, seqlen_q, seqlen_k, window_left, window_right, qk_scale_log2,
                 softcap_scale,
                 sm_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_ALT, 2,
-                ROW_STATS, DS_REGS)
+                ROW_STATS)
 
     d_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
     keys = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_layout))
@@ -791,8 +749,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                    DQ_LAG: gl.constexpr = False, DQ_ALT: gl.constexpr = False,
                    SEGMENTS: gl.constexpr = False, ROW_STATS: gl.constexpr = False,
                    softcap_scale=None, K_COLS: gl.constexpr = 0, V_COLS: gl.constexpr = 0,
-                   head_group=1, TMA_STORE: gl.constexpr = False, KV_REGS: gl.constexpr = 0,
-                   DS_REGS: gl.constexpr = False):
+                   head_group=1, TMA_STORE: gl.constexpr = False):
     # K_COLS / V_COLS: dK's and dV's own head dims where the tiles are zero-padded past them
     # (head dims 96 / 192 read in place, ``rows_descriptor(pad_to=...)``); 0: the tiles' width;
     # head_group: the blocks' order (``_key_block``); TMA_STORE: dK / dV of full key halves by
@@ -873,8 +830,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS, TMA_STORE, KV_REGS,
-                              DS_REGS)),
+                              ROW_STATS, K_COLS, V_COLS, TMA_STORE)),
             (_dkdv_consumer, (DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem,
                               v_smem, ds_smem, dq_smem, kv_bar.index(0), qdo_full, qdo_empty, fixed,
                               ds_ready, ds_empty, dq_full, dq_empty, dk_off, dv_off,
@@ -882,8 +838,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS, TMA_STORE, KV_REGS,
-                              DS_REGS)),
+                              ROW_STATS, K_COLS, V_COLS, TMA_STORE)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -901,8 +856,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               0, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS, TMA_STORE, KV_REGS,
-                              DS_REGS)),
+                              ROW_STATS, K_COLS, V_COLS, TMA_STORE)),
             (_dkdv_consumer, (DK, DV, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem,
                               v_smem, ds_smem, dq_smem, kv_bar.index(0), qdo_full, qdo_empty, fixed,
                               ds_ready, ds_empty, dq_full, dq_empty, dk_off, dv_off,
@@ -910,8 +864,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                               start_n, q_start, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale_log2, softcap_scale, sm_scale,
                               1, STAGES, HAS_LEFT, HAS_RIGHT, FUSED_DQ, IS_VARLEN, DQ_FIRST, DQ_LAG, DQ_ALT, SEGMENTS,
-                              ROW_STATS, K_COLS, V_COLS, TMA_STORE, KV_REGS,
-                              DS_REGS)),
+                              ROW_STATS, K_COLS, V_COLS, TMA_STORE)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                               kv_bar.index(0), qdo_full, qdo_empty, fixed, q_start, k_start + start_n,
                               off_hk * HEAD_D, h0, lo_m, n_m, n_steps, seqlen_q, seqlen_k - start_n,
@@ -1321,39 +1274,24 @@ def dq_order(head_dim: int, masked: bool, rows: int = 64) -> str:
     return "after" if order == "alt" and dq_cols(head_dim) != head_dim else order
 
 
-def kv_regs(head_dim: int, rows: int) -> int:
-    """Which of each warpgroup's K and V halves the dK/dV kernel keeps in registers for Sᵀ and
-    dPᵀ (``KV_REGS``), on 64-row steps: 1 both (asked for with "1", at d = 64), 2 K alone ("k",
-    d <= 128), 0 neither."""
-    if KV_REGS not in ("0", "1", "k"):
-        raise ValueError(f"IOATTN_SM90_BWD_KV_REGS={KV_REGS!r}: expected 0, 1 or k")
-    if rows != HALF.value or KV_REGS == "0":
-        return 0
-    if KV_REGS == "1":
-        return 1 if head_dim == 64 else 0
-    return 2 if head_dim <= 128 else 0
-
-
-def ds_regs(fused: bool, rows: int) -> bool:
-    """Whether the fused dK/dV kernel takes dK's dSᵀ operand from registers (``DS_REGS``): on
-    64-row steps (the 128-row steps' [64, 128] dSᵀ would add 32 registers to a spilling form)."""
-    return DS_REGS and fused and rows == HALF.value
-
-
 def step_rows(head_dim: int, fused: bool) -> int:
-    """Query rows a step of the d <= 128 dK/dV kernel (``ROWS_MODE``): 128 where asked for, in
-    the fused form at d = 64; else 64."""
-    if ROWS_MODE not in ("64", "128"):
-        raise ValueError(f"IOATTN_SM90_BWD_ROWS={ROWS_MODE!r}: expected 64 or 128")
-    return 128 if ROWS_MODE == "128" and fused and head_dim == 64 else HALF.value
+    """Query rows a step of the d <= 128 dK/dV kernel (``ROWS_MODE``): 128 in the fused form at
+    d = 64 ("auto", "128"; it measured +7-12% there); else 64."""
+    if ROWS_MODE not in ("auto", "64", "128"):
+        raise ValueError(f"IOATTN_SM90_BWD_ROWS={ROWS_MODE!r}: expected auto, 64 or 128")
+    return 128 if ROWS_MODE != "64" and fused and head_dim == 64 else HALF.value
 
 
-def dkdv_stages(head_dim: int) -> int:
-    """Q/dO stages of the d <= 128 dK/dV kernel (``STAGES_MODE``; d = 128 always 2)."""
+def dkdv_stages(head_dim: int, rows: int = 64) -> int:
+    """Q/dO stages of the d <= 128 dK/dV kernel (``STAGES_MODE``; d = 128 always 2); 3 / 4 on
+    64-row steps only (the 128-row steps' ring takes 194 KB of shared memory at 2)."""
     if STAGES_MODE == "auto" or head_dim != 64:
         return DKDV_STAGES
     if STAGES_MODE not in ("2", "3", "4"):
         raise ValueError(f"IOATTN_SM90_BWD_STAGES={STAGES_MODE!r}: expected auto, 2, 3 or 4")
+    if rows != HALF.value and STAGES_MODE != "2":
+        raise ValueError(f"IOATTN_SM90_BWD_STAGES={STAGES_MODE}: the 128-row steps of the d=64 "
+                         "backward fit 2 stages; set IOATTN_SM90_BWD_ROWS=64 for a deeper ring")
     return int(STAGES_MODE)
 
 
@@ -1484,10 +1422,10 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             dk, dv, lse, delta, cu_q, cu_k,
             dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-            STAGES=dkdv_stages(d), FUSED_DQ=fused, DQ_LAG=order == "lag", DQ_ALT=order == "alt",
+            STAGES=dkdv_stages(d, rows), FUSED_DQ=fused, DQ_LAG=order == "lag", DQ_ALT=order == "alt",
             DQ_FIRST=order == "first", SEGMENTS=segments(d, p.causal_like), ROW_STATS=ROW_STATS,
             softcap_scale=softcap_scale, head_group=_order(grid, p, q.device), TMA_STORE=tma_store,
-            KV_REGS=kv_regs(d, rows), DS_REGS=ds_regs(fused, rows), **cols, **flags)
+            **cols, **flags)
         if fused:
             dq.copy_(dq_acc[..., :q.shape[-1]] if d_pad else dq_acc)
             return

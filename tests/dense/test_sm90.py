@@ -319,49 +319,11 @@ def test_sm90_bwd_stages(c: Case, form, stages, monkeypatch):
     from ioattn.dense import sm90_bwd
 
     monkeypatch.setattr(sm90_bwd, "STAGES_MODE", stages)
+    monkeypatch.setattr(sm90_bwd, "ROWS_MODE", "64")  # (the 128-row steps fit 2 stages)
     monkeypatch.setattr(sm90_bwd, "FUSED", form != "two-kernel")
     if form in sm90_bwd.DQ_ORDERS:
         _bwd_order(monkeypatch, form)
     _check_sm90_grads(c, varlen=True)
-
-
-# (kept to ~65 run cases: the whole GPU suite runs in one device call of at most 10 minutes)
-REGS_CASES = [Case(113, 203, d=64), Case(777, 777, d=64, h=4, h_k=1),
-              Case(1000, 100, d=64, causal=True), Case(300, 300, d=64, h=4, h_k=2, window=(50, 20)),
-              Case(257, 700, d=64, softcap=30.0), Case(113, 203, d=128),  # (d=128: lag)
-              Case(113, 203, d=128, causal=True),
-              Case(256, 300, d=128, h=6, h_k=2, window=(40, 10)),
-              Case(1024, 1024, d=128, causal=True, b=2, h=2),
-              Case(203, 113, d=128, causal=True, softcap=5.0)]
-REGS_FORMS = [("kv", "auto"), ("kv", "segments"), ("kv", "two-kernel"), ("ds", "auto"),
-              ("ds", "first"), ("kv+ds", "auto"), ("kv+ds", "lag"), ("k", "auto"),
-              ("k+ds", "auto")]
-
-
-@needs_sm90
-@pytest.mark.parametrize("regs,form", REGS_FORMS, ids=["-".join(f) for f in REGS_FORMS])
-@pytest.mark.parametrize("c", REGS_CASES, ids=lambda c: "sm90-bwd-regs-" + c.id)
-def test_sm90_bwd_operand_regs(c: Case, regs, form, monkeypatch):
-    """(opt-in) the dK/dV kernel with GEMM operands from registers: each warpgroup's K and V for
-    Sᵀ / dPᵀ (IOATTN_SM90_BWD_KV_REGS=1, d=64), K alone (=k, d = 64 / 128) and dK's dSᵀ
-    (IOATTN_SM90_BWD_DS_REGS, fused, d = 64 / 128), in the dQ orders that take them (auto: alt
-    at d=64, lag / after at d=128), with the masked / unmasked step loops forced on, and
-    two-kernel; batched and varlen."""
-    from ioattn.dense import sm90_bwd
-
-    if "kv" in regs and c.d != 64:
-        pytest.skip("K and V in registers at d=64 only")
-    monkeypatch.setattr(sm90_bwd, "KV_REGS", regs.split("+")[0].replace("kv", "1")
-                        if regs.startswith("k") else "0")
-    monkeypatch.setattr(sm90_bwd, "DS_REGS", "ds" in regs)
-    monkeypatch.setattr(sm90_bwd, "FUSED", form != "two-kernel")
-    monkeypatch.setattr(sm90_bwd, "SEGMENTS", "1" if form == "segments" else "auto")
-    if form in sm90_bwd.DQ_ORDERS:
-        _bwd_order(monkeypatch, form)
-    if c.softcap:  # (batched: the varlen check takes no softcap)
-        _fwd_bwd(c, True)
-    else:
-        _check_sm90_grads(c, varlen=True)
 
 
 ROWS_CASES = [Case(113, 203, d=64), Case(777, 777, d=64, h=4, h_k=1),
@@ -376,7 +338,7 @@ ROWS_CASES = [Case(113, 203, d=64), Case(777, 777, d=64, h=4, h_k=1),
 @pytest.mark.parametrize("form", ["after", "first", "segments"])
 @pytest.mark.parametrize("c", ROWS_CASES, ids=lambda c: "sm90-bwd-rows128-" + c.id)
 def test_sm90_bwd_rows128(c: Case, form, monkeypatch):
-    """(opt-in IOATTN_SM90_BWD_ROWS=128) the fused d=64 dK/dV kernel on 128-row steps: Sᵀ / dPᵀ
+    """(the default, IOATTN_SM90_BWD_ROWS) the fused d=64 dK/dV kernel on 128-row steps: Sᵀ / dPᵀ
     over 128 query rows, each warpgroup's dQ partial half of the rows, with dQ after or before
     dK's update and the masked / unmasked step loops forced on; partial last steps, GQA,
     causal with more / fewer queries than keys, a window, softcap, batched and varlen."""
@@ -392,26 +354,14 @@ def test_sm90_bwd_rows128(c: Case, form, monkeypatch):
 
 
 def test_bwd_rows_rule(monkeypatch):
-    """128-row steps where asked for: the fused form at d = 64 only, in the after / first
-    orders (alt and lag, which the 64-row steps take, become after); K / V in registers at
-    d = 64 on 64-row steps only; dK's dSᵀ from registers in the fused form on 64-row steps."""
+    """128-row steps in the fused form at d = 64 only (by default, or asked for), in the after /
+    first orders (alt and lag, which the 64-row steps take, become after); 64-row steps there
+    where asked for."""
     from ioattn.dense import sm90_bwd
 
-    assert sm90_bwd.step_rows(64, True) == 64  # default
-    assert not sm90_bwd.kv_regs(64, 64)  # default off
-    monkeypatch.setattr(sm90_bwd, "KV_REGS", "1")  # K and V in registers: d=64, 64-row steps
-    assert [sm90_bwd.kv_regs(64, 64), sm90_bwd.kv_regs(64, 128), sm90_bwd.kv_regs(128, 64)] == [
-        1, 0, 0]
-    monkeypatch.setattr(sm90_bwd, "KV_REGS", "k")  # K alone: d <= 128, 64-row steps
-    assert [sm90_bwd.kv_regs(64, 64), sm90_bwd.kv_regs(128, 64), sm90_bwd.kv_regs(64, 128)] == [
-        2, 2, 0]
-    monkeypatch.setattr(sm90_bwd, "KV_REGS", "2")
-    with pytest.raises(ValueError, match="IOATTN_SM90_BWD_KV_REGS"):
-        sm90_bwd.kv_regs(64, 64)
-    assert not sm90_bwd.ds_regs(True, 64)  # default off
-    monkeypatch.setattr(sm90_bwd, "DS_REGS", True)  # dK's dSᵀ in registers: fused, 64-row steps
-    assert [sm90_bwd.ds_regs(True, 64), sm90_bwd.ds_regs(False, 64), sm90_bwd.ds_regs(True, 128)
-            ] == [True, False, False]
+    assert [sm90_bwd.step_rows(d, True) for d in (64, 128, 256)] == [128, 64, 64]  # default
+    monkeypatch.setattr(sm90_bwd, "ROWS_MODE", "64")
+    assert sm90_bwd.step_rows(64, True) == 64
     monkeypatch.setattr(sm90_bwd, "ROWS_MODE", "128")
     assert [sm90_bwd.step_rows(d, True) for d in (64, 128, 256)] == [128, 64, 64]
     assert sm90_bwd.step_rows(64, False) == 64  # the two-kernel form
@@ -435,6 +385,11 @@ def test_bwd_stages_rule(monkeypatch):
     monkeypatch.setattr(sm90_bwd, "STAGES_MODE", "5")
     with pytest.raises(ValueError, match="IOATTN_SM90_BWD_STAGES"):
         sm90_bwd.dkdv_stages(64)
+    monkeypatch.setattr(sm90_bwd, "STAGES_MODE", "3")  # 128-row steps: 2 stages fit
+    with pytest.raises(ValueError, match="IOATTN_SM90_BWD_ROWS=64"):
+        sm90_bwd.dkdv_stages(64, 128)
+    monkeypatch.setattr(sm90_bwd, "STAGES_MODE", "2")
+    assert sm90_bwd.dkdv_stages(64, 128) == 2
 
 
 def _check_sm90_grads(c: Case, varlen: bool) -> None:
@@ -507,10 +462,14 @@ def test_sm90_bwd_dispatch(monkeypatch):
 
 
 def _bwd_order(monkeypatch, order: str) -> None:
-    """The fused backward's dQ order (``sm90_bwd.DQ_ORDER``): auto, after, first, lag, alt."""
+    """The fused backward's dQ order (``sm90_bwd.DQ_ORDER``): auto, after, first, lag, alt; lag
+    and alt on 64-row steps (``ROWS_MODE`` 64: the default 128-row steps at d = 64 take after
+    in their place)."""
     from ioattn.dense import sm90_bwd
 
     monkeypatch.setattr(sm90_bwd, "DQ_ORDER", order)
+    if order in ("lag", "alt"):
+        monkeypatch.setattr(sm90_bwd, "ROWS_MODE", "64")
 
 
 @needs_sm90
@@ -1087,14 +1046,11 @@ def test_sm90_kernel_compiles_for_hopper():
     # column-split dK/dV kernel (192 / 128) with S and dP over d's and d_v's own columns; and
     # (IOATTN_SM90_FWD_O_TMA=0) the d=128 persistent forward storing O from registers, and
     # (IOATTN_SM90_FWD_O_DEFER=0) with O's stage waited for at the store, not released a
-    # block into the next tile; and (opt-in, IOATTN_SM90_BWD_ROWS=128) the fused d=64 dK/dV
-    # kernel on 128-row steps (full: dQ after / first; causal; varlen causal); and (opt-in,
-    # IOATTN_SM90_FWD_Q_REGS) the persistent two-warpgroup forward with Q in registers (d=128
-    # full and causal, d=64 causal below 4k); and (opt-in, IOATTN_SM90_BWD_DS_REGS /
-    # _KV_REGS) the dK/dV kernel with dK's dSᵀ in registers (fused as launched, d = 64 / 128),
-    # at d=64 with K and V in registers (two-kernel and fused as launched, and with both), at
-    # d=128 with K alone (fused as launched, and with dSᵀ there too)
-    assert len(reports) == 116, names
+    # block into the next tile; and (the default at d = 64, IOATTN_SM90_BWD_ROWS) the fused
+    # d=64 dK/dV kernel on 128-row steps (full: dQ after / first; causal; varlen causal); and
+    # (opt-in, IOATTN_SM90_FWD_Q_REGS) the persistent two-warpgroup forward with Q in registers
+    # (d=128 full and causal, d=64 causal below 4k)
+    assert len(reports) == 95, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
     hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
     assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
