@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [fwd-q-regs]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -32,8 +32,15 @@ for step in $steps; do
            # 455 s for 781 in session 20, before ~90 more opt-in cases: the limit is 580 of the call's 600);
            # -v: each result on its own line as it lands, so a run cut at its limit still names
            # its failures (session 19's was cut before the summary)
+           # (session 21: 780 of 784 reported at the 580 s cut, cold; tests-sm90file + tests-rest
+           # run the same suite in two calls)
            timeout 580 python -m pytest -v -n 14 -p no:cacheprovider -rf tests > "$OUT/tests_gpu.log" 2>&1
            grep -E "FAILED|ERROR" "$OUT/tests_gpu.log" | head -20; tail -1 "$OUT/tests_gpu.log" ;;
+    tests-sm90file|tests-rest) # the suite in two calls: tests/dense/test_sm90.py, then the rest
+           if [ "$step" = tests-sm90file ]; then sel=tests/dense/test_sm90.py
+           else sel="tests --ignore=tests/dense/test_sm90.py"; fi
+           timeout 580 python -m pytest -v -n 14 -p no:cacheprovider -rf $sel > "$OUT/$step.log" 2>&1
+           grep -E "FAILED|ERROR" "$OUT/$step.log" | head -20; tail -1 "$OUT/$step.log" ;;
     warm)  # the compile caches (Triton's, inductor's for Flex) filled by six processes at once,
            # one per head dim and mode, before a timed run: `warm bench` (WARM_DTYPES=fp16 before
            # bench-fp16, 120 + 460 s in one call); a cold bench spent its first minutes compiling
@@ -500,16 +507,6 @@ for step in $steps; do
              timeout 110 python -m ioattn bench --suite decode --cells 64x4096x16,1x32768x16 \
              --prefill-cells "" --out "$OUT/decode_prefetch$v.json" > "/tmp/decode_pf_$v.log" 2>&1
              echo "== prefetch=$v"; grep -E "ioattn_paged |ioattn_paged_graph|cudnn" "/tmp/decode_pf_$v.log"; done ;;
-    fwd-q-regs) # the persistent two-warpgroup forward with Q in registers (IOATTN_SM90_FWD_Q_REGS,
-           # opt-in: QKᵀ's A operand from registers): its tests, the d=128 2k tile timeline on /
-           # off, then d = 64 / 128 forward on (with cuDNN) / off, 2k-16k (~60 + 4 x 25 + 2 x 100 s)
-           IOATTN_SM90_FWD_Q_REGS=1 timeout 150 python -m pytest -q -n 14 -p no:cacheprovider -rf \
-             tests/dense/test_sm90.py -k "persistent or fwd_bwd or softcap_fwd" \
-             > "$OUT/tests_q_regs.log" 2>&1
-           grep -E "^FAILED" "$OUT/tests_q_regs.log" | head -20; tail -1 "$OUT/tests_q_regs.log"
-           timelines IOATTN_SM90_FWD_Q_REGS q_regs
-           onoff IOATTN_SM90_FWD_Q_REGS "1 0" fwd_q_regs --modes fwd --dims 64,128 \
-             --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     bwd-stages) # the d=64 dK/dV kernel's Q/dO ring at 3 / 4 stages (IOATTN_SM90_BWD_STAGES, 2 by
            # default since session 20): its tests, then the d=64 backward at 2 / 3 / 4 with cuDNN
            # in each run (~90 + 3 x 70 s)

@@ -160,9 +160,6 @@ ENV_SWITCHES = (
      "64-key halves staged in the freed Q/dO stage and stored by TMA (0: stored from registers)"),
     ("IOATTN_SM90_FWD_O_TMA", "1", "sm90 persistent forward: O staged in the tile's last V "
      "stage and stored by TMA (full 64-row halves; 0: stored from registers)"),
-    ("IOATTN_SM90_FWD_Q_REGS", "0", "sm90 persistent two-warpgroup forward (d=128; d=64 causal "
-     "below 4k): Q in registers, QK^T's A operand from there (less shared-memory traffic; Q's "
-     "buffer freed at the tile's start)"),
     ("IOATTN_SM90_FWD_O_DEFER", "1", "sm90 persistent forward (with O_TMA): the V stage holding "
      "O goes back to the producer after the next tile's first key block, not after a wait "
      "(0: waited for at the store)"),

@@ -353,13 +353,6 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                      if name in (f"sm90 fwd d{d} full 128x128 ws",
                                  f"sm90 fwd d{d} causal 128x128 ws")]
 
-        if d in (64, 128):  # (opt-in, IOATTN_SM90_FWD_Q_REGS) Q in registers, QKᵀ's A operand
-            # from there: the persistent two-warpgroup forward (d=128 without a mask and causal,
-            # d=64 causal below 4k)
-            jobs += [(name.replace(" ws", " q-regs ws"), fn, desc, d_, dict(ce, Q_REGS=True))
-                     for name, fn, desc, d_, ce in jobs
-                     if name in (f"sm90 fwd d{d} full 128x128 ws", f"sm90 fwd d{d} causal 128x128 ws",
-                                 f"sm90 fwd d{d} causal 2k 128x128 ws")]
         if d in (128, 256):  # (opt-in, IOATTN_SM90_FWD_LPT / _BWD_LPT) the grouped heaviest-
             # first order: the causal forward at 4k (d=128: the dynamic scheduler's ids; d=256:
             # one CTA per tile, the grid's), the causal dK/dV kernel as launched, the dQ kernel
@@ -387,7 +380,7 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                         dict(q_desc=64, o_desc=o_box, k_desc=form_["BLOCK_N"], v_desc=v_box), d,
                         dict(IS_VARLEN=varlen_, HAS_LEFT=False, HAS_RIGHT=varlen_,
                              PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1,
-                             **dict(form_, O_TMA=False, Q_REGS=False), heads_view=True, **ce))
+                             **dict(form_, O_TMA=False), heads_view=True, **ce))
             jobs.append(fwd_view_job(f"O_COLS={real} ", varlen, mask, form, form["BLOCK_N"], 64,
                                      O_COLS=real))
             # IOATTN_SM90_PAD_NARROW: QKᵀ over d's own columns (two wgmma groups), V and O in

@@ -109,7 +109,7 @@ DQ_ORDERS = ("after", "first", "lag", "alt")
 # TFLOP/s at 16k on this H200 (../shared/anchors). Measured against 64-row steps (session 21,
 # cuDNN beside each run, results/bwd_regs_{base,ROWS128}_736b182_*.json): non-causal 2k-16k
 # 404-447 -> 444-486 TFLOP/s (1.08-1.09x cuDNN; 0.94-1.02x on 64-row steps), causal 334-438
-# -> 349-473 (1.07-1.11x). IOATTN_SM90_BWD_ROWS: "auto" (default: 128 where it applies, the
+# -> 349-473 (1.07-1.12x). IOATTN_SM90_BWD_ROWS: "auto" (default: 128 where it applies, the
 # fused form at d = 64), "64" or "128"
 ROWS_MODE = os.environ.get("IOATTN_SM90_BWD_ROWS", "auto").lower()
 # (d <= 128, outside the "lag" order) each query head's steps in three loops, the middle one (the
@@ -1276,7 +1276,7 @@ def dq_order(head_dim: int, masked: bool, rows: int = 64) -> str:
 
 def step_rows(head_dim: int, fused: bool) -> int:
     """Query rows a step of the d <= 128 dK/dV kernel (``ROWS_MODE``): 128 in the fused form at
-    d = 64 ("auto", "128"; it measured +7-12% there); else 64."""
+    d = 64 ("auto", "128"; it measured +4-11% there); else 64."""
     if ROWS_MODE not in ("auto", "64", "128"):
         raise ValueError(f"IOATTN_SM90_BWD_ROWS={ROWS_MODE!r}: expected auto, 64 or 128")
     return 128 if ROWS_MODE != "64" and fused and head_dim == 64 else HALF.value

@@ -97,17 +97,6 @@ O_TMA = os.environ.get("IOATTN_SM90_FWD_O_TMA", "1").lower() in ("1", "true", "o
 # with cuDNN in both runs, d=128 causal 2k +6%, the other d = 64 / 128 cells within the runs'
 # ~2-4% (results/fwd_o_defer{1,0}_e33e22c_*.json). IOATTN_SM90_FWD_O_DEFER=0 turns it off
 O_DEFER = os.environ.get("IOATTN_SM90_FWD_O_DEFER", "1").lower() in ("1", "true", "on")
-# (persistent, d = 128, and d = 64 on two warpgroups) Q loaded into registers once a tile and QKᵀ issued with its A
-# operand from there ("RS" wgmma) instead of from shared memory: each 64 x 128 x 16 QKᵀ step then
-# reads only K from shared memory (4 KB, not 6), about a fifth less shared-memory traffic over a
-# key block's QKᵀ, P·V and TMA writes (by the byte count at full tensor rate: ~110 -> ~95 B a
-# clock of 128), and Q's buffer goes back to the producer at the tile's start, so the next
-# tile's Q loads during this one. 32 more registers a thread at d = 128 (16 at d = 64); sm90
-# compile: d = 128 spill-free without a mask, 136 B causal (164 B with Q in shared memory);
-# d = 64 on two warpgroups 48 B; the three-warpgroup d = 64 forms (160 registers) 224-548 B,
-# so they keep Q in shared memory.
-# IOATTN_SM90_FWD_Q_REGS=1 turns it on (opt-in until timed on the H200)
-Q_REGS = os.environ.get("IOATTN_SM90_FWD_Q_REGS", "0").lower() in ("1", "true", "on")
 # three consumer warpgroups at d=64 (192-row tiles, FA3's shape there); on by default since it
 # measured 1.03-1.05x the two-warpgroup form non-causal from 2k and 1.23x causal at 2k on the
 # H200 (results/sm90_fwd_wg3_{1,0}_*.json; causal 4k-16k within 3%), IOATTN_SM90_FWD_WG3=0 turns
@@ -254,8 +243,7 @@ def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty
     # stage O), so Q must not be in flight then
     has_work = n_tiles > 0
     if PERSISTENT:
-        # the consumers free Q once the previous tile's last QKᵀ has retired (with Q_REGS, once
-        # they have loaded it into registers)
+        # the consumers free Q once the previous tile's last QKᵀ has retired
         mbarrier.wait(q_empty, (tc & 1) ^ 1, pred=has_work)
     WGS: gl.constexpr = q_smem.shape[0]  # consumer warpgroups: one 64-row Q piece each
     mbarrier.expect(q_bar, WGS * q_desc.block_type.nbytes, pred=has_work)
@@ -526,15 +514,13 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                   WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                   HAS_RIGHT: gl.constexpr, ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr,
                   PERSISTENT: gl.constexpr, EXP_EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0,
-                  KEEP_LAST_V: gl.constexpr = 0, Q_REGS: gl.constexpr = False):
+                  KEEP_LAST_V: gl.constexpr = 0):
     """One warpgroup's 64 query rows of a tile: key tiles from ring position it0, pingpong rounds
     from rnd0, Q's load completing phase q_phase of q_bar. Returns (out, lse): out normalized in
     the input dtype, lse in natural log; rows that saw no key give out 0 and LSE -inf.
     KEEP_LAST_V (``O_TMA``): the last V stage is not released here (the caller stages O in it);
     2: and pend (V stage + 1, or 0) is the previous tile's, whose O store is released once this
-    tile's first block is done, or at once without key blocks (``_release_o_stage``).
-    Q_REGS (persistent): Q loaded into registers once, QKᵀ's A operand from there, and Q's
-    buffer handed back to the producer at once (the next tile's Q loads during this one)."""
+    tile's first block is done, or at once without key blocks (``_release_o_stage``)."""
     HEAD_DV: gl.constexpr = v_smem.shape[2]  # V's and O's tile width (Q / K's may differ)
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
@@ -553,27 +539,21 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
 
     if n_tiles > 0:
         mbarrier.wait(q_bar, q_phase)
-        qa = q  # QKᵀ's A operand: Q's buffer, or (Q_REGS) its registers
-        if Q_REGS:
-            gl.static_assert(PERSISTENT and QK_COLS == 0, "Q in registers: persistent, full d")
-            qa = q.load(wgmma_a_operand(s_layout))
-            gl.thread_barrier()  # every warp's loads of the buffer, before the one arrival
-            mbarrier.arrive(q_empty, count=1)  # the producer may load the next tile's Q now
         # prologue: S_0 and its softmax (EXP_EARLY: P carried as PV's register operand)
-        p, m_i, l_i = _first_block(qa, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it0, rnd0, lo,
+        p, m_i, l_i = _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it0, rnd0, lo,
                                    row0, seqlen_k, off, window_left, window_right,
                                    qk_scale_log2,
                                    softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG,
                                    EXP_EARLY, QK_COLS)
         if KEEP_LAST_V == 2:
             _release_o_stage(v_empty, pend)
-        p, acc, m_i, l_i = _steady_blocks(qa, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
+        p, acc, m_i, l_i = _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
                                           turn, p, acc, m_i, l_i, it0, rnd0, n_tiles, lo, row0,
                                           seqlen_k, off, window_left, window_right,
                                           qk_scale_log2,
                                           softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT,
                                           PINGPONG, EXP_EARLY, QK_COLS)
-        if PERSISTENT and not Q_REGS:
+        if PERSISTENT:
             # every QKᵀ of this tile has retired: the producer may load the next tile's Q
             mbarrier.arrive(q_empty, count=1)
         # tail: PV of the last block
@@ -738,8 +718,7 @@ def _consume_persistent_tile(t, it, tc, rnd, pend, o_desc, O, LSE, q_smem, k_sme
                              STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                              HAS_RIGHT: gl.constexpr, PINGPONG: gl.constexpr,
                              EXP_EARLY: gl.constexpr, O_COLS: gl.constexpr,
-                             QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = 0,
-                             Q_REGS: gl.constexpr = False):
+                             QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = 0):
     """One warpgroup's rows of tile t; returns the updated ring position, tiles-with-work count,
     pingpong rounds and (O_TMA == 2) the V stage + 1 whose O store is still to be released."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -752,7 +731,7 @@ def _consume_persistent_tile(t, it, tc, rnd, pend, o_desc, O, LSE, q_smem, k_sme
                              lo, n_tiles, window_left, window_right, qk_scale_log2,
                              softcap_scale, it, rnd,
                              tc & 1, pend, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG,
-                             True, EXP_EARLY, QK_COLS, O_TMA, Q_REGS)
+                             True, EXP_EARLY, QK_COLS, O_TMA)
     pend = _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar,
                        (it + n_tiles - 1) % STAGES, tc, CU_Q, CU_K, stride_om, stride_oh,
                        stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
@@ -821,8 +800,7 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr,
                          EXP_EARLY: gl.constexpr, O_COLS: gl.constexpr,
-                         QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = 0,
-                         Q_REGS: gl.constexpr = False):
+                         QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = 0):
     """A persistent CTA's tiles, in the producer's order: program_id, program_id + programs, ...
     in snake order (``_snake``), or (DYNAMIC) the ids the producer draws from the tile counter
     and passes on through shared memory; tiles run over (query tile, batch * head), query tiles
@@ -843,7 +821,7 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
             stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m,
             window_left, window_right, qk_scale_log2,
             softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_EARLY, O_COLS,
-            QK_COLS, O_TMA, Q_REGS)
+            QK_COLS, O_TMA)
         k += 1
         t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
     if O_TMA == 2:
@@ -862,8 +840,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    WGS: gl.constexpr = 2,
                    DYNAMIC: gl.constexpr = False, COUNTER=None, EXP_EARLY: gl.constexpr = False,
                    softcap_scale=None, O_COLS: gl.constexpr = 0, head_group=1,
-                   QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = False,
-                   Q_REGS: gl.constexpr = False):
+                   QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = False):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # head_group: the tiles (the tile counter's ids, or the grid's CTAs) in grouped heaviest-
     # first order (``sm90_common.grouped_order``, ``LPT``); 1: one head after another
@@ -920,7 +897,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_REGS)),
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
@@ -929,7 +906,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_REGS)),
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
@@ -938,7 +915,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         2, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_REGS)),
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
@@ -956,7 +933,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_REGS)),
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
@@ -965,7 +942,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_REGS)),
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                                         q_empty.index(0), k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
@@ -1137,8 +1114,7 @@ def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> di
     """The forward's constexprs that depend on the problem's shape (``attn_fwd_sm90``, and the
     compile checks of ``inspect``): consumer warpgroups, keys per tile, ring stages, consumer
     registers, pingpong, persistence and its scheduler, the exponentials' place, O's store by
-    TMA (``_o_tma`` adds the launch's own conditions), Q in registers (``Q_REGS``; the launch
-    keeps it to QKᵀ over the tile's full width). mask: ``mask_kind``'s."""
+    TMA (``_o_tma`` adds the launch's own conditions). mask: ``mask_kind``'s."""
     if mask not in ("none", "causal", "window"):
         raise ValueError(f"mask={mask!r}: expected 'none', 'causal' or 'window'")
     wide = _wide(head_dim, varlen, mask, max_seqlen_q)
@@ -1150,7 +1126,7 @@ def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> di
                 PINGPONG=_pingpong(head_dim, wgs), PERSISTENT=persistent,
                 DYNAMIC=schedule == "dynamic", EXP_EARLY=_exp_early(head_dim, wide, mask),
                 O_TMA=(2 if O_DEFER else 1) if O_TMA and persistent and block_n >= 64 * wgs
-                else 0, Q_REGS=Q_REGS and persistent and (head_dim == 128 or wgs == 2))
+                else 0)
 
 
 def _o_tma(form: dict, d_pad: int | None, max_seqlen_k: int) -> int:
@@ -1206,8 +1182,7 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         qk_scale_log2, p.window_left, p.window_right, softcap_scale=softcap_scale,
         IS_VARLEN=p.is_varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
         PRODUCER_REGS_=PRODUCER_REGS, PAGED=False, PAGE=1,
-        **dict(form, O_TMA=_o_tma(form, d_pad, p.max_seqlen_k),
-               Q_REGS=form["Q_REGS"] and not qk_cols), COUNTER=counter,
+        **dict(form, O_TMA=_o_tma(form, d_pad, p.max_seqlen_k)), COUNTER=counter,
         O_COLS=d_v if dv_pad and dv_pad != d_v else 0, head_group=group, QK_COLS=qk_cols,
         num_warps=4,
     )

@@ -147,7 +147,6 @@ PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
 
 @needs_sm90
 @pytest.mark.parametrize("mode", ["0", "static", "dynamic", "dynamic-o-regs", "dynamic-o-nodefer",
-                                  "dynamic-q-regs",
                                   "dynamic-wg3", "dynamic-wg3-pingpong",
                                   "dynamic-wg3-wide-pingpong"])
 @pytest.mark.parametrize("c", PERSISTENT_CASES, ids=lambda c: "sm90-persistent-" + c.id)
@@ -161,9 +160,7 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     O staged in each tile's last V stage and stored by TMA, partial row halves from registers
     (IOATTN_SM90_FWD_O_TMA, the default, the stage released a block into the next tile,
     IOATTN_SM90_FWD_O_DEFER, the default; "o-regs": every row from registers; "o-nodefer": the
-    stage waited for at the store; "q-regs": Q in registers, IOATTN_SM90_FWD_Q_REGS, where the
-    rule takes it: d=128, d=64 on two warpgroups). Run twice: the
-    counter is zeroed per launch."""
+    stage waited for at the store). Run twice: the counter is zeroed per launch."""
     from ioattn.dense import sm90_fwd
 
     if mode == "dynamic-o-regs":
@@ -171,9 +168,6 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
         mode = "dynamic"
     if mode == "dynamic-o-nodefer":
         monkeypatch.setattr(sm90_fwd, "O_DEFER", False)
-        mode = "dynamic"
-    if mode == "dynamic-q-regs":
-        monkeypatch.setattr(sm90_fwd, "Q_REGS", True)
         mode = "dynamic"
 
     if mode.startswith("dynamic-wg3"):
@@ -762,14 +756,6 @@ def test_sm90_tma_epilogue_rules(monkeypatch):
     assert not sm90_fwd._o_tma(form(64, False, "none", 1), None, 1)
     monkeypatch.setattr(sm90_fwd, "O_DEFER", False)
     assert sm90_fwd._o_tma(form(128, False, "none", 8192), None, 8192) == 1
-    # (IOATTN_SM90_FWD_Q_REGS) Q in registers: persistent two-warpgroup forms and d=128 only
-    assert not form(128, False, "none", 8192)["Q_REGS"]  # default off
-    monkeypatch.setattr(sm90_fwd, "Q_REGS", True)
-    assert form(128, False, "none", 8192)["Q_REGS"] and form(64, False, "causal", 2048)["Q_REGS"]
-    assert not form(64, False, "none", 8192)["Q_REGS"]  # three warpgroups at 160 registers
-    assert not form(128, True, "causal", 8192)["Q_REGS"]  # varlen: one CTA a tile
-    assert not form(256, False, "none", 8192)["Q_REGS"]
-    monkeypatch.setattr(sm90_fwd, "Q_REGS", False)
     monkeypatch.setattr(sm90_fwd, "O_TMA", False)
     assert not sm90_fwd._o_tma(form(128, False, "none", 8192), None, 8192)
 
@@ -1047,10 +1033,8 @@ def test_sm90_kernel_compiles_for_hopper():
     # (IOATTN_SM90_FWD_O_TMA=0) the d=128 persistent forward storing O from registers, and
     # (IOATTN_SM90_FWD_O_DEFER=0) with O's stage waited for at the store, not released a
     # block into the next tile; and (the default at d = 64, IOATTN_SM90_BWD_ROWS) the fused
-    # d=64 dK/dV kernel on 128-row steps (full: dQ after / first; causal; varlen causal); and
-    # (opt-in, IOATTN_SM90_FWD_Q_REGS) the persistent two-warpgroup forward with Q in registers
-    # (d=128 full and causal, d=64 causal below 4k)
-    assert len(reports) == 95, names
+    # d=64 dK/dV kernel on 128-row steps (full: dQ after / first; causal; varlen causal)
+    assert len(reports) == 92, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
     hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
     assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
@@ -1074,8 +1058,6 @@ def test_sm90_kernel_compiles_for_hopper():
                 limit = 512
             if "segments=True" in r["name"]:  # (d=128) three copies of the step, each spilling
                 limit = 4096
-        elif r["name"] == "sm90 fwd d64 causal 2k 128x128 q-regs ws":
-            limit = 64  # (opt-in) Q's 16 registers beside S, P and O: ~48 B
         elif r["name"].startswith("sm90 fwd d128 causal"):
             # the persistent (dynamic) form: tile ids and offsets, with O's TMA store ~150 B
             limit = 256
