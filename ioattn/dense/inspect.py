@@ -43,14 +43,34 @@ def _signature(fn, constexprs: dict, dtype: str) -> dict:
     return sig
 
 
-def _launch_attrs(fn, sig: dict) -> dict:
+def _launch_attrs(fn, sig: dict, constexprs: dict | None = None) -> dict:
     """The divisibility Triton's launcher specializes on at run time: pointers 16-byte aligned
     and strides multiples of 16 elements, as for contiguous tensors with d a multiple of 16 (the
     launcher marks any int argument divisible by 16). Without them the compile is not the one
     the GPU runs: loads are not vectorized, cp.async pipelining is off, and register counts and
-    spills differ (the decode kernels spilled 0.4-2.5 KB compiled without them, none with)."""
-    return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-            if sig.get(n, "").startswith("*") or n.startswith("stride_")}
+    spills differ (the decode kernels spilled 0.4-2.5 KB compiled without them, none with).
+    With the kernel's constexprs (the dense Gluon kernels, ``_gluon_compile``): every int
+    argument as in the FlashAttention grid's launches (``_GRID_INTS_UNALIGNED``)."""
+    def divisible(n: str) -> bool:
+        if sig.get(n, "").startswith("*") or n.startswith("stride_"):
+            return True
+        if constexprs is None or sig.get(n) not in ("i32", "i64"):
+            return False
+        if n == "window_right":  # 0 under a causal mask, a user's value with a window
+            return bool(constexprs.get("HAS_RIGHT")) and not constexprs.get("HAS_LEFT")
+        return n not in _GRID_INTS_UNALIGNED
+    return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if divisible(n)}
+
+
+# The dense Gluon kernels' int arguments as the FlashAttention grid launches them (16k tokens,
+# hidden 2048: sequence lengths 512..16k, 8-32 heads, batch x heads, the block table's width 0),
+# which Triton's launcher specializes: a multiple of 16 is marked divisible by 16 (these
+# hints moved ptxas's spills by up to 700 B either way, session 21), except the names here:
+# window_left (-1 or a user's), the grouped order's head group (1 is a constexpr at launch; the
+# "lpt" jobs compile the runtime value). kv_group is 1 there (no GQA): ``gluon_jobs``
+# makes it the constexpr the launcher does. (d=256's 8 heads are not a multiple of 16; marked
+# with the rest.)
+_GRID_INTS_UNALIGNED = ("window_left", "head_group")
 
 
 @dataclass
@@ -451,6 +471,9 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
             if ce.get(name_) == kind:  # softcap on: a runtime scale; a runtime head group
                 sig[name_] = kind
                 ce = {k: v for k, v in ce.items() if k != name_}
+        if sig.get("kv_group") == "i32":  # 1 in the grid's launches: the launcher's constexpr
+            sig["kv_group"] = "constexpr"
+            ce = dict(ce, kv_group=1)
         out.append((name, fn, sig, ce))
     return out
 
@@ -476,7 +499,7 @@ def _gluon_compile(fn, sig: dict, constexprs: dict, arch: int, options: dict):
     constexprs = {**{prm.name: prm.default for prm in fn.params
                      if sig.get(prm.name) == "constexpr" and prm.has_default}, **constexprs}
     return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=constexprs,
-                                         attrs=_launch_attrs(fn, sig)),
+                                         attrs=_launch_attrs(fn, sig, constexprs)),
                           target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4, **options))
 
 

@@ -1048,13 +1048,15 @@ def test_sm90_kernel_compiles_for_hopper():
             < hgmma["sm90 bwd dq d256 causal heads-view K_COLS=192 128x32 ws"]), hgmma
     for r in reports:
         assert r["wgmma"] and r["tma"] and r["warp_specialized"], r
-        # 240 registers per consumer warpgroup; the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live
-        # together) spills a few hundred bytes (more in its varlen and fused forms, whose
-        # 24-register producer also zeroes tile rows past the last sequence), the others a few
+        # 240 registers per consumer warpgroup, compiled as the FlashAttention grid launches
+        # them (``inspect._launch_attrs``: its int arguments' divisibility, kv_group = 1);
+        # the d=128 dK/dV kernel (dK, dV, Sᵀ, dPᵀ live together) spills a few hundred bytes
+        # (more in its varlen and fused forms, whose 24-register producer also zeroes tile
+        # rows past the last sequence), the others a few
         limit = 16
         if "dkdv" in r["name"]:
             limit = 1024 if "d128" in r["name"] else 128
-            if "rows=128" in r["name"]:  # Sᵀ, dPᵀ [64, 128] beside dK, dV: 52-96 B, varlen 284
+            if "rows=128" in r["name"]:  # Sᵀ, dPᵀ [64, 128] beside dK, dV: 84-148 B, varlen 332
                 limit = 512
             if "segments=True" in r["name"]:  # (d=128) three copies of the step, each spilling
                 limit = 4096
@@ -1062,9 +1064,10 @@ def test_sm90_kernel_compiles_for_hopper():
             # the persistent (dynamic) form: tile ids and offsets, with O's TMA store ~150 B
             limit = 256
         elif r["name"].startswith("sm90 fwd d64 causal 192x128"):
-            # FA3's d=64 tile at 160 registers: ~410 B (measured 1.02-1.14x the spill-free
-            # two-warpgroup form from 4k all the same)
+            # FA3's d=64 tile at 160 registers: ~80 B (410 without the launch's int hints)
             limit = 512
+        elif r["name"].startswith(("sm90 fwd d128 full o-regs", "sm90 fwd d128 full o-nodefer")):
+            limit = 64  # (opt-outs of O's TMA store / its deferred release) 8-20 B
         assert r["spill_stores"] <= limit, r
         assert r["shared_bytes"] <= 232448, r  # sm90's 227 KB of shared memory per block
         assert r["mbarrier_waits"] > 0, r
