@@ -25,7 +25,7 @@ timelines() {
     env "$var=$v" timeout 60 python benchmarks/timeline.py --kernel fwd --d 128 --seqlen 2048 $c \
       --json "$OUT/fwd_timeline_$name${v}_2048${c:+_causal}.json" > /tmp/timeline.log 2>&1
     echo "== $var=$v timeline 2048 $c"
-    grep -E '"tile_us"|"kernel_us"|"store"' /tmp/timeline.log | head -4; done; done; }
+    grep -E '^note:|"tile_us"|"kernel_us"|"store"' /tmp/timeline.log | head -5; done; done; }
 for step in $steps; do
   case $step in
     tests) # 14 workers: a cold Triton cache took more than 240 s with 8 (and 450 s ran 684 of ~690, session 16;

@@ -122,6 +122,15 @@ def install(kernel: str, base: int) -> None:
     exec(compile(src, name, "exec"), module.__dict__)
 
 
+def compiled_forms(fn) -> list[dict]:
+    """Registers a thread and local-memory (spill) bytes of each form of the Triton JIT function
+    ``fn`` compiled in this process. The stamps change register allocation (session 21: a form
+    that spilled 704 B as launched spilled 20 B stamped, another 0 B launched and 152 stamped),
+    so a timeline's on / off comparison holds only where both agree with the launched forms."""
+    return [{"regs": k.n_regs, "local_bytes": k.n_spills}
+            for cache in fn.device_caches.values() for k in cache[0].values()]
+
+
 def _us(x) -> float:
     return round(x / 1e3, 3)
 
@@ -205,23 +214,36 @@ def main() -> None:
                              "persistent two-warpgroup forward")
         rows, slots = -(-a.seqlen // 128) * b * h, FWD_SLOTS
     stamps = torch.zeros(rows, slots, dtype=torch.int64, device="cuda")
-    install(a.kernel, stamps.data_ptr())
     q, k, v = (torch.randn(b, a.seqlen, h, a.d, device="cuda", dtype=torch.bfloat16,
                            requires_grad=a.kernel == "bwd") for _ in range(3))
     dout = torch.randn_like(q)
-    results = {}
-    for i in range(4):
-        stamps.zero_()
-        torch.cuda.synchronize()
+    module, name = (sm90_bwd, "_bwd_dkdv_sm90") if a.kernel == "bwd" else (sm90_fwd,
+                                                                            "_attn_fwd_sm90")
+
+    def call():
         out = ioattn.flash_attn_func(q, k, v, causal=a.causal, backend="sm90")
         if a.kernel == "bwd":
             out.backward(dout)
         torch.cuda.synchronize()
+
+    call()  # the launched (unstamped) form, for its registers and spills
+    launched = compiled_forms(getattr(module, name))
+    install(a.kernel, stamps.data_ptr())
+    results = {}
+    for i in range(4):
+        stamps.zero_()
+        torch.cuda.synchronize()
+        call()
         if i >= 2:
             results[f"call{i}"] = (summarize_bwd if a.kernel == "bwd" else summarize_fwd)(
                 stamps.cpu())
+    stamped = compiled_forms(getattr(module, name))
+    if launched != stamped:
+        print(f"note: the stamped kernel's registers / spills {stamped} differ from the launched "
+              f"one's {launched}: its times may not be the launched kernel's")
     summary = {"kernel": a.kernel, "d": a.d, "seqlen": a.seqlen, "batch": b, "heads": h,
-               "causal": a.causal, **results,
+               "causal": a.causal, **results, "launched_forms": launched,
+               "stamped_forms": stamped,
                "bwd_dq_order": sm90_bwd.dq_order(a.d, a.causal),
                "bwd_tma_store": sm90_bwd.TMA_STORE, "fwd_o_tma": sm90_fwd.O_TMA,
                "device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -728,6 +728,16 @@ def test_timeline_stamps_match_the_kernels():
     timeline = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(timeline)
     assert "_tl_c1()" in timeline.bwd_source(0) and "_tl_f1(t)" in timeline.fwd_source(0)
+    # the launched / stamped forms' registers and spills, read from Triton 3.6's per-device
+    # caches ((kernel cache, key cache, target, backend, binder) a device)
+    from types import SimpleNamespace
+
+    from ioattn.dense import sm90_fwd
+
+    assert hasattr(sm90_fwd._attn_fwd_sm90, "device_caches")
+    fake = SimpleNamespace(device_caches={0: ({"key": SimpleNamespace(n_regs=168, n_spills=20)},
+                                              {}, None, None, None)})
+    assert timeline.compiled_forms(fake) == [{"regs": 168, "local_bytes": 20}]
 
 
 def test_sm90_tma_epilogue_rules(monkeypatch):
