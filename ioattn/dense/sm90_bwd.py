@@ -74,8 +74,8 @@ CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 DKDV_STAGES = 2
 # (the d = 64 dK/dV kernel) Q/dO ring stages, IOATTN_SM90_BWD_STAGES: "auto" (default) 2, or 3 /
-# 4 on 64-row steps (``ROWS_MODE`` 64; the 128-row steps fit 2, 194 KB) (64-row steps at d = 64
-# take 132 / 150 / 166 KB of shared memory at 2 / 3 / 4 stages, spill-free; with 2
+# 4 on 64-row steps (``ROWS_MODE`` 64; the 128-row steps take 194 KB at 2). 64-row steps take
+# 132 / 150 / 166 KB of shared memory at 2 / 3 / 4 stages, spill-free (with 2
 # the producer runs one 1.44 us step ahead of the consumers at 2k, about an L2 round trip under
 # load). Timed on the H200 with cuDNN in each run (results/bwd_stages{2,3,4}_e33e22c_*.json):
 # 3 stages 1-5% slower non-causal, 4 within -1 / +1.4% of 2, so 2 stays. d = 128 has no room
@@ -95,8 +95,9 @@ FUSED = os.environ.get("IOATTN_SM90_FUSED_BWD", "1").lower() not in ("0", "false
 # half the TMA reductions; at d = 64 they are ~4x the d = 128 form's bytes per FLOP). "auto"
 # takes what measured fastest on the H200 (results/sm90_bwd_order_*_a0cfad4_*.json and
 # results/tune/sm90_bwd_order_*_a0cfad4_*.log, in one session): alt at d = 64 on 64-row steps
-# (+10-14% over after; the default 128-row steps, ``ROWS_MODE``, take after), lag at d = 128 without a mask (+5-9%; it loses 4-6% under causal masks), first at
-# d = 128 under a mask (+4-5%). (Tried, session 19: "lag" with the partial issued after the
+# (+10-14% over after; the default 128-row steps, ``ROWS_MODE``, take after), lag at d = 128
+# without a mask (+5-9%; it loses 4-6% under causal masks), first at d = 128 under a mask
+# (+4-5%). (Tried, session 19: "lag" with the partial issued after the
 # step's dSᵀ store, d = 128 spills 256 -> 32 B, ran -6% at 2k and within 1% from 4k without a
 # mask, results/bwd_order_lag-late_ebb00c7_*.json; not kept.)
 DQ_ORDERS = ("after", "first", "lag", "alt")
