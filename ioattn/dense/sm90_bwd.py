@@ -137,6 +137,14 @@ ROW_STATS = os.environ.get("IOATTN_SM90_BWD_ROW_STATS", "1").lower() in ("1", "t
 # causal, 489 / 489 and 498 / 503 against 494 / 494 and 504 / 510 without a mask
 # (results/tune/lpt_bwd128_*_a1337ee_*), so a maskless grid keeps the old order
 LPT = os.environ.get("IOATTN_SM90_BWD_LPT", "1").lower() in ("1", "true", "on")
+# (the d <= 128 dK/dV kernel, with LPT) the head group compiled in as a constant, rounded down
+# to a power of two that divides batch * KV heads (``_dkdv_group``): by sm90 compile as the FA
+# grid launches it (session 21), the causal d = 128 fused form's step loops reload 11 spilled
+# values a step with the group a runtime argument (120 B of spills; 4 B in the group-1 form)
+# and none with it a constant (2, 4 or 8); d = 64's 128-row form spills the same either way. Powers of two keep the compiled forms few (varlen
+# grids change batch * heads from call to call). IOATTN_SM90_BWD_GROUP_CONST=1 turns it on
+# (opt-in until timed on the H200)
+GROUP_CONST = os.environ.get("IOATTN_SM90_BWD_GROUP_CONST", "0").lower() in ("1", "true", "on")
 DQ_ORDER = os.environ.get("IOATTN_SM90_BWD_DQ_ORDER", "auto").lower()
 # (the dK/dV kernel at d = 64 / 128) dK and dV of each full 64-key half staged in the warpgroup's
 # Q / dO stage and stored by TMA, instead of from the wgmma registers in 4-byte pieces: those
@@ -712,13 +720,18 @@ def _dq_writer(dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_s
 def _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed, window_left,
                window_right, stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lb,
                BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
-               HAS_RIGHT: gl.constexpr, head_group=1, ROWS: gl.constexpr = 64):
+               HAS_RIGHT: gl.constexpr, head_group=1, ROWS: gl.constexpr = 64,
+               HEAD_GROUP: gl.constexpr = 0):
     """A dK/dV CTA's key block: (KV head, the sequence's bounds, its first key, the first query
     row of its ROWS-row steps, the steps over the GQA group's query heads, the group's first
     query head, and the dK / dV / LSE offsets). head_group != 1: the (key blocks, batch * KV heads)
     grid's CTAs, in launch order, take the blocks in grouped heaviest-first order
-    (``sm90_common.grouped_order``, ``LPT``); 1: block = program_id(0), one head after another."""
-    if head_group == 1:
+    (``sm90_common.grouped_order``, ``LPT``); 1: block = program_id(0), one head after another.
+    HEAD_GROUP (``GROUP_CONST``): the group as a compile-time constant, head_group unused."""
+    if HEAD_GROUP:
+        block, pid_bh = grouped_order(gl.program_id(0) + gl.program_id(1) * gl.num_programs(0),
+                                      gl.num_programs(0), HEAD_GROUP)
+    elif head_group == 1:
         pid_bh = gl.program_id(1)
         block = gl.program_id(0)
     else:
@@ -750,12 +763,12 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                    DQ_LAG: gl.constexpr = False, DQ_ALT: gl.constexpr = False,
                    SEGMENTS: gl.constexpr = False, ROW_STATS: gl.constexpr = False,
                    softcap_scale=None, K_COLS: gl.constexpr = 0, V_COLS: gl.constexpr = 0,
-                   head_group=1, TMA_STORE: gl.constexpr = False):
+                   head_group=1, TMA_STORE: gl.constexpr = False, HEAD_GROUP: gl.constexpr = 0):
     # K_COLS / V_COLS: dK's and dV's own head dims where the tiles are zero-padded past them
     # (head dims 96 / 192 read in place, ``rows_descriptor(pad_to=...)``); 0: the tiles' width;
-    # head_group: the blocks' order (``_key_block``); TMA_STORE: dK / dV of full key halves by
-    # TMA through dk_desc / dv_desc (``_dkdv_consumer``). A step's query rows: Q's box rows,
-    # 64, or 128 (the ROWS form, ``ROWS_MODE``: fused, d = 64, dQ after or first)
+    # head_group / HEAD_GROUP: the blocks' order (``_key_block``); TMA_STORE: dK / dV of full
+    # key halves by TMA through dk_desc / dv_desc (``_dkdv_consumer``). A step's query rows:
+    # Q's box rows, 64, or 128 (the ROWS form, ``ROWS_MODE``: fused, d = 64, dQ after or first)
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     gl.static_assert(ROWS == HALF or (ROWS == 2 * HALF and FUSED_DQ and HEAD_D == HALF
@@ -765,7 +778,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
      lse_base) = _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
                             window_left, window_right, stride_dkn, stride_dkh, stride_dvn,
                             stride_dvh, stride_lb, 2 * HALF, IS_VARLEN, HAS_LEFT, HAS_RIGHT,
-                            head_group, ROWS)
+                            head_group, ROWS, HEAD_GROUP)
     n_m = n_steps // kv_group
     if start_n >= seqlen_k:
         return
@@ -1425,8 +1438,8 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
             STAGES=dkdv_stages(d, rows), FUSED_DQ=fused, DQ_LAG=order == "lag", DQ_ALT=order == "alt",
             DQ_FIRST=order == "first", SEGMENTS=segments(d, p.causal_like), ROW_STATS=ROW_STATS,
-            softcap_scale=softcap_scale, head_group=_order(grid, p, q.device), TMA_STORE=tma_store,
-            **cols, **flags)
+            softcap_scale=softcap_scale, TMA_STORE=tma_store,
+            **_dkdv_group(grid, p, q.device), **cols, **flags)
         if fused:
             dq.copy_(dq_acc[..., :q.shape[-1]] if d_pad else dq_acc)
             return
@@ -1455,6 +1468,21 @@ def _order(grid: tuple[int, int], p: AttnParams, device: torch.device) -> int:
     if not (LPT and p.causal_like):
         return 1
     return head_group_size(grid[1], grid[0], sm_count(device))
+
+
+def _dkdv_group(grid: tuple[int, int], p: AttnParams, device: torch.device) -> dict:
+    """The d <= 128 dK/dV kernel's order arguments: head_group (``_order``), or with
+    ``GROUP_CONST`` the group as the constexpr HEAD_GROUP, the largest power of two that
+    divides batch * KV heads and is at most ``_order``'s target (1: one head after another,
+    head_group's own 1)."""
+    group = _order(grid, p, device)
+    if not GROUP_CONST or group == 1:
+        return dict(head_group=group)
+    target = max(1, round(sm_count(device) / max(1, grid[0])))
+    pow2 = 1
+    while pow2 * 2 <= min(target, grid[1]) and grid[1] % (pow2 * 2) == 0:
+        pow2 *= 2
+    return dict(head_group=1, HEAD_GROUP=pow2) if pow2 > 1 else dict(head_group=1)
 
 
 def _dq_block_n(head_dim: int) -> int:
