@@ -87,11 +87,16 @@ class KernelReport:
     sass: dict | None = None  # SASS opcode counts of interest (Gluon kernels), from cuobjdump
     tma_reduce: bool = False  # cp.reduce.async.bulk.tensor (TMA reduce-add) in the PTX
     grid_dependency: bool = False  # griddepcontrol.wait (programmatic dependent launch) in the PTX
+    # (Gluon kernels) each innermost loop that issues wgmma (a step / key-block loop), in code
+    # order: [instructions, spill stores (STL), spill loads (LDL)] an iteration (``loop_spills``)
+    loops: list | None = None
 
     def row(self) -> str:
+        worst = max((st + ld for _, st, ld in self.loops or ()), default=0)
         return (f"{self.name:58s} regs {self.registers:3d}  spill st/ld {self.spill_stores:5d}/"
                 f"{self.spill_loads:5d}  wgmma {'y' if self.wgmma else 'n'}  tma {'y' if self.tma else 'n'}"
-                f"  setmaxnreg {'y' if self.warp_specialized else 'n'}")
+                f"  setmaxnreg {'y' if self.warp_specialized else 'n'}"
+                + (f"  loop spill ops {worst}" if self.loops is not None else ""))
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
@@ -121,14 +126,36 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
 SASS_OPS = ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "SYNCS", "WARPGROUP", "MUFU")
 
 
-def _sass_counts(cubin: bytes) -> dict:
-    """Counts of the Hopper SASS opcodes in SASS_OPS, through the cuobjdump Triton's wheel carries:
+def _sass_counts(text: str) -> dict:
+    """Counts of the Hopper SASS opcodes in SASS_OPS in a kernel's SASS (``_sass_text``):
     HGMMA (async warpgroup MMA), UTMALDG/UTMASTG (TMA), USETMAXREG (register reallocation), SYNCS
     (mbarrier ops); and MUFU.TANH (softcap's tanh.approx) among the MUFU ops."""
-    text = _sass_text(cubin)
     # (addresses grow past four hex digits in kernels over 64 KB of code)
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text)
     return {**{op: ops.count(op) for op in SASS_OPS}, "MUFU.TANH": text.count("MUFU.TANH")}
+
+
+def loop_spills(text: str) -> list[list[int]]:
+    """The innermost loops of a kernel's SASS that issue wgmma (HGMMA: the step / key-block
+    loops), each as [instructions, STL, LDL] an iteration, in code order. A loop is a backward
+    branch's span; innermost, one holding no other. Spills outside them (a prologue, an
+    epilogue, a persistent kernel's per-tile code) cost once, these every iteration."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
+    spans = set()
+    for addr, op in ins:
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", op)
+        if m and int(m.group(1), 16) < addr:
+            spans.add((int(m.group(1), 16), addr))
+    out = []
+    for lo, hi in sorted(spans):
+        if any(o != (lo, hi) and lo <= o[0] and o[1] <= hi for o in spans):
+            continue
+        body = [op for addr, op in ins if lo <= addr <= hi]
+        if any("HGMMA" in op for op in body):
+            out.append([len(body), sum(bool(re.search(r"\bSTL\b", op)) for op in body),
+                        sum(bool(re.search(r"\bLDL\b", op)) for op in body)])
+    return out
 
 
 def _sass_text(cubin: bytes) -> str:
@@ -516,10 +543,11 @@ def gluon_report(name: str, fn, sig: dict, constexprs: dict, arch: int = 90,
     k = _gluon_compile(fn, sig, constexprs, arch, options)
     ptx = k.asm["ptx"]
     regs_used, st, ld = _ptxas_usage(ptx, arch)
+    sass = _sass_text(k.asm["cubin"])
     return KernelReport(
         name, regs_used, st, ld, wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
         warp_specialized="setmaxnreg" in ptx, mbarrier_waits=ptx.count("mbarrier.try_wait"),
-        shared_bytes=k.metadata.shared, sass=_sass_counts(k.asm["cubin"]),
+        shared_bytes=k.metadata.shared, sass=_sass_counts(sass), loops=loop_spills(sass),
         tma_reduce="cp.reduce.async.bulk.tensor" in ptx,
         grid_dependency="griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx)
 

@@ -758,6 +758,25 @@ def test_rows_view_of_layouts():
     assert "16 bytes" in tma_view_problem("k", torch.empty(3, 5, 1, 4, dtype=torch.bfloat16), False)
 
 
+def test_loop_spills_reads_sass():
+    """inspect.loop_spills: the innermost backward-branch spans that issue HGMMA, with their
+    instructions and spill stores / loads an iteration; outer loops and loops without wgmma
+    are not reported."""
+    from ioattn.dense.inspect import loop_spills
+
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        "        /*0010*/                   STL [R1], R2 ;",  # (outside every loop)
+        "        /*0020*/                   HGMMA.64x64x16.F32 R24, gdesc[UR4], R24 ;",
+        "        /*0030*/                   LDL R3, [R1] ;",
+        "        /*0040*/              @P0   BRA 0x20 ;",  # inner loop 0x20-0x40
+        "        /*0050*/                   FADD R4, R4, R5 ;",
+        "        /*0060*/              @P1   BRA 0x50 ;",  # a loop without wgmma
+        "        /*0070*/              @P2   BRA 0x10 ;",  # outer loop
+        "        /*0080*/                   EXIT ;"])
+    assert loop_spills(sass) == [[3, 0, 1]]
+
+
 def test_timeline_stamps_match_the_kernels():
     """benchmarks/timeline.py's stamped copies of the sm90 backward and forward modules build:
     each anchor it patches occurs once in the kernels' source (it raises otherwise), so a
@@ -1122,6 +1141,9 @@ def test_sm90_kernel_compiles_for_hopper():
         elif r["name"].startswith(("sm90 fwd d128 full o-regs", "sm90 fwd d128 full o-nodefer")):
             limit = 64  # (opt-outs of O's TMA store / its deferred release) 8-20 B
         assert r["spill_stores"] <= limit, r
+        # the default forwards' key-block loops spill nothing (what spills is per-tile code)
+        if r["name"].startswith("sm90 fwd d") and " ws" in r["name"] and "-" not in r["name"]:
+            assert r["loops"] and all(st == ld == 0 for _, st, ld in r["loops"]), r
         assert r["shared_bytes"] <= 232448, r  # sm90's 227 KB of shared memory per block
         assert r["mbarrier_waits"] > 0, r
         # the fused backward adds dQ with TMA reductions (cp.reduce.async.bulk.tensor)
