@@ -526,11 +526,16 @@ for step in $steps; do
              --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     bwd-group-const) # the causal dK/dV kernel with the grouped order's head group a constant
            # (IOATTN_SM90_BWD_GROUP_CONST, opt-in; 11 spill reloads a step fewer at d=128 by
-           # compile): its tests, then the causal backward on (with cuDNN) / off (~60 + 2 x 50 s)
+           # compile): its tests, then the causal backward on / off, and d=64 with LPT off, each
+           # with cuDNN (~60 + 3 x 50 s)
            timeout 150 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
              -k "group_const or heaviest" > "$OUT/tests_group_const.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_group_const.log" | head -20; tail -1 "$OUT/tests_group_const.log"
            onoff IOATTN_SM90_BWD_GROUP_CONST "1 0" bwd_group_const --modes bwd --dims 64,128 \
+             --seqlens 2048,4096,8192,16384 --causal true --dtypes bf16
+           # and the d=64 causal backward without the grouped order (its 128-row step loop
+           # spills 37 ops a step with the group at run time or constant, 12 with group 1)
+           onoff IOATTN_SM90_BWD_LPT "0" bwd_lpt --modes bwd --dims 64 \
              --seqlens 2048,4096,8192,16384 --causal true --dtypes bf16 ;;
     *) echo "unknown step $step" ;;
   esac
