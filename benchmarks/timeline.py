@@ -116,10 +116,16 @@ def install(kernel: str, base: int) -> None:
     """The stamped kernels in place of the module's (its launcher, looked up by the op layer at
     each call, then launches them). The source is registered with linecache: the JIT reads each
     function's source back through inspect."""
-    module, src = (sm90_bwd, bwd_source(base)) if kernel == "bwd" else (sm90_fwd, fwd_source(base))
+    module, _, source = KERNELS[kernel]
+    src = source(base)
     name = module.__file__ + ":timeline"
     linecache.cache[name] = (len(src), None, src.splitlines(True), name)
     exec(compile(src, name, "exec"), module.__dict__)
+
+
+# --kernel: the module, the stamped kernel's name there, its stamped source
+KERNELS = {"bwd": (sm90_bwd, "_bwd_dkdv_sm90", bwd_source),
+           "fwd": (sm90_fwd, "_attn_fwd_sm90", fwd_source)}
 
 
 def compiled_forms(fn) -> list[dict]:
@@ -217,8 +223,7 @@ def main() -> None:
     q, k, v = (torch.randn(b, a.seqlen, h, a.d, device="cuda", dtype=torch.bfloat16,
                            requires_grad=a.kernel == "bwd") for _ in range(3))
     dout = torch.randn_like(q)
-    module, name = (sm90_bwd, "_bwd_dkdv_sm90") if a.kernel == "bwd" else (sm90_fwd,
-                                                                            "_attn_fwd_sm90")
+    module, name, _ = KERNELS[a.kernel]
 
     def call():
         out = ioattn.flash_attn_func(q, k, v, causal=a.causal, backend="sm90")

@@ -302,6 +302,7 @@ def _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG: gl.constexpr, DQ_COLS:
     half of the rows over both warpgroups' keys; ALL_KEYS ("alt", d = 64) the whole partial over
     both warpgroups' keys; those wait until both warpgroups have stored their dSᵀ (ds_ready).
     Else the full width over its own keys. Returns the wgmma's pending result."""
+    BOTH: gl.constexpr = ds_all.shape[1] == 2 * HALF or SPLIT_DQ or ALL_KEYS  # both halves read
     if ds_all.shape[1] == 2 * HALF:
         a = ds_all.slice(WG * HALF, HALF, dim=1).permute((1, 0))
         b = k_smem
@@ -314,7 +315,7 @@ def _dq_partial(ds_all, ds_s, k, k_smem, ds_ready, t, WG: gl.constexpr, DQ_COLS:
     else:
         a = ds_s.permute((1, 0))
         b = k
-    if ds_all.shape[1] == 2 * HALF or SPLIT_DQ or ALL_KEYS:
+    if BOTH:
         mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
     return warpgroup_mma(a, b, gl.zeros([HALF, DQ_COLS], gl.float32, layout=dq_layout),
                          use_acc=False, is_async=True)
@@ -1460,29 +1461,24 @@ def _tma_writable(t: torch.Tensor, varlen: bool) -> bool:
     return tma_view_problem("", t, varlen) is None and base_problem("", t) is None
 
 
-def _order(grid: tuple[int, int], p: AttnParams, device: torch.device) -> int:
+def _order(grid: tuple[int, int], p: AttnParams, device: torch.device,
+           pow2: bool = False) -> int:
     """A (blocks, batch * heads) grid's head_group (``_key_block``, ``query_tile``): grouped
     heaviest-first with ``LPT`` under a causal / local mask (one CTA a SM), else 1 (one head
     after another). Without a mask every block costs the same and the grouped order timed
     1% slower (d=128 2k / 4k, alternated runs; benchmarks/NOTES.md, session 16)."""
     if not (LPT and p.causal_like):
         return 1
-    return head_group_size(grid[1], grid[0], sm_count(device))
+    return head_group_size(grid[1], grid[0], sm_count(device), pow2)
 
 
 def _dkdv_group(grid: tuple[int, int], p: AttnParams, device: torch.device) -> dict:
     """The d <= 128 dK/dV kernel's order arguments: head_group (``_order``), or with
-    ``GROUP_CONST`` the group as the constexpr HEAD_GROUP, the largest power of two that
-    divides batch * KV heads and is at most ``_order``'s target (1: one head after another,
-    head_group's own 1)."""
-    group = _order(grid, p, device)
-    if not GROUP_CONST or group == 1:
-        return dict(head_group=group)
-    target = max(1, round(sm_count(device) / max(1, grid[0])))
-    pow2 = 1
-    while pow2 * 2 <= min(target, grid[1]) and grid[1] % (pow2 * 2) == 0:
-        pow2 *= 2
-    return dict(head_group=1, HEAD_GROUP=pow2) if pow2 > 1 else dict(head_group=1)
+    ``GROUP_CONST`` the group, a power of two, as the constexpr HEAD_GROUP (1: one head after
+    another, head_group's own 1)."""
+    group = _order(grid, p, device, pow2=GROUP_CONST)
+    return dict(head_group=1, HEAD_GROUP=group) if GROUP_CONST and group > 1 else dict(
+        head_group=group)
 
 
 def _dq_block_n(head_dim: int) -> int:
