@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [bwd-group-const]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -524,19 +524,6 @@ for step in $steps; do
            grep -E "^FAILED" "$OUT/tests_bwd_rows.log" | head -20; tail -1 "$OUT/tests_bwd_rows.log"
            onoff IOATTN_SM90_BWD_ROWS "128 64" bwd_rows --modes bwd --dims 64 \
              --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
-    bwd-group-const) # the causal dK/dV kernel with the grouped order's head group a constant
-           # (IOATTN_SM90_BWD_GROUP_CONST, opt-in; 11 spill reloads a step fewer at d=128 by
-           # compile): its tests, then the causal backward on / off, and d=64 with LPT off, each
-           # with cuDNN (~60 + 3 x 50 s)
-           timeout 150 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
-             -k "group_const or heaviest" > "$OUT/tests_group_const.log" 2>&1
-           grep -E "^FAILED" "$OUT/tests_group_const.log" | head -20; tail -1 "$OUT/tests_group_const.log"
-           onoff IOATTN_SM90_BWD_GROUP_CONST "1 0" bwd_group_const --modes bwd --dims 64,128 \
-             --seqlens 2048,4096,8192,16384 --causal true --dtypes bf16
-           # and the d=64 causal backward without the grouped order (its 128-row step loop
-           # spills 37 ops a step with the group at run time or constant, 12 with group 1)
-           onoff IOATTN_SM90_BWD_LPT "0" bwd_lpt --modes bwd --dims 64 \
-             --seqlens 2048,4096,8192,16384 --causal true --dtypes bf16 ;;
     *) echo "unknown step $step" ;;
   esac
 done

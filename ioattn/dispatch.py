@@ -154,9 +154,6 @@ ENV_SWITCHES = (
      "kernel on 32-key tiles (0: the portable backward there)"),
     ("IOATTN_SM90_BWD_ROWS", "auto", "sm90 fused backward at d=64: query rows a dK/dV step, auto "
      "(128), 64 or 128 (FlashAttention-3's d <= 64 step: N = 128 score GEMMs, dQ split by rows)"),
-    ("IOATTN_SM90_BWD_GROUP_CONST", "0", "sm90 backward dK/dV kernel (d=64/128, causal or "
-     "local, with IOATTN_SM90_BWD_LPT): the grouped order's head group compiled in as a "
-     "constant, a power of two (fewer spills in the step loop)"),
     ("IOATTN_SM90_BWD_STAGES", "auto", "sm90 backward dK/dV kernel at d=64: Q/dO ring stages "
      "(auto: 2; 3 or 4 fit its shared memory on 64-row steps, IOATTN_SM90_BWD_ROWS=64)"),
     ("IOATTN_SM90_BWD_TMA_STORE", "1", "sm90 backward dK/dV kernel (d=64/128): dK and dV of full "

@@ -412,12 +412,6 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                 launched.append(f"sm90 fwd d{d} causal 128x{sm90_fwd._block_n(d)} ws")
             jobs += [(name.replace(" ws", " lpt ws"), fn, desc, d_, dict(ce, head_group="i32"))
                      for name, fn, desc, d_, ce in jobs if name in launched]
-        if d == 128:  # (opt-in, IOATTN_SM90_BWD_GROUP_CONST) the causal dK/dV kernel as
-            # launched with the grouped order's head group a constant (8, the FA grid's at 2k)
-            fused_causal = f"sm90 bwd dkdv+dq {sm90_bwd.dq_order(d, True)} d{d} causal 128 keys ws"
-            jobs += [(name.replace(" ws", " group-const ws"), fn, desc, d_,
-                      dict(ce, HEAD_GROUP=8)) for name, fn, desc, d_, ce in jobs
-                     if name == fused_causal]
         # head dims read in place through [rows, heads, d] views, boxes zero-filled past d
         # (IOATTN_SM90_PAD=tma): 96 as 128 batched (persistent), (192, 128) as 256 varlen
         # causal (O's partial tiles stored from registers, columns past 128 masked)

@@ -135,16 +135,11 @@ ROW_STATS = os.environ.get("IOATTN_SM90_BWD_ROW_STATS", "1").lower() in ("1", "t
 # (session 16): causal d=128 +4-13%, d=64 +1-3%, d=256 +3-5% (results/lpt{1,0}_*_b1d4228*);
 # d=128 2k / 4k in alternated runs 383 / 388 and 457 / 458 against 373 / 372 and 433 / 426
 # causal, 489 / 489 and 498 / 503 against 494 / 494 and 504 / 510 without a mask
-# (results/tune/lpt_bwd128_*_a1337ee_*), so a maskless grid keeps the old order
+# (results/tune/lpt_bwd128_*_a1337ee_*), so a maskless grid keeps the old order. Session 22, on
+# 128-row d=64 steps: LPT off ran causal 2k-16k 1-3% below it (results/bwd_lpt0_94a9093_*); the
+# group as a constexpr power of two (no spill reloads in the d=128 causal step loop by compile,
+# 11 a step with it an argument) timed -2% to +2% (results/bwd_group_const{1,0}_94a9093_*), dropped
 LPT = os.environ.get("IOATTN_SM90_BWD_LPT", "1").lower() in ("1", "true", "on")
-# (the d <= 128 dK/dV kernel, with LPT) the head group compiled in as a constant, rounded down
-# to a power of two that divides batch * KV heads (``_dkdv_group``): by sm90 compile as the FA
-# grid launches it (session 21), the causal d = 128 fused form's step loops reload 11 spilled
-# values a step with the group a runtime argument (120 B of spills; 4 B in the group-1 form)
-# and none with it a constant (2, 4 or 8); d = 64's 128-row form spills the same either way. Powers of two keep the compiled forms few (varlen
-# grids change batch * heads from call to call). IOATTN_SM90_BWD_GROUP_CONST=1 turns it on
-# (opt-in until timed on the H200)
-GROUP_CONST = os.environ.get("IOATTN_SM90_BWD_GROUP_CONST", "0").lower() in ("1", "true", "on")
 DQ_ORDER = os.environ.get("IOATTN_SM90_BWD_DQ_ORDER", "auto").lower()
 # (the dK/dV kernel at d = 64 / 128) dK and dV of each full 64-key half staged in the warpgroup's
 # Q / dO stage and stored by TMA, instead of from the wgmma registers in 4-byte pieces: those
@@ -721,18 +716,13 @@ def _dq_writer(dqa_desc, dq_smem, dq_full, dq_empty, q_start, h0, lo_m, n_m, n_s
 def _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed, window_left,
                window_right, stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lb,
                BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
-               HAS_RIGHT: gl.constexpr, head_group=1, ROWS: gl.constexpr = 64,
-               HEAD_GROUP: gl.constexpr = 0):
+               HAS_RIGHT: gl.constexpr, head_group=1, ROWS: gl.constexpr = 64):
     """A dK/dV CTA's key block: (KV head, the sequence's bounds, its first key, the first query
     row of its ROWS-row steps, the steps over the GQA group's query heads, the group's first
     query head, and the dK / dV / LSE offsets). head_group != 1: the (key blocks, batch * KV heads)
     grid's CTAs, in launch order, take the blocks in grouped heaviest-first order
-    (``sm90_common.grouped_order``, ``LPT``); 1: block = program_id(0), one head after another.
-    HEAD_GROUP (``GROUP_CONST``): the group as a compile-time constant, head_group unused."""
-    if HEAD_GROUP:
-        block, pid_bh = grouped_order(gl.program_id(0) + gl.program_id(1) * gl.num_programs(0),
-                                      gl.num_programs(0), HEAD_GROUP)
-    elif head_group == 1:
+    (``sm90_common.grouped_order``, ``LPT``); 1: block = program_id(0), one head after another."""
+    if head_group == 1:
         pid_bh = gl.program_id(1)
         block = gl.program_id(0)
     else:
@@ -764,10 +754,10 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
                    DQ_LAG: gl.constexpr = False, DQ_ALT: gl.constexpr = False,
                    SEGMENTS: gl.constexpr = False, ROW_STATS: gl.constexpr = False,
                    softcap_scale=None, K_COLS: gl.constexpr = 0, V_COLS: gl.constexpr = 0,
-                   head_group=1, TMA_STORE: gl.constexpr = False, HEAD_GROUP: gl.constexpr = 0):
+                   head_group=1, TMA_STORE: gl.constexpr = False):
     # K_COLS / V_COLS: dK's and dV's own head dims where the tiles are zero-padded past them
     # (head dims 96 / 192 read in place, ``rows_descriptor(pad_to=...)``); 0: the tiles' width;
-    # head_group / HEAD_GROUP: the blocks' order (``_key_block``); TMA_STORE: dK / dV of full
+    # head_group: the blocks' order (``_key_block``); TMA_STORE: dK / dV of full
     # key halves by TMA through dk_desc / dv_desc (``_dkdv_consumer``). A step's query rows:
     # Q's box rows, 64, or 128 (the ROWS form, ``ROWS_MODE``: fused, d = 64, dQ after or first)
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
@@ -779,7 +769,7 @@ def _bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, dqa_desc, dk_desc, dv_desc, 
      lse_base) = _key_block(CU_Q, CU_K, n_heads_k, kv_group, seqlen_q_fixed, seqlen_k_fixed,
                             window_left, window_right, stride_dkn, stride_dkh, stride_dvn,
                             stride_dvh, stride_lb, 2 * HALF, IS_VARLEN, HAS_LEFT, HAS_RIGHT,
-                            head_group, ROWS, HEAD_GROUP)
+                            head_group, ROWS)
     n_m = n_steps // kv_group
     if start_n >= seqlen_k:
         return
@@ -1440,7 +1430,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             STAGES=dkdv_stages(d, rows), FUSED_DQ=fused, DQ_LAG=order == "lag", DQ_ALT=order == "alt",
             DQ_FIRST=order == "first", SEGMENTS=segments(d, p.causal_like), ROW_STATS=ROW_STATS,
             softcap_scale=softcap_scale, TMA_STORE=tma_store,
-            **_dkdv_group(grid, p, q.device), **cols, **flags)
+            head_group=_order(grid, p, q.device), **cols, **flags)
         if fused:
             dq.copy_(dq_acc[..., :q.shape[-1]] if d_pad else dq_acc)
             return
@@ -1461,24 +1451,14 @@ def _tma_writable(t: torch.Tensor, varlen: bool) -> bool:
     return tma_view_problem("", t, varlen) is None and base_problem("", t) is None
 
 
-def _order(grid: tuple[int, int], p: AttnParams, device: torch.device,
-           pow2: bool = False) -> int:
+def _order(grid: tuple[int, int], p: AttnParams, device: torch.device) -> int:
     """A (blocks, batch * heads) grid's head_group (``_key_block``, ``query_tile``): grouped
     heaviest-first with ``LPT`` under a causal / local mask (one CTA a SM), else 1 (one head
     after another). Without a mask every block costs the same and the grouped order timed
     1% slower (d=128 2k / 4k, alternated runs; benchmarks/NOTES.md, session 16)."""
     if not (LPT and p.causal_like):
         return 1
-    return head_group_size(grid[1], grid[0], sm_count(device), pow2)
-
-
-def _dkdv_group(grid: tuple[int, int], p: AttnParams, device: torch.device) -> dict:
-    """The d <= 128 dK/dV kernel's order arguments: head_group (``_order``), or with
-    ``GROUP_CONST`` the group, a power of two, as the constexpr HEAD_GROUP (1: one head after
-    another, head_group's own 1)."""
-    group = _order(grid, p, device, pow2=GROUP_CONST)
-    return dict(head_group=1, HEAD_GROUP=group) if GROUP_CONST and group > 1 else dict(
-        head_group=group)
+    return head_group_size(grid[1], grid[0], sm_count(device))
 
 
 def _dq_block_n(head_dim: int) -> int:

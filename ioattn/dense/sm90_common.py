@@ -464,14 +464,12 @@ def tma_readable(name: str, t: torch.Tensor, varlen: bool) -> torch.Tensor:
     return t.contiguous() if tma_view_problem(name, t, varlen) is not None else t
 
 
-def head_group_size(n_bh: int, n_blocks: int, slots: int, pow2: bool = False) -> int:
+def head_group_size(n_bh: int, n_blocks: int, slots: int) -> int:
     """Heads per group of the grouped heaviest-first order (``grouped_order``): about one wave
     of ``slots`` concurrent CTAs / tiles across the group's ``n_blocks`` blocks a head, and a
-    divisor of the ``n_bh`` (batch * heads) it groups; pow2: a power of two (a group compiled
-    in as a constant then takes few values)."""
+    divisor of the ``n_bh`` (batch * heads) it groups."""
     target = max(1, round(slots / max(1, n_blocks)))
-    return max(g for g in range(1, min(target, n_bh) + 1)
-               if n_bh % g == 0 and not (pow2 and g & (g - 1)))
+    return max(g for g in range(1, min(target, n_bh) + 1) if n_bh % g == 0)
 
 
 @gluon.jit

@@ -661,47 +661,6 @@ def test_sm90_grouped_heaviest_first(c: Case, monkeypatch):
     assert all(min(g) > 1 for g in groups.values()), groups
 
 
-@needs_sm90
-@pytest.mark.parametrize("c", [c for c in LPT_CASES if c.d in (64, 128)],
-                         ids=lambda c: "sm90-group-const-" + c.id)
-def test_sm90_bwd_group_const(c: Case, monkeypatch):
-    """(opt-in IOATTN_SM90_BWD_GROUP_CONST) the d <= 128 dK/dV kernel with the grouped order's
-    head group compiled in as a constant power of two: every gradient against the reference
-    (poisoned before the launch), and the constant really taken (> 1)."""
-    from ioattn.dense import sm90_bwd
-
-    monkeypatch.setattr(sm90_bwd, "LPT", True)
-    monkeypatch.setattr(sm90_bwd, "GROUP_CONST", True)
-    taken, group = [], sm90_bwd._dkdv_group
-    monkeypatch.setattr(sm90_bwd, "_dkdv_group",
-                        lambda *a: taken.append(group(*a)) or taken[-1])
-    _check_sm90_grads(c, varlen=True)
-    assert any(t.get("HEAD_GROUP", 0) > 1 for t in taken), taken
-
-
-def test_bwd_group_const_rule(monkeypatch):
-    """GROUP_CONST: the largest power of two dividing batch * KV heads within one wave's
-    target, as a constexpr (head_group 1 beside it); masked grids only, as LPT."""
-    from ioattn.dense import sm90_bwd
-    from ioattn.dense.params import AttnParams
-
-    def params(right):
-        return AttnParams(8, 2048, 2048, 128, 128, 0.1, -1, right, 0.0, 0.0, None, None, None,
-                          None, 0)
-
-    monkeypatch.setattr(sm90_bwd, "sm_count", lambda device: 132)
-    monkeypatch.setattr(sm90_bwd, "LPT", True)
-    cpu = torch.device("cpu")
-    assert sm90_bwd._dkdv_group((16, 128), params(0), cpu) == dict(head_group=8)  # default
-    monkeypatch.setattr(sm90_bwd, "GROUP_CONST", True)
-    assert sm90_bwd._dkdv_group((16, 128), params(0), cpu) == dict(head_group=1, HEAD_GROUP=8)
-    assert sm90_bwd._dkdv_group((16, 96), params(0), cpu) == dict(head_group=1, HEAD_GROUP=8)
-    assert sm90_bwd._dkdv_group((16, 24), params(0), cpu) == dict(head_group=1, HEAD_GROUP=8)
-    assert sm90_bwd._dkdv_group((32, 12), params(0), cpu) == dict(head_group=1, HEAD_GROUP=4)
-    assert sm90_bwd._dkdv_group((16, 15), params(0), cpu) == dict(head_group=1)  # odd: no group
-    assert sm90_bwd._dkdv_group((16, 128), params(-1), cpu) == dict(head_group=1)  # no mask
-
-
 def test_head_group_size():
     """About one wave of blocks a group, a divisor of the head count (1 where none fits)."""
     from ioattn.dense.sm90_common import head_group_size
@@ -1103,10 +1062,8 @@ def test_sm90_kernel_compiles_for_hopper():
     # (IOATTN_SM90_FWD_O_TMA=0) the d=128 persistent forward storing O from registers, and
     # (IOATTN_SM90_FWD_O_DEFER=0) with O's stage waited for at the store, not released a
     # block into the next tile; and (the default at d = 64, IOATTN_SM90_BWD_ROWS) the fused
-    # d=64 dK/dV kernel on 128-row steps (full: dQ after / first; causal; varlen causal); and
-    # (opt-in, IOATTN_SM90_BWD_GROUP_CONST) the causal d=128 dK/dV kernel with the grouped
-    # order's head group a constant
-    assert len(reports) == 93, names
+    # d=64 dK/dV kernel on 128-row steps (full: dQ after / first; causal; varlen causal)
+    assert len(reports) == 92, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
     hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
     assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
