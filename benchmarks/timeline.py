@@ -8,7 +8,9 @@ FA-grid call. Prints phase medians and the gaps between consecutive CTAs / tiles
   start and SM id; each consumer warpgroup's start, K / V arrival, first step done (lag order),
   loop done, dK / dV stored; the dQ writer's last reduction read.
 - ``--kernel fwd``: the persistent forward (``sm90_fwd``, d = 64 / 128 batched), per tile: each
-  consumer warpgroup's tile start, last P·V retired, O stored; the SM id.
+  consumer warpgroup's tile start, Q's arrival, first key block done, last P·V retired, O
+  stored; the SM id. ``q_wait`` (start -> Q) is the tile boundary's wait for the next tile's Q,
+  ``first`` its first block (QKᵀ and softmax with no P·V under them).
 
     python benchmarks/timeline.py --kernel bwd --d 128 --seqlen 2048 [--causal] [--json out.json]
 """
@@ -30,8 +32,9 @@ from ioattn.dense import sm90_bwd, sm90_fwd
 
 BWD_SLOTS = 16  # u64 stamps a CTA: 0-4 consumer 0, 5-9 consumer 1, 10 SM id, 11 producer
 # start, 12 writer end
-FWD_SLOTS = 8  # u64 stamps a tile: 0-2 consumer 0 (start, P·V done, stored), 3-5 consumer 1,
-# 6 SM id
+FWD_SLOTS = 16  # u64 stamps a tile: 0-4 consumer 0 (start, P·V done, stored, Q arrived, first
+# block done), 5-9 consumer 1, 10 SM id
+FWD_WG = 5  # stamps a consumer warpgroup
 
 
 def _asm(base: int, slots: int, slot: int, wg_stride: int, per_tile: bool,
@@ -100,14 +103,26 @@ def bwd_source(base: int) -> str:
 
 
 def fwd_source(base: int) -> str:
-    fns = [_stamp_fn(f"_tl_f{i}", _asm(base, FWD_SLOTS, i, 3, True), True) for i in range(3)]
-    fns.append(_stamp_fn("_tl_fsm", _asm(base, FWD_SLOTS, 6, 0, True, smid=True), True))
+    fns = [_stamp_fn(f"_tl_f{i}", _asm(base, FWD_SLOTS, i, FWD_WG, True), True)
+           for i in range(FWD_WG)]
+    fns.append(_stamp_fn("_tl_fsm", _asm(base, FWD_SLOTS, 2 * FWD_WG, 0, True, smid=True), True))
     src = _with_stamps(sm90_fwd, fns)
-    src = _patch(src, "    TILE_M: gl.constexpr = q_smem.shape[0] * HALF_M\n"
+    src = _patch(src, "    TILE_M: gl.constexpr = WGS * HALF_M\n"
                  "    start_m = (n_m - 1 - t % n_m) * TILE_M\n",
-                 "    TILE_M: gl.constexpr = q_smem.shape[0] * HALF_M\n    _tl_f0(t)\n    _tl_fsm(t)\n"
+                 "    TILE_M: gl.constexpr = WGS * HALF_M\n    _tl_f0(t)\n    _tl_fsm(t)\n"
                  "    start_m = (n_m - 1 - t % n_m) * TILE_M\n")
     src = _patch(src, "    pend = _store_tile(", "    _tl_f1(t)\n    pend = _store_tile(")
+    # Q's arrival and the first block inside _consume_tile, which gets the tile id as an extra
+    # argument (tl_t; the one-tile consumer's call passes none: 0, its stamps unread)
+    src = _patch(src, "                  KEEP_LAST_V: gl.constexpr = 0, q_base=0):\n",
+                 "                  KEEP_LAST_V: gl.constexpr = 0, q_base=0, tl_t=0):\n")
+    src = _patch(src, "        mbarrier.wait(q_bar, q_phase)\n",
+                 "        mbarrier.wait(q_bar, q_phase)\n        _tl_f3(tl_t)\n")
+    src = _patch(src, "        if KEEP_LAST_V == 2:\n            _release_o_stage(",
+                 "        _tl_f4(tl_t)\n        if KEEP_LAST_V == 2:\n"
+                 "            _release_o_stage(")
+    src = _patch(src, "QK_COLS, O_TMA, tc % Q_BUFS * WGS)\n",
+                 "QK_COLS, O_TMA, tc % Q_BUFS * WGS, t)\n")
     return _patch(src, "    has_work = (n_tiles > 0).to(gl.int32)\n    return it + n_tiles,",
                   "    _tl_f2(t)\n    has_work = (n_tiles > 0).to(gl.int32)\n    return it + n_tiles,")
 
@@ -191,12 +206,15 @@ def summarize_fwd(stamps: torch.Tensor) -> dict:
     for r in stamps.tolist():
         if r[0] == 0:
             continue
-        w = [r[0:3], r[3:6]]
-        tiles.append(dict(sm=r[6], start=min(w[0][0], w[1][0]), end=max(w[0][2], w[1][2]), w=w))
+        w = [r[0:FWD_WG], r[FWD_WG:2 * FWD_WG]]
+        tiles.append(dict(sm=r[2 * FWD_WG], start=min(w[0][0], w[1][0]),
+                          end=max(w[0][2], w[1][2]), w=w))
     out = {"tiles": len(tiles)}
     for wg in (0, 1):
         s = [t["w"][wg] for t in tiles]
         out[f"wg{wg}_us"] = {"compute": _med([x[1] - x[0] for x in s]),
+                             "q_wait": _med([x[3] - x[0] if x[3] else None for x in s]),
+                             "first": _med([x[4] - x[3] if x[4] else None for x in s]),
                              "store": _med([x[2] - x[1] for x in s])}
     out["tile_us"] = _med([t["end"] - t["start"] for t in tiles])
     return {**out, **_gaps(tiles)}
@@ -251,6 +269,7 @@ def main() -> None:
                "stamped_forms": stamped,
                "bwd_dq_order": sm90_bwd.dq_order(a.d, a.causal),
                "bwd_tma_store": sm90_bwd.TMA_STORE, "fwd_o_tma": sm90_fwd.O_TMA,
+               "fwd_q_bufs": sm90_fwd.Q_BUFS,
                "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": triton.__version__, "date": datetime.date.today().isoformat(),
                "commit": os.environ.get("IOATTN_GIT_COMMIT", "unknown")}

@@ -97,6 +97,21 @@ O_TMA = os.environ.get("IOATTN_SM90_FWD_O_TMA", "1").lower() in ("1", "true", "o
 # with cuDNN in both runs, d=128 causal 2k +6%, the other d = 64 / 128 cells within the runs'
 # ~2-4% (results/fwd_o_defer{1,0}_e33e22c_*.json). IOATTN_SM90_FWD_O_DEFER=0 turns it off
 O_DEFER = os.environ.get("IOATTN_SM90_FWD_O_DEFER", "1").lower() in ("1", "true", "on")
+# (the persistent forward at d = 64 / 128) Q in two buffers, taken by the tiles in turn. With
+# one, the producer, having issued a tile's last K/V loads, waits until that tile's last QKᵀ
+# has retired before it loads the next tile's Q, and the next tile's first K/V loads queue
+# behind that Q load, so at each tile boundary the consumers wait out a load's latency (Q's,
+# and K's for the first block) after the last block's softmax, P·V and O store. With two, the
+# producer goes on into the next tile as soon as ring stages free up, its Q into the other
+# buffer (freed by the tile before), about STAGES blocks ahead. A few % of a short tile (d=64
+# causal 2k: ~8 key blocks a tile), by the shape of the numbers; to be stamped
+# (benchmarks/timeline.py's q_wait) and timed. Shared memory: at d=64 a second Q takes 16 KB
+# (24 KB on the 192-row tile) beside 96 KB of stages; at d=128 Q and three stages already take
+# 224 KB, so two Q buffers go with two stages (192 KB).
+# IOATTN_SM90_FWD_Q_BUFS=2 turns it on (opt-in until timed on the H200)
+Q_BUFS = os.environ.get("IOATTN_SM90_FWD_Q_BUFS", "1").lower()
+if Q_BUFS not in ("1", "2"):
+    raise ValueError(f"IOATTN_SM90_FWD_Q_BUFS={Q_BUFS!r}: expected 1 or 2")
 # three consumer warpgroups at d=64 (192-row tiles, FA3's shape there); on by default since it
 # measured 1.03-1.05x the two-warpgroup form non-causal from 2k and 1.23x causal at 2k on the
 # H200 (results/sm90_fwd_wg3_{1,0}_*.json; causal 4k-16k within 3%), IOATTN_SM90_FWD_WG3=0 turns
@@ -228,10 +243,12 @@ def _key_tile_load(desc, tile, bar, BT, bt_row, bt_width, key0, col, PAGED: gl.c
 def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
                   k_empty, v_empty, v_fixed, BT, bt_row, bt_width, q_row, q_col, k_row, kv_col,
                   n_tiles, n_keys, it0, tc, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
-                  PAGED: gl.constexpr, PAGE: gl.constexpr, PERSISTENT: gl.constexpr):
-    """The loads of one query tile: its Q halves, then its n_tiles K and V tiles through the ring
-    from ring position it0 (a persistent CTA's running count of key tiles); tc counts the CTA's
-    earlier tiles with work (q_empty's phase)."""
+                  PAGED: gl.constexpr, PAGE: gl.constexpr, PERSISTENT: gl.constexpr,
+                  Q_BUFS: gl.constexpr = 1, q_base=0):
+    """The loads of one query tile: its Q pieces (into q_smem's q_base.., of Q_BUFS buffers),
+    then its n_tiles K and V tiles through the ring from ring position it0 (a persistent CTA's
+    running count of key tiles); tc counts the CTA's earlier tiles with work that used this Q
+    buffer (q_empty's phase)."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     BOX: gl.constexpr = k_desc.block_type.shape[0]  # rows per TMA copy: BLOCK_N, or a page
     # V's column: kv_col is K's (a head's first column at K's tile width)
@@ -245,10 +262,11 @@ def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty
     if PERSISTENT:
         # the consumers free Q once the previous tile's last QKᵀ has retired
         mbarrier.wait(q_empty, (tc & 1) ^ 1, pred=has_work)
-    WGS: gl.constexpr = q_smem.shape[0]  # consumer warpgroups: one 64-row Q piece each
+    WGS: gl.constexpr = q_smem.shape[0] // Q_BUFS  # consumer warpgroups: a 64-row Q piece each
     mbarrier.expect(q_bar, WGS * q_desc.block_type.nbytes, pred=has_work)
     for i in gl.static_range(WGS):
-        tma_load(q_desc, q_row + i * HALF_M, q_col, q_bar, q_smem.index(i), pred=has_work)
+        tma_load(q_desc, q_row + i * HALF_M, q_col, q_bar, q_smem.index(q_base + i),
+                 pred=has_work)
     for j in range(n_tiles):
         it = it0 + j
         st = it % STAGES
@@ -299,20 +317,24 @@ def _produce_persistent_tile(t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, 
                              q_empty, k_full, v_full, k_empty, v_empty, v_fixed, BT, CU_Q, CU_K,
                              n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
                              window_right, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                             HAS_RIGHT: gl.constexpr):
+                             HAS_RIGHT: gl.constexpr, Q_BUFS: gl.constexpr = 1):
     """The loads of tile t (query tiles fastest, heaviest first); returns the CTA's updated key
-    tile count (ring position) and count of tiles with work (q_empty's phase)."""
+    tile count (ring position) and count of tiles with work (q_empty's phase). Q_BUFS == 2:
+    q_smem holds two Q buffers, q_bar / q_empty a barrier each, taken by tiles with work in
+    turn."""
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    TILE_M: gl.constexpr = q_smem.shape[0] * HALF_M  # 64 rows per consumer warpgroup
+    WGS: gl.constexpr = q_smem.shape[0] // Q_BUFS
+    TILE_M: gl.constexpr = WGS * HALF_M  # 64 rows per consumer warpgroup
     (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
      n_tiles) = query_tile_at(n_m - 1 - t % n_m, t // n_m, CU_Q, CU_K, n_heads, kv_group,
                               seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
                               TILE_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT)
-    _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full,
-                  v_full, k_empty, v_empty, v_fixed, BT, 0, 0, q_start + start_m,
-                  off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo, it, tc,
-                  STAGES, False, False, 1, True)
+    _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(tc % Q_BUFS),
+                  q_empty.index(tc % Q_BUFS), k_full, v_full, k_empty, v_empty, v_fixed, BT, 0, 0,
+                  q_start + start_m, off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles,
+                  seqlen_k - lo, it, tc // Q_BUFS, STAGES, False, False, 1, True, Q_BUFS,
+                  tc % Q_BUFS * WGS)
     return it + n_tiles, tc + (n_tiles > 0).to(gl.int32)
 
 
@@ -386,11 +408,12 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, 
                          seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
                          COUNTER, tile_smem, tile_full, tile_empty,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         DYNAMIC: gl.constexpr, head_group=1):
+                         DYNAMIC: gl.constexpr, head_group=1, Q_BUFS: gl.constexpr = 1):
     # DYNAMIC: tiles handed out by an atomic counter as CTAs free up (FA3's dynamic persistent
     # scheduler), in the same heaviest-first order, each id passed to the consumers through
-    # shared memory; otherwise a static snake order (``_snake``)
-    n_m = gl.cdiv(seqlen_q_fixed, q_smem.shape[0] * HALF_M)
+    # shared memory; otherwise a static snake order (``_snake``). q_bar / q_empty: Q_BUFS
+    # barriers each (``_produce_persistent_tile``)
+    n_m = gl.cdiv(seqlen_q_fixed, q_smem.shape[0] // Q_BUFS * HALF_M)
     total = n_m * n_bh
     it = n_bh * 0  # key tiles loaded so far (ring position)
     tc = n_bh * 0  # tiles with work so far (q_empty's phase)
@@ -401,7 +424,7 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, 
         it, tc = _produce_persistent_tile(
             t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full,
             v_full, k_empty, v_empty, v_fixed, BT, CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed,
-            seqlen_k_fixed, n_m, window_left, window_right, STAGES, HAS_LEFT, HAS_RIGHT)
+            seqlen_k_fixed, n_m, window_left, window_right, STAGES, HAS_LEFT, HAS_RIGHT, Q_BUFS)
         k += 1
         t = _producer_next_tile(k, total, COUNTER, tile_smem, tile_full, tile_empty, DYNAMIC,
                                 n_m, head_group)
@@ -514,10 +537,11 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                   WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                   HAS_RIGHT: gl.constexpr, ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr,
                   PERSISTENT: gl.constexpr, EXP_EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0,
-                  KEEP_LAST_V: gl.constexpr = 0):
+                  KEEP_LAST_V: gl.constexpr = 0, q_base=0):
     """One warpgroup's 64 query rows of a tile: key tiles from ring position it0, pingpong rounds
-    from rnd0, Q's load completing phase q_phase of q_bar. Returns (out, lse): out normalized in
-    the input dtype, lse in natural log; rows that saw no key give out 0 and LSE -inf.
+    from rnd0, Q (q_smem's piece q_base + WG) from its load completing phase q_phase of q_bar.
+    Returns (out, lse): out normalized in the input dtype, lse in natural log; rows that saw no
+    key give out 0 and LSE -inf.
     KEEP_LAST_V (``O_TMA``): the last V stage is not released here (the caller stages O in it);
     2: and pend (V stage + 1, or 0) is the previous tile's, whose O store is released once this
     tile's first block is done, or at once without key blocks (``_release_o_stage``)."""
@@ -529,7 +553,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
     p_layout: gl.constexpr = wgmma_a_operand(o_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    q = q_smem.index(WG)
+    q = q_smem.index(q_base + WG)
     row0 = start_m + WG * HALF_M  # first query row (within the sequence) of this warpgroup
     off = seqlen_k - seqlen_q
     m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_s)
@@ -718,20 +742,23 @@ def _consume_persistent_tile(t, it, tc, rnd, pend, o_desc, O, LSE, q_smem, k_sme
                              STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                              HAS_RIGHT: gl.constexpr, PINGPONG: gl.constexpr,
                              EXP_EARLY: gl.constexpr, O_COLS: gl.constexpr,
-                             QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = 0):
+                             QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = 0,
+                             Q_BUFS: gl.constexpr = 1):
     """One warpgroup's rows of tile t; returns the updated ring position, tiles-with-work count,
-    pingpong rounds and (O_TMA == 2) the V stage + 1 whose O store is still to be released."""
+    pingpong rounds and (O_TMA == 2) the V stage + 1 whose O store is still to be released.
+    Q_BUFS == 2: Q in two buffers taken in turn (``_produce_persistent_tile``)."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    TILE_M: gl.constexpr = q_smem.shape[0] * HALF_M
+    WGS: gl.constexpr = q_smem.shape[0] // Q_BUFS
+    TILE_M: gl.constexpr = WGS * HALF_M
     start_m = (n_m - 1 - t % n_m) * TILE_M
     lo, n_tiles = key_tiles(start_m, TILE_M, seqlen_q_fixed, seqlen_k_fixed, window_left,
                             window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
-                             v_empty, v_fixed, turn, start_m, seqlen_q_fixed, seqlen_k_fixed,
-                             lo, n_tiles, window_left, window_right, qk_scale_log2,
-                             softcap_scale, it, rnd,
-                             tc & 1, pend, WG, STAGES, HAS_LEFT, HAS_RIGHT, False, PINGPONG,
-                             True, EXP_EARLY, QK_COLS, O_TMA)
+    out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar.index(tc % Q_BUFS),
+                             q_empty.index(tc % Q_BUFS), k_full, v_full, k_empty, v_empty,
+                             v_fixed, turn, start_m, seqlen_q_fixed, seqlen_k_fixed, lo, n_tiles,
+                             window_left, window_right, qk_scale_log2, softcap_scale, it, rnd,
+                             (tc // Q_BUFS) & 1, pend, WG, STAGES, HAS_LEFT, HAS_RIGHT, False,
+                             PINGPONG, True, EXP_EARLY, QK_COLS, O_TMA, tc % Q_BUFS * WGS)
     pend = _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar,
                        (it + n_tiles - 1) % STAGES, tc, CU_Q, CU_K, stride_om, stride_oh,
                        stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
@@ -800,12 +827,13 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr,
                          EXP_EARLY: gl.constexpr, O_COLS: gl.constexpr,
-                         QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = 0):
+                         QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = 0,
+                         Q_BUFS: gl.constexpr = 1):
     """A persistent CTA's tiles, in the producer's order: program_id, program_id + programs, ...
     in snake order (``_snake``), or (DYNAMIC) the ids the producer draws from the tile counter
     and passes on through shared memory; tiles run over (query tile, batch * head), query tiles
     fastest (a head's tiles run together, sharing K/V in L2) and heaviest (last) first."""
-    n_m = gl.cdiv(seqlen_q_fixed, q_smem.shape[0] * HALF_M)
+    n_m = gl.cdiv(seqlen_q_fixed, q_smem.shape[0] // Q_BUFS * HALF_M)
     total = n_m * n_bh
     _first_turn(turn, WG, PINGPONG)
     it = n_bh * 0  # key tiles consumed so far (ring position)
@@ -821,7 +849,7 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
             stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m,
             window_left, window_right, qk_scale_log2,
             softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_EARLY, O_COLS,
-            QK_COLS, O_TMA)
+            QK_COLS, O_TMA, Q_BUFS)
         k += 1
         t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
     if O_TMA == 2:
@@ -840,7 +868,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    WGS: gl.constexpr = 2,
                    DYNAMIC: gl.constexpr = False, COUNTER=None, EXP_EARLY: gl.constexpr = False,
                    softcap_scale=None, O_COLS: gl.constexpr = 0, head_group=1,
-                   QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = False):
+                   QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = False,
+                   Q_BUFS: gl.constexpr = 1):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # head_group: the tiles (the tile counter's ids, or the grid's CTAs) in grouped heaviest-
     # first order (``sm90_common.grouped_order``, ``LPT``); 1: one head after another
@@ -856,6 +885,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     gl.static_assert(not (PERSISTENT and (IS_VARLEN or PAGED)),
                      "the persistent form covers batched (not varlen or paged) problems")
     gl.static_assert(WGS == 2 or WGS == 3, "two or three consumer warpgroups")
+    gl.static_assert(Q_BUFS == 1 or (Q_BUFS == 2 and PERSISTENT),
+                     "two Q buffers in the persistent form only")
     if not PERSISTENT:
         (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
          n_tiles) = query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
@@ -864,14 +895,15 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
         if start_m >= seqlen_q:
             return
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [WGS, HALF_M, HEAD_D],
+    # Q: one 64-row piece a consumer warpgroup, in Q_BUFS buffers (buffer b: pieces b * WGS..)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFS * WGS, HALF_M, HEAD_D],
                                        tile_layout(q_desc.layout))
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D],
                                        tile_layout(k_desc.layout))
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DV],
                                        tile_layout(v_desc.layout))
-    q_bar = barriers(1, 1)
-    q_empty = barriers(1, WGS)  # persistent: one arrive per consumer warpgroup
+    q_bar = barriers(Q_BUFS, 1)
+    q_empty = barriers(Q_BUFS, WGS)  # persistent: one arrive per consumer warpgroup
     v_fixed = barriers(1, 1)
     turn = barriers(WGS, 1)  # pingpong: one per consumer warpgroup
     k_full = barriers(STAGES, 1)
@@ -889,66 +921,68 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
         o_bar = barriers(1, WGS)  # (O_TMA) every warpgroup's last P·V of a tile has retired
         if WGS == 3:
             gl.warp_specialize([
-                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
-                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
+                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
+                                        q_empty, k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA)),
-                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
-                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS)),
+                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
+                                        q_empty, k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA)),
-                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
-                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS)),
+                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
+                                        q_empty, k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         2, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA)),
-                (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
-                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS)),
+                (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
+                                        q_empty, k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
                                         seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
                                         COUNTER, tile_smem, tile_full, tile_empty,
-                                        STAGES, HAS_LEFT, HAS_RIGHT, DYNAMIC, head_group)),
+                                        STAGES, HAS_LEFT, HAS_RIGHT, DYNAMIC, head_group,
+                                        Q_BUFS)),
             ], [4, 4, 1], [CONSUMER_REGS_, CONSUMER_REGS_, PRODUCER_REGS_])
         else:
             gl.warp_specialize([
-                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
-                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
+                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
+                                        q_empty, k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA)),
-                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
-                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS)),
+                (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
+                                        q_empty, k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
                                         stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed,
                                         seqlen_k_fixed, n_bh, window_left, window_right,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA)),
-                (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
-                                        q_empty.index(0), k_full, v_full, k_empty, v_empty,
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS)),
+                (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
+                                        q_empty, k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
                                         seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
                                         COUNTER, tile_smem, tile_full, tile_empty,
-                                        STAGES, HAS_LEFT, HAS_RIGHT, DYNAMIC, head_group)),
+                                        STAGES, HAS_LEFT, HAS_RIGHT, DYNAMIC, head_group,
+                                        Q_BUFS)),
             ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
         invalidate(tile_full, 2)
         invalidate(tile_empty, 2)
@@ -1009,8 +1043,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              IS_VARLEN, PAGED, PAGE)),
             ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
-    invalidate(q_bar, 1)
-    invalidate(q_empty, 1)
+    invalidate(q_bar, Q_BUFS)
+    invalidate(q_empty, Q_BUFS)
     invalidate(v_fixed, 1)
     invalidate(turn, WGS)
     invalidate(k_full, STAGES)
@@ -1113,8 +1147,9 @@ def mask_kind(window_left: int, window_right: int) -> str:
 def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> dict:
     """The forward's constexprs that depend on the problem's shape (``attn_fwd_sm90``, and the
     compile checks of ``inspect``): consumer warpgroups, keys per tile, ring stages, consumer
-    registers, pingpong, persistence and its scheduler, the exponentials' place, O's store by
-    TMA (``_o_tma`` adds the launch's own conditions). mask: ``mask_kind``'s."""
+    registers, Q buffers (``Q_BUFS``), pingpong, persistence and its scheduler, the
+    exponentials' place, O's store by TMA (``_o_tma`` adds the launch's own conditions). mask:
+    ``mask_kind``'s."""
     if mask not in ("none", "causal", "window"):
         raise ValueError(f"mask={mask!r}: expected 'none', 'causal' or 'window'")
     wide = _wide(head_dim, varlen, mask, max_seqlen_q)
@@ -1122,7 +1157,10 @@ def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> di
     block_n, stages, regs = _tile(head_dim, wgs, wide)
     schedule = _schedule(head_dim, varlen)
     persistent = schedule is not None
-    return dict(WGS=wgs, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=regs,
+    q_bufs = 2 if Q_BUFS == "2" and persistent and head_dim in (64, 128) else 1
+    if q_bufs == 2 and head_dim == 128:  # (shared memory: two Q buffers and two stages)
+        stages = 2
+    return dict(WGS=wgs, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=regs, Q_BUFS=q_bufs,
                 PINGPONG=_pingpong(head_dim, wgs), PERSISTENT=persistent,
                 DYNAMIC=schedule == "dynamic", EXP_EARLY=_exp_early(head_dim, wide, mask),
                 O_TMA=(2 if O_DEFER else 1) if O_TMA and persistent and block_n >= 64 * wgs

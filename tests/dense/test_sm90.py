@@ -148,7 +148,8 @@ PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
 @needs_sm90
 @pytest.mark.parametrize("mode", ["0", "static", "dynamic", "dynamic-o-regs", "dynamic-o-nodefer",
                                   "dynamic-wg3", "dynamic-wg3-pingpong",
-                                  "dynamic-wg3-wide-pingpong"])
+                                  "dynamic-wg3-wide-pingpong", "dynamic-qbufs2",
+                                  "static-qbufs2"])
 @pytest.mark.parametrize("c", PERSISTENT_CASES, ids=lambda c: "sm90-persistent-" + c.id)
 def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     """The sm90 forward's tile schedules (IOATTN_SM90_PERSISTENT; by default dynamic at d=64 and
@@ -160,9 +161,16 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     O staged in each tile's last V stage and stored by TMA, partial row halves from registers
     (IOATTN_SM90_FWD_O_TMA, the default, the stage released a block into the next tile,
     IOATTN_SM90_FWD_O_DEFER, the default; "o-regs": every row from registers; "o-nodefer": the
-    stage waited for at the store). Run twice: the counter is zeroed per launch."""
+    stage waited for at the store); "qbufs2": Q in two buffers taken by the tiles in turn
+    (IOATTN_SM90_FWD_Q_BUFS=2, d = 64 / 128) on 3 CTAs, so each walks many tiles, tiles without
+    a key block (which take no buffer) among them. Run twice: the counter is zeroed per
+    launch."""
     from ioattn.dense import sm90_fwd
 
+    if mode.endswith("-qbufs2"):
+        monkeypatch.setattr(sm90_fwd, "Q_BUFS", "2")
+        monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: 3)
+        mode = mode.removesuffix("-qbufs2")
     if mode == "dynamic-o-regs":
         monkeypatch.setattr(sm90_fwd, "O_TMA", False)
         mode = "dynamic"
@@ -183,6 +191,24 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", mode)
     _forward_only(c)
     _forward_only(c)
+
+
+def test_fwd_q_bufs_rule(monkeypatch):
+    """IOATTN_SM90_FWD_Q_BUFS=2: two Q buffers in the persistent forward at d = 64 (its stages
+    kept) and d = 128 (two stages then, for shared memory); one elsewhere (d = 256, varlen)."""
+    from ioattn.dense import sm90_fwd
+
+    form = sm90_fwd.launch_form
+    shapes = ((64, "causal", 2048), (64, "causal", 8192), (64, "none", 8192))
+    base = [form(64, False, mask, s) for _, mask, s in shapes]
+    assert all(f["Q_BUFS"] == 1 for f in base)  # default
+    monkeypatch.setattr(sm90_fwd, "Q_BUFS", "2")
+    for (d, mask, s), b in zip(shapes, base):
+        assert form(d, False, mask, s) == dict(b, Q_BUFS=2), (d, mask, s)
+    assert form(128, False, "none", 8192)["Q_BUFS"] == 2
+    assert form(128, False, "none", 8192)["STAGES"] == 2
+    assert form(256, False, "none", 8192)["Q_BUFS"] == 1
+    assert form(128, True, "causal", 8192)["Q_BUFS"] == 1  # varlen: one CTA a tile
 
 
 def test_sm90_persistent_schedule_rule(monkeypatch):
@@ -1062,8 +1088,10 @@ def test_sm90_kernel_compiles_for_hopper():
     # (IOATTN_SM90_FWD_O_TMA=0) the d=128 persistent forward storing O from registers, and
     # (IOATTN_SM90_FWD_O_DEFER=0) with O's stage waited for at the store, not released a
     # block into the next tile; and (the default at d = 64, IOATTN_SM90_BWD_ROWS) the fused
-    # d=64 dK/dV kernel on 128-row steps (full: dQ after / first; causal; varlen causal)
-    assert len(reports) == 92, names
+    # d=64 dK/dV kernel on 128-row steps (full: dQ after / first; causal; varlen causal); and
+    # (opt-in, IOATTN_SM90_FWD_Q_BUFS=2) the persistent forward with Q in two buffers (d=64
+    # causal at 2k and from 4k, d=128 with and without a mask)
+    assert len(reports) == 96, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
     hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
     assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
