@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -524,22 +524,27 @@ for step in $steps; do
            grep -E "^FAILED" "$OUT/tests_bwd_rows.log" | head -20; tail -1 "$OUT/tests_bwd_rows.log"
            onoff IOATTN_SM90_BWD_ROWS "128 64" bwd_rows --modes bwd --dims 64 \
              --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
-    fwd-q-bufs) # Q in two buffers in the persistent forward (IOATTN_SM90_FWD_Q_BUFS=2, opt-in):
-           # its tests (the persistent cases on 3 CTAs), the stamped 2k tiles (d=64 causal, d=128
-           # causal and not; q_wait = the tile's wait for its Q) at 2 and 1, then the d = 64 / 128
-           # forward at 2 and 1 with cuDNN in both (~60 + 6 x 25 + 2 x 150 s)
-           timeout 150 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
-             -k "qbufs2 or q_bufs" > "$OUT/tests_q_bufs.log" 2>&1
+    fwd-q-bufs) # Q in two buffers in the persistent forward (IOATTN_SM90_FWD_Q_BUFS=2) and each
+           # tile's first K/V before its Q (IOATTN_SM90_FWD_KV_FIRST=1), both opt-in: their tests
+           # (the persistent cases on 3 CTAs), then the stamped 2k causal tiles (d = 64 / 128;
+           # q_wait = the tile's wait for its Q) in each form and the default (~90 + 6 x 25 s)
+           timeout 180 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
+             -k "qbufs2 or q_bufs or kvfirst" > "$OUT/tests_q_bufs.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_q_bufs.log" | head -20; tail -1 "$OUT/tests_q_bufs.log"
-           for v in 2 1; do for dc in "64 --causal" "128 --causal" "128"; do
-             read -r d c <<< "$dc"
-             IOATTN_SM90_FWD_Q_BUFS=$v timeout 60 python benchmarks/timeline.py --kernel fwd \
-               --d "$d" --seqlen 2048 $c \
-               --json "$OUT/fwd_timeline_q_bufs${v}_d${d}_2048${c:+_causal}.json" > /tmp/timeline.log 2>&1
-             echo "== Q_BUFS=$v timeline d=$d 2048 $c"
-             grep -E '^note:|"tile_us"|"kernel_us"|"q_wait"|"first"' /tmp/timeline.log | head -8
-           done; done
+           for e in IOATTN_SM90_FWD_Q_BUFS=2 IOATTN_SM90_FWD_KV_FIRST=1 IOATTN_SM90_FWD_Q_BUFS=1; do
+             for d in 64 128; do
+               tag=$(echo "${e#IOATTN_SM90_FWD_}" | tr 'A-Z=' 'a-z_')
+               env "$e" timeout 60 python benchmarks/timeline.py --kernel fwd --d "$d" \
+                 --seqlen 2048 --causal \
+                 --json "$OUT/fwd_timeline_${tag}_d${d}_2048_causal.json" > /tmp/timeline.log 2>&1
+               echo "== $e timeline d=$d 2048 causal"
+               grep -E '^note:|"tile_us"|"kernel_us"|"q_wait"|"first"' /tmp/timeline.log | head -8
+           done; done ;;
+    fwd-q-bufs-bench) # the d = 64 / 128 forward 2k-16k with Q_BUFS 2 / 1 and KV_FIRST 1, cuDNN
+           # beside each (~3 x 100 s)
            onoff IOATTN_SM90_FWD_Q_BUFS "2 1" fwd_q_bufs --modes fwd --dims 64,128 \
+             --seqlens 2048,4096,8192,16384 --dtypes bf16
+           onoff IOATTN_SM90_FWD_KV_FIRST "1" fwd_kv_first --modes fwd --dims 64,128 \
              --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     *) echo "unknown step $step" ;;
   esac

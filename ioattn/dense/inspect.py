@@ -408,6 +408,9 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
             jobs += [(name.replace(" ws", " qbufs2 ws"), fn, desc, d_,
                       dict(ce, Q_BUFS=2, STAGES=2 if d == 128 else ce["STAGES"]))
                      for name, fn, desc, d_, ce in jobs if name in qb]
+            # (opt-in, IOATTN_SM90_FWD_KV_FIRST) each tile's first K/V tiles before its Q
+            jobs += [(name.replace(" ws", " kvfirst ws"), fn, desc, d_, dict(ce, KV_FIRST=True))
+                     for name, fn, desc, d_, ce in jobs if name in qb]
 
         if d in (128, 256):  # (opt-in, IOATTN_SM90_FWD_LPT / _BWD_LPT) the grouped heaviest-
             # first order: the causal forward at 4k (d=128: the dynamic scheduler's ids; d=256:

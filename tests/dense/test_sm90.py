@@ -149,7 +149,7 @@ PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
 @pytest.mark.parametrize("mode", ["0", "static", "dynamic", "dynamic-o-regs", "dynamic-o-nodefer",
                                   "dynamic-wg3", "dynamic-wg3-pingpong",
                                   "dynamic-wg3-wide-pingpong", "dynamic-qbufs2",
-                                  "static-qbufs2"])
+                                  "static-qbufs2", "dynamic-kvfirst", "dynamic-qbufs2-kvfirst"])
 @pytest.mark.parametrize("c", PERSISTENT_CASES, ids=lambda c: "sm90-persistent-" + c.id)
 def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     """The sm90 forward's tile schedules (IOATTN_SM90_PERSISTENT; by default dynamic at d=64 and
@@ -163,10 +163,15 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     IOATTN_SM90_FWD_O_DEFER, the default; "o-regs": every row from registers; "o-nodefer": the
     stage waited for at the store); "qbufs2": Q in two buffers taken by the tiles in turn
     (IOATTN_SM90_FWD_Q_BUFS=2, d = 64 / 128) on 3 CTAs, so each walks many tiles, tiles without
-    a key block (which take no buffer) among them. Run twice: the counter is zeroed per
-    launch."""
+    a key block (which take no buffer) among them; "kvfirst": each tile's first K/V tiles loaded
+    before its Q (IOATTN_SM90_FWD_KV_FIRST), on 3 CTAs too. Run twice: the counter is zeroed
+    per launch."""
     from ioattn.dense import sm90_fwd
 
+    if mode.endswith("-kvfirst"):
+        monkeypatch.setattr(sm90_fwd, "KV_FIRST", True)
+        monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: 3)
+        mode = mode.removesuffix("-kvfirst")
     if mode.endswith("-qbufs2"):
         monkeypatch.setattr(sm90_fwd, "Q_BUFS", "2")
         monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: 3)
@@ -209,6 +214,11 @@ def test_fwd_q_bufs_rule(monkeypatch):
     assert form(128, False, "none", 8192)["STAGES"] == 2
     assert form(256, False, "none", 8192)["Q_BUFS"] == 1
     assert form(128, True, "causal", 8192)["Q_BUFS"] == 1  # varlen: one CTA a tile
+    # IOATTN_SM90_FWD_KV_FIRST: persistent forms only
+    assert not form(128, False, "none", 8192)["KV_FIRST"]
+    monkeypatch.setattr(sm90_fwd, "KV_FIRST", True)
+    assert form(128, False, "none", 8192)["KV_FIRST"]
+    assert not form(128, True, "causal", 8192)["KV_FIRST"]
 
 
 def test_sm90_persistent_schedule_rule(monkeypatch):
@@ -1090,8 +1100,9 @@ def test_sm90_kernel_compiles_for_hopper():
     # block into the next tile; and (the default at d = 64, IOATTN_SM90_BWD_ROWS) the fused
     # d=64 dK/dV kernel on 128-row steps (full: dQ after / first; causal; varlen causal); and
     # (opt-in, IOATTN_SM90_FWD_Q_BUFS=2) the persistent forward with Q in two buffers (d=64
-    # causal at 2k and from 4k, d=128 with and without a mask)
-    assert len(reports) == 96, names
+    # causal at 2k and from 4k, d=128 with and without a mask), and those with each tile's
+    # first K/V before its Q (IOATTN_SM90_FWD_KV_FIRST)
+    assert len(reports) == 100, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
     hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
     assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
@@ -1125,9 +1136,14 @@ def test_sm90_kernel_compiles_for_hopper():
             limit = 512
         elif r["name"].startswith(("sm90 fwd d128 full o-regs", "sm90 fwd d128 full o-nodefer")):
             limit = 64  # (opt-outs of O's TMA store / its deferred release) 8-20 B
+        if "kvfirst" in r["name"]:  # (opt-in) the consumers' per-tile state: 84-124 B at d=128
+            limit = max(limit, 256)
         assert r["spill_stores"] <= limit, r
-        # the default forwards' key-block loops spill nothing (what spills is per-tile code)
-        if r["name"].startswith("sm90 fwd d") and " ws" in r["name"] and "-" not in r["name"]:
+        # the default forwards' key-block loops spill nothing (what spills is per-tile code;
+        # the opt-in KV_FIRST form at d=128 without a mask reloads one value a block in one
+        # warpgroup)
+        if (r["name"].startswith("sm90 fwd d") and " ws" in r["name"] and "-" not in r["name"]
+                and "kvfirst" not in r["name"]):
             assert r["loops"] and all(st == ld == 0 for _, st, ld in r["loops"]), r
         assert r["shared_bytes"] <= 232448, r  # sm90's 227 KB of shared memory per block
         assert r["mbarrier_waits"] > 0, r
