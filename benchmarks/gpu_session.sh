@@ -44,9 +44,13 @@ for step in $steps; do
     warm)  # the compile caches (Triton's, inductor's for Flex) filled by six processes at once,
            # one per head dim and mode, before a timed run: `warm bench` (WARM_DTYPES=fp16 before
            # bench-fp16, 120 + 460 s in one call); a cold bench spent its first minutes compiling
-           # (waits for its own six only: `dmon` before it runs in the background too)
+           # (waits for its own six only: `dmon` before it runs in the background too).
+           # WARM_TIMEOUT (default 120 s): session 22's fp16 warm-up hit 120 s on caches warm
+           # for bf16 only, and bench-fp16 then compiled the rest and ran out of its 460 s one
+           # cell short; on such caches run `WARM_DTYPES=fp16 WARM_TIMEOUT=300 warm` in one call
+           # and bench-fp16 in the next
            pids=(); for d in 64 128 256; do for m in fwd bwd; do
-             timeout 120 python -m ioattn bench --modes $m --dims $d --dtypes ${WARM_DTYPES:-bf16} \
+             timeout "${WARM_TIMEOUT:-120}" python -m ioattn bench --modes $m --dims $d --dtypes ${WARM_DTYPES:-bf16} \
                --warmup 1 --rep 1 --no-plots --out /tmp/warm_${m}_$d.json > /tmp/warm_${m}_$d.log 2>&1 &
              pids+=($!); done; done; wait "${pids[@]}"; echo "warm: done" ;;
     bench) timeout 460 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes bf16 --rounds 3 \
@@ -527,11 +531,13 @@ for step in $steps; do
     fwd-q-bufs) # Q in two buffers in the persistent forward (IOATTN_SM90_FWD_Q_BUFS=2) and each
            # tile's first K/V before its Q (IOATTN_SM90_FWD_KV_FIRST=1), both opt-in: their tests
            # (the persistent cases on 3 CTAs), then the stamped 2k causal tiles (d = 64 / 128;
-           # q_wait = the tile's wait for its Q) in each form and the default (~90 + 6 x 25 s)
+           # q_wait = the tile's wait for its Q) in each form, with pingpong, and the default
+           # (~90 + 8 x 25 s)
            timeout 180 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
              -k "qbufs2 or q_bufs or kvfirst" > "$OUT/tests_q_bufs.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_q_bufs.log" | head -20; tail -1 "$OUT/tests_q_bufs.log"
-           for e in IOATTN_SM90_FWD_Q_BUFS=2 IOATTN_SM90_FWD_KV_FIRST=1 IOATTN_SM90_FWD_Q_BUFS=1; do
+           for e in IOATTN_SM90_FWD_Q_BUFS=2 IOATTN_SM90_FWD_KV_FIRST=1 IOATTN_SM90_PINGPONG=1 \
+                    IOATTN_SM90_FWD_Q_BUFS=1; do
              for d in 64 128; do
                tag=$(echo "${e#IOATTN_SM90_FWD_}" | tr 'A-Z=' 'a-z_')
                env "$e" timeout 60 python benchmarks/timeline.py --kernel fwd --d "$d" \
@@ -541,11 +547,16 @@ for step in $steps; do
                grep -E '^note:|"tile_us"|"kernel_us"|"q_wait"|"first"' /tmp/timeline.log | head -8
            done; done ;;
     fwd-q-bufs-bench) # the d = 64 / 128 forward 2k-16k with Q_BUFS 2 / 1 and KV_FIRST 1, cuDNN
-           # beside each (~3 x 100 s)
+           # beside each (~3 x 100 s); and the d=64 causal 2k / 4k cells with the two warpgroups
+           # taking turns (IOATTN_SM90_PINGPONG=1: one's softmax under the other's GEMMs, which
+           # the lockstep pair cannot do at a tile's first block; -1-2% at d=64 when last timed,
+           # not on these cells) (~40 s)
            onoff IOATTN_SM90_FWD_Q_BUFS "2 1" fwd_q_bufs --modes fwd --dims 64,128 \
              --seqlens 2048,4096,8192,16384 --dtypes bf16
            onoff IOATTN_SM90_FWD_KV_FIRST "1" fwd_kv_first --modes fwd --dims 64,128 \
-             --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
+             --seqlens 2048,4096,8192,16384 --dtypes bf16
+           onoff IOATTN_SM90_PINGPONG "1" fwd_pp64 --modes fwd --dims 64 --seqlens 2048,4096 \
+             --causal true --dtypes bf16 ;;
     *) echo "unknown step $step" ;;
   esac
 done
