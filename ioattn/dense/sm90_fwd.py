@@ -557,14 +557,16 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                   WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                   HAS_RIGHT: gl.constexpr, ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr,
                   PERSISTENT: gl.constexpr, EXP_EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0,
-                  KEEP_LAST_V: gl.constexpr = 0, q_base=0):
+                  KEEP_LAST_V: gl.constexpr = 0, q_base=0, q_bufs_empty=None):
     """One warpgroup's 64 query rows of a tile: key tiles from ring position it0, pingpong rounds
     from rnd0, Q (q_smem's piece q_base + WG) from its load completing phase q_phase of q_bar.
     Returns (out, lse): out normalized in the input dtype, lse in natural log; rows that saw no
     key give out 0 and LSE -inf.
     KEEP_LAST_V (``O_TMA``): the last V stage is not released here (the caller stages O in it);
     2: and pend (V stage + 1, or 0) is the previous tile's, whose O store is released once this
-    tile's first block is done, or at once without key blocks (``_release_o_stage``)."""
+    tile's first block is done, or at once without key blocks (``_release_o_stage``); 3: O goes
+    to this tile's Q buffer instead (two Q buffers, q_bufs_empty their barriers), so Q's buffer,
+    not a V stage, is released late: pend is the previous tile's Q buffer + 1."""
     HEAD_DV: gl.constexpr = v_smem.shape[2]  # V's and O's tile width (Q / K's may differ)
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
@@ -591,13 +593,15 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                                    EXP_EARLY, QK_COLS)
         if KEEP_LAST_V == 2:
             _release_o_stage(v_empty, pend)
+        elif KEEP_LAST_V == 3:
+            _release_o_stage(q_bufs_empty, pend)
         p, acc, m_i, l_i = _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
                                           turn, p, acc, m_i, l_i, it0, rnd0, n_tiles, lo, row0,
                                           seqlen_k, off, window_left, window_right,
                                           qk_scale_log2,
                                           softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT,
                                           PINGPONG, EXP_EARLY, QK_COLS)
-        if PERSISTENT:
+        if PERSISTENT and KEEP_LAST_V != 3:
             # every QKᵀ of this tile has retired: the producer may load the next tile's Q
             mbarrier.arrive(q_empty, count=1)
         # tail: PV of the last block
@@ -612,21 +616,24 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
         acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         _pass_turn(turn, WG, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=[acc_tok])
-        if not KEEP_LAST_V:
+        if not KEEP_LAST_V or KEEP_LAST_V == 3:
             mbarrier.arrive(v_empty.index(last), count=1)
     elif KEEP_LAST_V == 2:  # no key block: the previous tile's O stage goes back now
         _release_o_stage(v_empty, pend)
+    elif KEEP_LAST_V == 3:  # (or its Q buffer)
+        _release_o_stage(q_bufs_empty, pend)
     return _finish(acc, m_i, l_i, dtype)
 
 
 @gluon.jit
-def _release_o_stage(v_empty, pend):
-    """(O_TMA == 2) A V stage holding a previous tile's O (pend: its index + 1; 0: none) back to
-    the producer once the TMA store has read it: released a block into the next tile rather than
-    waited for at the store, so the store's read overlaps that block."""
+def _release_o_stage(bars, pend):
+    """(O_TMA == 2, 3) A V stage (or, 3, a Q buffer) holding a previous tile's O (pend: its
+    index + 1; 0: none) back to the producer through its barrier in ``bars`` once the TMA store
+    has read it: released a block into the next tile rather than waited for at the store, so
+    the store's read overlaps that block."""
     if pend > 0:
         tma.store_wait(0)
-        mbarrier.arrive(v_empty.index(pend - 1), count=1)
+        mbarrier.arrive(bars.index(pend - 1), count=1)
 
 
 @gluon.jit
@@ -765,7 +772,8 @@ def _consume_persistent_tile(t, it, tc, rnd, pend, o_desc, O, LSE, q_smem, k_sme
                              QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = 0,
                              Q_BUFS: gl.constexpr = 1):
     """One warpgroup's rows of tile t; returns the updated ring position, tiles-with-work count,
-    pingpong rounds and (O_TMA == 2) the V stage + 1 whose O store is still to be released.
+    pingpong rounds and (O_TMA >= 2) the V stage (3: Q buffer) + 1 whose O store is still to be
+    released.
     Q_BUFS == 2: Q in two buffers taken in turn (``_produce_persistent_tile``)."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     WGS: gl.constexpr = q_smem.shape[0] // Q_BUFS
@@ -778,12 +786,13 @@ def _consume_persistent_tile(t, it, tc, rnd, pend, o_desc, O, LSE, q_smem, k_sme
                              v_fixed, turn, start_m, seqlen_q_fixed, seqlen_k_fixed, lo, n_tiles,
                              window_left, window_right, qk_scale_log2, softcap_scale, it, rnd,
                              (tc // Q_BUFS) & 1, pend, WG, STAGES, HAS_LEFT, HAS_RIGHT, False,
-                             PINGPONG, True, EXP_EARLY, QK_COLS, O_TMA, tc % Q_BUFS * WGS)
+                             PINGPONG, True, EXP_EARLY, QK_COLS, O_TMA, tc % Q_BUFS * WGS,
+                             q_empty)
     pend = _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar,
                        (it + n_tiles - 1) % STAGES, tc, CU_Q, CU_K, stride_om, stride_oh,
                        stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
                        n_m, window_left, window_right, WG, TILE_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                       O_COLS, O_TMA)
+                       O_COLS, O_TMA, q_smem, tc % Q_BUFS)
     has_work = (n_tiles > 0).to(gl.int32)
     return it + n_tiles, tc + has_work, rnd + has_work * (n_tiles + 1), pend
 
@@ -794,15 +803,17 @@ def _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, last, tc, C
                 seqlen_k_fixed, n_m, window_left, window_right,
                 WG: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, O_COLS: gl.constexpr,
-                O_TMA: gl.constexpr):
+                O_TMA: gl.constexpr, q_smem=None, q_buf=0):
     """A persistent CTA's store of a warpgroup's rows of tile t: the output offsets recomputed
     here rather than kept live through the key loop. Q's buffer may already hold the next
     tile's Q, so O is stored from registers, or (O_TMA, a tile with key blocks) staged in the
     tile's last V stage (``last``, which its consumer kept) once every warpgroup's last P·V has
     read it (o_bar, phase from tc, the CTA's tiles with work so far) and stored by TMA; that
     stage goes back to the producer after the store has read it (O_TMA == 2: once the next
-    tile's first block is done, ``_release_o_stage``). Returns the stage + 1 still to be
-    released (O_TMA == 2), or 0."""
+    tile's first block is done, ``_release_o_stage``). O_TMA == 3 (two Q buffers): staged in
+    the warpgroup's own piece of the tile's Q buffer q_buf instead (its QKᵀ reads are over, and
+    no other warpgroup reads that piece: no o_bar), the buffer released as the stage is at 2.
+    Returns the stage (3: Q buffer) + 1 still to be released (O_TMA >= 2), or 0."""
     (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
      n_tiles) = query_tile_at(n_m - 1 - t % n_m, t // n_m, CU_Q, CU_K, n_heads, kv_group,
                               seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
@@ -812,7 +823,19 @@ def _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, last, tc, C
                + lse_start, row0, seqlen_q)
     o_off = q_start.to(gl.int64) * stride_om + off_h.to(gl.int64) * stride_oh
     pend = n_tiles * 0
-    if O_TMA:
+    if O_TMA == 3:
+        if n_tiles > 0:
+            if row0 + HALF_M <= seqlen_q:  # (a partial half would run into the next sequence)
+                WGS_: gl.constexpr = TILE_M // HALF_M
+                gl.static_assert(out.shape[1] == q_smem.shape[2], "O staged in Q's tile")
+                stage_tma_store(o_desc, q_start + row0, off_h * out.shape[1],
+                                q_smem.index(q_buf * WGS_ + WG), out)
+            else:
+                _store_rows(O, out, o_off, stride_om, row0, seqlen_q, O_COLS)
+            pend = q_buf + 1  # (released after the next tile's first block, store or not)
+        else:
+            _store_rows(O, out, o_off, stride_om, row0, seqlen_q, O_COLS)
+    elif O_TMA:
         if n_tiles > 0:
             mbarrier.arrive(o_bar, count=1)
             mbarrier.wait(o_bar, tc & 1)
@@ -860,7 +883,8 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
     tc = n_bh * 0  # tiles with work so far (q_bar's phase)
     rnd = n_bh * 0  # pingpong rounds so far
     k = n_bh * 0  # this CTA's tiles so far
-    pend = n_bh * 0  # (O_TMA == 2) a V stage + 1 whose O store is still to be released
+    pend = n_bh * 0  # (O_TMA >= 2) a V stage (3: Q buffer) + 1 whose O store is still to be
+    # released
     t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
     while t < total:
         it, tc, rnd, pend = _consume_persistent_tile(
@@ -872,8 +896,8 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
             QK_COLS, O_TMA, Q_BUFS)
         k += 1
         t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
-    if O_TMA == 2:
-        tma.store_wait(0)  # the last tile's O store has read its stage
+    if O_TMA >= 2:
+        tma.store_wait(0)  # the last tile's O store has read its stage (3: Q buffer)
 
 
 @gluon.jit
@@ -1185,14 +1209,25 @@ def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> di
                 KV_FIRST=KV_FIRST and persistent,
                 PINGPONG=_pingpong(head_dim, wgs), PERSISTENT=persistent,
                 DYNAMIC=schedule == "dynamic", EXP_EARLY=_exp_early(head_dim, wide, mask),
-                O_TMA=(2 if O_DEFER else 1) if O_TMA and persistent and block_n >= 64 * wgs
-                else 0)
+                O_TMA=_o_tma_form(persistent, block_n, wgs, q_bufs))
+
+
+def _o_tma_form(persistent: bool, block_n: int, wgs: int, q_bufs: int) -> int:
+    """``launch_form``'s O store (``_store_tile``): 0 from registers; by TMA from the tile's last
+    V stage (1: released after the store, 2: a block into the next tile, ``O_DEFER``), where the
+    stage holds every consumer warpgroup's 64 rows; or, with two Q buffers, 3: from the
+    warpgroup's piece of the tile's Q buffer (released as at 2), whatever the tile."""
+    if not (O_TMA and persistent):
+        return 0
+    if q_bufs == 2:
+        return 3
+    return (2 if O_DEFER else 1) if block_n >= 64 * wgs else 0
 
 
 def _o_tma(form: dict, d_pad: int | None, max_seqlen_k: int) -> int:
     """Whether the persistent forward stores O by TMA from the last V stage (0: no; 2: with the
-    stage's release deferred, ``O_DEFER``): the form's rule (``O_TMA``: persistent, the stage
-    holds every consumer warpgroup's 64 rows), O a [rows, heads * d_v] matrix (not a head dim
+    stage's release deferred, ``O_DEFER``; 3: from the tile's Q buffer): the form's rule
+    (``_o_tma_form``), O a [rows, heads * d_v] matrix (not a head dim
     read in place through [rows, heads, d] views), and more than one key: Triton specializes an
     integer argument of 1 into a constant, and with seqlen_k = 1 folded in this form fails in
     LLVM lowering (an assertion in SmallVector, Triton 3.6; one key is one key tile, nothing for

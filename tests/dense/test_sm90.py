@@ -208,8 +208,8 @@ def test_fwd_q_bufs_rule(monkeypatch):
     base = [form(64, False, mask, s) for _, mask, s in shapes]
     assert all(f["Q_BUFS"] == 1 for f in base)  # default
     monkeypatch.setattr(sm90_fwd, "Q_BUFS", "2")
-    for (d, mask, s), b in zip(shapes, base):
-        assert form(d, False, mask, s) == dict(b, Q_BUFS=2), (d, mask, s)
+    for (d, mask, s), b in zip(shapes, base):  # (O staged in the tile's Q buffer: O_TMA 3)
+        assert form(d, False, mask, s) == dict(b, Q_BUFS=2, O_TMA=3), (d, mask, s)
     assert form(128, False, "none", 8192)["Q_BUFS"] == 2
     assert form(128, False, "none", 8192)["STAGES"] == 2
     assert form(256, False, "none", 8192)["Q_BUFS"] == 1
@@ -819,6 +819,11 @@ def test_sm90_tma_epilogue_rules(monkeypatch):
     assert not sm90_fwd._o_tma(form(128, False, "none", 8192), 128, 8192)  # d = 96 in place
     # one key: Triton folds seqlen_k = 1 into the kernel, and that form fails to compile
     assert not sm90_fwd._o_tma(form(64, False, "none", 1), None, 1)
+    monkeypatch.setattr(sm90_fwd, "Q_BUFS", "2")  # O in the tile's Q buffer, the 192-row too
+    assert sm90_fwd._o_tma(form(64, False, "none", 8192), None, 8192) == 3
+    assert sm90_fwd._o_tma(form(128, False, "none", 8192), None, 8192) == 3
+    assert not sm90_fwd._o_tma(form(128, False, "none", 8192), 128, 8192)  # d = 96 in place
+    monkeypatch.setattr(sm90_fwd, "Q_BUFS", "1")
     monkeypatch.setattr(sm90_fwd, "O_DEFER", False)
     assert sm90_fwd._o_tma(form(128, False, "none", 8192), None, 8192) == 1
     monkeypatch.setattr(sm90_fwd, "O_TMA", False)
