@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -136,6 +136,15 @@ for step in $steps; do
                python benchmarks/profile_decode.py --cell $cell > "$OUT/ncu_decode_$cell.csv" 2>&1
              echo "== $cell"; grep -E "gpu__time|dram__bytes_read" "$OUT/ncu_decode_$cell.csv" \
                | awk -F'","' '{print $5, $(NF-2), $NF}' | cut -c1-150 | tail -24; done ;;
+    profile-decode-mem) # issue 4's 64 x 4k cell (1.6% behind cuDNN in the kernel): ours and
+           # cuDNN's kernels under ncu with where-the-time-goes metrics: DRAM throughput as a
+           # share of its peak over the kernel, SM busy share (a tail shows as SMs idle while
+           # the kernel runs), L2 read sectors and hit rate, occupancy, grid (~60 s)
+           timeout 200 ncu --clock-control none --csv --metrics \
+             gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__cycles_active.avg,gpc__cycles_elapsed.max,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sector_op_read_hit_rate.pct,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread,launch__shared_mem_per_block_dynamic \
+             python benchmarks/profile_decode.py --cell 64x4096x16 > "$OUT/ncu_decode_mem_64x4096x16.csv" 2>&1
+           grep -E '"(_decode_sm90|cudnn)' "$OUT/ncu_decode_mem_64x4096x16.csv" \
+             | awk -F'","' '{print substr($5, 1, 24), $(NF-2), $NF}' | tail -40 ;;
     tune-sm90-decode) # the sm90 decode kernel's ring (keys per tile, stages) and items per SM
            timeout 300 python benchmarks/tune_decode.py --sm90 --cells 1x32768x16,16x8192x16,64x4096x16 \
              --block-n 32,64,128 --stages 2,3,4,6 --per-sm 1,2,4 --json "$OUT/tune_sm90_decode.json" \
