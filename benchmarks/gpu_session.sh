@@ -539,20 +539,21 @@ for step in $steps; do
              --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     fwd-q-bufs) # Q in two buffers in the persistent forward (IOATTN_SM90_FWD_Q_BUFS=2) and each
            # tile's first K/V before its Q (IOATTN_SM90_FWD_KV_FIRST=1), both opt-in: their tests
-           # (the persistent cases on 3 CTAs), then the stamped 2k causal tiles (d = 64 / 128;
-           # q_wait = the tile's wait for its Q) in each form, with pingpong, and the default
-           # (~90 + 8 x 25 s)
+           # (the persistent cases on 3 CTAs), then the stamped 2k tiles (d=64 causal, d=128
+           # causal and not: the short-tile cells below cuDNN; q_wait = the tile's wait for its
+           # Q) in each form, with pingpong, and the default (~90 + 12 x 25 s)
            timeout 180 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
              -k "qbufs2 or q_bufs or kvfirst" > "$OUT/tests_q_bufs.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_q_bufs.log" | head -20; tail -1 "$OUT/tests_q_bufs.log"
            for e in IOATTN_SM90_FWD_Q_BUFS=2 IOATTN_SM90_FWD_KV_FIRST=1 IOATTN_SM90_PINGPONG=1 \
                     IOATTN_SM90_FWD_Q_BUFS=1; do
-             for d in 64 128; do
-               tag=$(echo "${e#IOATTN_SM90_FWD_}" | tr 'A-Z=' 'a-z_')
+             for dc in "64 --causal" "128 --causal" "128"; do
+               read -r d c <<< "$dc"
+               tag=$(echo "${e#IOATTN_SM90_}" | tr 'A-Z=' 'a-z_')
                env "$e" timeout 60 python benchmarks/timeline.py --kernel fwd --d "$d" \
-                 --seqlen 2048 --causal \
-                 --json "$OUT/fwd_timeline_${tag}_d${d}_2048_causal.json" > /tmp/timeline.log 2>&1
-               echo "== $e timeline d=$d 2048 causal"
+                 --seqlen 2048 $c \
+                 --json "$OUT/fwd_timeline_${tag}_d${d}_2048${c:+_causal}.json" > /tmp/timeline.log 2>&1
+               echo "== $e timeline d=$d 2048 $c"
                grep -E '^note:|"tile_us"|"kernel_us"|"q_wait"|"first"' /tmp/timeline.log | head -8
            done; done ;;
     fwd-q-bufs-bench) # the d = 64 / 128 forward 2k-16k with Q_BUFS 2 / 1 and KV_FIRST 1, cuDNN
