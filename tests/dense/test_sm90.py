@@ -793,6 +793,22 @@ def test_timeline_stamps_match_the_kernels():
     fake = SimpleNamespace(device_caches={0: ({"key": SimpleNamespace(n_regs=168, n_spills=20)},
                                               {}, None, None, None)})
     assert timeline.compiled_forms(fake) == [{"regs": 168, "local_bytes": 20}]
+    # the forward's stamps a tile: each warpgroup's start, last P·V, stored, Q arrived, first
+    # block done (FWD_WG apart), then the SM id; a tile without key blocks has no Q / first
+    # block stamps (its q_wait / first are left out of the medians)
+    w = timeline.FWD_WG
+    rows = torch.zeros(3, timeline.FWD_SLOTS, dtype=torch.int64)
+    for i, (t0, n) in enumerate(((1000, 8), (20000, 8), (40000, 0))):
+        for wg in (0, 1):
+            start, q, first, pv, stored = t0, t0 + 500, t0 + 1500, t0 + n * 1000, t0 + n * 1000
+            stored += 300
+            rows[i, wg * w:(wg + 1) * w] = torch.tensor(
+                [start, pv, stored, q if n else 0, first if n else 0])
+        rows[i, 2 * w] = 7  # SM id
+    out = timeline.summarize_fwd(rows)
+    assert out["tiles"] == 3 and out["per_sm"] == {"min": 3, "max": 3, "sms": 1}, out
+    assert out["wg0_us"] == out["wg1_us"] == {"compute": 8.0, "q_wait": 0.5, "first": 1.0,
+                                                 "store": 0.3}, out
 
 
 def test_sm90_tma_epilogue_rules(monkeypatch):
