@@ -18,14 +18,20 @@ onoff() {  # cuDNN in every value's run: timed alone, the value without it ran u
     env "$var=$v" timeout 200 python -m ioattn bench "$@" --impls ioattn_sm90,sdpa_cudnn \
       --no-plots --out "$OUT/$name$v.json" > "/tmp/$name$v.log" 2>&1
     echo "== $var=$v"; grep -E "^(fwd|bwd)" "/tmp/$name$v.log"; done; }
-# timelines VAR NAME: the stamped d=128 2k forward (non-causal, causal) with VAR at 1 and 0,
-# into $OUT/fwd_timeline_NAME<value>_2048[_causal].json; prints the tile, kernel and store times
+# timelines NAME "VAR=V ..." ["D [--causal]|..."]: the stamped 2k forward once per setting
+# (default cells: d=128 non-causal and causal), into
+# $OUT/fwd_timeline_NAME_<var_v>_d<D>_2048[_causal].json; prints the tile, kernel, Q-wait,
+# first-block and store times
 timelines() {
-  local var=$1 name=$2 v c; for v in 1 0; do for c in "" "--causal"; do
-    env "$var=$v" timeout 60 python benchmarks/timeline.py --kernel fwd --d 128 --seqlen 2048 $c \
-      --json "$OUT/fwd_timeline_$name${v}_2048${c:+_causal}.json" > /tmp/timeline.log 2>&1
-    echo "== $var=$v timeline 2048 $c"
-    grep -E '^note:|"tile_us"|"kernel_us"|"store"' /tmp/timeline.log | head -5; done; done; }
+  local name=$1 settings=$2 cells=${3:-"128|128 --causal"} e dc d c tag
+  for e in $settings; do IFS='|' read -ra dcs <<< "$cells"; for dc in "${dcs[@]}"; do
+    read -r d c <<< "$dc"
+    tag=$(echo "${e#IOATTN_SM90_}" | tr 'A-Z=' 'a-z_')
+    env "$e" timeout 60 python benchmarks/timeline.py --kernel fwd --d "$d" --seqlen 2048 $c \
+      --json "$OUT/fwd_timeline_${name}_${tag}_d${d}_2048${c:+_causal}.json" > /tmp/timeline.log 2>&1
+    echo "== $e timeline d=$d 2048 $c"
+    grep -E '^note:|"tile_us"|"kernel_us"|"q_wait"|"first"|"store"' /tmp/timeline.log | head -10
+  done; done; }
 for step in $steps; do
   case $step in
     tests) # 14 workers: a cold Triton cache took more than 240 s with 8 (and 450 s ran 684 of ~690, session 16;
@@ -501,7 +507,7 @@ for step in $steps; do
            IOATTN_SM90_FWD_O_TMA=1 timeout 150 python -m pytest -q -n 14 -p no:cacheprovider -rf \
              tests/dense/test_sm90.py -k "persistent or fwd_bwd" > "$OUT/tests_o_tma.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_o_tma.log"; tail -1 "$OUT/tests_o_tma.log"
-           timelines IOATTN_SM90_FWD_O_TMA o_tma
+           timelines o_tma "IOATTN_SM90_FWD_O_TMA=1 IOATTN_SM90_FWD_O_TMA=0"
            onoff IOATTN_SM90_FWD_O_TMA "1 0" fwd_o_tma --modes fwd --dims 64,128 \
              --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     fwd-o-defer) # the persistent forward's O stage released a block into the next tile instead
@@ -511,7 +517,7 @@ for step in $steps; do
            IOATTN_SM90_FWD_O_DEFER=1 timeout 150 python -m pytest -q -n 14 -p no:cacheprovider -rf \
              tests/dense/test_sm90.py -k "persistent or fwd_bwd" > "$OUT/tests_o_defer.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_o_defer.log"; tail -1 "$OUT/tests_o_defer.log"
-           timelines IOATTN_SM90_FWD_O_DEFER o_defer
+           timelines o_defer "IOATTN_SM90_FWD_O_DEFER=1 IOATTN_SM90_FWD_O_DEFER=0"
            onoff IOATTN_SM90_FWD_O_DEFER "1 0" fwd_o_defer --modes fwd --dims 64,128 \
              --seqlens 2048,4096,16384 --dtypes bf16 ;;
     decode-prefetch) # L2 prefetches of each decode CTA's first tiles before its PDL wait
@@ -549,17 +555,8 @@ for step in $steps; do
            timeout 180 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
              -k "qbufs2 or q_bufs or kvfirst" > "$OUT/tests_q_bufs.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_q_bufs.log" | head -20; tail -1 "$OUT/tests_q_bufs.log"
-           for e in IOATTN_SM90_FWD_Q_BUFS=2 IOATTN_SM90_FWD_KV_FIRST=1 IOATTN_SM90_PINGPONG=1 \
-                    IOATTN_SM90_FWD_Q_BUFS=1; do
-             for dc in "64 --causal" "128 --causal" "128"; do
-               read -r d c <<< "$dc"
-               tag=$(echo "${e#IOATTN_SM90_}" | tr 'A-Z=' 'a-z_')
-               env "$e" timeout 60 python benchmarks/timeline.py --kernel fwd --d "$d" \
-                 --seqlen 2048 $c \
-                 --json "$OUT/fwd_timeline_${tag}_d${d}_2048${c:+_causal}.json" > /tmp/timeline.log 2>&1
-               echo "== $e timeline d=$d 2048 $c"
-               grep -E '^note:|"tile_us"|"kernel_us"|"q_wait"|"first"' /tmp/timeline.log | head -8
-           done; done ;;
+           timelines q_bufs "IOATTN_SM90_FWD_Q_BUFS=2 IOATTN_SM90_FWD_KV_FIRST=1 IOATTN_SM90_PINGPONG=1
+                             IOATTN_SM90_FWD_Q_BUFS=1" "64 --causal|128 --causal|128" ;;
     fwd-q-bufs-bench) # the d = 64 / 128 forward 2k-16k with Q_BUFS 2 / 1 and KV_FIRST 1, cuDNN
            # beside each (~3 x 100 s); and the d=64 causal 2k / 4k cells with the two warpgroups
            # taking turns (IOATTN_SM90_PINGPONG=1: one's softmax under the other's GEMMs, which

@@ -118,8 +118,8 @@ def fwd_source(base: int) -> str:
                  "KEEP_LAST_V: gl.constexpr = 0, q_base=0, q_bufs_empty=None, tl_t=0):\n")
     src = _patch(src, "        mbarrier.wait(q_bar, q_phase)\n",
                  "        mbarrier.wait(q_bar, q_phase)\n        _tl_f3(tl_t)\n")
-    src = _patch(src, "        if KEEP_LAST_V == 2:\n            _release_o_stage(",
-                 "        _tl_f4(tl_t)\n        if KEEP_LAST_V == 2:\n"
+    src = _patch(src, "        if KEEP_LAST_V >= 2:\n            _release_o_stage(",
+                 "        _tl_f4(tl_t)\n        if KEEP_LAST_V >= 2:\n"
                  "            _release_o_stage(")
     src = _patch(src, "QK_COLS, O_TMA, tc % Q_BUFS * WGS,\n                             q_empty)\n",
                  "QK_COLS, O_TMA, tc % Q_BUFS * WGS,\n                             q_empty, t)\n")

@@ -405,10 +405,9 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
             qb = ([f"sm90 fwd d{d} causal 2k 128x128 ws", f"sm90 fwd d{d} causal 192x128 ws"]
                   if d == 64 else
                   [f"sm90 fwd d{d} full 128x128 ws", f"sm90 fwd d{d} causal 128x128 ws"])
-            # (O staged in the tile's Q buffer: O_TMA 3)
             jobs += [(name.replace(" ws", " qbufs2 ws"), fn, desc, d_,
-                      dict(ce, Q_BUFS=2, O_TMA=3, STAGES=2 if d == 128 else ce["STAGES"]))
-                     for name, fn, desc, d_, ce in jobs if name in qb]
+                      sm90_fwd.two_q_buffers(ce, d)) for name, fn, desc, d_, ce in jobs
+                     if name in qb]
             # (opt-in, IOATTN_SM90_FWD_KV_FIRST) each tile's first K/V tiles before its Q
             jobs += [(name.replace(" ws", " kvfirst ws"), fn, desc, d_, dict(ce, KV_FIRST=True))
                      for name, fn, desc, d_, ce in jobs if name in qb]

@@ -576,6 +576,10 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     q = q_smem.index(q_base + WG)
+    if KEEP_LAST_V == 3:  # where the previous tile's O went: a Q buffer or a V stage
+        o_bars = q_bufs_empty
+    else:
+        o_bars = v_empty
     row0 = start_m + WG * HALF_M  # first query row (within the sequence) of this warpgroup
     off = seqlen_k - seqlen_q
     m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_s)
@@ -591,10 +595,8 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                                    qk_scale_log2,
                                    softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG,
                                    EXP_EARLY, QK_COLS)
-        if KEEP_LAST_V == 2:
-            _release_o_stage(v_empty, pend)
-        elif KEEP_LAST_V == 3:
-            _release_o_stage(q_bufs_empty, pend)
+        if KEEP_LAST_V >= 2:
+            _release_o_stage(o_bars, pend)
         p, acc, m_i, l_i = _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
                                           turn, p, acc, m_i, l_i, it0, rnd0, n_tiles, lo, row0,
                                           seqlen_k, off, window_left, window_right,
@@ -618,10 +620,8 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
         acc = warpgroup_mma_wait(0, deps=[acc_tok])
         if not KEEP_LAST_V or KEEP_LAST_V == 3:
             mbarrier.arrive(v_empty.index(last), count=1)
-    elif KEEP_LAST_V == 2:  # no key block: the previous tile's O stage goes back now
-        _release_o_stage(v_empty, pend)
-    elif KEEP_LAST_V == 3:  # (or its Q buffer)
-        _release_o_stage(q_bufs_empty, pend)
+    elif KEEP_LAST_V >= 2:  # no key block: the previous tile's O stage goes back now
+        _release_o_stage(o_bars, pend)
     return _finish(acc, m_i, l_i, dtype)
 
 
@@ -819,6 +819,7 @@ def _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, last, tc, C
                               seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
                               TILE_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT)
     row0 = start_m + WG * HALF_M
+    WGS: gl.constexpr = TILE_M // HALF_M
     _store_lse(LSE, lse, off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
                + lse_start, row0, seqlen_q)
     o_off = q_start.to(gl.int64) * stride_om + off_h.to(gl.int64) * stride_oh
@@ -826,10 +827,9 @@ def _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, last, tc, C
     if O_TMA == 3:
         if n_tiles > 0:
             if row0 + HALF_M <= seqlen_q:  # (a partial half would run into the next sequence)
-                WGS_: gl.constexpr = TILE_M // HALF_M
                 gl.static_assert(out.shape[1] == q_smem.shape[2], "O staged in Q's tile")
                 stage_tma_store(o_desc, q_start + row0, off_h * out.shape[1],
-                                q_smem.index(q_buf * WGS_ + WG), out)
+                                q_smem.index(q_buf * WGS + WG), out)
             else:
                 _store_rows(O, out, o_off, stride_om, row0, seqlen_q, O_COLS)
             pend = q_buf + 1  # (released after the next tile's first block, store or not)
@@ -840,7 +840,6 @@ def _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar, last, tc, C
             mbarrier.arrive(o_bar, count=1)
             mbarrier.wait(o_bar, tc & 1)
             if row0 + HALF_M <= seqlen_q:  # (a partial half would run into the next sequence)
-                WGS: gl.constexpr = TILE_M // HALF_M
                 o_all = v_smem.index(last)._reinterpret(out.dtype, [WGS, HALF_M, out.shape[1]],
                                                         tile_layout(o_desc.layout))
                 stage_tma_store(o_desc, q_start + row0, off_h * out.shape[1], o_all.index(WG),
@@ -1202,32 +1201,33 @@ def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> di
     block_n, stages, regs = _tile(head_dim, wgs, wide)
     schedule = _schedule(head_dim, varlen)
     persistent = schedule is not None
-    q_bufs = 2 if Q_BUFS == "2" and persistent and head_dim in (64, 128) else 1
-    if q_bufs == 2 and head_dim == 128:  # (shared memory: two Q buffers and two stages)
-        stages = 2
-    return dict(WGS=wgs, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=regs, Q_BUFS=q_bufs,
+    # O (``_store_tile``): 0 from registers; by TMA from the tile's last V stage (1: released
+    # after the store, 2: a block into the next tile, ``O_DEFER``), where the stage holds every
+    # consumer warpgroup's 64 rows
+    o_tma = (2 if O_DEFER else 1) if O_TMA and persistent and block_n >= 64 * wgs else 0
+    form = dict(WGS=wgs, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=regs, Q_BUFS=1,
                 KV_FIRST=KV_FIRST and persistent,
                 PINGPONG=_pingpong(head_dim, wgs), PERSISTENT=persistent,
                 DYNAMIC=schedule == "dynamic", EXP_EARLY=_exp_early(head_dim, wide, mask),
-                O_TMA=_o_tma_form(persistent, block_n, wgs, q_bufs))
+                O_TMA=o_tma)
+    return two_q_buffers(form, head_dim) if Q_BUFS == "2" else form
 
 
-def _o_tma_form(persistent: bool, block_n: int, wgs: int, q_bufs: int) -> int:
-    """``launch_form``'s O store (``_store_tile``): 0 from registers; by TMA from the tile's last
-    V stage (1: released after the store, 2: a block into the next tile, ``O_DEFER``), where the
-    stage holds every consumer warpgroup's 64 rows; or, with two Q buffers, 3: from the
-    warpgroup's piece of the tile's Q buffer (released as at 2), whatever the tile."""
-    if not (O_TMA and persistent):
-        return 0
-    if q_bufs == 2:
-        return 3
-    return (2 if O_DEFER else 1) if block_n >= 64 * wgs else 0
+def two_q_buffers(form: dict, head_dim: int) -> dict:
+    """A launch form (``launch_form``'s, or a compile job's constexprs) with Q in two buffers
+    (``Q_BUFS``): persistent forms at d = 64 / 128 only (others as they are); two ring stages at
+    d = 128 (shared memory); with ``O_TMA``, O staged in the warpgroup's piece of the tile's Q
+    buffer (3: released as at 2), whatever the tile."""
+    if not form["PERSISTENT"] or head_dim not in (64, 128):
+        return form
+    return dict(form, Q_BUFS=2, STAGES=2 if head_dim == 128 else form["STAGES"],
+                O_TMA=3 if O_TMA else 0)
 
 
 def _o_tma(form: dict, d_pad: int | None, max_seqlen_k: int) -> int:
     """Whether the persistent forward stores O by TMA from the last V stage (0: no; 2: with the
     stage's release deferred, ``O_DEFER``; 3: from the tile's Q buffer): the form's rule
-    (``_o_tma_form``), O a [rows, heads * d_v] matrix (not a head dim
+    (``launch_form``, ``two_q_buffers``), O a [rows, heads * d_v] matrix (not a head dim
     read in place through [rows, heads, d] views), and more than one key: Triton specializes an
     integer argument of 1 into a constant, and with seqlen_k = 1 folded in this form fails in
     LLVM lowering (an assertion in SmallVector, Triton 3.6; one key is one key tile, nothing for

@@ -168,13 +168,13 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     per launch."""
     from ioattn.dense import sm90_fwd
 
+    if mode.endswith(("-kvfirst", "-qbufs2")):  # (on 3 CTAs)
+        monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: 3)
     if mode.endswith("-kvfirst"):
         monkeypatch.setattr(sm90_fwd, "KV_FIRST", True)
-        monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: 3)
         mode = mode.removesuffix("-kvfirst")
     if mode.endswith("-qbufs2"):
         monkeypatch.setattr(sm90_fwd, "Q_BUFS", "2")
-        monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: 3)
         mode = mode.removesuffix("-qbufs2")
     if mode == "dynamic-o-regs":
         monkeypatch.setattr(sm90_fwd, "O_TMA", False)
