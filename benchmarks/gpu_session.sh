@@ -44,7 +44,7 @@ for step in $steps; do
            grep -E "FAILED|ERROR" "$OUT/tests_gpu.log" | head -20; tail -1 "$OUT/tests_gpu.log" ;;
     tests-sm90file|tests-rest) # the suite in two calls: four of tests/dense/test_sm90.py's
            # families, then everything else (session 22: the whole file took 515 s of a 580 s
-           # limit cold, the rest 95 s, before the Q_BUFS / KV_FIRST persistent cases; the names
+           # limit cold, the rest 95 s, before the Q_BUFS persistent cases; the names
            # selected occur in that file only)
            fam="persistent_fwd or row_stats or three_warpgroups or fused_bwd"
            if [ "$step" = tests-sm90file ]; then sel=(tests/dense/test_sm90.py -k "$fam")
@@ -547,27 +547,18 @@ for step in $steps; do
            grep -E "^FAILED" "$OUT/tests_bwd_rows.log" | head -20; tail -1 "$OUT/tests_bwd_rows.log"
            onoff IOATTN_SM90_BWD_ROWS "128 64" bwd_rows --modes bwd --dims 64 \
              --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
-    fwd-q-bufs) # Q in two buffers in the persistent forward (IOATTN_SM90_FWD_Q_BUFS=2) and each
-           # tile's first K/V before its Q (IOATTN_SM90_FWD_KV_FIRST=1), both opt-in: their tests
-           # (the persistent cases on 3 CTAs), then the stamped 2k tiles (d=64 causal, d=128
-           # causal and not: the short-tile cells below cuDNN; q_wait = the tile's wait for its
-           # Q) in each form, with pingpong, and the default (~90 + 12 x 25 s)
+    fwd-q-bufs) # Q in two buffers in the persistent forward (IOATTN_SM90_FWD_Q_BUFS, "auto": two
+           # up to 8k keys): its tests (the persistent cases on 3 CTAs, qbufs1 / qbufs2 forced),
+           # then the stamped 2k tiles (d=64 causal, d=128 causal and not; q_wait = the tile's
+           # wait for its Q) by default and with one buffer (~90 + 6 x 25 s)
            timeout 180 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
-             -k "qbufs2 or q_bufs or kvfirst" > "$OUT/tests_q_bufs.log" 2>&1
+             -k "qbufs or q_bufs" > "$OUT/tests_q_bufs.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_q_bufs.log" | head -20; tail -1 "$OUT/tests_q_bufs.log"
-           timelines q_bufs "IOATTN_SM90_FWD_Q_BUFS=2 IOATTN_SM90_FWD_KV_FIRST=1 IOATTN_SM90_PINGPONG=1
-                             IOATTN_SM90_FWD_Q_BUFS=1" "64 --causal|128 --causal|128" ;;
-    fwd-q-bufs-bench) # the d = 64 / 128 forward 2k-16k with Q_BUFS 2 / 1 and KV_FIRST 1, cuDNN
-           # beside each (~3 x 100 s); and the d=64 causal 2k / 4k cells with the two warpgroups
-           # taking turns (IOATTN_SM90_PINGPONG=1: one's softmax under the other's GEMMs, which
-           # the lockstep pair cannot do at a tile's first block; -1-2% at d=64 when last timed,
-           # not on these cells) (~40 s)
+           timelines q_bufs "IOATTN_SM90_FWD_Q_BUFS=auto IOATTN_SM90_FWD_Q_BUFS=1" "64 --causal|128 --causal|128" ;;
+    fwd-q-bufs-bench) # the d = 64 / 128 forward 2k-16k with Q_BUFS 2 / 1 forced, cuDNN beside
+           # each (~2 x 100 s)
            onoff IOATTN_SM90_FWD_Q_BUFS "2 1" fwd_q_bufs --modes fwd --dims 64,128 \
-             --seqlens 2048,4096,8192,16384 --dtypes bf16
-           onoff IOATTN_SM90_FWD_KV_FIRST "1" fwd_kv_first --modes fwd --dims 64,128 \
-             --seqlens 2048,4096,8192,16384 --dtypes bf16
-           onoff IOATTN_SM90_PINGPONG "1" fwd_pp64 --modes fwd --dims 64 --seqlens 2048,4096 \
-             --causal true --dtypes bf16 ;;
+             --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -269,7 +269,7 @@ def main() -> None:
                "stamped_forms": stamped,
                "bwd_dq_order": sm90_bwd.dq_order(a.d, a.causal),
                "bwd_tma_store": sm90_bwd.TMA_STORE, "fwd_o_tma": sm90_fwd.O_TMA,
-               "fwd_q_bufs": sm90_fwd.Q_BUFS, "fwd_kv_first": sm90_fwd.KV_FIRST,
+               "fwd_q_bufs": sm90_fwd.Q_BUFS,
                "fwd_pingpong": sm90_fwd.PINGPONG,
                "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": triton.__version__, "date": datetime.date.today().isoformat(),

@@ -399,18 +399,15 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                      for name, fn, desc, d_, ce in jobs
                      if name in (f"sm90 fwd d{d} full 128x128 ws",
                                  f"sm90 fwd d{d} causal 128x128 ws")]
-        if d in (64, 128):  # (opt-in, IOATTN_SM90_FWD_Q_BUFS=2) the persistent forward with Q
-            # in two buffers: d=64 causal below 4k (two warpgroups) and from 4k (three), d=128
-            # (two stages then) with and without a mask
+        if d in (64, 128):  # (the default up to 8k keys, IOATTN_SM90_FWD_Q_BUFS) the
+            # persistent forward with Q in two buffers: d=64 causal below 4k (two warpgroups)
+            # and from 4k (three), d=128 (two stages then) with and without a mask
             qb = ([f"sm90 fwd d{d} causal 2k 128x128 ws", f"sm90 fwd d{d} causal 192x128 ws"]
                   if d == 64 else
                   [f"sm90 fwd d{d} full 128x128 ws", f"sm90 fwd d{d} causal 128x128 ws"])
             jobs += [(name.replace(" ws", " qbufs2 ws"), fn, desc, d_,
                       sm90_fwd.two_q_buffers(ce, d)) for name, fn, desc, d_, ce in jobs
                      if name in qb]
-            # (opt-in, IOATTN_SM90_FWD_KV_FIRST) each tile's first K/V tiles before its Q
-            jobs += [(name.replace(" ws", " kvfirst ws"), fn, desc, d_, dict(ce, KV_FIRST=True))
-                     for name, fn, desc, d_, ce in jobs if name in qb]
 
         if d in (128, 256):  # (opt-in, IOATTN_SM90_FWD_LPT / _BWD_LPT) the grouped heaviest-
             # first order: the causal forward at 4k (d=128: the dynamic scheduler's ids; d=256:

@@ -108,16 +108,20 @@ O_DEFER = os.environ.get("IOATTN_SM90_FWD_O_DEFER", "1").lower() in ("1", "true"
 # (benchmarks/timeline.py's q_wait) and timed. Shared memory: at d=64 a second Q takes 16 KB
 # (24 KB on the 192-row tile) beside 96 KB of stages; at d=128 Q and three stages already take
 # 224 KB, so two Q buffers go with two stages (192 KB).
-# IOATTN_SM90_FWD_Q_BUFS=2 turns it on (opt-in until timed on the H200)
-Q_BUFS = os.environ.get("IOATTN_SM90_FWD_Q_BUFS", "1").lower()
-if Q_BUFS not in ("1", "2"):
-    raise ValueError(f"IOATTN_SM90_FWD_Q_BUFS={Q_BUFS!r}: expected 1 or 2")
-# (the persistent forward, one Q buffer) the same queueing without a second Q: the producer
-# issues each tile's first K and V tiles before it waits for Q's buffer, so only Q's own load
-# is left at the tile boundary (its latency against the last block's softmax, P·V and the O
-# store), the stages and shared memory as they are. IOATTN_SM90_FWD_KV_FIRST=1 turns it on
-# (opt-in until timed on the H200; with Q_BUFS=2 too)
-KV_FIRST = os.environ.get("IOATTN_SM90_FWD_KV_FIRST", "0").lower() in ("1", "true", "on")
+# Stamped at 2k (session 23, cf359b1): d=128 kernel -2.7% causal, -3% non-causal, the tiles
+# overlapping at the boundary; timed with cuDNN in one run, d = 64 / 128 2k-8k: better in 10 of
+# 12 cells (d=64 causal 4k +4.7%, d=128 4k +3%), 16k ~1.5-2.5% worse in all four (long tiles,
+# the boundary a small share, and d=128's third stage missed). So "auto" (the default): two Q
+# buffers when max_seqlen_k <= Q_BUFS_MAX_SEQLEN_K, one beyond; IOATTN_SM90_FWD_Q_BUFS=1 / 2
+# forces one or two
+Q_BUFS = os.environ.get("IOATTN_SM90_FWD_Q_BUFS", "auto").lower()
+if Q_BUFS not in ("1", "2", "auto"):
+    raise ValueError(f"IOATTN_SM90_FWD_Q_BUFS={Q_BUFS!r}: expected 1, 2 or auto")
+Q_BUFS_MAX_SEQLEN_K = 8192
+# (Tried and removed, session 23: each tile's first K and V loaded before the wait for its Q
+# buffer, one Q buffer. Stamped at 2k it changed nothing, d=64 causal 392.5 -> 394.8 us,
+# d=128 261.7 -> 263.4 causal, 436.0 -> 437.1 non-causal: Q's wait at the tile start was
+# already 0.1-0.2 us; the boundary's cost is the last block's drain, which two Q buffers hide.)
 # three consumer warpgroups at d=64 (192-row tiles, FA3's shape there); on by default since it
 # measured 1.03-1.05x the two-warpgroup form non-causal from 2k and 1.23x causal at 2k on the
 # H200 (results/sm90_fwd_wg3_{1,0}_*.json; causal 4k-16k within 3%), IOATTN_SM90_FWD_WG3=0 turns
@@ -250,12 +254,11 @@ def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty
                   k_empty, v_empty, v_fixed, BT, bt_row, bt_width, q_row, q_col, k_row, kv_col,
                   n_tiles, n_keys, it0, tc, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
                   PAGED: gl.constexpr, PAGE: gl.constexpr, PERSISTENT: gl.constexpr,
-                  Q_BUFS: gl.constexpr = 1, q_base=0, KV_FIRST: gl.constexpr = False):
+                  Q_BUFS: gl.constexpr = 1, q_base=0):
     """The loads of one query tile: its Q pieces (into q_smem's q_base.., of Q_BUFS buffers),
     then its n_tiles K and V tiles through the ring from ring position it0 (a persistent CTA's
     running count of key tiles); tc counts the CTA's earlier tiles with work that used this Q
-    buffer (q_empty's phase). KV_FIRST (persistent): the first K and V tiles before Q, so they
-    do not queue behind the wait for Q's buffer (``KV_FIRST``)."""
+    buffer (q_empty's phase)."""
     # V's column: kv_col is K's (a head's first column at K's tile width)
     if v_smem.shape[2] == k_smem.shape[2]:
         v_col = kv_col
@@ -266,36 +269,26 @@ def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty
     has_work = n_tiles > 0
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     BOX: gl.constexpr = k_desc.block_type.shape[0]  # rows per TMA copy: BLOCK_N, or a page
-    # two parts, unrolled: KV_FIRST, key block 0, then Q and the others; otherwise Q and every
-    # key block (the first part's loop empty)
-    for part in gl.static_range(2):
-        if part == 1:
-            if PERSISTENT:
-                # the consumers free Q once the previous tile's last QKᵀ has retired
-                mbarrier.wait(q_empty, (tc & 1) ^ 1, pred=has_work)
-            WGS: gl.constexpr = q_smem.shape[0] // Q_BUFS  # consumer warpgroups: a Q piece each
-            mbarrier.expect(q_bar, WGS * q_desc.block_type.nbytes, pred=has_work)
-            for i in gl.static_range(WGS):
-                tma_load(q_desc, q_row + i * HALF_M, q_col, q_bar, q_smem.index(q_base + i),
-                         pred=has_work)
-        if part == 0:
-            j_lo = 0
-            j_hi = gl.minimum(n_tiles, 1) if KV_FIRST else 0
-        else:
-            j_lo = 1 if KV_FIRST else 0
-            j_hi = n_tiles
-        for j in range(j_lo, j_hi):
-            it = it0 + j
-            st = it % STAGES
-            ph = ((it // STAGES) & 1) ^ 1
-            mbarrier.wait(k_empty.index(st), ph)
-            mbarrier.expect(k_full.index(st), (BLOCK_N // BOX) * k_desc.block_type.nbytes)
-            _key_tile_load(k_desc, k_smem.index(st), k_full.index(st), BT, bt_row, bt_width,
-                           k_row + j * BLOCK_N, kv_col, PAGED, PAGE)
-            mbarrier.wait(v_empty.index(st), ph)
-            mbarrier.expect(v_full.index(st), (BLOCK_N // BOX) * v_desc.block_type.nbytes)
-            _key_tile_load(v_desc, v_smem.index(st), v_full.index(st), BT, bt_row, bt_width,
-                           k_row + j * BLOCK_N, v_col, PAGED, PAGE)
+    if PERSISTENT:
+        # the consumers free Q once the previous tile's last QKᵀ has retired
+        mbarrier.wait(q_empty, (tc & 1) ^ 1, pred=has_work)
+    WGS: gl.constexpr = q_smem.shape[0] // Q_BUFS  # consumer warpgroups: a Q piece each
+    mbarrier.expect(q_bar, WGS * q_desc.block_type.nbytes, pred=has_work)
+    for i in gl.static_range(WGS):
+        tma_load(q_desc, q_row + i * HALF_M, q_col, q_bar, q_smem.index(q_base + i),
+                 pred=has_work)
+    for j in range(n_tiles):
+        it = it0 + j
+        st = it % STAGES
+        ph = ((it // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(st), ph)
+        mbarrier.expect(k_full.index(st), (BLOCK_N // BOX) * k_desc.block_type.nbytes)
+        _key_tile_load(k_desc, k_smem.index(st), k_full.index(st), BT, bt_row, bt_width,
+                       k_row + j * BLOCK_N, kv_col, PAGED, PAGE)
+        mbarrier.wait(v_empty.index(st), ph)
+        mbarrier.expect(v_full.index(st), (BLOCK_N // BOX) * v_desc.block_type.nbytes)
+        _key_tile_load(v_desc, v_smem.index(st), v_full.index(st), BT, bt_row, bt_width,
+                       k_row + j * BLOCK_N, v_col, PAGED, PAGE)
     if IS_VARLEN or PAGED:
         # (one tile per CTA: these modes do not run persistent) the last V tile may run past the
         # last packed sequence into rows of no sequence (or, in a paged cache, into page slots
@@ -334,8 +327,7 @@ def _produce_persistent_tile(t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, 
                              q_empty, k_full, v_full, k_empty, v_empty, v_fixed, BT, CU_Q, CU_K,
                              n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m, window_left,
                              window_right, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                             HAS_RIGHT: gl.constexpr, Q_BUFS: gl.constexpr = 1,
-                             KV_FIRST: gl.constexpr = False):
+                             HAS_RIGHT: gl.constexpr, Q_BUFS: gl.constexpr = 1):
     """The loads of tile t (query tiles fastest, heaviest first); returns the CTA's updated key
     tile count (ring position) and count of tiles with work (q_empty's phase). Q_BUFS == 2:
     q_smem holds two Q buffers, q_bar / q_empty a barrier each, taken by tiles with work in
@@ -352,7 +344,7 @@ def _produce_persistent_tile(t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, 
                   q_empty.index(tc % Q_BUFS), k_full, v_full, k_empty, v_empty, v_fixed, BT, 0, 0,
                   q_start + start_m, off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles,
                   seqlen_k - lo, it, tc // Q_BUFS, STAGES, False, False, 1, True, Q_BUFS,
-                  tc % Q_BUFS * WGS, KV_FIRST)
+                  tc % Q_BUFS * WGS)
     return it + n_tiles, tc + (n_tiles > 0).to(gl.int32)
 
 
@@ -426,8 +418,7 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, 
                          seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
                          COUNTER, tile_smem, tile_full, tile_empty,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         DYNAMIC: gl.constexpr, head_group=1, Q_BUFS: gl.constexpr = 1,
-                         KV_FIRST: gl.constexpr = False):
+                         DYNAMIC: gl.constexpr, head_group=1, Q_BUFS: gl.constexpr = 1):
     # DYNAMIC: tiles handed out by an atomic counter as CTAs free up (FA3's dynamic persistent
     # scheduler), in the same heaviest-first order, each id passed to the consumers through
     # shared memory; otherwise a static snake order (``_snake``). q_bar / q_empty: Q_BUFS
@@ -443,8 +434,7 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, 
         it, tc = _produce_persistent_tile(
             t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full,
             v_full, k_empty, v_empty, v_fixed, BT, CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed,
-            seqlen_k_fixed, n_m, window_left, window_right, STAGES, HAS_LEFT, HAS_RIGHT, Q_BUFS,
-            KV_FIRST)
+            seqlen_k_fixed, n_m, window_left, window_right, STAGES, HAS_LEFT, HAS_RIGHT, Q_BUFS)
         k += 1
         t = _producer_next_tile(k, total, COUNTER, tile_smem, tile_full, tile_empty, DYNAMIC,
                                 n_m, head_group)
@@ -912,7 +902,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    DYNAMIC: gl.constexpr = False, COUNTER=None, EXP_EARLY: gl.constexpr = False,
                    softcap_scale=None, O_COLS: gl.constexpr = 0, head_group=1,
                    QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = False,
-                   Q_BUFS: gl.constexpr = 1, KV_FIRST: gl.constexpr = False):
+                   Q_BUFS: gl.constexpr = 1):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # head_group: the tiles (the tile counter's ids, or the grid's CTAs) in grouped heaviest-
     # first order (``sm90_common.grouped_order``, ``LPT``); 1: one head after another
@@ -930,7 +920,6 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     gl.static_assert(WGS == 2 or WGS == 3, "two or three consumer warpgroups")
     gl.static_assert(Q_BUFS == 1 or (Q_BUFS == 2 and PERSISTENT),
                      "two Q buffers in the persistent form only")
-    gl.static_assert(PERSISTENT or not KV_FIRST, "KV_FIRST in the persistent form only")
     if not PERSISTENT:
         (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, lse_start, start_m, lo,
          n_tiles) = query_tile(CU_Q, CU_K, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
@@ -998,7 +987,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
                                         COUNTER, tile_smem, tile_full, tile_empty,
                                         STAGES, HAS_LEFT, HAS_RIGHT, DYNAMIC, head_group,
-                                        Q_BUFS, KV_FIRST)),
+                                        Q_BUFS)),
             ], [4, 4, 1], [CONSUMER_REGS_, CONSUMER_REGS_, PRODUCER_REGS_])
         else:
             gl.warp_specialize([
@@ -1026,7 +1015,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         seqlen_q_fixed, seqlen_k_fixed, n_bh, window_left, window_right,
                                         COUNTER, tile_smem, tile_full, tile_empty,
                                         STAGES, HAS_LEFT, HAS_RIGHT, DYNAMIC, head_group,
-                                        Q_BUFS, KV_FIRST)),
+                                        Q_BUFS)),
             ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
         invalidate(tile_full, 2)
         invalidate(tile_empty, 2)
@@ -1188,10 +1177,11 @@ def mask_kind(window_left: int, window_right: int) -> str:
     return "causal" if window_left < 0 else "window"
 
 
-def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> dict:
+def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int,
+                max_seqlen_k: int | None = None) -> dict:
     """The forward's constexprs that depend on the problem's shape (``attn_fwd_sm90``, and the
     compile checks of ``inspect``): consumer warpgroups, keys per tile, ring stages, consumer
-    registers, Q buffers (``Q_BUFS``) and the first K/V's place (``KV_FIRST``), pingpong,
+    registers, Q buffers (``Q_BUFS``: by max_seqlen_k, max_seqlen_q if None), pingpong,
     persistence and its scheduler, the exponentials' place, O's store by TMA (``_o_tma`` adds
     the launch's own conditions). mask: ``mask_kind``'s."""
     if mask not in ("none", "causal", "window"):
@@ -1206,11 +1196,13 @@ def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int) -> di
     # consumer warpgroup's 64 rows
     o_tma = (2 if O_DEFER else 1) if O_TMA and persistent and block_n >= 64 * wgs else 0
     form = dict(WGS=wgs, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=regs, Q_BUFS=1,
-                KV_FIRST=KV_FIRST and persistent,
                 PINGPONG=_pingpong(head_dim, wgs), PERSISTENT=persistent,
                 DYNAMIC=schedule == "dynamic", EXP_EARLY=_exp_early(head_dim, wide, mask),
                 O_TMA=o_tma)
-    return two_q_buffers(form, head_dim) if Q_BUFS == "2" else form
+    if max_seqlen_k is None:
+        max_seqlen_k = max_seqlen_q
+    two = Q_BUFS == "2" or (Q_BUFS == "auto" and max_seqlen_k <= Q_BUFS_MAX_SEQLEN_K)
+    return two_q_buffers(form, head_dim) if two else form
 
 
 def two_q_buffers(form: dict, head_dim: int) -> dict:
@@ -1245,7 +1237,7 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     d_pad = PADDED_HEAD_DIMS.get((d, d_v))
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
     form = launch_form(d_pad or d, p.is_varlen, mask_kind(p.window_left, p.window_right),
-                       p.max_seqlen_q)
+                       p.max_seqlen_q, p.max_seqlen_k)
     grid = (-(-p.max_seqlen_q // (form["WGS"] * HALF_M.value)), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return

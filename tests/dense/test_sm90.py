@@ -149,7 +149,7 @@ PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
 @pytest.mark.parametrize("mode", ["0", "static", "dynamic", "dynamic-o-regs", "dynamic-o-nodefer",
                                   "dynamic-wg3", "dynamic-wg3-pingpong",
                                   "dynamic-wg3-wide-pingpong", "dynamic-qbufs2",
-                                  "static-qbufs2", "dynamic-kvfirst", "dynamic-qbufs2-kvfirst"])
+                                  "static-qbufs2", "dynamic-qbufs1"])
 @pytest.mark.parametrize("c", PERSISTENT_CASES, ids=lambda c: "sm90-persistent-" + c.id)
 def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     """The sm90 forward's tile schedules (IOATTN_SM90_PERSISTENT; by default dynamic at d=64 and
@@ -162,20 +162,17 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     (IOATTN_SM90_FWD_O_TMA, the default, the stage released a block into the next tile,
     IOATTN_SM90_FWD_O_DEFER, the default; "o-regs": every row from registers; "o-nodefer": the
     stage waited for at the store); "qbufs2": Q in two buffers taken by the tiles in turn
-    (IOATTN_SM90_FWD_Q_BUFS=2, d = 64 / 128) on 3 CTAs, so each walks many tiles, tiles without
-    a key block (which take no buffer) among them; "kvfirst": each tile's first K/V tiles loaded
-    before its Q (IOATTN_SM90_FWD_KV_FIRST), on 3 CTAs too. Run twice: the counter is zeroed
-    per launch."""
+    (IOATTN_SM90_FWD_Q_BUFS=2, d = 64 / 128; by default up to 8k keys, so the other modes run
+    it too) on 3 CTAs, so each walks many tiles, tiles without a key block (which take no
+    buffer) among them; "qbufs1": one Q buffer (the default beyond 8k keys) on 3 CTAs. Run
+    twice: the counter is zeroed per launch."""
     from ioattn.dense import sm90_fwd
 
-    if mode.endswith(("-kvfirst", "-qbufs2")):  # (on 3 CTAs)
-        monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: 3)
-    if mode.endswith("-kvfirst"):
-        monkeypatch.setattr(sm90_fwd, "KV_FIRST", True)
-        mode = mode.removesuffix("-kvfirst")
-    if mode.endswith("-qbufs2"):
-        monkeypatch.setattr(sm90_fwd, "Q_BUFS", "2")
-        mode = mode.removesuffix("-qbufs2")
+    for n in ("1", "2"):
+        if mode.endswith("-qbufs" + n):  # (on 3 CTAs)
+            monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: 3)
+            monkeypatch.setattr(sm90_fwd, "Q_BUFS", n)
+            mode = mode.removesuffix("-qbufs" + n)
     if mode == "dynamic-o-regs":
         monkeypatch.setattr(sm90_fwd, "O_TMA", False)
         mode = "dynamic"
@@ -199,26 +196,34 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
 
 
 def test_fwd_q_bufs_rule(monkeypatch):
-    """IOATTN_SM90_FWD_Q_BUFS=2: two Q buffers in the persistent forward at d = 64 (its stages
-    kept) and d = 128 (two stages then, for shared memory); one elsewhere (d = 256, varlen)."""
+    """IOATTN_SM90_FWD_Q_BUFS: two Q buffers in the persistent forward at d = 64 (its stages
+    kept) and d = 128 (two stages then, for shared memory); one elsewhere (d = 256, varlen).
+    "auto" (the default): two up to 8192 keys (max_seqlen_k, max_seqlen_q if not given), one
+    beyond; 1 / 2 force it."""
     from ioattn.dense import sm90_fwd
 
     form = sm90_fwd.launch_form
     shapes = ((64, "causal", 2048), (64, "causal", 8192), (64, "none", 8192))
+    monkeypatch.setattr(sm90_fwd, "Q_BUFS", "1")
     base = [form(64, False, mask, s) for _, mask, s in shapes]
-    assert all(f["Q_BUFS"] == 1 for f in base)  # default
+    assert all(f["Q_BUFS"] == 1 for f in base)
     monkeypatch.setattr(sm90_fwd, "Q_BUFS", "2")
     for (d, mask, s), b in zip(shapes, base):  # (O staged in the tile's Q buffer: O_TMA 3)
         assert form(d, False, mask, s) == dict(b, Q_BUFS=2, O_TMA=3), (d, mask, s)
+        assert form(d, False, mask, s, 16384)["Q_BUFS"] == 2
     assert form(128, False, "none", 8192)["Q_BUFS"] == 2
     assert form(128, False, "none", 8192)["STAGES"] == 2
     assert form(256, False, "none", 8192)["Q_BUFS"] == 1
     assert form(128, True, "causal", 8192)["Q_BUFS"] == 1  # varlen: one CTA a tile
-    # IOATTN_SM90_FWD_KV_FIRST: persistent forms only
-    assert not form(128, False, "none", 8192)["KV_FIRST"]
-    monkeypatch.setattr(sm90_fwd, "KV_FIRST", True)
-    assert form(128, False, "none", 8192)["KV_FIRST"]
-    assert not form(128, True, "causal", 8192)["KV_FIRST"]
+    monkeypatch.setattr(sm90_fwd, "Q_BUFS", "auto")
+    for (d, mask, s), b in zip(shapes, base):
+        assert form(d, False, mask, s) == dict(b, Q_BUFS=2, O_TMA=3), (d, mask, s)
+        assert form(d, False, mask, s, 16384) == b, (d, mask, s)
+    assert form(128, False, "causal", 8192)["Q_BUFS"] == 2
+    assert form(128, False, "causal", 16384)["Q_BUFS"] == 1
+    assert form(128, False, "causal", 512, 8193)["Q_BUFS"] == 1  # by the keys
+    assert form(128, False, "none", 16384, 8192)["Q_BUFS"] == 2
+    assert form(256, False, "none", 2048)["Q_BUFS"] == 1
 
 
 def test_sm90_persistent_schedule_rule(monkeypatch):
@@ -824,6 +829,7 @@ def test_sm90_tma_epilogue_rules(monkeypatch):
     assert not writable(torch.empty(2, 50, 4, 64, dtype=torch.bfloat16)[:, :, :, :36], False)
     assert writable(torch.empty(300, 4, 128, dtype=torch.float16), True)
     monkeypatch.setattr(sm90_fwd, "O_TMA", True)
+    monkeypatch.setattr(sm90_fwd, "Q_BUFS", "1")
     monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", "auto")
     monkeypatch.setattr(sm90_fwd, "WG3", True)
     monkeypatch.setattr(sm90_fwd, "WG3_BLOCK_N", "auto")
@@ -1120,10 +1126,9 @@ def test_sm90_kernel_compiles_for_hopper():
     # (IOATTN_SM90_FWD_O_DEFER=0) with O's stage waited for at the store, not released a
     # block into the next tile; and (the default at d = 64, IOATTN_SM90_BWD_ROWS) the fused
     # d=64 dK/dV kernel on 128-row steps (full: dQ after / first; causal; varlen causal); and
-    # (opt-in, IOATTN_SM90_FWD_Q_BUFS=2) the persistent forward with Q in two buffers (d=64
-    # causal at 2k and from 4k, d=128 with and without a mask), and those with each tile's
-    # first K/V before its Q (IOATTN_SM90_FWD_KV_FIRST)
-    assert len(reports) == 100, names
+    # (the default up to 8k keys, IOATTN_SM90_FWD_Q_BUFS) the persistent forward with Q in two
+    # buffers (d=64 causal at 2k and from 4k, d=128 with and without a mask)
+    assert len(reports) == 96, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
     hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
     assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
@@ -1157,14 +1162,9 @@ def test_sm90_kernel_compiles_for_hopper():
             limit = 512
         elif r["name"].startswith(("sm90 fwd d128 full o-regs", "sm90 fwd d128 full o-nodefer")):
             limit = 64  # (opt-outs of O's TMA store / its deferred release) 8-20 B
-        if "kvfirst" in r["name"]:  # (opt-in) the consumers' per-tile state: 84-124 B at d=128
-            limit = max(limit, 256)
         assert r["spill_stores"] <= limit, r
-        # the default forwards' key-block loops spill nothing (what spills is per-tile code;
-        # the opt-in KV_FIRST form at d=128 without a mask reloads one value a block in one
-        # warpgroup)
-        if (r["name"].startswith("sm90 fwd d") and " ws" in r["name"] and "-" not in r["name"]
-                and "kvfirst" not in r["name"]):
+        # the default forwards' key-block loops spill nothing (what spills is per-tile code)
+        if r["name"].startswith("sm90 fwd d") and " ws" in r["name"] and "-" not in r["name"]:
             assert r["loops"] and all(st == ld == 0 for _, st, ld in r["loops"]), r
         assert r["shared_bytes"] <= 232448, r  # sm90's 227 KB of shared memory per block
         assert r["mbarrier_waits"] > 0, r
