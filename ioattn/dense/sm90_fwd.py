@@ -1118,7 +1118,10 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     results/tune/sm90_fwd_persdynamic_*.log), else from 8k (1.06x); batched non-causal d=64 from
     2k, where the persistent form ran 0.95x cuDNN against the portable kernel's 0.88x
     (results/tune/sm90_fwd_persdynamic_c34f85c_*.log and results/tune/sm90_fwd_wg3p_a0cfad4_*.log
-    against results/dense_7c5cc50_*.json and dense_76fc236_*.json; causal ties). The gain comes from the
+    against results/dense_7c5cc50_*.json and dense_76fc236_*.json); causal d=64 from 2k too with
+    two Q buffers (``Q_BUFS``): 368 / 355 TFLOP/s with two / one against the portable kernel's
+    332 (session 23's timing beside cuDNN's 382 / 373, and results/dense_1248a25_*.json, where
+    auto still took the portable kernel there: 0.90x cuDNN). The gain comes from the
     pipelined key loop, so a shorter query block over as many keys gains too: 512 queries over 4608 keys (chunked prefill, d=128 causal GQA)
     ran at 590 TFLOP/s through the paged form of this kernel against 454 through the portable
     one (results/chunked_sm90_paged_nvidia-h200_2026-11-29.json); that rule is kept to d >= 128,
@@ -1148,8 +1151,8 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     if softcap > 0:
         return head_dim in (64, 128) and max_seqlen_q >= 2048
     if head_dim == 64:
-        if not masked and _persistent(64, varlen):  # batched: the persistent form
-            return max_seqlen_q >= 2048
+        if _persistent(64, varlen) and (not masked or _two_q(max_seqlen_k)):
+            return max_seqlen_q >= 2048  # batched: the persistent form (masked: two Q buffers)
         return max_seqlen_q >= (4096 if WG3 or _persistent(64, varlen) else 8192)
     return max_seqlen_q >= 2048 or (max_seqlen_q >= 512 and max_seqlen_k >= 2048)
 
@@ -1201,8 +1204,12 @@ def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int,
                 O_TMA=o_tma)
     if max_seqlen_k is None:
         max_seqlen_k = max_seqlen_q
-    two = Q_BUFS == "2" or (Q_BUFS == "auto" and max_seqlen_k <= Q_BUFS_MAX_SEQLEN_K)
-    return two_q_buffers(form, head_dim) if two else form
+    return two_q_buffers(form, head_dim) if _two_q(max_seqlen_k) else form
+
+
+def _two_q(max_seqlen_k: int) -> bool:
+    """Whether the persistent forward takes Q in two buffers (``Q_BUFS``) over these keys."""
+    return Q_BUFS == "2" or (Q_BUFS == "auto" and max_seqlen_k <= Q_BUFS_MAX_SEQLEN_K)
 
 
 def two_q_buffers(form: dict, head_dim: int) -> dict:

@@ -548,7 +548,8 @@ def test_sm90_matches_triton_and_auto_picks_it(monkeypatch):
     if os.environ.get("IOATTN_TEST_SM90") != "always":  # that run prefers sm90 everywhere
         calls.clear()
         q, k, v = (t[..., :64].contiguous() for t in (q, k, v))
-        # d=64 causal at 2k: the portable kernel is auto's choice (sm90_fwd.preferred)
+        # d=64 causal at 1k: the portable kernel is auto's choice (sm90_fwd.preferred)
+        q, k, v = (t[:, :1024].contiguous() for t in (q, k, v))
         ioattn.flash_attn_func(q, k, v, causal=True)
         assert not calls
 
@@ -1019,10 +1020,14 @@ def test_sm90_forward_preference_rule():
     assert not sm90_fwd.preferred(64, False, 512, 4608)
     assert not sm90_fwd.preferred(64, False, 512, 8192)
     assert sm90_fwd.preferred(64, False, 8192, 8192)
-    if sm90_fwd._persistent(64, False):  # batched non-causal d=64 from 2k (persistent form)
+    if sm90_fwd._persistent(64, False):  # batched d=64 from 2k (persistent form)
         assert sm90_fwd.preferred(64, False, 2048, 2048)
         assert not sm90_fwd.preferred(64, False, 2048, 2048, varlen=True)
-        assert not sm90_fwd.preferred(64, True, 2048, 2048)
+        assert not sm90_fwd.preferred(64, False, 1024, 1024)
+        # causal: with two Q buffers (up to Q_BUFS_MAX_SEQLEN_K keys by default)
+        assert sm90_fwd.preferred(64, True, 2048, 2048) == sm90_fwd._two_q(2048)
+        assert not sm90_fwd.preferred(64, True, 1024, 1024)
+        assert not sm90_fwd.preferred(64, True, 2048, 2048, varlen=True)
     assert sm90_fwd.preferred(64, True, 4096, 4096) == sm90_fwd.WG3
     if sm90_fwd.PINGPONG == "auto":
         assert [sm90_fwd._pingpong(d, 2) for d in (64, 128, 256)] == [False, False, True]
