@@ -165,7 +165,7 @@ ENV_SWITCHES = (
      "(0: waited for at the store)"),
     ("IOATTN_SM90_FWD_Q_BUFS", "auto", "sm90 persistent forward (d=64/128): Q in 1 or 2 "
      "buffers; 2 loads the next tile's Q (and its first K/V) while this tile runs (d=128: two "
-     "stages then); auto: 2 up to 8192 keys, 1 beyond"),
+     "stages then); auto: 2 up to 8192 keys (not at d=64 without a mask), 1 beyond"),
     ("IOATTN_SM90_FUSED_BWD", "1", "sm90 backward: one kernel, dQ by TMA reduce-add (0: two "
      "kernels without atomics, as deterministic=True)"),
     ("IOATTN_SM90_DECODE", "1", "planned paged decode on the sm90 Gluon kernel"),

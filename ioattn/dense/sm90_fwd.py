@@ -113,7 +113,10 @@ O_DEFER = os.environ.get("IOATTN_SM90_FWD_O_DEFER", "1").lower() in ("1", "true"
 # 12 cells (d=64 causal 4k +4.7%, d=128 4k +3%), 16k ~1.5-2.5% worse in all four (long tiles,
 # the boundary a small share, and d=128's third stage missed). So "auto" (the default): two Q
 # buffers when max_seqlen_k <= Q_BUFS_MAX_SEQLEN_K, one beyond; IOATTN_SM90_FWD_Q_BUFS=1 / 2
-# forces one or two
+# forces one or two. Timed again (session 24, be5d13b, results/fwd_q_bufs{2,1}_be5d13b_*.json,
+# cuDNN beside each): d=64 causal +2.5 / +3.6 / +3% at 2k / 4k / 8k, d=128 -1% to +2%, but
+# d=64 non-causal -4 / -5 / -10% (session 23: +3 / -1 / -1.6%): "auto" keeps one buffer there
+# (``_two_q``)
 Q_BUFS = os.environ.get("IOATTN_SM90_FWD_Q_BUFS", "auto").lower()
 if Q_BUFS not in ("1", "2", "auto"):
     raise ValueError(f"IOATTN_SM90_FWD_Q_BUFS={Q_BUFS!r}: expected 1, 2 or auto")
@@ -1151,7 +1154,7 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     if softcap > 0:
         return head_dim in (64, 128) and max_seqlen_q >= 2048
     if head_dim == 64:
-        if _persistent(64, varlen) and (not masked or _two_q(max_seqlen_k)):
+        if _persistent(64, varlen) and (not masked or _two_q(64, masked, max_seqlen_k)):
             return max_seqlen_q >= 2048  # batched: the persistent form (masked: two Q buffers)
         return max_seqlen_q >= (4096 if WG3 or _persistent(64, varlen) else 8192)
     return max_seqlen_q >= 2048 or (max_seqlen_q >= 512 and max_seqlen_k >= 2048)
@@ -1204,12 +1207,17 @@ def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int,
                 O_TMA=o_tma)
     if max_seqlen_k is None:
         max_seqlen_k = max_seqlen_q
-    return two_q_buffers(form, head_dim) if _two_q(max_seqlen_k) else form
+    two = _two_q(head_dim, mask != "none", max_seqlen_k)
+    return two_q_buffers(form, head_dim) if two else form
 
 
-def _two_q(max_seqlen_k: int) -> bool:
-    """Whether the persistent forward takes Q in two buffers (``Q_BUFS``) over these keys."""
-    return Q_BUFS == "2" or (Q_BUFS == "auto" and max_seqlen_k <= Q_BUFS_MAX_SEQLEN_K)
+def _two_q(head_dim: int, masked: bool, max_seqlen_k: int) -> bool:
+    """Whether the persistent forward takes Q in two buffers (``Q_BUFS``) for this problem:
+    "auto" up to Q_BUFS_MAX_SEQLEN_K keys, but not at d=64 without a mask (one buffer ran 4-10%
+    faster there, ``Q_BUFS``' comment)."""
+    if Q_BUFS != "auto":
+        return Q_BUFS == "2"
+    return max_seqlen_k <= Q_BUFS_MAX_SEQLEN_K and (masked or head_dim != 64)
 
 
 def two_q_buffers(form: dict, head_dim: int) -> dict:

@@ -199,7 +199,7 @@ def test_fwd_q_bufs_rule(monkeypatch):
     """IOATTN_SM90_FWD_Q_BUFS: two Q buffers in the persistent forward at d = 64 (its stages
     kept) and d = 128 (two stages then, for shared memory); one elsewhere (d = 256, varlen).
     "auto" (the default): two up to 8192 keys (max_seqlen_k, max_seqlen_q if not given), one
-    beyond; 1 / 2 force it."""
+    beyond, and one at d = 64 without a mask; 1 / 2 force it."""
     from ioattn.dense import sm90_fwd
 
     form = sm90_fwd.launch_form
@@ -217,8 +217,10 @@ def test_fwd_q_bufs_rule(monkeypatch):
     assert form(128, True, "causal", 8192)["Q_BUFS"] == 1  # varlen: one CTA a tile
     monkeypatch.setattr(sm90_fwd, "Q_BUFS", "auto")
     for (d, mask, s), b in zip(shapes, base):
-        assert form(d, False, mask, s) == dict(b, Q_BUFS=2, O_TMA=3), (d, mask, s)
+        two = mask != "none"
+        assert form(d, False, mask, s) == (dict(b, Q_BUFS=2, O_TMA=3) if two else b), (d, mask, s)
         assert form(d, False, mask, s, 16384) == b, (d, mask, s)
+    assert form(64, False, "window", 2048)["Q_BUFS"] == 2
     assert form(128, False, "causal", 8192)["Q_BUFS"] == 2
     assert form(128, False, "causal", 16384)["Q_BUFS"] == 1
     assert form(128, False, "causal", 512, 8193)["Q_BUFS"] == 1  # by the keys
@@ -1025,7 +1027,7 @@ def test_sm90_forward_preference_rule():
         assert not sm90_fwd.preferred(64, False, 2048, 2048, varlen=True)
         assert not sm90_fwd.preferred(64, False, 1024, 1024)
         # causal: with two Q buffers (up to Q_BUFS_MAX_SEQLEN_K keys by default)
-        assert sm90_fwd.preferred(64, True, 2048, 2048) == sm90_fwd._two_q(2048)
+        assert sm90_fwd.preferred(64, True, 2048, 2048) == sm90_fwd._two_q(64, True, 2048)
         assert not sm90_fwd.preferred(64, True, 1024, 1024)
         assert not sm90_fwd.preferred(64, True, 2048, 2048, varlen=True)
     assert sm90_fwd.preferred(64, True, 4096, 4096) == sm90_fwd.WG3
