@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -155,6 +155,16 @@ for step in $steps; do
              python benchmarks/profile_decode.py --cell 64x4096x16 > "$OUT/ncu_decode_mem_64x4096x16.csv" 2>&1
            grep -E '"(_decode_sm90|cudnn)' "$OUT/ncu_decode_mem_64x4096x16.csv" \
              | awk -F'","' '{print substr($5, 1, 24), $(NF-2), $NF}' | tail -40 ;;
+    profile-decode-whole) # the 64 x 4k cell's kernels as in profile-decode-mem, plus ours over
+           # cuDNN's own K/V (an HND cache of one page a request: the same bytes in the same
+           # order as cuDNN's): ours paged (launches 1-4), cuDNN (5-8), ours over the same
+           # layout as cuDNN (9-12). Same DRAM share both ways: the kernel; higher on cuDNN's
+           # layout: the paged layout (~60 s)
+           timeout 200 ncu --clock-control none --csv --metrics \
+             gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__cycles_active.avg,gpc__cycles_elapsed.max,launch__grid_size \
+             python benchmarks/profile_decode.py --cell 64x4096x16 --whole > "$OUT/ncu_decode_whole_64x4096x16.csv" 2>&1
+           grep -E '"(_decode|_worklist|_kvcache|_combine|cudnn)' "$OUT/ncu_decode_whole_64x4096x16.csv" \
+             | awk -F'","' '{print $1, substr($5, 1, 16), $(NF-2), $NF}' | tail -80 ;;
     tune-sm90-decode) # the sm90 decode kernel's ring (keys per tile, stages) and items per SM
            timeout 300 python benchmarks/tune_decode.py --sm90 --cells 1x32768x16,16x8192x16,64x4096x16 \
              --block-n 32,64,128 --stages 2,3,4,6 --per-sm 1,2,4 --json "$OUT/tune_sm90_decode.json" \
@@ -559,6 +569,17 @@ for step in $steps; do
            # each (~2 x 100 s)
            onoff IOATTN_SM90_FWD_Q_BUFS "2 1" fwd_q_bufs --modes fwd --dims 64,128 \
              --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
+    fwd-q-bufs-d64) # why two Q buffers cost d=64 non-causal 4-10% (fwd_q_bufs{2,1}_be5d13b):
+           # its 192-row tile with one buffer (O from registers), two buffers with O from
+           # registers (O_TMA=0), two with O by TMA from the Q piece (the form auto dropped);
+           # cuDNN beside each (~3 x 60 s)
+           for e in "IOATTN_SM90_FWD_Q_BUFS=1" "IOATTN_SM90_FWD_Q_BUFS=2 IOATTN_SM90_FWD_O_TMA=0" \
+                    "IOATTN_SM90_FWD_Q_BUFS=2"; do
+             tag=$(echo "$e" | tr -d ' ' | sed 's/IOATTN_SM90_FWD_//g' | tr 'A-Z=' 'a-z_')
+             env $e timeout 150 python -m ioattn bench --modes fwd --dims 64 --seqlens 2048,4096,8192,16384 \
+               --causal false --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
+               --out "$OUT/fwd_d64_$tag.json" > "/tmp/fwd_d64_$tag.log" 2>&1
+             echo "== $e"; grep -E "^fwd" "/tmp/fwd_d64_$tag.log"; done ;;
     *) echo "unknown step $step" ;;
   esac
 done
