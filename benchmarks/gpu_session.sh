@@ -63,7 +63,12 @@ for step in $steps; do
              timeout "${WARM_TIMEOUT:-120}" python -m ioattn bench --modes $m --dims $d --dtypes ${WARM_DTYPES:-bf16} \
                --warmup 1 --rep 1 --no-plots --out /tmp/warm_${m}_$d.json > /tmp/warm_${m}_$d.log 2>&1 &
              pids+=($!); done; done; wait "${pids[@]}"; echo "warm: done" ;;
-    bench) timeout 460 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes bf16 --rounds 3 \
+    bench) # 5 rounds of 50 ms per impl and cell (BENCH_ROUNDS / BENCH_REP; 3 x 33 ms before
+           # session 25): two runs of record an hour apart at 1248a25 / d27c47a moved single
+           # cells' ratios by up to 8% (d=256 non-causal 2k 0.92 / 1.00), each impl's time taken
+           # from ~10-30 calls a round under a power-capped clock; ~+75 s of timing
+           timeout 460 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes bf16 \
+             --rounds ${BENCH_ROUNDS:-5} --rep ${BENCH_REP:-250} \
              --out "$OUT/dense_nvidia-h200_$(date +%F).json" > "$OUT/bench.log" 2>&1
            grep -E "geomean" "$OUT/bench.log" ;;
     long)  timeout 120 python benchmarks/long_context.py --out "$OUT" > "$OUT/long.log" 2>&1
@@ -122,7 +127,8 @@ for step in $steps; do
            ncu --import "$OUT/fwd128.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
            ncu --import "$OUT/fwd128.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_sass.csv" 2>&1
            grep -E "Duration|Tensor is|Issue Slots|No Eligible" "$OUT/ncu_details.txt" ;;
-    bench-fp16) timeout 460 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes fp16 --rounds 3 \
+    bench-fp16) timeout 460 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes fp16 \
+             --rounds ${BENCH_ROUNDS:-5} --rep ${BENCH_REP:-250} \
              --out "$OUT/dense_fp16_nvidia-h200_$(date +%F).json" > "$OUT/bench_fp16.log" 2>&1
            grep -E "geomean" "$OUT/bench_fp16.log" ;;
     sm90-decode) # the Gluon decode kernel (default on Hopper): its tests, then the decode suite on / off
@@ -572,14 +578,23 @@ for step in $steps; do
     fwd-q-bufs-d64) # why two Q buffers cost d=64 non-causal 4-10% (fwd_q_bufs{2,1}_be5d13b):
            # its 192-row tile with one buffer (O from registers), two buffers with O from
            # registers (O_TMA=0), two with O by TMA from the Q piece (the form auto dropped);
-           # cuDNN beside each (~3 x 60 s)
+           # cuDNN beside each (~3 x 60 s), then the causal 2k tile (~2 x 40 s)
            for e in "IOATTN_SM90_FWD_Q_BUFS=1" "IOATTN_SM90_FWD_Q_BUFS=2 IOATTN_SM90_FWD_O_TMA=0" \
                     "IOATTN_SM90_FWD_Q_BUFS=2"; do
              tag=$(echo "$e" | tr -d ' ' | sed 's/IOATTN_SM90_FWD_//g' | tr 'A-Z=' 'a-z_')
              env $e timeout 150 python -m ioattn bench --modes fwd --dims 64 --seqlens 2048,4096,8192,16384 \
                --causal false --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
                --out "$OUT/fwd_d64_$tag.json" > "/tmp/fwd_d64_$tag.log" 2>&1
-             echo "== $e"; grep -E "^fwd" "/tmp/fwd_d64_$tag.log"; done ;;
+             echo "== $e"; grep -E "^fwd" "/tmp/fwd_d64_$tag.log"; done
+           # and causal 2k / 4k: the two-warpgroup 128-row tile below 4k (auto) against FA3's
+           # 192x128 tile there too (WG3_BLOCK_N=128; it lost at 2k with one Q buffer, 331 vs
+           # 349, and gains +3.6% at 4k from the second buffer)
+           for e in "IOATTN_SM90_WG3_BLOCK_N=auto" "IOATTN_SM90_WG3_BLOCK_N=128"; do
+             tag=$(echo "${e#IOATTN_SM90_}" | tr 'A-Z=' 'a-z_')
+             env $e timeout 120 python -m ioattn bench --modes fwd --dims 64 --seqlens 2048,4096 \
+               --causal true --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
+               --out "$OUT/fwd_d64c_$tag.json" > "/tmp/fwd_d64c_$tag.log" 2>&1
+             echo "== $e causal"; grep -E "^fwd" "/tmp/fwd_d64c_$tag.log"; done ;;
     *) echo "unknown step $step" ;;
   esac
 done
