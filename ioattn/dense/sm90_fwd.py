@@ -1122,9 +1122,10 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     2k, where the persistent form ran 0.95x cuDNN against the portable kernel's 0.88x
     (results/tune/sm90_fwd_persdynamic_c34f85c_*.log and results/tune/sm90_fwd_wg3p_a0cfad4_*.log
     against results/dense_7c5cc50_*.json and dense_76fc236_*.json); causal d=64 from 2k too with
-    two Q buffers (``Q_BUFS``): 368 / 355 TFLOP/s with two / one against the portable kernel's
-    332 (session 23's timing beside cuDNN's 382 / 373, and results/dense_1248a25_*.json, where
-    auto still took the portable kernel there: 0.90x cuDNN). The gain comes from the
+    two Q buffers (``Q_BUFS``): 366 / 357 TFLOP/s with two / one (results/fwd_q_bufs{2,1}_
+    be5d13b_*.json) against the portable kernel's 332 (results/dense_1248a25_*.json, where auto
+    still took it: 0.90x cuDNN; 0.97x with the sm90 form in results/dense_d27c47a_*.json);
+    sliding windows follow the causal rule (not timed apart). The gain comes from the
     pipelined key loop, so a shorter query block over as many keys gains too: 512 queries over 4608 keys (chunked prefill, d=128 causal GQA)
     ran at 590 TFLOP/s through the paged form of this kernel against 454 through the portable
     one (results/chunked_sm90_paged_nvidia-h200_2026-11-29.json); that rule is kept to d >= 128,
