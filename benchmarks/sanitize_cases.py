@@ -16,6 +16,16 @@ ioattn.flash_attn_func(q, k, v, window_size=(50, 7), backend="sm90")
 cu = torch.tensor([0, 0, 77, 300], dtype=torch.int32, device=dev)
 qv, kv, vv = (torch.randn(300, 4, 128, device=dev, dtype=dt) for _ in range(3))
 ioattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, 223, 223, causal=True, backend="sm90")
+# the persistent forward on 3 CTAs, so each walks many tiles: the two Q buffers taken in turn
+# (the default up to 8k keys, d=64 masked and d=128), O stored from the tile's Q piece
+from ioattn.dense import sm90_fwd  # noqa: E402
+
+_sms = sm90_fwd.sm_count
+sm90_fwd.sm_count = lambda device: 3
+for d, causal in ((64, True), (128, False), (128, True)):
+    q, k, v = (torch.randn(2, 331, 4, d, device=dev, dtype=dt) for _ in range(3))
+    ioattn.flash_attn_func(q, k, v, causal=causal, backend="sm90")
+sm90_fwd.sm_count = _sms
 # the sm90 backward kernels (d=64: the fused form on 128-row steps, the last one partial)
 for d, causal in ((128, True), (64, False), (64, True)):
     q, k, v = (torch.randn(1, 203, 4, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
