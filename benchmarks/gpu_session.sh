@@ -162,13 +162,14 @@ for step in $steps; do
            grep -E '"(_decode_sm90|cudnn)' "$OUT/ncu_decode_mem_64x4096x16.csv" \
              | awk -F'","' '{print substr($5, 1, 24), $(NF-2), $NF}' | tail -40 ;;
     profile-decode-whole) # the 64 x 4k cell's kernels as in profile-decode-mem, plus ours over
-           # cuDNN's own K/V (an HND cache of one page a request: the same bytes in the same
-           # order as cuDNN's): ours paged (launches 1-4), cuDNN (5-8), ours over the same
-           # layout as cuDNN (9-12). Same DRAM share both ways: the kernel; higher on cuDNN's
-           # layout: the paged layout (~60 s)
+           # the same K/V in other layouts, 4 launches each in this order: ours paged (NHD, page
+           # 16, shuffled), cuDNN, ours over cuDNN's own K/V (HND, one page a request: the same
+           # bytes in the same order), ours over a contiguous NHD cache (one page a request),
+           # ours over HND pages of 16 (same table). Same DRAM share on cuDNN's layout as
+           # paged: the kernel; higher: the layout, and the other two say which part (~90 s)
            timeout 200 ncu --clock-control none --csv --metrics \
              gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__cycles_active.avg,gpc__cycles_elapsed.max,launch__grid_size \
-             python benchmarks/profile_decode.py --cell 64x4096x16 --whole > "$OUT/ncu_decode_whole_64x4096x16.csv" 2>&1
+             python benchmarks/profile_decode.py --cell 64x4096x16 --layouts hnd-whole,nhd-whole,hnd-paged > "$OUT/ncu_decode_whole_64x4096x16.csv" 2>&1
            grep -E '"(_decode|_worklist|_kvcache|_combine|cudnn)' "$OUT/ncu_decode_whole_64x4096x16.csv" \
              | awk -F'","' '{print $1, substr($5, 1, 16), $(NF-2), $NF}' | tail -80 ;;
     tune-sm90-decode) # the sm90 decode kernel's ring (keys per tile, stages) and items per SM

@@ -19,10 +19,12 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--cell", default="64x4096x16", help="batch x context x page size")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--whole", action="store_true",
-                   help="also run() over cuDNN's own K/V as an HND cache of one page a request "
-                        "(page = context): the same bytes in the same order as cuDNN reads, so "
-                        "the kernels differ and the layout does not")
+    p.add_argument("--layouts", default="",
+                   help="also run() over the same cell's K/V in these layouts, in this order after "
+                        "cuDNN: hnd-whole (cuDNN's own K/V as an HND cache of one page a request: "
+                        "the same bytes in the same order as cuDNN reads), nhd-whole (one page a "
+                        "request, NHD: a contiguous [b, s, h_k, d] cache), hnd-paged (the paged "
+                        "cache's pages as HND, same page table)")
     a = p.parse_args(argv)
     b, ctx, page = (int(x) for x in a.cell.split("x"))
     h, h_k, d, dt = 32, 8, 128, torch.bfloat16
@@ -37,14 +39,26 @@ def main(argv=None):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(qt, k, v, enable_gqa=True)
 
+    def wrapper(layout, pages, table, lens, page_size):
+        w_ = fi.BatchDecodeWithPagedKVCacheWrapper(
+            torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), kv_layout=layout)
+        w_.plan(*table, lens, h, h_k, d, page_size, q_data_type=dt)
+        return lambda: w_.run(q, pages)
+
+    whole_table = (torch.arange(b + 1, dtype=torch.int32), torch.arange(b, dtype=torch.int32).cuda())
+    whole_last = torch.full((b,), ctx, dtype=torch.int32)
     fns = [lambda: w.run(q, cache), cudnn]
-    if a.whole:  # [b, 2, h_k, ctx, d]: request i's K and V as page i, HND
-        whole = torch.stack((k, v), dim=1)
-        w2 = fi.BatchDecodeWithPagedKVCacheWrapper(
-            torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), kv_layout="HND")
-        w2.plan(torch.arange(b + 1, dtype=torch.int32), torch.arange(b, dtype=torch.int32).cuda(),
-                torch.full((b,), ctx, dtype=torch.int32), h, h_k, d, ctx, q_data_type=dt)
-        fns.append(lambda: w2.run(q, whole))
+    for layout in filter(None, a.layouts.split(",")):
+        if layout == "hnd-whole":  # [b, 2, h_k, ctx, d]: request i's K and V as page i
+            fns.append(wrapper("HND", torch.stack((k, v), dim=1), whole_table, whole_last, ctx))
+        elif layout == "nhd-whole":  # [b, 2, ctx, h_k, d]
+            kv = torch.stack((k.transpose(1, 2), v.transpose(1, 2)), dim=1).contiguous()
+            fns.append(wrapper("NHD", kv, whole_table, whole_last, ctx))
+        elif layout == "hnd-paged":  # [pages, 2, h_k, page, d], the same page table
+            fns.append(wrapper("HND", cache.permute(0, 1, 3, 2, 4).contiguous(), (indptr, indices),
+                               last, page))
+        else:
+            raise SystemExit(f"--layouts: unknown layout {layout!r}")
     for fn in fns:
         fn()  # warm-up: compiles and plans
         torch.cuda.synchronize()
