@@ -45,6 +45,7 @@ class Row:
     max_abs_err: Optional[float] = None  # forward output vs. `ref`
     max_abs_err_dq: Optional[float] = None  # bwd cells: dq vs. `ref`
     ref: Optional[str] = None
+    ms_rounds: Optional[list] = None  # (rounds > 1) each round's median ms, in timing order
 
     def cell(self) -> tuple:
         return tuple(getattr(self, k) for k in CELL_KEYS)
@@ -130,6 +131,8 @@ def run_cell(shape: Shape, impl_names: list[str], device: torch.device, warmup: 
         if row.error is None and times[row.impl]:
             row.ms = statistics.median(times[row.impl])
             row.tflops = shape.flops() / row.ms / 1e9
+            if len(times[row.impl]) > 1:  # the spread within the cell, kept for the notes
+                row.ms_rounds = [round(t, 5) for t in times[row.impl]]
         else:
             outs.pop(row.impl, None)
             dqs.pop(row.impl, None)
@@ -432,7 +435,8 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     timer = (f"triton.testing.do_bench(warmup={a.warmup}, rep={a.rep}, return_mode='median')"
              if device.type == "cuda" else f"time.perf_counter median (warmup {a.warmup} ms, rep {a.rep} ms)")
     if a.rounds > 1:
-        timer += f"; impls timed in turn in {a.rounds} rounds of rep/{a.rounds} ms, median of rounds"
+        timer += (f"; impls timed in turn in {a.rounds} rounds of rep/{a.rounds} ms, median of rounds "
+                  "(each round's in ms_rounds)")
     method = {"flops": FLOPS_FORMULA, "timer": timer, "tokens": a.tokens, "hidden": a.hidden,
               "softcap": a.softcap,
               "ratio": "ioattn TFLOP/s / anchor TFLOP/s", "check": "max abs err of output (and dq in bwd) vs ref"}

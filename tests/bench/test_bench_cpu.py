@@ -100,6 +100,9 @@ def test_rounds_interleave_impls(patched, monkeypatch):
     assert calls == [10] * 6
     ms = {r.impl: r.ms for r in rows}
     assert ms == {"ioattn": 5.0, "sdpa_math": 2.0}
+    # each round's time kept, in timing order (the spread within the cell)
+    assert {r.impl: r.ms_rounds for r in rows} == {"ioattn": [3.0, 5.0, 9.0],
+                                                  "sdpa_math": [1.0, 2.0, 4.0]}
     io = next(r for r in rows if r.impl == "ioattn")
     assert io.ref == "sdpa_math" and io.max_abs_err < 1e-2 and io.max_abs_err_dq < 5e-2
 
