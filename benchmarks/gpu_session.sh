@@ -39,8 +39,9 @@ for step in $steps; do
            # -v: each result on its own line as it lands, so a run cut at its limit still names
            # its failures (session 19's was cut before the summary)
            # (session 21: 780 of 784 reported at the 580 s cut, cold; tests-sm90file + tests-rest
-           # run the same suite in two calls)
-           timeout 580 python -m pytest -v -n 14 -p no:cacheprovider -rf tests > "$OUT/tests_gpu.log" 2>&1
+           # run the same suite in two calls; --durations: the slowest 25 in the log, since
+           # tests-rest took 472 s of its 580 at 1248a25 and the suite only grows)
+           timeout 580 python -m pytest -v -n 14 -p no:cacheprovider -rf --durations=25 tests > "$OUT/tests_gpu.log" 2>&1
            grep -E "FAILED|ERROR" "$OUT/tests_gpu.log" | head -20; tail -1 "$OUT/tests_gpu.log" ;;
     tests-sm90file|tests-rest) # the suite in two calls: four of tests/dense/test_sm90.py's
            # families, then everything else (session 22: the whole file took 515 s of a 580 s
@@ -49,7 +50,7 @@ for step in $steps; do
            fam="persistent_fwd or row_stats or three_warpgroups or fused_bwd"
            if [ "$step" = tests-sm90file ]; then sel=(tests/dense/test_sm90.py -k "$fam")
            else sel=(tests -k "not ($fam)"); fi
-           timeout 580 python -m pytest -v -n 14 -p no:cacheprovider -rf "${sel[@]}" > "$OUT/$step.log" 2>&1
+           timeout 580 python -m pytest -v -n 14 -p no:cacheprovider -rf --durations=25 "${sel[@]}" > "$OUT/$step.log" 2>&1
            grep -E "FAILED|ERROR" "$OUT/$step.log" | head -20; tail -1 "$OUT/$step.log" ;;
     warm)  # the compile caches (Triton's, inductor's for Flex) filled by six processes at once,
            # one per head dim and mode, before a timed run: `warm bench` (WARM_DTYPES=fp16 before
