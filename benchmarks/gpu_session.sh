@@ -585,7 +585,7 @@ for step in $steps; do
                     "IOATTN_SM90_FWD_Q_BUFS=2"; do
              tag=$(echo "$e" | tr -d ' ' | sed 's/IOATTN_SM90_FWD_//g' | tr 'A-Z=' 'a-z_')
              env $e timeout 150 python -m ioattn bench --modes fwd --dims 64 --seqlens 2048,4096,8192,16384 \
-               --causal false --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
+               --causal false --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots --rounds 3 \
                --out "$OUT/fwd_d64_$tag.json" > "/tmp/fwd_d64_$tag.log" 2>&1
              echo "== $e"; grep -E "^fwd" "/tmp/fwd_d64_$tag.log"; done
            # and causal 2k / 4k: the two-warpgroup 128-row tile below 4k (auto) against FA3's
@@ -594,7 +594,7 @@ for step in $steps; do
            for e in "IOATTN_SM90_WG3_BLOCK_N=auto" "IOATTN_SM90_WG3_BLOCK_N=128"; do
              tag=$(echo "${e#IOATTN_SM90_}" | tr 'A-Z=' 'a-z_')
              env $e timeout 120 python -m ioattn bench --modes fwd --dims 64 --seqlens 2048,4096 \
-               --causal true --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
+               --causal true --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots --rounds 3 \
                --out "$OUT/fwd_d64c_$tag.json" > "/tmp/fwd_d64c_$tag.log" 2>&1
              echo "== $e causal"; grep -E "^fwd" "/tmp/fwd_d64c_$tag.log"; done ;;
     *) echo "unknown step $step" ;;
