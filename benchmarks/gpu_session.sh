@@ -9,15 +9,18 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD IOATTN_GIT_COMMIT=${IOATTN_GIT_COMMIT:-unknown}
 OUT=${OUT:-/tmp/ioattn_out}; mkdir -p "$OUT"
 steps=${*:-tests bench long}
-# onoff VAR "V1 V2 ..." NAME ARGS...: `python -m ioattn bench ARGS` once per value of VAR (the
-# first with cuDNN beside ioattn's sm90 backend), into $OUT/NAME<value>.json; prints the rows
-onoff() {  # cuDNN in every value's run: timed alone, the value without it ran up to ~10% apart
-  # in cells the switch does not reach (session 19), so each run keeps the same company
+# bench_with "VAR=V [VAR=V ...]" NAME ARGS...: `python -m ioattn bench ARGS` under those
+# settings, cuDNN beside ioattn's sm90 backend, into $OUT/NAME.json; prints the rows
+bench_with() {  # cuDNN in every setting's run: timed alone, a setting without it ran up to
+  # ~10% apart in cells the switch does not reach (session 19), so each run keeps the same company
+  local e=$1 name=$2; shift 2
+  env $e timeout 200 python -m ioattn bench "$@" --impls ioattn_sm90,sdpa_cudnn \
+    --no-plots --out "$OUT/$name.json" > "/tmp/$name.log" 2>&1
+  echo "== $e"; grep -E "^(fwd|bwd)" "/tmp/$name.log"; }
+# onoff VAR "V1 V2 ..." NAME ARGS...: bench_with once per value of VAR, into $OUT/NAME<value>.json
+onoff() {
   local var=$1 values=$2 name=$3 v; shift 3
-  for v in $values; do
-    env "$var=$v" timeout 200 python -m ioattn bench "$@" --impls ioattn_sm90,sdpa_cudnn \
-      --no-plots --out "$OUT/$name$v.json" > "/tmp/$name$v.log" 2>&1
-    echo "== $var=$v"; grep -E "^(fwd|bwd)" "/tmp/$name$v.log"; done; }
+  for v in $values; do bench_with "$var=$v" "$name$v" "$@"; done; }
 # timelines NAME "VAR=V ..." ["D [--causal]|..."]: the stamped 2k forward once per setting
 # (default cells: d=128 non-causal and causal), into
 # $OUT/fwd_timeline_NAME_<var_v>_d<D>_2048[_causal].json; prints the tile, kernel, Q-wait,
@@ -583,20 +586,14 @@ for step in $steps; do
            # cuDNN beside each (~3 x 60 s), then the causal 2k tile (~2 x 40 s)
            for e in "IOATTN_SM90_FWD_Q_BUFS=1" "IOATTN_SM90_FWD_Q_BUFS=2 IOATTN_SM90_FWD_O_TMA=0" \
                     "IOATTN_SM90_FWD_Q_BUFS=2"; do
-             tag=$(echo "$e" | tr -d ' ' | sed 's/IOATTN_SM90_FWD_//g' | tr 'A-Z=' 'a-z_')
-             env $e timeout 150 python -m ioattn bench --modes fwd --dims 64 --seqlens 2048,4096,8192,16384 \
-               --causal false --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots --rounds 3 \
-               --out "$OUT/fwd_d64_$tag.json" > "/tmp/fwd_d64_$tag.log" 2>&1
-             echo "== $e"; grep -E "^fwd" "/tmp/fwd_d64_$tag.log"; done
+             bench_with "$e" "fwd_d64_$(echo "$e" | tr -d ' ' | sed 's/IOATTN_SM90_FWD_//g' | tr 'A-Z=' 'a-z_')" \
+               --modes fwd --dims 64 --seqlens 2048,4096,8192,16384 --causal false --dtypes bf16 --rounds 3
+           done
            # and causal 2k / 4k: the two-warpgroup 128-row tile below 4k (auto) against FA3's
            # 192x128 tile there too (WG3_BLOCK_N=128; it lost at 2k with one Q buffer, 331 vs
            # 349, and gains +3.6% at 4k from the second buffer)
-           for e in "IOATTN_SM90_WG3_BLOCK_N=auto" "IOATTN_SM90_WG3_BLOCK_N=128"; do
-             tag=$(echo "${e#IOATTN_SM90_}" | tr 'A-Z=' 'a-z_')
-             env $e timeout 120 python -m ioattn bench --modes fwd --dims 64 --seqlens 2048,4096 \
-               --causal true --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots --rounds 3 \
-               --out "$OUT/fwd_d64c_$tag.json" > "/tmp/fwd_d64c_$tag.log" 2>&1
-             echo "== $e causal"; grep -E "^fwd" "/tmp/fwd_d64c_$tag.log"; done ;;
+           onoff IOATTN_SM90_WG3_BLOCK_N "auto 128" fwd_d64c_wg3_block_n_ --modes fwd --dims 64 \
+             --seqlens 2048,4096 --causal true --dtypes bf16 --rounds 3 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -29,8 +29,6 @@ def main(argv=None):
     b, ctx, page = (int(x) for x in a.cell.split("x"))
     h, h_k, d, dt = 32, 8, 128, torch.bfloat16
     cache, indptr, indices, last, q, _, nbytes = decode_cell(b, ctx, page, h, h_k, d, dt)
-    w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
-    w.plan(indptr, indices, last, h, h_k, d, page, q_data_type=dt)
     k = torch.randn(b, h_k, ctx, d, device="cuda", dtype=dt)
     v = torch.randn(b, h_k, ctx, d, device="cuda", dtype=dt)
     qt = q[:, :, None, :]
@@ -47,7 +45,7 @@ def main(argv=None):
 
     whole_table = (torch.arange(b + 1, dtype=torch.int32), torch.arange(b, dtype=torch.int32).cuda())
     whole_last = torch.full((b,), ctx, dtype=torch.int32)
-    fns = [lambda: w.run(q, cache), cudnn]
+    fns = [wrapper("NHD", cache, (indptr, indices), last, page), cudnn]
     for layout in filter(None, a.layouts.split(",")):
         if layout == "hnd-whole":  # [b, 2, h_k, ctx, d]: request i's K and V as page i
             fns.append(wrapper("HND", torch.stack((k, v), dim=1), whole_table, whole_last, ctx))
