@@ -7,7 +7,9 @@ stages, work items per SM), on the decode acceptance cells; prints TB/s per conf
     python benchmarks/tune_decode.py --graph     (time CUDA-graph replays of run(): kernel speed
                                                   without host time, which bounds the small cells)
     python benchmarks/tune_decode.py --sm90 --block-n 32,64,128 --stages 2,3,4,6 --per-sm 1,2,4
-                                                 (the sm90 decode kernel's ring, graph replays)"""
+                                                 (the sm90 decode kernel's ring, graph replays)
+    python benchmarks/tune_decode.py --sm90 --per-sm auto --grid-extra auto,0,16,64
+                                                 (the grid's CTAs past the plan's items)"""
 from __future__ import annotations
 
 import argparse
@@ -51,9 +53,15 @@ def timed_row(row: dict, make, results: list, rate: float, unit: str, **bench) -
     print(json.dumps(row), flush=True)
 
 
-def _items_per_sm(k: int):
-    """plan.target_items with k work items per SM (over the KV heads) instead of the default."""
-    return lambda batch, n_heads_k, sms: max(batch, -(-k * sms // max(n_heads_k, 1)))
+_SPLIT_TARGETS = plan.split_targets
+
+
+def _items_per_sm(k):
+    """plan.split_targets fixed at k work items per SM (over the KV heads; 0: the batch, no
+    split of equal requests), or left as it is for k = None ("auto": the plan's own choice)."""
+    if k is None:
+        return _SPLIT_TARGETS
+    return lambda batch, n_heads_k, sms: [max(batch, -(-k * sms // max(n_heads_k, 1)))]
 
 
 def _wrapper(indices, graph: bool):
@@ -79,7 +87,7 @@ def decode_cell(b, ctx, page, h=32, h_k=8, d=128, dtype=torch.bfloat16):
 def run(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16, kv_dtype=None, graph=False):
     results = []
     orig = (triton_decode._tile_n, triton_decode._attn_warps, triton_decode._attn_stages,
-            triton_decode._worklist_stages, triton_decode.worklist_launch, plan.target_items)
+            triton_decode._worklist_stages, triton_decode.worklist_launch, plan.split_targets)
     for b, ctx, page in cells:
         cache, indptr, indices, last, q, out, nbytes = decode_cell(b, ctx, page, h, h_k, d, dtype)
         if kv_dtype is not None:
@@ -92,7 +100,7 @@ def run(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16, kv_dtype=None,
             triton_decode._attn_stages = lambda g, bm, s=stages: s
             triton_decode._worklist_stages = lambda g, bm, fp8, dec=True, page=16, s=stages: s
             triton_decode.worklist_launch = lambda bm, bd, fp8, x, bn=bn, w=warps: (bn, w)
-            plan.target_items = _items_per_sm(per_sm)
+            plan.split_targets = _items_per_sm(per_sm)
             w = _wrapper(indices, graph)
             row = dict(b=b, ctx=ctx, page=page, block_n=bn, warps=warps, stages=stages, per_sm=per_sm,
                        graph=graph)
@@ -104,36 +112,43 @@ def run(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16, kv_dtype=None,
                 return _replayed(call) if graph else call
             timed_row(row, make, results, nbytes, "tb_s")
     (triton_decode._tile_n, triton_decode._attn_warps, triton_decode._attn_stages,
-     triton_decode._worklist_stages, triton_decode.worklist_launch, plan.target_items) = orig
+     triton_decode._worklist_stages, triton_decode.worklist_launch, plan.split_targets) = orig
     return results
 
 
 def run_sm90(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16):
     """The sm90 decode kernel (``ioattn.decode.sm90_decode``) per (keys per tile, ring stages,
-    work items per SM), timed as CUDA-graph replays of run() (a graph-mode wrapper always takes
-    it). Configs whose ring does not fit two CTAs' or one CTA's shared memory still run (one CTA
-    per SM); the row says how many fit."""
+    work items per SM, grid bound), timed as CUDA-graph replays of run() (a graph-mode wrapper
+    always takes it). Configs whose ring does not fit two CTAs' or one CTA's shared memory still
+    run (one CTA per SM); the row says how many fit. The grid bound (``--grid-extra``): None,
+    the plan's ``max_work_items``; an int e, the plan's own items plus e (the grid a captured
+    graph launches has that many items; their CTAs past the plan's exit at once)."""
     from ioattn.decode import sm90_decode
 
     results = []
-    orig = (sm90_decode.BLOCK_N, sm90_decode.STAGES, plan.target_items)
+    orig = (sm90_decode.BLOCK_N, sm90_decode.STAGES, plan.split_targets, fi.max_work_items)
     for b, ctx, page in cells:
         cache, indptr, indices, last, q, out, nbytes = decode_cell(b, ctx, page, h, h_k, d, dtype)
-        for bn, stages, per_sm in configs:
+        for bn, stages, per_sm, extra in configs:
             smem = stages * 2 * bn * d * cache.element_size() + 64 * d * cache.element_size()
             row = dict(b=b, ctx=ctx, page=page, block_n=bn, stages=stages, per_sm=per_sm,
-                       smem_kb=smem // 1024, ctas_per_sm=(228 << 10) // (smem + 2048), graph=True)
+                       grid_extra=extra, smem_kb=smem // 1024,
+                       ctas_per_sm=(228 << 10) // (smem + 2048), graph=True)
             if smem > 227 << 10 or page % 8 or (bn % page and page % bn):
                 continue
             sm90_decode.BLOCK_N, sm90_decode.STAGES = bn, stages
-            plan.target_items = _items_per_sm(per_sm)
+            plan.split_targets = _items_per_sm(per_sm)
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            items = len(plan.split_work([ctx] * b, h_k, sms).work)
+            fi.max_work_items = orig[3] if extra is None else (lambda *_, n=items + extra: n)
+            row.update(ctas=items * h_k, grid_ctas=fi.max_work_items(b, h_k, sms) * h_k)
             w = _wrapper(indices, True)
 
             def make(w=w):
                 w.plan(indptr, indices, last, h, h_k, d, page, q_data_type=dtype)
                 return _replayed(lambda: w.run(q, cache, out=out))
             timed_row(row, make, results, nbytes, "tb_s")
-    sm90_decode.BLOCK_N, sm90_decode.STAGES, plan.target_items = orig
+    sm90_decode.BLOCK_N, sm90_decode.STAGES, plan.split_targets, fi.max_work_items = orig
     return results
 
 
@@ -209,7 +224,8 @@ def main():
     ap.add_argument("--block-n", default="32,64,128")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="2,3,4")
-    ap.add_argument("--per-sm", default="2,4")
+    ap.add_argument("--per-sm", default="auto,2,4",
+                    help="work items per SM over the KV heads (0: no split; auto: the plan's rule)")
     ap.add_argument("--prefill", action="store_true", help="sweep the chunked-prefill tiles instead")
     ap.add_argument("--profile", action="store_true", help="kernel and host times of each cell")
     ap.add_argument("--fp8", action="store_true", help="an fp8 (e4m3) cache")
@@ -217,9 +233,13 @@ def main():
     ap.add_argument("--sm90", action="store_true",
                     help="sweep the sm90 decode kernel's tile keys (--block-n), ring stages "
                          "(--stages) and items per SM (--per-sm), as graph replays")
+    ap.add_argument("--grid-extra", default="auto",
+                    help="(--sm90) grid bounds: the plan's own items plus these many (auto: the "
+                         "plan's max_work_items)")
     ap.add_argument("--cells", default=None, help="b x ctx x page, e.g. 1x32768x16 (default: all)")
     a = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    per_sm = [None if x == "auto" else int(x) for x in a.per_sm.split(",")]
     if a.profile:
         res = [profile_cell(*cell) for cell in CELLS]
         if a.json:
@@ -237,18 +257,20 @@ def main():
     cells = ([tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")] if a.cells
              else CELLS)
     if a.sm90:
-        res = run_sm90(cells, list(itertools.product(ints(a.block_n), ints(a.stages),
-                                                     ints(a.per_sm))))
+        extras = [None if x == "auto" else int(x) for x in a.grid_extra.split(",")]
+        res = run_sm90(cells, list(itertools.product(ints(a.block_n), ints(a.stages), per_sm,
+                                                     extras)))
         ok = [r for r in res if "tb_s" in r]
         for cell in cells:
             rows = sorted((r for r in ok if (r["b"], r["ctx"], r["page"]) == cell),
                           key=lambda r: -r["tb_s"])
-            print("== best sm90", cell, [(r["block_n"], r["stages"], r["per_sm"], round(r["tb_s"], 2))
-                                         for r in rows[:4]])
+            print("== best sm90", cell, [(r["block_n"], r["stages"], r["per_sm"], r["grid_extra"],
+                                          r["ctas"], r["grid_ctas"], round(r["tb_s"], 2))
+                                         for r in rows[:8]])
         if a.json:
             json.dump(res, open(a.json, "w"), indent=1)
         return
-    configs = list(itertools.product(ints(a.block_n), ints(a.warps), ints(a.stages), ints(a.per_sm)))
+    configs = list(itertools.product(ints(a.block_n), ints(a.warps), ints(a.stages), per_sm))
     res = run(cells, configs, kv_dtype=torch.float8_e4m3fn if a.fp8 else None, graph=a.graph)
     ok = [r for r in res if "tb_s" in r]
     for cell in cells:

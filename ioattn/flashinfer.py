@@ -458,6 +458,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         work = torch.tensor(plan.work, dtype=torch.int32).view(-1, 5)
         self._work[:work.shape[0]].copy_(work, non_blocking=non_blocking)
         self._n_work.fill_(len(plan.work))
+        self._n_items = len(plan.work)
         self._seqlens_indptr.copy_(torch.tensor(lengths + ip + list(range(batch + 1)), dtype=torch.int32),
                                    non_blocking=non_blocking)
         self._slot_start.copy_(torch.tensor(plan.slot_start, dtype=torch.int32), non_blocking=non_blocking)
@@ -503,8 +504,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c = self._cfg
         wl = c["window_left"] if window_left is None else window_left
         block_m = c["block_m"]
+        # the grid: the plan's own items, or the bound every later plan fits in when a graph
+        # may replay this launch (use_cuda_graph, or a capture under way). The bound's extra
+        # CTAs exit at once, yet cost: 16 x 8k unsplit (128 CTAs) ran 3.56 TB/s on a grid of
+        # 49 items x 8 heads against 3.89 on 32 x 8 (12 x 8k: 2.85 / 3.3; graph replays,
+        # results/tune/tune_sm90_decode_16x8k_r*_f341af4_*)
+        graph = self._use_cuda_graph or (q.is_cuda and torch.cuda.is_current_stream_capturing())
         paged_attn(q, k, v, self._indices, self._seqlens_indptr, self._work, self._n_work,
-                   self._slot_start if self._merge else None, self._max_items,
+                   self._slot_start if self._merge else None,
+                   self._max_items if graph else self._n_items,
                    -(-(c["h"] // c["h_k"]) // block_m), block_m,
                    self._o_part, self._lse_part, scale, wl, -1, c["softcap"], out,
                    lse if lse is not None else self._lse_keep, lse_base2=True, rope=c["rope"],

@@ -14,16 +14,6 @@ def kv_lengths(indptr: list[int], last_page_len: list[int], page_size: int) -> l
             if indptr[i + 1] > indptr[i] else 0 for i in range(len(indptr) - 1)]
 
 
-def max_work_items(batch: int, n_heads_k: int, sms: int) -> int:
-    """Upper bound of ``split_work``'s items: the target count plus one partial chunk per request."""
-    return target_items(batch, n_heads_k, sms) + batch
-
-
-def target_items(batch: int, n_heads_k: int, sms: int) -> int:
-    # about two programs per SM (each item runs once per KV head)
-    return max(batch, -(-2 * sms // max(n_heads_k, 1)))
-
-
 @dataclass
 class DecodePlan:
     work: list[tuple[int, int, int, int, int]]  # (request, row block, first key, end key, slot or -1)
@@ -38,30 +28,86 @@ def balanced_columns(n_heads_k: int, sms: int) -> int:
     return max(1, 2 * sms // max(n_heads_k, 1))
 
 
-def split_work(lengths: list[int], n_heads_k: int, sms: int, min_chunk: int = 256,
-               fixed_chunk: int | None = None) -> DecodePlan:
-    """Chunks of at most ``chunk`` keys per work item; a request of one chunk writes its output
-    directly, longer ones write partials merged afterwards."""
-    total = sum(lengths)
-    want = target_items(len(lengths), n_heads_k, sms)
-    chunk = fixed_chunk or max(min_chunk, -(-total // want) if total else min_chunk)
-    work, slot_start, slot = [], [0], 0
+def max_work_items(batch: int, n_heads_k: int, sms: int) -> int:
+    """Upper bound of ``split_work``'s items: its largest target count plus one partial chunk
+    per request."""
+    return max(split_targets(batch, n_heads_k, sms)) + batch
+
+
+def split_targets(batch: int, n_heads_k: int, sms: int) -> list[int]:
+    """``split_work``'s candidate item counts, fewest first: the batch (requests split only as
+    far as the mean length), and one or two CTAs per SM over the KV heads; three when the batch
+    alone gives two (48 x 4k at 8 KV heads: 768 CTAs, 3.85 TB/s against 3.60 unsplit). With fewer
+    requests three did not gain in the sweeps (a second wave of short items: 8 x 8k 3.00 TB/s on
+    448 CTAs against 3.26 on 192), and leaving it out keeps ``max_work_items``, the grid a
+    captured graph launches, as before."""
+    per_sm = [-(-j * sms // max(n_heads_k, 1)) for j in (1, 2, 3)]
+    if batch < per_sm[1]:
+        per_sm.pop()
+    return sorted({max(batch, t) for t in per_sm} | {batch})
+
+
+# (``decode_cost``) the keys' worth of time a work item costs beyond its keys (its first tiles'
+# latency, the partial's store and merge), and a launch of at most one CTA per SM as a share of
+# a wave: a lone CTA streams about twice a co-resident one's rate. Fitted to the sm90 decode
+# kernel's per-SM sweeps on the H200 (results/tune/tune_sm90_decode_persm*_f341af4_*: 16 x 8k
+# 3.84 TB/s on 128 CTAs, 3.77 on 256, 3.28 on 384; 12 x 8k 3.49 / 2.82 on 192 / 288 CTAs)
+ITEM_OVERHEAD_KEYS = 1000
+LONE_WAVE = 0.55
+
+
+def decode_cost(ctas: int, keys: int, sms: int) -> float:
+    """Estimated time, in keys streamed by one CTA, of a decode launch of ``ctas`` CTAs of at
+    most ``keys`` keys each. Two CTAs are resident per SM, so they run in waves of 2 x sms, and
+    a wave that is not the first is taken to last as long as a full one whatever its size: 384
+    CTAs on 264 slots ran 13% slower than 256 or 512 (the same keys in all; why a short second
+    wave is that slow was not measured). A launch of at most one CTA per SM runs in
+    ``LONE_WAVE`` of a wave."""
+    waves = LONE_WAVE if ctas <= sms else -(-ctas // (2 * sms))
+    return waves * (keys + ITEM_OVERHEAD_KEYS)
+
+
+def _split(lengths: list[int], chunk: int, fixed: bool) -> tuple[list, list[int], int]:
+    """Work items of at most ``chunk`` keys (``split_work``'s format), their slot starts, and the
+    longest item's keys."""
+    work, slot_start, slot, longest = [], [0], 0, 0
     for b, n in enumerate(lengths):
         pieces = max(1, -(-n // chunk))
         if pieces == 1:
             work.append((b, 0, 0, n, -1))
+            longest = max(longest, n)
         else:
             # even pieces (whole 64-key tiles) rather than full chunks and a short tail: the
             # request's items then finish together
-            step = chunk if fixed_chunk else -(-n // (pieces * 64)) * 64
+            step = chunk if fixed else -(-n // (pieces * 64)) * 64
             pieces = -(-n // step)
             for p in range(pieces):
                 work.append((b, 0, p * step, min((p + 1) * step, n), slot))
                 slot += 1
+            longest = max(longest, step)
         slot_start.append(slot)
-    return DecodePlan(work, slot_start, chunk)
+    return work, slot_start, longest
 
 
+def split_work(lengths: list[int], n_heads_k: int, sms: int, min_chunk: int = 256,
+               fixed_chunk: int | None = None) -> DecodePlan:
+    """Chunks of at most ``chunk`` keys per work item; a request of one chunk writes its output
+    directly, longer ones write partials merged afterwards. Without ``fixed_chunk`` the chunk
+    is the one of ``split_targets``' item counts whose launch (items x KV heads CTAs) has the
+    lowest ``decode_cost``, the fewest items on a tie: a split that leaves a second wave of a
+    few CTAs is avoided (16 x 8k at 8 KV heads runs unsplit, 128 CTAs, not 384)."""
+    if fixed_chunk:
+        work, slot_start, _ = _split(lengths, fixed_chunk, True)
+        return DecodePlan(work, slot_start, fixed_chunk)
+    total = sum(lengths)
+    best = None
+    for want in split_targets(len(lengths), n_heads_k, sms):
+        chunk = max(min_chunk, -(-total // want) if total else min_chunk)
+        work, slot_start, longest = _split(lengths, chunk, False)
+        cost = decode_cost(len(work) * max(n_heads_k, 1), longest, sms)
+        if best is None or cost < best[0]:
+            best = (cost, DecodePlan(work, slot_start, chunk))
+    return best[1]
 
 
 def split_work_balanced(lengths: list[int], n_heads_k: int, sms: int, block: int = 64) -> DecodePlan:
