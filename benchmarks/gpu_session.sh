@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -594,6 +594,18 @@ for step in $steps; do
            # 349, and gains +3.6% at 4k from the second buffer)
            onoff IOATTN_SM90_WG3_BLOCK_N "auto 128" fwd_d64c_wg3_block_n_ --modes fwd --dims 64 \
              --seqlens 2048,4096 --causal true --dtypes bf16 --rounds 3 ;;
+    tail-shapes) # whether a partial last wave of tiles costs the short non-causal cells (the FA
+           # grid has 2048 128-row tiles at d=128 and 1024 at d=256 whatever s: 15.5 / 7.8 waves
+           # on 132 SMs): the grid's shape, a tile count that fills the last wave (b 11, h 12 /
+           # 6) and one tile over (b 7, h 19), ours against cuDNN (session 25: no pattern; ~90 s)
+           for cfg in "128 16384 2048 std" "128 22528 1536 exact" "128 14336 2432 over" \
+                      "256 16384 2048 std" "256 22528 1536 exact" "256 14336 4864 over"; do
+             read -r d t h name <<< "$cfg"
+             timeout 150 python -m ioattn bench --modes fwd --dims $d --seqlens 2048,4096 --causal false \
+               --dtypes bf16 --tokens $t --hidden $h --impls ioattn_sm90,sdpa_cudnn --rounds 5 --no-plots \
+               --out "$OUT/tail_d${d}_$name.json" > /tmp/tail.log 2>&1
+             echo "== d=$d $name tokens=$t hidden=$h"; grep -E "^fwd" /tmp/tail.log
+           done ;;
     decode-grid) # the decode grid's CTAs past the plan's items (session 25: 16 x 8k unsplit ran
            # 3.89 TB/s on a 32-item grid, 3.56 on the plan's bound of 49; 12 x 8k 3.3 / 2.85):
            # graph replays with the grid at the plan's items plus 0 / 16 / 64 / 136 and at the
