@@ -609,12 +609,20 @@ for step in $steps; do
     decode-grid) # the decode grid's CTAs past the plan's items (session 25: 16 x 8k unsplit ran
            # 3.89 TB/s on a 32-item grid, 3.56 on the plan's bound of 49; 12 x 8k 3.3 / 2.85):
            # graph replays with the grid at the plan's items plus 0 / 16 / 64 / 136 and at the
-           # bound, then the decode suite, whose eager rows launch the plan's items since then
-           # (~2 min)
+           # bound; then the opt-in fixed grid of columns (IOATTN_SM90_DECODE_LOOP=1) after its
+           # GPU tests; then the decode suite, whose eager rows launch the plan's items since
+           # then (~3.5 min)
+           cells=16x8192x16,12x8192x16,64x4096x16,1x32768x16
            timeout 200 python benchmarks/tune_decode.py --sm90 --per-sm auto --block-n 64 --stages 3 \
-             --grid-extra auto,0,16,64,136 --cells 16x8192x16,12x8192x16,64x4096x16,1x32768x16 \
+             --grid-extra auto,0,16,64,136 --cells $cells \
              --json "$OUT/tune_sm90_decode_grid.json" > "$OUT/tune_sm90_decode_grid.log" 2>&1
            grep "^== best" "$OUT/tune_sm90_decode_grid.log"
+           timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/decode/test_decode_sm90.py \
+             -k loop > "$OUT/tests_decode_loop.log" 2>&1; tail -1 "$OUT/tests_decode_loop.log"
+           IOATTN_SM90_DECODE_LOOP=1 timeout 120 python benchmarks/tune_decode.py --sm90 --per-sm auto \
+             --block-n 64 --stages 3 --cells $cells --json "$OUT/tune_sm90_decode_loop.json" \
+             > "$OUT/tune_sm90_decode_loop.log" 2>&1
+           echo "loop:"; grep "^== best" "$OUT/tune_sm90_decode_loop.log"
            timeout 300 python -m ioattn bench --suite decode \
              --out "$OUT/decode_nvidia-h200_$(date +%F).json" > "$OUT/decode.log" 2>&1
            grep -E "ioattn_paged |sdpa_cudnn |graphloop" "$OUT/decode.log" | grep -v fp8 ;;

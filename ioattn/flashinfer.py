@@ -35,7 +35,8 @@ from ioattn.decode.merge import merge_state, merge_state_in_place, merge_states 
 from ioattn.decode import triton_decode
 from ioattn.decode.triton_decode import kvcache_attn, paged_attn, paged_tiles
 from ioattn.launch import launcher
-from ioattn.paged.plan import kv_lengths, max_work_items, split_work, split_work_balanced
+from ioattn.paged.plan import (balanced_columns, kv_lengths, loop_columns, max_work_items, split_work,
+                               split_work_balanced)
 
 _LAYOUTS = ("NHD", "HND")
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, torch.float16: torch.float16,
@@ -415,13 +416,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # the caller fixes the split
         balanced = (triton_decode.SM90_DECODE_BALANCED and not disable_split_kv
                     and fixed_split_size is None)
-        if self._use_cuda_graph and getattr(self, "_balanced", balanced) != balanced:
+        # (opt-in, ``triton_decode.SM90_DECODE_LOOP``) the split's items on a fixed grid of
+        # columns; like the balanced split, a launch over columns
+        loop = triton_decode.SM90_DECODE_LOOP and not balanced
+        by_columns = balanced or loop
+        if self._use_cuda_graph and getattr(self, "_balanced", by_columns) != by_columns:
             # (before any buffer is replaced)
             _fail("use_cuda_graph=True fixes the split mode at the first plan (fixed_split_size "
                   "/ disable_split_kv given or not)")
         plan = split_work_balanced(lengths, num_kv_heads, sms) if balanced else split_work(
             lengths, num_kv_heads, sms,
             fixed_chunk=max(lengths + [1]) if disable_split_kv else fixed_split_size)
+        if loop:
+            plan = loop_columns(plan, balanced_columns(num_kv_heads, sms))
         if len(plan.work) > max_items:
             if self._use_cuda_graph:
                 _fail(f"fixed_split_size={fixed_split_size} gives {len(plan.work)} work items, more "
@@ -436,7 +443,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._slot_start = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
             self._max_items = max_items
         cols = getattr(self, "_columns", None)
-        if balanced and (cols is None or cols.numel() != len(plan.columns)):
+        if by_columns and (cols is None or cols.numel() != len(plan.columns)):
             # (the column count depends on the SMs and KV heads only, fixed under graphs)
             self._columns = torch.zeros(len(plan.columns), dtype=torch.int32, device=self._device)
         if getattr(self, "_counts", None) is None or self._counts.numel() < batch * num_kv_heads:
@@ -462,7 +469,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._seqlens_indptr.copy_(torch.tensor(lengths + ip + list(range(batch + 1)), dtype=torch.int32),
                                    non_blocking=non_blocking)
         self._slot_start.copy_(torch.tensor(plan.slot_start, dtype=torch.int32), non_blocking=non_blocking)
-        if balanced:
+        if by_columns:
             self._columns.copy_(torch.tensor(plan.columns, dtype=torch.int32),
                                 non_blocking=non_blocking)
         # no request split: run() skips the merge launch, unless a captured graph must keep it
@@ -486,7 +493,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                          scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
                          dtype=dt, kv_dtype=kv_dt, rope=rope,
                          block_m=paged_tiles(num_qo_heads // num_kv_heads, head_dim)[0])
-        self._balanced = balanced
+        self._balanced = by_columns  # (run() launches over the columns)
         self._plan_kv_heads = num_kv_heads
         self._planned = True
 

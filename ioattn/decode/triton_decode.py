@@ -758,6 +758,13 @@ SM90_DECODE_MERGE = os.environ.get("IOATTN_SM90_DECODE_MERGE", "1").lower() not 
 # waves: the second leaves 16 slots idle) and 16 x 8k 384 (1.45 waves, 0.90x cuDNN);
 # IOATTN_SM90_DECODE_BALANCED=1 turns it on (opt-in until measured on the H200)
 SM90_DECODE_BALANCED = os.environ.get("IOATTN_SM90_DECODE_BALANCED", "0").lower() in ("1", "true", "on")
+# The split plan's items dealt round-robin onto 2 x SMs / KV heads columns, one sm90 CTA per
+# column and KV head looping over its column's items (``ioattn.paged.plan.loop_columns``; the
+# balanced form's kernel): a grid that does not grow with the plan's item bound. A graph-mode
+# wrapper's grid is that bound (any later plan fits), and with 16 x 8k unsplit (128 CTAs) the
+# bound's 264 extra CTAs, which exit at once, went with 3.56 TB/s against 3.89 on a grid of 256
+# (session 25); IOATTN_SM90_DECODE_LOOP=1 turns it on (opt-in until measured on the H200)
+SM90_DECODE_LOOP = os.environ.get("IOATTN_SM90_DECODE_LOOP", "0").lower() in ("1", "true", "on")
 
 
 # K+V bytes of a plan below which eager decode calls (wrappers without use_cuda_graph) keep the

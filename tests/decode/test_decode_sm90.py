@@ -21,15 +21,18 @@ needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200) 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _sm90_decode_on(monkeypatch, merge=False, balanced=False):
+def _sm90_decode_on(monkeypatch, merge=False, balanced=False, loop=False):
     """The planned decode forced onto the sm90 kernel, small plans too (merge: split requests
     merged inside it; balanced: FlashInfer's balanced split, each CTA looping over its column's
-    items); returns the list each of its launches appends to."""
+    items; loop: the plain split's items dealt onto columns, IOATTN_SM90_DECODE_LOOP); returns
+    the list each of its launches appends to."""
     monkeypatch.setattr(triton_decode, "SM90_DECODE", True)
     monkeypatch.setattr(triton_decode, "SM90_DECODE_MERGE", merge)
     monkeypatch.setattr(triton_decode, "SM90_DECODE_BALANCED", balanced)
+    monkeypatch.setattr(triton_decode, "SM90_DECODE_LOOP", loop)
     monkeypatch.setattr(triton_decode, "SM90_DECODE_MIN_BYTES", 0)
-    if balanced:  # (few SMs: the columns hold several items, requests cut many times)
+    if balanced or loop:  # (few SMs: the columns hold several items, requests cut many times;
+        # loop at 8 KV heads: one column, every item in one CTA a head)
         monkeypatch.setattr(fi, "sm_count", lambda device: 4)
     calls = []  # per launch: whether it ran the balanced form (the columns, argument 15)
     orig = sm90_decode.paged_decode_sm90
@@ -213,22 +216,25 @@ def _planned(c):
 
 
 @needs_sm90
-@pytest.mark.parametrize("merge", [False, True, "balanced"],
-                         ids=["combine", "merge-in-kernel", "balanced"])
+@pytest.mark.parametrize("merge", [False, True, "balanced", "loop"],
+                         ids=["combine", "merge-in-kernel", "balanced", "loop"])
 @pytest.mark.parametrize("c", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_sm90_decode(c, merge, monkeypatch):
     """Outputs and base-2 LSE against per-request references; slots past each request's last key
     hold NaN (stale cache entries) and must not reach the outputs. merge: split requests merged
     by their last item inside the kernel (IOATTN_SM90_DECODE_MERGE) instead of the combine;
     balanced: the balanced split (IOATTN_SM90_DECODE_BALANCED, merged in the kernel), each CTA
-    looping over its column's items (explicit splits keep the plain split)."""
-    balanced = merge == "balanced"
-    calls = _sm90_decode_on(monkeypatch, bool(merge), balanced)
+    looping over its column's items (explicit splits keep the plain split); loop: the plain
+    split's items dealt onto columns (IOATTN_SM90_DECODE_LOOP, merged in the kernel; explicit
+    splits too), one request's pieces in one CTA where the columns are fewer."""
+    balanced, loop = merge == "balanced", merge == "loop"
+    calls = _sm90_decode_on(monkeypatch, bool(merge), balanced, loop)
     c, dtype, wrapper, (lens, indptr, indices, last, cache) = _planned(c)
     q = torch.randn(c["batch"], c["h"], c["d"], device="cuda", dtype=dtype)
     out, lse = wrapper.run(q, cache, return_lse=True)
     assert calls, "the sm90 decode kernel did not run"
-    assert all(calls) == (balanced and "split" not in c), calls  # (explicit splits stay plain)
+    # (explicit splits stay plain under the balanced split)
+    assert all(calls) == ((balanced and "split" not in c) or loop), calls
     _check_requests(out, lse, q, cache, c["layout"], lens, indices, indptr)
 
 
@@ -308,13 +314,13 @@ def test_sm90_decode_softcap(c, merge, monkeypatch):
 
 
 @needs_sm90
-@pytest.mark.parametrize("merge", [False, True, "balanced"],
-                         ids=["combine", "merge-in-kernel", "balanced"])
+@pytest.mark.parametrize("merge", [False, True, "balanced", "loop"],
+                         ids=["combine", "merge-in-kernel", "balanced", "loop"])
 def test_sm90_decode_graph_capture_short_replay_long(merge, monkeypatch):
     """run() through the sm90 decode kernel captured at short lengths, replayed after a plan with
     long ones (split requests): the fixed grid covers any plan; with the in-kernel merge, the
-    tickets return to zero between replays (balanced: the columns' items replanned too)."""
-    _sm90_decode_on(monkeypatch, bool(merge), merge == "balanced")
+    tickets return to zero between replays (balanced, loop: the columns' items replanned too)."""
+    _sm90_decode_on(monkeypatch, bool(merge), merge == "balanced", merge == "loop")
     g = torch.Generator().manual_seed(5)
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
         torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
