@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -176,6 +176,18 @@ for step in $steps; do
              python benchmarks/profile_decode.py --cell 64x4096x16 --layouts hnd-whole,nhd-whole,hnd-paged > "$OUT/ncu_decode_whole_64x4096x16.csv" 2>&1
            grep -E '"(_decode|_worklist|_kvcache|_combine|cudnn)' "$OUT/ncu_decode_whole_64x4096x16.csv" \
              | awk -F'","' '{print $1, substr($5, 1, 16), $(NF-2), $NF}' | tail -80 ;;
+    profile-decode-sections) # the 64 x 4k cell's gap is our kernel's request stream (session 25:
+           # 91% of DRAM peak on every layout against cuDNN's 93-94%): ncu's memory, scheduler
+           # and warp-state sections for ours (paged) and cuDNN's (sm80, cp.async), three
+           # launches each, as text, to compare L2 / DRAM traffic and what the warps wait on (~90 s)
+           timeout 240 ncu --clock-control none -k 'regex:_decode_sm90|cudnn' -c 6 \
+             --section SpeedOfLight --section MemoryWorkloadAnalysis \
+             --section MemoryWorkloadAnalysis_Tables --section LaunchStats --section Occupancy \
+             --section SchedulerStats --section WarpStateStats \
+             python benchmarks/profile_decode.py --cell 64x4096x16 --reps 2 \
+             > "$OUT/ncu_decode_sections_64x4096x16.txt" 2>&1
+           grep -E "^  [_a-z]|Duration|DRAM Throughput|Mem(ory)? Busy|Max Bandwidth|L2 Hit Rate|Mem Pipes|Achieved Occupancy|No Eligible|Issued Warp|Warp Cycles Per Issued" \
+             "$OUT/ncu_decode_sections_64x4096x16.txt" | head -120 ;;
     tune-sm90-decode) # the sm90 decode kernel's ring (keys per tile, stages) and items per SM
            timeout 300 python benchmarks/tune_decode.py --sm90 --cells 1x32768x16,16x8192x16,64x4096x16 \
              --block-n 32,64,128 --stages 2,3,4,6 --per-sm 1,2,4 --json "$OUT/tune_sm90_decode.json" \
