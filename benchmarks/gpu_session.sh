@@ -608,10 +608,13 @@ for step in $steps; do
              --seqlens 2048,4096 --causal true --dtypes bf16 --rounds 3 ;;
     tail-shapes) # whether a partial last wave of tiles costs the short non-causal cells (the FA
            # grid has 2048 128-row tiles at d=128 and 1024 at d=256 whatever s: 15.5 / 7.8 waves
-           # on 132 SMs): the grid's shape, a tile count that fills the last wave (b 11, h 12 /
-           # 6) and one tile over (b 7, h 19), ours against cuDNN (session 25: no pattern; ~90 s)
-           for cfg in "128 16384 2048 std" "128 22528 1536 exact" "128 14336 2432 over" \
-                      "256 16384 2048 std" "256 22528 1536 exact" "256 14336 4864 over"; do
+           # on 132 SMs): the grid's shape, a tile count that fills the last wave (11 heads over
+           # 12288 tokens: 1056 tiles, 8 waves) and one a little over it (17 heads over 8192:
+           # 1088, 8.24 waves), at 2k and 4k alike (tokens divisible by 4096), ours against
+           # cuDNN (~90 s). Session 25 ran it with 22528 / 14336 tokens, which hold 5 / 3
+           # batches at 4k: its 4k "exact" / "over" rows were neither
+           for cfg in "128 16384 2048 std" "128 12288 1408 exact" "128 8192 2176 over" \
+                      "256 16384 2048 std" "256 12288 2816 exact" "256 8192 4352 over"; do
              read -r d t h name <<< "$cfg"
              timeout 150 python -m ioattn bench --modes fwd --dims $d --seqlens 2048,4096 --causal false \
                --dtypes bf16 --tokens $t --hidden $h --impls ioattn_sm90,sdpa_cudnn --rounds 5 --no-plots \

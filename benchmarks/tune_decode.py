@@ -127,28 +127,33 @@ def run_sm90(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16):
 
     results = []
     orig = (sm90_decode.BLOCK_N, sm90_decode.STAGES, plan.split_targets, fi.max_work_items)
-    for b, ctx, page in cells:
-        cache, indptr, indices, last, q, out, nbytes = decode_cell(b, ctx, page, h, h_k, d, dtype)
-        for bn, stages, per_sm, extra in configs:
-            smem = stages * 2 * bn * d * cache.element_size() + 64 * d * cache.element_size()
-            row = dict(b=b, ctx=ctx, page=page, block_n=bn, stages=stages, per_sm=per_sm,
-                       grid_extra=extra, smem_kb=smem // 1024,
-                       ctas_per_sm=(228 << 10) // (smem + 2048), graph=True)
-            if smem > 227 << 10 or page % 8 or (bn % page and page % bn):
-                continue
-            sm90_decode.BLOCK_N, sm90_decode.STAGES = bn, stages
-            plan.split_targets = _items_per_sm(per_sm)
-            sms = torch.cuda.get_device_properties(0).multi_processor_count
-            items = len(plan.split_work([ctx] * b, h_k, sms).work)
-            fi.max_work_items = orig[3] if extra is None else (lambda *_, n=items + extra: n)
-            row.update(ctas=items * h_k, grid_ctas=fi.max_work_items(b, h_k, sms) * h_k)
-            w = _wrapper(indices, True)
+    try:
+        for b, ctx, page in cells:
+            cache, indptr, indices, last, q, out, nbytes = decode_cell(b, ctx, page, h, h_k, d, dtype)
+            for bn, stages, per_sm, extra in configs:
+                smem = stages * 2 * bn * d * cache.element_size() + 64 * d * cache.element_size()
+                row = dict(b=b, ctx=ctx, page=page, block_n=bn, stages=stages, per_sm=per_sm,
+                           grid_extra=extra, smem_kb=smem // 1024,
+                           ctas_per_sm=(228 << 10) // (smem + 2048), graph=True)
+                if smem > 227 << 10 or page % 8 or (bn % page and page % bn):
+                    continue
+                sm90_decode.BLOCK_N, sm90_decode.STAGES = bn, stages
+                plan.split_targets = _items_per_sm(per_sm)
+                sms = torch.cuda.get_device_properties(0).multi_processor_count
+                items = len(plan.split_work([ctx] * b, h_k, sms).work)
+                fi.max_work_items = orig[3] if extra is None else (lambda *_, n=items + extra: n)
+                # (IOATTN_SM90_DECODE_LOOP: the grid is the plan's columns, whatever the bound)
+                grid = (plan.balanced_columns(h_k, sms) if triton_decode.SM90_DECODE_LOOP
+                        else fi.max_work_items(b, h_k, sms))
+                row.update(ctas=items * h_k, grid_ctas=grid * h_k)
+                w = _wrapper(indices, True)
 
-            def make(w=w):
-                w.plan(indptr, indices, last, h, h_k, d, page, q_data_type=dtype)
-                return _replayed(lambda: w.run(q, cache, out=out))
-            timed_row(row, make, results, nbytes, "tb_s")
-    sm90_decode.BLOCK_N, sm90_decode.STAGES, plan.split_targets, fi.max_work_items = orig
+                def make(w=w):
+                    w.plan(indptr, indices, last, h, h_k, d, page, q_data_type=dtype)
+                    return _replayed(lambda: w.run(q, cache, out=out))
+                timed_row(row, make, results, nbytes, "tb_s")
+    finally:
+        sm90_decode.BLOCK_N, sm90_decode.STAGES, plan.split_targets, fi.max_work_items = orig
     return results
 
 

@@ -40,7 +40,8 @@ def split_targets(batch: int, n_heads_k: int, sms: int) -> list[int]:
     alone gives two (48 x 4k at 8 KV heads: 768 CTAs, 3.85 TB/s against 3.60 unsplit). With fewer
     requests three did not gain in the sweeps (a second wave of short items: 8 x 8k 3.00 TB/s on
     448 CTAs against 3.26 on 192), and leaving it out keeps ``max_work_items``, the grid a
-    captured graph launches, as before."""
+    captured graph launches, as it was for those batches (batches from two to three CTAs per
+    SM's worth get a larger bound: 50 + batch items at 8 KV heads on 132 SMs, not 2 x batch)."""
     per_sm = [-(-j * sms // max(n_heads_k, 1)) for j in (1, 2, 3)]
     if batch < per_sm[1]:
         per_sm.pop()
