@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -188,6 +188,14 @@ for step in $steps; do
              > "$OUT/ncu_decode_sections_64x4096x16.txt" 2>&1
            grep -E "^  [_a-z]|Duration|DRAM Throughput|Mem(ory)? Busy|Max Bandwidth|L2 Hit Rate|Mem Pipes|Achieved Occupancy|No Eligible|Issued Warp|Warp Cycles Per Issued" \
              "$OUT/ncu_decode_sections_64x4096x16.txt" | head -120 ;;
+    tune-kvcache-splits) # flash_attn_with_kvcache's decode (the portable split-KV kernel) still
+           # splits for two programs per SM (num_splits_for), the rule the paged plan dropped in
+           # session 25 (a short second wave ran as long as a full one); its split count timed
+           # per cell, eager and replayed, to fit its own rule (~1.5 min)
+           timeout 200 python benchmarks/tune_decode.py --kvcache --splits 0,1,2,3,4,8 \
+             --cells 16x8192x16,12x8192x16,8x8192x16,4x8192x16,64x4096x16,1x32768x16 \
+             --json "$OUT/tune_kvcache_splits.json" > "$OUT/tune_kvcache_splits.log" 2>&1
+           grep "^== best" "$OUT/tune_kvcache_splits.log" ;;
     tune-sm90-decode) # the sm90 decode kernel's ring (keys per tile, stages) and items per SM
            timeout 300 python benchmarks/tune_decode.py --sm90 --cells 1x32768x16,16x8192x16,64x4096x16 \
              --block-n 32,64,128 --stages 2,3,4,6 --per-sm 1,2,4 --json "$OUT/tune_sm90_decode.json" \

@@ -9,7 +9,9 @@ stages, work items per SM), on the decode acceptance cells; prints TB/s per conf
     python benchmarks/tune_decode.py --sm90 --block-n 32,64,128 --stages 2,3,4,6 --per-sm 1,2,4
                                                  (the sm90 decode kernel's ring, graph replays)
     python benchmarks/tune_decode.py --sm90 --per-sm auto --grid-extra auto,0,16,64
-                                                 (the grid's CTAs past the plan's items)"""
+                                                 (the grid's CTAs past the plan's items)
+    python benchmarks/tune_decode.py --kvcache --splits 0,1,2,3,4
+                                                 (flash_attn_with_kvcache's decode split count)"""
 from __future__ import annotations
 
 import argparse
@@ -197,6 +199,36 @@ def run_prefill(configs, b=8, ctx=4096, new=512, page=16, h=32, h_k=8, d=128, dt
     return results
 
 
+def run_kvcache(cells, splits, h=32, h_k=8, d=128, dtype=torch.bfloat16):
+    """flash_attn_with_kvcache's decode (one query a request, the portable split-KV kernel) over
+    the cell's pages through a block table, per num_splits (0: its own choice,
+    ``triton_decode.num_splits_for``), eager and as CUDA-graph replays; the row says how many
+    programs (splits x KV heads x requests) the split makes."""
+    import ioattn
+
+    results = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for b, ctx, page in cells:
+        cache, indptr, indices, last, q, out, nbytes = decode_cell(b, ctx, page, h, h_k, d, dtype)
+        table = indices.view(b, -1)  # (decode_cell: the same page count per request)
+        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+        block_m, _, block_n = triton_decode.paged_tiles(h // h_k, d, 1, False)  # (kvcache_attn's)
+        auto = triton_decode.num_splits_for(b, h_k, -(-(h // h_k) // block_m), ctx, block_n,
+                                            q.device)
+        for n in splits:
+            for graph in (False, True):
+                row = dict(b=b, ctx=ctx, page=page, num_splits=n, auto_splits=auto, sms=sms,
+                           programs=(n or auto) * h_k * b, graph=graph)
+
+                def make(n=n, graph=graph):
+                    call = lambda: ioattn.flash_attn_with_kvcache(  # noqa: E731
+                        q[:, None], cache[:, 0], cache[:, 1], cache_seqlens=lens,
+                        block_table=table, num_splits=n)
+                    return _replayed(call) if graph else call
+                timed_row(row, make, results, nbytes, "tb_s")
+    return results
+
+
 def profile_cell(b, ctx, page, h=32, h_k=8, d=128, dtype=torch.bfloat16):
     """Kernel times (torch.profiler) and host time per run() of one decode cell."""
     import time
@@ -241,6 +273,9 @@ def main():
     ap.add_argument("--grid-extra", default="auto",
                     help="(--sm90) grid bounds: the plan's own items plus these many (auto: the "
                          "plan's max_work_items)")
+    ap.add_argument("--kvcache", action="store_true",
+                    help="sweep flash_attn_with_kvcache's decode split count (--splits; 0: auto)")
+    ap.add_argument("--splits", default="0,1,2,3,4,6,8")
     ap.add_argument("--cells", default=None, help="b x ctx x page, e.g. 1x32768x16 (default: all)")
     a = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
@@ -261,6 +296,17 @@ def main():
         return
     cells = ([tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")] if a.cells
              else CELLS)
+    if a.kvcache:
+        res = run_kvcache(cells, ints(a.splits))
+        for cell in cells:
+            for graph in (False, True):
+                rows = sorted((r for r in res if "tb_s" in r and r["graph"] == graph
+                               and (r["b"], r["ctx"], r["page"]) == cell), key=lambda r: -r["tb_s"])
+                print("== best kvcache", cell, "graph" if graph else "eager",
+                      [(r["num_splits"], r["programs"], round(r["tb_s"], 2)) for r in rows])
+        if a.json:
+            json.dump(res, open(a.json, "w"), indent=1)
+        return
     if a.sm90:
         extras = [None if x == "auto" else int(x) for x in a.grid_extra.split(",")]
         res = run_sm90(cells, list(itertools.product(ints(a.block_n), ints(a.stages), per_sm,
