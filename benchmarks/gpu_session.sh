@@ -16,7 +16,7 @@ bench_with() {  # cuDNN in every setting's run: timed alone, a setting without i
   local e=$1 name=$2; shift 2
   env $e timeout 200 python -m ioattn bench "$@" --impls ioattn_sm90,sdpa_cudnn \
     --no-plots --out "$OUT/$name.json" > "/tmp/$name.log" 2>&1
-  echo "== $e"; grep -E "^(fwd|bwd)" "/tmp/$name.log"; }
+  echo "== $name $e"; grep -E "^(fwd|bwd)" "/tmp/$name.log"; }
 # onoff VAR "V1 V2 ..." NAME ARGS...: bench_with once per value of VAR, into $OUT/NAME<value>.json
 onoff() {
   local var=$1 values=$2 name=$3 v; shift 3
@@ -624,31 +624,25 @@ for step in $steps; do
            for cfg in "128 16384 2048 std" "128 12288 1408 exact" "128 8192 2176 over" \
                       "256 16384 2048 std" "256 12288 2816 exact" "256 8192 4352 over"; do
              read -r d t h name <<< "$cfg"
-             timeout 150 python -m ioattn bench --modes fwd --dims $d --seqlens 2048,4096 --causal false \
-               --dtypes bf16 --tokens $t --hidden $h --impls ioattn_sm90,sdpa_cudnn --rounds 5 --no-plots \
-               --out "$OUT/tail_d${d}_$name.json" > /tmp/tail.log 2>&1
-             echo "== d=$d $name tokens=$t hidden=$h"; grep -E "^fwd" /tmp/tail.log
+             bench_with "" "tail_d${d}_$name" --modes fwd --dims $d --seqlens 2048,4096 \
+               --causal false --dtypes bf16 --tokens $t --hidden $h --rounds 5
            done ;;
     decode-grid) # the decode grid's CTAs past the plan's items (session 25: 16 x 8k unsplit ran
            # 3.89 TB/s on a 32-item grid, 3.56 on the plan's bound of 49; 12 x 8k 3.3 / 2.85):
            # graph replays with the grid at the plan's items plus 0 / 16 / 64 / 136 and at the
            # bound; then the opt-in fixed grid of columns (IOATTN_SM90_DECODE_LOOP=1) after its
-           # GPU tests; then the decode suite, whose eager rows launch the plan's items since
-           # then (~3.5 min)
-           cells=16x8192x16,12x8192x16,64x4096x16,1x32768x16
-           timeout 200 python benchmarks/tune_decode.py --sm90 --per-sm auto --block-n 64 --stages 3 \
-             --grid-extra auto,0,16,64,136 --cells $cells \
+           # GPU tests (~2 min; run `decode-grid decode` for the decode suite after it, whose
+           # eager rows launch the plan's items since then)
+           tune=(python benchmarks/tune_decode.py --sm90 --per-sm auto --block-n 64 --stages 3
+                 --cells 16x8192x16,12x8192x16,64x4096x16,1x32768x16)
+           timeout 200 "${tune[@]}" --grid-extra auto,0,16,64,136 \
              --json "$OUT/tune_sm90_decode_grid.json" > "$OUT/tune_sm90_decode_grid.log" 2>&1
            grep "^== best" "$OUT/tune_sm90_decode_grid.log"
            timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/decode/test_decode_sm90.py \
              -k loop > "$OUT/tests_decode_loop.log" 2>&1; tail -1 "$OUT/tests_decode_loop.log"
-           IOATTN_SM90_DECODE_LOOP=1 timeout 120 python benchmarks/tune_decode.py --sm90 --per-sm auto \
-             --block-n 64 --stages 3 --cells $cells --json "$OUT/tune_sm90_decode_loop.json" \
+           IOATTN_SM90_DECODE_LOOP=1 timeout 120 "${tune[@]}" --json "$OUT/tune_sm90_decode_loop.json" \
              > "$OUT/tune_sm90_decode_loop.log" 2>&1
-           echo "loop:"; grep "^== best" "$OUT/tune_sm90_decode_loop.log"
-           timeout 300 python -m ioattn bench --suite decode \
-             --out "$OUT/decode_nvidia-h200_$(date +%F).json" > "$OUT/decode.log" 2>&1
-           grep -E "ioattn_paged |sdpa_cudnn |graphloop" "$OUT/decode.log" | grep -v fp8 ;;
+           echo "loop:"; grep "^== best" "$OUT/tune_sm90_decode_loop.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

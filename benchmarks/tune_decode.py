@@ -202,8 +202,8 @@ def run_prefill(configs, b=8, ctx=4096, new=512, page=16, h=32, h_k=8, d=128, dt
 def run_kvcache(cells, splits, h=32, h_k=8, d=128, dtype=torch.bfloat16):
     """flash_attn_with_kvcache's decode (one query a request, the portable split-KV kernel) over
     the cell's pages through a block table, per num_splits (0: its own choice,
-    ``triton_decode.num_splits_for``), eager and as CUDA-graph replays; the row says how many
-    programs (splits x KV heads x requests) the split makes."""
+    ``triton_decode.num_splits_for``), eager and as CUDA-graph replays; the row says which split
+    the launch makes and how many programs (splits x row blocks x KV heads x requests)."""
     import ioattn
 
     results = []
@@ -212,13 +212,13 @@ def run_kvcache(cells, splits, h=32, h_k=8, d=128, dtype=torch.bfloat16):
         cache, indptr, indices, last, q, out, nbytes = decode_cell(b, ctx, page, h, h_k, d, dtype)
         table = indices.view(b, -1)  # (decode_cell: the same page count per request)
         lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-        block_m, _, block_n = triton_decode.paged_tiles(h // h_k, d, 1, False)  # (kvcache_attn's)
-        auto = triton_decode.num_splits_for(b, h_k, -(-(h // h_k) // block_m), ctx, block_n,
-                                            q.device)
         for n in splits:
+            # (the split kvcache_attn makes of it: 0 picked, any count rounded to whole tiles)
+            *_, m_blocks, _, made = triton_decode.kvcache_launch(b, 1, h, h_k, d, ctx, False, n,
+                                                                 q.device)
             for graph in (False, True):
-                row = dict(b=b, ctx=ctx, page=page, num_splits=n, auto_splits=auto, sms=sms,
-                           programs=(n or auto) * h_k * b, graph=graph)
+                row = dict(b=b, ctx=ctx, page=page, num_splits=n, splits_made=made, sms=sms,
+                           programs=made * m_blocks * h_k * b, graph=graph)
 
                 def make(n=n, graph=graph):
                     call = lambda: ioattn.flash_attn_with_kvcache(  # noqa: E731
@@ -279,7 +279,9 @@ def main():
     ap.add_argument("--cells", default=None, help="b x ctx x page, e.g. 1x32768x16 (default: all)")
     a = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    per_sm = [None if x == "auto" else int(x) for x in a.per_sm.split(",")]
+    # lists that take "auto" (None: the library's own choice)
+    auto_ints = lambda s: [None if x == "auto" else int(x) for x in s.split(",")]  # noqa: E731
+    per_sm = auto_ints(a.per_sm)
     if a.profile:
         res = [profile_cell(*cell) for cell in CELLS]
         if a.json:
@@ -303,14 +305,14 @@ def main():
                 rows = sorted((r for r in res if "tb_s" in r and r["graph"] == graph
                                and (r["b"], r["ctx"], r["page"]) == cell), key=lambda r: -r["tb_s"])
                 print("== best kvcache", cell, "graph" if graph else "eager",
-                      [(r["num_splits"], r["programs"], round(r["tb_s"], 2)) for r in rows])
+                      [(r["num_splits"], r["splits_made"], r["programs"], round(r["tb_s"], 2))
+                       for r in rows])
         if a.json:
             json.dump(res, open(a.json, "w"), indent=1)
         return
     if a.sm90:
-        extras = [None if x == "auto" else int(x) for x in a.grid_extra.split(",")]
         res = run_sm90(cells, list(itertools.product(ints(a.block_n), ints(a.stages), per_sm,
-                                                     extras)))
+                                                     auto_ints(a.grid_extra))))
         ok = [r for r in res if "tb_s" in r]
         for cell in cells:
             rows = sorted((r for r in ok if (r["b"], r["ctx"], r["page"]) == cell),

@@ -420,7 +420,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # columns; like the balanced split, a launch over columns
         loop = triton_decode.SM90_DECODE_LOOP and not balanced
         by_columns = balanced or loop
-        if self._use_cuda_graph and getattr(self, "_balanced", by_columns) != by_columns:
+        if self._use_cuda_graph and getattr(self, "_by_columns", by_columns) != by_columns:
             # (before any buffer is replaced)
             _fail("use_cuda_graph=True fixes the split mode at the first plan (fixed_split_size "
                   "/ disable_split_kv given or not)")
@@ -493,7 +493,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                          scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
                          dtype=dt, kv_dtype=kv_dt, rope=rope,
                          block_m=paged_tiles(num_qo_heads // num_kv_heads, head_dim)[0])
-        self._balanced = by_columns  # (run() launches over the columns)
+        self._by_columns = by_columns  # (run() launches over the columns)
         self._plan_kv_heads = num_kv_heads
         self._planned = True
 
@@ -524,7 +524,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                    self._o_part, self._lse_part, scale, wl, -1, c["softcap"], out,
                    lse if lse is not None else self._lse_keep, lse_base2=True, rope=c["rope"],
                    decode=True, small=self._small, counts=self._counts,
-                   columns=self._columns if self._balanced else None, pdl=enable_pdl)
+                   columns=self._columns if self._by_columns else None, pdl=enable_pdl)
         if v_scale is not None:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out

@@ -527,6 +527,19 @@ def num_splits_for(batch: int, n_heads_k: int, m_blocks: int, max_keys: int, blo
     return max(1, min(by_sms, by_len, 64))
 
 
+def kvcache_launch(b: int, s_q: int, h: int, h_k: int, d: int, capacity: int, extras: bool,
+                   num_splits: int, device: torch.device) -> tuple[int, int, int, int, int, int]:
+    """``kvcache_attn``'s tiles and key split: (block_m, block_d, block_n, m_blocks, split_len,
+    num_splits), num_splits 0 picking one (``num_splits_for``) and any count rounded to whole
+    key tiles; extras: softcap or ALiBi."""
+    block_m, block_d, block_n = paged_tiles(h // h_k, d, s_q, extras)
+    m_blocks = cdiv(s_q * (h // h_k), block_m)
+    if num_splits <= 0:
+        num_splits = num_splits_for(b, h_k, m_blocks, capacity, block_n, device)
+    split_len = cdiv(cdiv(capacity, num_splits), block_n) * block_n
+    return block_m, block_d, block_n, m_blocks, split_len, cdiv(capacity, split_len)
+
+
 def kvcache_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                  seqlens_k: torch.Tensor, leftpad: Optional[torch.Tensor],
                  block_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],
@@ -548,12 +561,8 @@ def kvcache_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
         out.zero_()
         lse.fill_(float("-inf"))
         return
-    block_m, block_d, block_n = paged_tiles(group, d, s_q, softcap > 0 or alibi_slopes is not None)
-    m_blocks = cdiv(s_q * group, block_m)
-    if num_splits <= 0:
-        num_splits = num_splits_for(b, h_k, m_blocks, capacity, block_n, q.device)
-    split_len = cdiv(cdiv(capacity, num_splits), block_n) * block_n
-    num_splits = cdiv(capacity, split_len)
+    block_m, block_d, block_n, m_blocks, split_len, num_splits = kvcache_launch(
+        b, s_q, h, h_k, d, capacity, softcap > 0 or alibi_slopes is not None, num_splits, q.device)
     split = num_splits > 1
     if split:
         o_part = torch.empty(num_splits, b, s_q, h, d, device=q.device, dtype=torch.float32)
