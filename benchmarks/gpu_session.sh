@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -192,8 +192,9 @@ for step in $steps; do
            # splits for two programs per SM (num_splits_for), the rule the paged plan dropped in
            # session 25 (a short second wave ran as long as a full one); its split count timed
            # per cell, eager and replayed, to fit its own rule (~1.5 min)
-           timeout 200 python benchmarks/tune_decode.py --kvcache --splits 0,1,2,3,4,8 \
-             --cells 16x8192x16,12x8192x16,8x8192x16,4x8192x16,64x4096x16,1x32768x16 \
+           # (KV_SPLITS / KV_CELLS replace the split counts and cells)
+           timeout 200 python benchmarks/tune_decode.py --kvcache --splits "${KV_SPLITS:-0,1,2,3,4,8}" \
+             --cells "${KV_CELLS:-16x8192x16,12x8192x16,8x8192x16,4x8192x16,64x4096x16,1x32768x16}" \
              --json "$OUT/tune_kvcache_splits.json" > "$OUT/tune_kvcache_splits.log" 2>&1
            grep "^== best" "$OUT/tune_kvcache_splits.log" ;;
     tune-sm90-decode) # the sm90 decode kernel's ring (keys per tile, stages) and items per SM
@@ -630,19 +631,29 @@ for step in $steps; do
     decode-grid) # the decode grid's CTAs past the plan's items (session 25: 16 x 8k unsplit ran
            # 3.89 TB/s on a 32-item grid, 3.56 on the plan's bound of 49; 12 x 8k 3.3 / 2.85):
            # graph replays with the grid at the plan's items plus 0 / 16 / 64 / 136 and at the
-           # bound; then the opt-in fixed grid of columns (IOATTN_SM90_DECODE_LOOP=1) after its
-           # GPU tests (~2 min; run `decode-grid decode` for the decode suite after it, whose
-           # eager rows launch the plan's items since then)
-           tune=(python benchmarks/tune_decode.py --sm90 --per-sm auto --block-n 64 --stages 3
-                 --cells 16x8192x16,12x8192x16,64x4096x16,1x32768x16)
-           timeout 200 "${tune[@]}" --grid-extra auto,0,16,64,136 \
+           # bound (~1 min; session 26 ran the fixed grid of columns, IOATTN_SM90_DECODE_LOOP,
+           # here too, since removed: tune_sm90_decode_loop_9af71c4_*)
+           timeout 200 python benchmarks/tune_decode.py --sm90 --per-sm auto --block-n 64 --stages 3 \
+             --cells 16x8192x16,12x8192x16,64x4096x16,1x32768x16 --grid-extra auto,0,16,64,136 \
              --json "$OUT/tune_sm90_decode_grid.json" > "$OUT/tune_sm90_decode_grid.log" 2>&1
-           grep "^== best" "$OUT/tune_sm90_decode_grid.log"
-           timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/decode/test_decode_sm90.py \
-             -k loop > "$OUT/tests_decode_loop.log" 2>&1; tail -1 "$OUT/tests_decode_loop.log"
-           IOATTN_SM90_DECODE_LOOP=1 timeout 120 "${tune[@]}" --json "$OUT/tune_sm90_decode_loop.json" \
-             > "$OUT/tune_sm90_decode_loop.log" 2>&1
-           echo "loop:"; grep "^== best" "$OUT/tune_sm90_decode_loop.log" ;;
+           grep "^== best" "$OUT/tune_sm90_decode_grid.log" ;;
+    decode-claim) # the sm90 decode's CTAs claiming their units on a graph's bound grid
+           # (IOATTN_SM90_DECODE_CLAIM, on by default): the decode kernel's GPU tests, then the
+           # grid sweep (the plan's own items, the bound) with claims on / off (~3 min; run
+           # `decode-claim decode` for the decode suite after it)
+           timeout 200 python -m pytest -q -n 8 -p no:cacheprovider tests/decode/test_decode_sm90.py \
+             > "$OUT/tests_decode_sm90.log" 2>&1; grep -E "FAILED|ERROR" "$OUT/tests_decode_sm90.log" | head; tail -1 "$OUT/tests_decode_sm90.log"
+           # (CLAIM_CELLS / CLAIM_VARIANTS replace the cells and the claim / prefetch switches)
+           for v in ${CLAIM_VARIANTS:-11 01}; do
+             IOATTN_SM90_DECODE_CLAIM=${v:0:1} IOATTN_SM90_DECODE_PREFETCH=${v:1:1} timeout 150 \
+               python benchmarks/tune_decode.py --sm90 --per-sm auto --block-n 64 --stages 3 \
+               --cells "${CLAIM_CELLS:-16x8192x16,12x8192x16,24x8192x16,64x4096x16,1x32768x16}" \
+               --grid-extra auto,0 --json "$OUT/tune_decode_claim$v.json" > "$OUT/tune_decode_claim$v.log" 2>&1
+             echo "claim ${v:0:1} prefetch ${v:1:1}:"; grep "^== best" "$OUT/tune_decode_claim$v.log"
+           done ;;
+    sched-probe) # where the block scheduler puts a grid's working CTAs when the rest exit at
+           # once (benchmarks/sched_probe.py; decode-idle's question), eager and in a graph (~20 s)
+           timeout 120 python benchmarks/sched_probe.py --json "$OUT/sched_probe.json" 2>&1 | tail -12 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -144,9 +144,7 @@ def run_sm90(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16):
                 sms = torch.cuda.get_device_properties(0).multi_processor_count
                 items = len(plan.split_work([ctx] * b, h_k, sms).work)
                 fi.max_work_items = orig[3] if extra is None else (lambda *_, n=items + extra: n)
-                # (IOATTN_SM90_DECODE_LOOP: the grid is the plan's columns, whatever the bound)
-                grid = (plan.balanced_columns(h_k, sms) if triton_decode.SM90_DECODE_LOOP
-                        else fi.max_work_items(b, h_k, sms))
+                grid = fi.max_work_items(b, h_k, sms)
                 row.update(ctas=items * h_k, grid_ctas=grid * h_k)
                 w = _wrapper(indices, True)
 

@@ -173,8 +173,8 @@ ENV_SWITCHES = (
      "in shared memory; 0: the portable kernel takes them)"),
     ("IOATTN_SM90_DECODE_BALANCED", "0", "planned decode: FlashInfer's balanced split (equal runs "
      "of key tiles, one sm90 CTA per run and KV head looping over its pieces)"),
-    ("IOATTN_SM90_DECODE_LOOP", "0", "planned decode: the split's items dealt onto 2 x SMs / "
-     "KV heads columns, one sm90 CTA per column and KV head looping over them (a fixed grid)"),
+    ("IOATTN_SM90_DECODE_CLAIM", "1", "sm90 decode on a graph's bound grid: CTAs claim their "
+     "(item, KV head) units SM by SM when the work fits one an SM (0: grid positions)"),
     ("IOATTN_SM90_DECODE_MIN_BYTES", str(200 << 20), "planned eager decode: K+V bytes below "
      "which a plan keeps the portable kernel (its launch was cheaper on the host)"),
     ("IOATTN_SM90_DECODE_MERGE", "1", "sm90 decode: split requests merged in the kernel by "

@@ -35,7 +35,7 @@ from ioattn.decode.merge import merge_state, merge_state_in_place, merge_states 
 from ioattn.decode import triton_decode
 from ioattn.decode.triton_decode import kvcache_attn, paged_attn, paged_tiles
 from ioattn.launch import launcher
-from ioattn.paged.plan import (balanced_columns, kv_lengths, loop_columns, max_work_items, split_work,
+from ioattn.paged.plan import (kv_lengths, max_work_items, split_work,
                                split_work_balanced)
 
 _LAYOUTS = ("NHD", "HND")
@@ -416,10 +416,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # the caller fixes the split
         balanced = (triton_decode.SM90_DECODE_BALANCED and not disable_split_kv
                     and fixed_split_size is None)
-        # (opt-in, ``triton_decode.SM90_DECODE_LOOP``) the split's items on a fixed grid of
-        # columns; like the balanced split, a launch over columns
-        loop = triton_decode.SM90_DECODE_LOOP and not balanced
-        by_columns = balanced or loop
+        by_columns = balanced
         if self._use_cuda_graph and getattr(self, "_by_columns", by_columns) != by_columns:
             # (before any buffer is replaced)
             _fail("use_cuda_graph=True fixes the split mode at the first plan (fixed_split_size "
@@ -427,8 +424,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan = split_work_balanced(lengths, num_kv_heads, sms) if balanced else split_work(
             lengths, num_kv_heads, sms,
             fixed_chunk=max(lengths + [1]) if disable_split_kv else fixed_split_size)
-        if loop:
-            plan = loop_columns(plan, balanced_columns(num_kv_heads, sms))
         if len(plan.work) > max_items:
             if self._use_cuda_graph:
                 _fail(f"fixed_split_size={fixed_split_size} gives {len(plan.work)} work items, more "
@@ -450,6 +445,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             # the sm90 decode's in-kernel merge tickets (zero between launches; graph mode
             # fixes batch and KV heads at the first plan, above)
             self._counts = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=self._device)
+        if getattr(self, "_claims", None) is None:
+            # the sm90 decode's unit claims on a graph's bound grid (zero between launches)
+            from ioattn.decode.sm90_decode import CLAIM_WORDS
+            self._claims = torch.zeros(CLAIM_WORDS, dtype=torch.int32, device=self._device)
         if getattr(self, "_lse_keep", None) is None or self._lse_keep.shape != (batch, num_qo_heads):
             # where run() writes the LSE when the caller does not want it
             self._lse_keep = torch.empty(batch, num_qo_heads, device=self._device, dtype=torch.float32)
@@ -464,7 +463,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._lse_part = flat[n_rows * head_dim:n_rows * (head_dim + 1)].view(self._max_items, num_qo_heads)
         work = torch.tensor(plan.work, dtype=torch.int32).view(-1, 5)
         self._work[:work.shape[0]].copy_(work, non_blocking=non_blocking)
-        self._n_work.fill_(len(plan.work))
+        # (a copy, not a fill kernel: the sm90 decode's claiming CTAs read it before PDL's wait)
+        self._n_work.copy_(torch.tensor([len(plan.work)], dtype=torch.int32), non_blocking=non_blocking)
         self._n_items = len(plan.work)
         self._seqlens_indptr.copy_(torch.tensor(lengths + ip + list(range(batch + 1)), dtype=torch.int32),
                                    non_blocking=non_blocking)
@@ -512,10 +512,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         wl = c["window_left"] if window_left is None else window_left
         block_m = c["block_m"]
         # the grid: the plan's own items, or the bound every later plan fits in when a graph
-        # may replay this launch (use_cuda_graph, or a capture under way). The bound's extra
-        # CTAs exit at once, yet cost: 16 x 8k unsplit (128 CTAs) ran 3.56 TB/s on a grid of
-        # 49 items x 8 heads against 3.89 on 32 x 8 (12 x 8k: 2.85 / 3.3; graph replays,
-        # results/tune/tune_sm90_decode_16x8k_r*_f341af4_*)
+        # may replay this launch (use_cuda_graph, or a capture under way). A graph-mode
+        # wrapper's CTAs claim their work SM by SM (``sm90_decode.CLAIM``): on the bound's grid
+        # the block scheduler doubles the first CTAs up on some SMs (16 x 8k unsplit, 128 CTAs,
+        # ran 3.54 TB/s on 49 items x 8 heads against 3.91 on 16 x 8;
+        # results/tune/tune_sm90_decode_grid_9af71c4_*). (Not under a capture of an eager
+        # wrapper: the kernel that claims is another compile, which a capture cannot load.)
         graph = self._use_cuda_graph or (q.is_cuda and torch.cuda.is_current_stream_capturing())
         paged_attn(q, k, v, self._indices, self._seqlens_indptr, self._work, self._n_work,
                    self._slot_start if self._merge else None,
@@ -524,7 +526,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                    self._o_part, self._lse_part, scale, wl, -1, c["softcap"], out,
                    lse if lse is not None else self._lse_keep, lse_base2=True, rope=c["rope"],
                    decode=True, small=self._small, counts=self._counts,
-                   columns=self._columns if self._by_columns else None, pdl=enable_pdl)
+                   columns=self._columns if self._by_columns else None, pdl=enable_pdl,
+                   claims=self._claims if self._use_cuda_graph else None)
         if v_scale is not None:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out

@@ -41,6 +41,7 @@ from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, grid_dependency_
                                       invalidate, launch_dependents, score_scales, shared_layout,
                                       softcap_tanh, wgmma_a_operand, wgmma_acc_layout,
                                       zero_last_key_tile, zero_tail_rows)
+from ioattn.dispatch import sm_count
 from ioattn.launch import Desc, launcher
 
 ROWS = gl.constexpr(64)  # wgmma's M: the GQA group's query heads, zero-padded
@@ -93,6 +94,25 @@ PRODUCER_REGS = 24
 # replayed 1 x 32k cell 3.41 -> 3.54 TB/s, 64 x 4k unchanged (4.12 / 4.13), on / off in one run
 # (results/decode_prefetch{1,0}_ebb00c7_*.json). IOATTN_SM90_DECODE_PREFETCH=0 turns it off
 PREFETCH = os.environ.get("IOATTN_SM90_DECODE_PREFETCH", "1").lower() in ("1", "true", "on")
+# A launch on a grid larger than the plan's work (a CUDA graph's bound, fixed at capture) has
+# its CTAs claim (item, KV head) units SM by SM instead of taking the unit of their grid
+# position, when the work fits one unit per SM. The block scheduler fills the slots of a grid
+# of a full wave or more (two CTAs an SM: 264 on the H200) GPC by GPC, so the grid's first
+# units double up on some SMs while others get none: a probe kernel's first 128 of 264-512
+# CTAs ran on 120 SMs, 8 with two, where 128 or 256 CTAs put them on 128
+# (benchmarks/sched_probe.py; results/tune/sched_probe_9af71c4_*), and the replayed 16 x 8k
+# decode ran 3.54 TB/s on the bound's 392 CTAs against 3.91 on its 128, 12 x 8k 2.84 / 3.39
+# (results/tune/tune_sm90_decode_grid_9af71c4_*; PDL off or the idle CTAs exiting before
+# PDL's wait changed nothing: tune_decode_idle_*). A claiming CTA counts itself on its SM;
+# the first on each SM takes the next unit at once, the others wait (at most CLAIM_WAIT_NS)
+# until the units are all taken or every SM could have taken one. IOATTN_SM90_DECODE_CLAIM=0
+# keeps the grid positions
+CLAIM = os.environ.get("IOATTN_SM90_DECODE_CLAIM", "1").lower() in ("1", "true", "on")
+CLAIM_WAIT_NS = gl.constexpr(2000)
+# the claim counters: next unit, claims made, then one arrival count per SM (ids folded into
+# CLAIM_SMS slots)
+CLAIM_SMS = gl.constexpr(256)
+CLAIM_WORDS = 2 + CLAIM_SMS.value
 
 
 @gluon.jit
@@ -429,6 +449,34 @@ def _prefetch_item(K_RAW, V_RAW, k_row_stride, v_row_stride, view_rows, INDICES,
 
 
 @gluon.jit
+def _now_ns():
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _claim_unit(CLAIMS, n_units, n_ctas):
+    """The unit (item x KV heads + head) this CTA runs (``CLAIM``), or n_units or more for
+    none. CLAIMS [CLAIM_WORDS] int32, zero between launches: the last CTA to claim zeroes it."""
+    smid = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+    nth = gl.atomic_add(CLAIMS + 2 + smid % CLAIM_SMS, 1)
+    if nth > 0:  # another CTA ran on this SM first: let the SMs without one take the units
+        t0 = _now_ns()
+        seen = gl.atomic_add(CLAIMS, 0)
+        waited = t0 - t0
+        while (seen < n_units) & (waited < CLAIM_WAIT_NS):
+            seen = gl.atomic_add(CLAIMS, 0)
+            waited = _now_ns() - t0
+    u = gl.atomic_add(CLAIMS, 1)
+    if gl.atomic_add(CLAIMS + 1, 1) == n_ctas - 1:  # every CTA has claimed: zero for the next
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        offs = gl.arange(0, 2 * CLAIM_SMS, layout=layout)
+        gl.store(CLAIMS + offs, gl.zeros_like(offs), mask=offs < 2 + CLAIM_SMS)
+    return u
+
+
+@gluon.jit
 def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK, N_WORK,
                  COUNTS, SLOT_START, K_RAW, V_RAW, k_row_stride, v_row_stride,
                  stride_qs, stride_qh, stride_os, stride_oh, batch, n_heads, group, capacity,
@@ -439,7 +487,8 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                  MERGE_SLOTS: gl.constexpr = 1, CONVERT: gl.constexpr = False,
                  BALANCED: gl.constexpr = False, COLS=None, softcap_scale=None,
                  PDL: gl.constexpr = False, HEADS_FIRST: gl.constexpr = False,
-                 PREFETCH_: gl.constexpr = False, view_rows=None):
+                 PREFETCH_: gl.constexpr = False, view_rows=None,
+                 CLAIMS=None, n_sms=0, CLAIM_: gl.constexpr = False):
     # MERGE: split requests are merged in the kernel by their last item (COUNTS [batch * KV
     # heads] int32 tickets, zero between launches; SLOT_START [batch + 1] the partial slots),
     # GROUP_P2 / MERGE_SLOTS the merge's tile (``_merge_parts``)
@@ -456,13 +505,25 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
     KV_AXIS: gl.constexpr = 0 if HEADS_FIRST else 1
     w = gl.program_id(1 - KV_AXIS)
     off_hk = gl.program_id(KV_AXIS)
+    n_kv = gl.num_programs(KV_AXIS)
+    claim = False
+    if CLAIM_:  # (CLAIM: N_WORK is written by copies only, so it may be read before the wait)
+        n_units = gl.load(N_WORK) * n_kv
+        claim = (n_units < gl.num_programs(0) * gl.num_programs(1)) & (n_units <= n_sms)
     if PDL:  # launched with launch_pdl: the previous kernel may still run (see ``PDL``)
         if PREFETCH_:
-            _prefetch_item(K_RAW, V_RAW, k_row_stride, v_row_stride, view_rows, INDICES, WORK,
-                           SEQ, N_WORK, w, batch, capacity, off_hk.to(gl.int64) * head_rows,
-                           page_rows, off_hk * head_cols, PAGE, HEAD_D, BLOCK_N_, STAGES_)
+            if not claim:
+                _prefetch_item(K_RAW, V_RAW, k_row_stride, v_row_stride, view_rows, INDICES,
+                               WORK, SEQ, N_WORK, w, batch, capacity,
+                               off_hk.to(gl.int64) * head_rows, page_rows, off_hk * head_cols,
+                               PAGE, HEAD_D, BLOCK_N_, STAGES_)
         grid_dependency_wait()
         launch_dependents()
+    if CLAIM_:
+        if claim:
+            u = _claim_unit(CLAIMS, n_units, gl.num_programs(0) * gl.num_programs(1))
+            w = u // n_kv
+            off_hk = u % n_kv
     if not BALANCED:
         if w >= gl.load(N_WORK):
             return
@@ -597,19 +658,21 @@ def _descriptor(t: torch.Tensor, view: tuple, box: int) -> Desc:
 
 def launch_constexprs(d: int, page: int, group: int, fp8: bool, merge: bool,
                       balanced: bool = False, pdl: bool = False,
-                      heads_first: bool = False, prefetch: bool = False) -> dict:
+                      heads_first: bool = False, prefetch: bool = False,
+                      claim: bool = False) -> dict:
     """The kernel's constexprs for a cache of head dim d and pages of ``page`` keys, a GQA group
     of ``group`` query heads, an fp8 cache or not, the merge in the kernel or not, a balanced
     plan's columns or one item a CTA, programmatic dependent launch or not, the grid as (KV
     heads, items) or not, L2 prefetches before PDL's wait or not (not in the balanced form,
     where they made the fp8 softcap kernel spill; the launch and the compile checks of
-    ``ioattn.dense.inspect``); LSE_BASE2 is the caller's."""
+    ``ioattn.dense.inspect``), CTAs claiming their units (``CLAIM``) or not; LSE_BASE2 is the
+    caller's."""
     group_p2 = 1 << (group - 1).bit_length()
     return dict(PAGE=page, HEAD_D=d, BLOCK_N_=BLOCK_N, STAGES_=STAGES_FP8 if fp8 else STAGES,
                 PRODUCER_REGS_=PRODUCER_REGS, MERGE=merge, GROUP_P2=group_p2,
                 MERGE_SLOTS=max(1, min(32, 8192 // (group_p2 * d))), CONVERT=fp8,
                 BALANCED=balanced, PDL=pdl, HEADS_FIRST=heads_first,
-                PREFETCH_=prefetch and pdl and not balanced)
+                PREFETCH_=prefetch and pdl and not balanced, CLAIM_=claim and not balanced)
 
 
 def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
@@ -618,7 +681,7 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
                       softmax_scale: float, out: torch.Tensor, lse: torch.Tensor,
                       lse_base2: bool, merge: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                       columns: Optional[torch.Tensor] = None, softcap: float = 0.0,
-                      pdl: Optional[bool] = None) -> None:
+                      pdl: Optional[bool] = None, claims: Optional[torch.Tensor] = None) -> None:
     """The planned decode's attention launch (``triton_decode.paged_attn``'s arguments) on the
     sm90 kernel. Split requests' partials are merged by the caller, or, with merge=(counts
     [batch * KV heads] int32 zeros, slot_start [batch + 1]), by the kernel itself (the last
@@ -648,8 +711,9 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     if heads_first:
         grid = grid[::-1]
     qk_scale_log2, softcap_scale = score_scales(softmax_scale, softcap)
+    claim = CLAIM and claims is not None and columns is None
     consts = launch_constexprs(d, page, group, fp8, merge is not None, columns is not None, pdl,
-                               heads_first, PREFETCH)
+                               heads_first, PREFETCH, claim)
     launcher(_decode_sm90)[grid](
         k_desc, v_desc, q, out, lse, o_part, lse_part, seqlens_indptr, indices, work, n_work,
         counts, slot_start, k, v, view[4], _row_view(v)[4],
@@ -657,5 +721,6 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
         indices.shape[0] * page, page_rows, head_rows, head_cols, qk_scale_log2,
         LSE_BASE2=lse_base2, softcap_scale=softcap_scale,
         **consts, COLS=columns, view_rows=k_desc.shape[0] if consts["PREFETCH_"] else None,
+        CLAIMS=claims if claim else None, n_sms=sm_count(q.device) if claim else 0,
         num_warps=4, maxnreg=MAXNREG, launch_pdl=pdl,
     )

@@ -516,13 +516,24 @@ def _pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
+# programs a flash_attn_with_kvcache decode launch aims at per SM: the split count whose grid
+# came nearest one wave of about 4 programs per SM without passing it was the fastest of 0-64
+# splits in each of 9 cells (bf16, d 128, 32 / 8 heads, graph replays; session 26,
+# results/tune/tune_kvcache_splits{,2}_9af71c4_*): 16 x 8k 4 splits (512 programs) 3.69 TB/s
+# against 3.49 for the old rule's 3 (two per SM, rounded up), 12 x 8k 5 (480) 3.49 against 2.79
+# (and 2.65 at 6 = 576), 8 x 8k 8 3.25 / 2.83, 4 x 8k 16 2.59 / 2.20, 2 x 8k 32 1.95 / 1.77,
+# 1 x 32k 64 2.46 / 2.23, 16 x 4k 4 3.22 / 3.07, 32 x 4k 2 and 64 x 4k 1 unchanged
+KVCACHE_PROGRAMS_PER_SM = 4
+
+
 def num_splits_for(batch: int, n_heads_k: int, m_blocks: int, max_keys: int, block_n: int,
                    device: torch.device) -> int:
-    """Splits of the key range so that about two programs per SM run (FlashAttention's rule of
-    thumb), each with at least 4 key tiles."""
+    """Splits of the key range so that the grid fills, without passing, one wave of
+    ``KVCACHE_PROGRAMS_PER_SM`` programs per SM, each split with at least 4 key tiles (at most
+    64 splits)."""
     sms = sm_count(device)
     programs = batch * n_heads_k * m_blocks
-    by_sms = -(-2 * sms // max(programs, 1))
+    by_sms = KVCACHE_PROGRAMS_PER_SM * sms // max(programs, 1)
     by_len = max(1, max_keys // (4 * block_n))
     return max(1, min(by_sms, by_len, 64))
 
@@ -680,7 +691,8 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
                mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                decode: bool = False, small: bool = False,
                counts: Optional[torch.Tensor] = None,
-               columns: Optional[torch.Tensor] = None, pdl: Optional[bool] = None) -> None:
+               columns: Optional[torch.Tensor] = None, pdl: Optional[bool] = None,
+               claims: Optional[torch.Tensor] = None) -> None:
     """Planned attention (plan()/run()) of ragged q [total_q, h, d] over pages [pages, page_size,
     h_k, d] (strided views serve NHD and HND) through the CSR page table ``indices``.
     ``seqlens_indptr`` holds the per-request kv lengths, kv indptr and qo indptr ([batch],
@@ -695,7 +707,10 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
     (``ioattn.decode.sm90_decode``); columns [C + 1] (a balanced plan, ``split_work_balanced``)
     makes it run one CTA per column and KV head over the column's items (the portable kernel
     runs the items one a program either way); pdl: the sm90 decode kernel launched with
-    programmatic dependent launch or not (None: ``sm90_decode.PDL``)."""
+    programmatic dependent launch or not (None: ``sm90_decode.PDL``); claims
+    [``sm90_decode.CLAIM_WORDS``] int32 zeros (a grid larger than the work: a graph's bound):
+    the sm90 decode kernel's CTAs claim their work SM by SM (``sm90_decode.CLAIM``; n_work must
+    then be written by copies, never by a kernel)."""
     total_q, h, d = q.shape
     b = slot_start.shape[0] - 1 if slot_start is not None else (seqlens_indptr.shape[0] - 2) // 3
     h_k = k_pages.shape[2]
@@ -716,7 +731,7 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
             and slot_start is not None else None
         paged_decode_sm90(q, k_pages, v_pages, indices, seqlens_indptr, work, n_work, max_items,
                           o_part, lse_part, softmax_scale, out, lse, lse_base2, merge, columns,
-                          softcap, pdl)
+                          softcap, pdl, claims)
         if merge is not None:
             return
     else:
@@ -767,13 +782,6 @@ SM90_DECODE_MERGE = os.environ.get("IOATTN_SM90_DECODE_MERGE", "1").lower() not 
 # waves: the second leaves 16 slots idle) and 16 x 8k 384 (1.45 waves, 0.90x cuDNN);
 # IOATTN_SM90_DECODE_BALANCED=1 turns it on (opt-in until measured on the H200)
 SM90_DECODE_BALANCED = os.environ.get("IOATTN_SM90_DECODE_BALANCED", "0").lower() in ("1", "true", "on")
-# The split plan's items dealt round-robin onto 2 x SMs / KV heads columns, one sm90 CTA per
-# column and KV head looping over its column's items (``ioattn.paged.plan.loop_columns``; the
-# balanced form's kernel): a grid that does not grow with the plan's item bound. A graph-mode
-# wrapper's grid is that bound (any later plan fits), and with 16 x 8k unsplit (128 CTAs) the
-# bound's 264 extra CTAs, which exit at once, went with 3.56 TB/s against 3.89 on a grid of 256
-# (session 25); IOATTN_SM90_DECODE_LOOP=1 turns it on (opt-in until measured on the H200)
-SM90_DECODE_LOOP = os.environ.get("IOATTN_SM90_DECODE_LOOP", "0").lower() in ("1", "true", "on")
 
 
 # K+V bytes of a plan below which eager decode calls (wrappers without use_cuda_graph) keep the

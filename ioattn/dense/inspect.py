@@ -560,11 +560,12 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
                         kv_dtype: str | None = None, balanced: bool = False,
                         softcap: bool = False, pdl: bool | None = None,
                         heads_first: bool | None = None,
-                        prefetch: bool | None = None) -> KernelReport:
+                        prefetch: bool | None = None, claim: bool = False) -> KernelReport:
     """The sm90 paged decode kernel (``ioattn.decode.sm90_decode``) as its launcher specializes it
     (kv_dtype "fp8e4nv" / "fp8e5": an fp8 cache, converted in shared memory; balanced: a
     balanced plan's columns, each CTA looping over its items; softcap: its tanh on the scores;
-    pdl / heads_first / prefetch: those switches, default as the environment sets them)."""
+    pdl / heads_first / prefetch: those switches, default as the environment sets them; claim:
+    the CTAs claiming their units, as a graph-mode launch on the bound's grid)."""
     from ioattn.decode import sm90_decode as sd
 
     fn = sd._decode_sm90
@@ -579,7 +580,8 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
     ptrs = dict(Q=f"*{dtype}", O=f"*{dtype}", LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32",
                 SEQ="*i32", INDICES="*i32", WORK="*i32", N_WORK="*i32", COUNTS="*i32",
                 SLOT_START="*i32", K_RAW=f"*{kv}", V_RAW=f"*{kv}",
-                **(dict(COLS="*i32") if balanced else {}))
+                **(dict(COLS="*i32") if balanced else {}),
+                **(dict(CLAIMS="*i32") if claim else {}))
     sig = {n: desc if n.endswith("_desc") else ptrs.get(n, "constexpr" if n.isupper() or
                                                         n.endswith("_") else "i32")
            for n in fn.arg_names}
@@ -589,7 +591,9 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
     heads_first = sd.HEADS_FIRST if heads_first is None else heads_first
     prefetch = sd.PREFETCH if prefetch is None else prefetch
     ce = dict(LSE_BASE2=True, **sd.launch_constexprs(d, page, group, fp8, merge, balanced, pdl,
-                                                     heads_first, prefetch))
+                                                     heads_first, prefetch, claim))
+    if not claim:
+        ce["CLAIMS"] = None
     if not softcap:
         ce["softcap_scale"] = None
     if not balanced:
@@ -601,7 +605,8 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
                         f"{' ' + kv if fp8 else ''}{' balanced' if balanced else ''}"
                         f"{' softcap' if softcap else ''}{' pdl' if pdl else ''}"
                         f"{' heads-first' if heads_first else ''}"
-                        f"{' prefetch' if ce['PREFETCH_'] else ''} ws", fn, sig, ce, arch,
+                        f"{' prefetch' if ce['PREFETCH_'] else ''}"
+                        f"{' claim' if ce['CLAIM_'] else ''} ws", fn, sig, ce, arch,
                         maxnreg=sd.MAXNREG, launch_pdl=pdl)
 
 

@@ -111,21 +111,6 @@ def split_work(lengths: list[int], n_heads_k: int, sms: int, min_chunk: int = 25
     return best[1]
 
 
-def loop_columns(plan: DecodePlan, cols: int) -> DecodePlan:
-    """``plan``'s items dealt onto ``cols`` columns, item i to column i mod cols, and reordered so
-    that each column's items are consecutive (``DecodePlan.columns``): the sm90 decode kernel's
-    column form (as for ``split_work_balanced``) then runs one CTA per column and KV head, each
-    looping over its column's items, on a grid of ``cols`` x KV heads whatever the plan's item
-    count (``IOATTN_SM90_DECODE_LOOP``). Consecutive items (one request's pieces) land in
-    different columns; slots and slot starts are the plan's."""
-    n = len(plan.work)
-    order = [i for c in range(cols) for i in range(c, n, cols)]
-    columns = [0]
-    for c in range(cols):
-        columns.append(columns[-1] + len(range(c, n, cols)))
-    return DecodePlan([plan.work[i] for i in order], plan.slot_start, plan.chunk, columns)
-
-
 def split_work_balanced(lengths: list[int], n_heads_k: int, sms: int, block: int = 64) -> DecodePlan:
     """FlashInfer's balanced split: the requests' key tiles (``block`` keys) laid end to end and
     cut into ``balanced_columns`` runs of equal tiles, so that the sm90 decode kernel's CTAs (one

@@ -21,18 +21,15 @@ needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200) 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _sm90_decode_on(monkeypatch, merge=False, balanced=False, loop=False):
+def _sm90_decode_on(monkeypatch, merge=False, balanced=False):
     """The planned decode forced onto the sm90 kernel, small plans too (merge: split requests
     merged inside it; balanced: FlashInfer's balanced split, each CTA looping over its column's
-    items; loop: the plain split's items dealt onto columns, IOATTN_SM90_DECODE_LOOP); returns
-    the list each of its launches appends to."""
+    items); returns the list each of its launches appends to."""
     monkeypatch.setattr(triton_decode, "SM90_DECODE", True)
     monkeypatch.setattr(triton_decode, "SM90_DECODE_MERGE", merge)
     monkeypatch.setattr(triton_decode, "SM90_DECODE_BALANCED", balanced)
-    monkeypatch.setattr(triton_decode, "SM90_DECODE_LOOP", loop)
     monkeypatch.setattr(triton_decode, "SM90_DECODE_MIN_BYTES", 0)
-    if balanced or loop:  # (few SMs: the columns hold several items, requests cut many times;
-        # loop at 8 KV heads: one column, every item in one CTA a head)
+    if balanced:  # (few SMs: the columns hold several items, requests cut many times)
         monkeypatch.setattr(fi, "sm_count", lambda device: 4)
     calls = []  # per launch: whether it ran the balanced form (the columns, argument 15)
     orig = sm90_decode.paged_decode_sm90
@@ -216,25 +213,23 @@ def _planned(c):
 
 
 @needs_sm90
-@pytest.mark.parametrize("merge", [False, True, "balanced", "loop"],
-                         ids=["combine", "merge-in-kernel", "balanced", "loop"])
+@pytest.mark.parametrize("merge", [False, True, "balanced"],
+                         ids=["combine", "merge-in-kernel", "balanced"])
 @pytest.mark.parametrize("c", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_sm90_decode(c, merge, monkeypatch):
     """Outputs and base-2 LSE against per-request references; slots past each request's last key
     hold NaN (stale cache entries) and must not reach the outputs. merge: split requests merged
     by their last item inside the kernel (IOATTN_SM90_DECODE_MERGE) instead of the combine;
     balanced: the balanced split (IOATTN_SM90_DECODE_BALANCED, merged in the kernel), each CTA
-    looping over its column's items (explicit splits keep the plain split); loop: the plain
-    split's items dealt onto columns (IOATTN_SM90_DECODE_LOOP, merged in the kernel; explicit
-    splits too), one request's pieces in one CTA where the columns are fewer."""
-    balanced, loop = merge == "balanced", merge == "loop"
-    calls = _sm90_decode_on(monkeypatch, bool(merge), balanced, loop)
+    looping over its column's items (explicit splits keep the plain split)."""
+    balanced = merge == "balanced"
+    calls = _sm90_decode_on(monkeypatch, bool(merge), balanced)
     c, dtype, wrapper, (lens, indptr, indices, last, cache) = _planned(c)
     q = torch.randn(c["batch"], c["h"], c["d"], device="cuda", dtype=dtype)
     out, lse = wrapper.run(q, cache, return_lse=True)
     assert calls, "the sm90 decode kernel did not run"
     # (explicit splits stay plain under the balanced split)
-    assert all(calls) == ((balanced and "split" not in c) or loop), calls
+    assert all(calls) == (balanced and "split" not in c), calls
     _check_requests(out, lse, q, cache, c["layout"], lens, indices, indptr)
 
 
@@ -314,13 +309,13 @@ def test_sm90_decode_softcap(c, merge, monkeypatch):
 
 
 @needs_sm90
-@pytest.mark.parametrize("merge", [False, True, "balanced", "loop"],
-                         ids=["combine", "merge-in-kernel", "balanced", "loop"])
+@pytest.mark.parametrize("merge", [False, True, "balanced"],
+                         ids=["combine", "merge-in-kernel", "balanced"])
 def test_sm90_decode_graph_capture_short_replay_long(merge, monkeypatch):
     """run() through the sm90 decode kernel captured at short lengths, replayed after a plan with
     long ones (split requests): the fixed grid covers any plan; with the in-kernel merge, the
-    tickets return to zero between replays (balanced, loop: the columns' items replanned too)."""
-    _sm90_decode_on(monkeypatch, bool(merge), merge == "balanced", merge == "loop")
+    tickets return to zero between replays (balanced: the columns' items replanned too)."""
+    _sm90_decode_on(monkeypatch, bool(merge), merge == "balanced")
     g = torch.Generator().manual_seed(5)
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
         torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
@@ -345,6 +340,75 @@ def test_sm90_decode_graph_capture_short_replay_long(merge, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, first, atol=0, rtol=0)
+
+
+@needs_sm90
+@pytest.mark.parametrize("claim", [True, False], ids=["claim", "positions"])
+@pytest.mark.parametrize("merge", [False, True], ids=["combine", "merge-in-kernel"])
+def test_sm90_decode_graph_claims(merge, claim, monkeypatch):
+    """A graph-mode wrapper launches the bound's grid; where the plan's (item, KV head) units
+    fit one an SM, its CTAs claim them SM by SM (IOATTN_SM90_DECODE_CLAIM) instead of taking
+    their grid positions' units. Three PDL-launched runs back to back (sharing the claim
+    counters), eager and then captured in one graph and replayed under the same plan and a
+    second one; outputs (poisoned before each replay) and LSE against the references, and the
+    counters back at zero after each."""
+    monkeypatch.setattr(sm90_decode, "PDL", True)
+    monkeypatch.setattr(sm90_decode, "CLAIM", claim)
+    _sm90_decode_on(monkeypatch, merge)
+    claims = []  # the claim counters each launch got (argument 18)
+    inner = sm90_decode.paged_decode_sm90
+    monkeypatch.setattr(sm90_decode, "paged_decode_sm90",
+                        lambda *a, **kw: claims.append(a[18]) or inner(*a, **kw))
+    g = torch.Generator().manual_seed(11)
+    b, h, h_k, d, page = 6, 32, 8, 128, 16
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
+        paged_kv_indices_buffer=torch.empty(4000, dtype=torch.int32, device="cuda"))
+    big = torch.randn(4000, 2, page, h_k, d, device="cuda", dtype=BF16)
+    qs = [torch.randn(b, h, d, device="cuda", dtype=BF16) for _ in range(3)]
+    outs = [torch.empty_like(q) for q in qs]
+    lses = [torch.empty(b, h, device="cuda", dtype=torch.float32) for _ in qs]
+
+    def plan(lens):
+        pages = [(n + page - 1) // page for n in lens]
+        indices = torch.randperm(4000, generator=g)[:sum(pages)].to(torch.int32)
+        indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
+        last = torch.tensor([n - (p - 1) * page for n, p in zip(lens, pages)], dtype=torch.int32)
+        wrapper.plan(indptr, indices.cuda(), last, h, h_k, d, page, q_data_type=BF16)
+        units = wrapper._n_items * h_k
+        # the work fits one unit an SM on a larger grid: the claiming launch
+        assert units <= torch.cuda.get_device_properties(0).multi_processor_count, units
+        assert units < wrapper._max_items * h_k, (units, wrapper._max_items)
+        return lens, indptr, indices
+
+    def check(lens, indptr, indices):
+        for q, out, lse in zip(qs, outs, lses):
+            _check_requests(out, lse, q, big, "NHD", lens, indices, indptr)
+        assert not wrapper._claims.any(), wrapper._claims
+        if merge:
+            assert not wrapper._counts.any()
+
+    def step():
+        for q, out, lse in zip(qs, outs, lses):
+            wrapper.run(q, big, out=out, lse=lse, return_lse=True)
+
+    # (lengths whose plans split some requests yet stay within one unit an SM: 96 and 80 units)
+    first = plan([300, 650, 17, 480, 211, 555])
+    step()
+    torch.cuda.synchronize()
+    assert len(claims) == 3 and all(c is wrapper._claims for c in claims), claims
+    check(*first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lens in (None, [1500, 3000, 9000, 120, 2500, 700]):
+        p = first if lens is None else plan(lens)
+        for t in outs + lses:  # poisoned: the replays must write every element again
+            t.fill_(float("nan"))
+        graph.replay()
+        graph.replay()
+        torch.cuda.synchronize()
+        check(*p)
 
 
 @needs_sm90

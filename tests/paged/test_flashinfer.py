@@ -190,34 +190,6 @@ def test_split_plan():
         assert len(split_work(lengths, 8, 132).work) == items, lengths[:1] * len(lengths)
 
 
-def test_loop_columns():
-    """loop_columns: every item once, item i in column i mod cols, each column's items
-    consecutive and in the plan's order; slots and slot starts kept."""
-    from ioattn.paged.plan import loop_columns, split_work
-
-    for lengths, h_k, sms, cols in (([4096] * 64, 8, 132, 33), ([32768], 8, 132, 33),
-                                    ([0, 5, 700, 0, 64, 129], 2, 3, 3), ([9000] * 3, 8, 4, 1)):
-        plan = split_work(lengths, h_k, sms)
-        looped = loop_columns(plan, cols)
-        assert looped.slot_start == plan.slot_start and len(looped.columns) == cols + 1
-        assert looped.columns[0] == 0 and looped.columns[-1] == len(plan.work)
-        for c in range(cols):
-            assert looped.work[looped.columns[c]:looped.columns[c + 1]] == plan.work[c::cols]
-
-
-@pytest.mark.parametrize("c", [CASES[0], CASES[1], CASES[2], CASES[5]],
-                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-def test_batch_decode_loop(c, device, monkeypatch):
-    """IOATTN_SM90_DECODE_LOOP: the plain split's items dealt onto columns give the same outputs
-    (on Hopper the sm90 kernel's column form; the portable kernel runs the items one a
-    program). Few SMs, so that requests are cut into many pieces and columns hold several."""
-    from ioattn.decode import triton_decode
-
-    monkeypatch.setattr(triton_decode, "SM90_DECODE_LOOP", True)
-    monkeypatch.setattr(triton_decode, "SM90_DECODE_MIN_BYTES", 0)
-    monkeypatch.setattr(fi, "sm_count", lambda device: 3)
-    test_batch_decode(c, device)
-
 def test_graph_wrapper_plan_fixes_its_launch(device, monkeypatch):
     """A use_cuda_graph wrapper refuses, before replacing any buffer a captured graph reads, a
     later plan with another batch size, KV head count or split mode (balanced or fixed)."""
