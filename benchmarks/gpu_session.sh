@@ -188,10 +188,9 @@ for step in $steps; do
              > "$OUT/ncu_decode_sections_64x4096x16.txt" 2>&1
            grep -E "^  [_a-z]|Duration|DRAM Throughput|Mem(ory)? Busy|Max Bandwidth|L2 Hit Rate|Mem Pipes|Achieved Occupancy|No Eligible|Issued Warp|Warp Cycles Per Issued" \
              "$OUT/ncu_decode_sections_64x4096x16.txt" | head -120 ;;
-    tune-kvcache-splits) # flash_attn_with_kvcache's decode (the portable split-KV kernel) still
-           # splits for two programs per SM (num_splits_for), the rule the paged plan dropped in
-           # session 25 (a short second wave ran as long as a full one); its split count timed
-           # per cell, eager and replayed, to fit its own rule (~1.5 min)
+    tune-kvcache-splits) # flash_attn_with_kvcache's decode (the portable split-KV kernel): its
+           # split count timed per cell, eager and replayed (session 26 fitted num_splits_for,
+           # one wave of 4 programs per SM, to it; ~1.5 min)
            # (KV_SPLITS / KV_CELLS replace the split counts and cells)
            timeout 200 python benchmarks/tune_decode.py --kvcache --splits "${KV_SPLITS:-0,1,2,3,4,8}" \
              --cells "${KV_CELLS:-16x8192x16,12x8192x16,8x8192x16,4x8192x16,64x4096x16,1x32768x16}" \
@@ -643,16 +642,18 @@ for step in $steps; do
            # `decode-claim decode` for the decode suite after it)
            timeout 200 python -m pytest -q -n 8 -p no:cacheprovider tests/decode/test_decode_sm90.py \
              > "$OUT/tests_decode_sm90.log" 2>&1; grep -E "FAILED|ERROR" "$OUT/tests_decode_sm90.log" | head; tail -1 "$OUT/tests_decode_sm90.log"
-           # (CLAIM_CELLS / CLAIM_VARIANTS replace the cells and the claim / prefetch switches)
+           # (CLAIM_CELLS / CLAIM_VARIANTS replace the cells and the switches: claim, prefetch
+           # and, optionally, the spread claim, one digit each: "111 110 01")
            for v in ${CLAIM_VARIANTS:-11 01}; do
-             IOATTN_SM90_DECODE_CLAIM=${v:0:1} IOATTN_SM90_DECODE_PREFETCH=${v:1:1} timeout 150 \
+             IOATTN_SM90_DECODE_CLAIM=${v:0:1} IOATTN_SM90_DECODE_PREFETCH=${v:1:1} \
+               IOATTN_SM90_DECODE_CLAIM_SPREAD=${v:2:1} timeout 150 \
                python benchmarks/tune_decode.py --sm90 --per-sm auto --block-n 64 --stages 3 \
                --cells "${CLAIM_CELLS:-16x8192x16,12x8192x16,24x8192x16,64x4096x16,1x32768x16}" \
                --grid-extra auto,0 --json "$OUT/tune_decode_claim$v.json" > "$OUT/tune_decode_claim$v.log" 2>&1
-             echo "claim ${v:0:1} prefetch ${v:1:1}:"; grep "^== best" "$OUT/tune_decode_claim$v.log"
+             echo "claim ${v:0:1} prefetch ${v:1:1} spread ${v:2:1}:"; grep "^== best" "$OUT/tune_decode_claim$v.log"
            done ;;
     sched-probe) # where the block scheduler puts a grid's working CTAs when the rest exit at
-           # once (benchmarks/sched_probe.py; decode-idle's question), eager and in a graph (~20 s)
+           # once (benchmarks/sched_probe.py: why a graph's bound grid cost the decode ~10%), eager and in a graph (~20 s)
            timeout 120 python benchmarks/sched_probe.py --json "$OUT/sched_probe.json" 2>&1 | tail -12 ;;
     *) echo "unknown step $step" ;;
   esac

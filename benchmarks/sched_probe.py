@@ -53,7 +53,7 @@ def _probe(OUT, n_work, iters, SMEM_WORDS: gl.constexpr):
 
 def probe(heads: int, work: int, items: int, iters: int, smem_kb: int, graph: bool) -> dict:
     out = torch.full((items * heads, 4), -1, dtype=torch.int64, device="cuda")
-    words = 1 << (smem_kb * 256 * 4 // 7).bit_length() - 1  # (words + words/2 + words/4)
+    words = 1 << ((smem_kb * 256 * 4 // 7).bit_length() - 1)  # (words + words/2 + words/4)
 
     def launch():
         _probe[(heads, items)](out, work, iters, SMEM_WORDS=words, num_warps=4)

@@ -124,7 +124,9 @@ def run_sm90(cells, configs, h=32, h_k=8, d=128, dtype=torch.bfloat16):
     always takes it). Configs whose ring does not fit two CTAs' or one CTA's shared memory still
     run (one CTA per SM); the row says how many fit. The grid bound (``--grid-extra``): None,
     the plan's ``max_work_items``; an int e, the plan's own items plus e (the grid a captured
-    graph launches has that many items; their CTAs past the plan's exit at once)."""
+    graph launches has that many items). On a grid larger than the work whose units fit one
+    an SM the CTAs claim their units (``sm90_decode.CLAIM``); else those past the plan's
+    items exit at once. e = 0 never claims."""
     from ioattn.decode import sm90_decode
 
     results = []

@@ -445,10 +445,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
             # the sm90 decode's in-kernel merge tickets (zero between launches; graph mode
             # fixes batch and KV heads at the first plan, above)
             self._counts = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=self._device)
-        if getattr(self, "_claims", None) is None:
-            # the sm90 decode's unit claims on a graph's bound grid (zero between launches)
-            from ioattn.decode.sm90_decode import CLAIM_WORDS
-            self._claims = torch.zeros(CLAIM_WORDS, dtype=torch.int32, device=self._device)
+        if self._use_cuda_graph:
+            # the sm90 decode's unit claims on a graph's bound grid: zero between launches (the
+            # last claimant zeroes them; zeroed here too, outside any graph, so that a launch
+            # that did not finish cannot leave later ones skipping units)
+            if getattr(self, "_claims", None) is None:
+                self._claims = torch.zeros(triton_decode.CLAIM_WORDS, dtype=torch.int32,
+                                           device=self._device)
+            self._claims.zero_()
         if getattr(self, "_lse_keep", None) is None or self._lse_keep.shape != (batch, num_qo_heads):
             # where run() writes the LSE when the caller does not want it
             self._lse_keep = torch.empty(batch, num_qo_heads, device=self._device, dtype=torch.float32)

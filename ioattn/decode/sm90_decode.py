@@ -42,6 +42,7 @@ from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, grid_dependency_
                                       softcap_tanh, wgmma_a_operand, wgmma_acc_layout,
                                       zero_last_key_tile, zero_tail_rows)
 from ioattn.dispatch import sm_count
+from ioattn.decode.triton_decode import CLAIM_WORDS
 from ioattn.launch import Desc, launcher
 
 ROWS = gl.constexpr(64)  # wgmma's M: the GQA group's query heads, zero-padded
@@ -68,7 +69,8 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 # turns it off): the kernel is launched with launch_pdl, so its CTAs may start while the
 # stream's previous kernel finishes (its launch and CTA setup off the critical path: a few us of
 # a 1 x 32k step's ~40), and
-# waits in ``grid_dependency_wait`` before touching memory; it then lets the next PDL-launched
+# waits in ``grid_dependency_wait`` before touching memory the previous kernel may write (before
+# it, only the plan's buffers are read: the L2 prefetches' aim, and N_WORK for claims); it then lets the next PDL-launched
 # kernel (the next layer's decode) start the same way. Under CUDA graph capture the launch
 # attribute becomes a programmatic edge. Expected: the graph-replayed 1 x 32k cell toward the
 # kernel's own rate (3.76 TB/s in the kernel against 3.39 replayed back to back)
@@ -105,14 +107,21 @@ PREFETCH = os.environ.get("IOATTN_SM90_DECODE_PREFETCH", "1").lower() in ("1", "
 # (results/tune/tune_sm90_decode_grid_9af71c4_*; PDL off or the idle CTAs exiting before
 # PDL's wait changed nothing: tune_decode_idle_*). A claiming CTA counts itself on its SM;
 # the first on each SM takes the next unit at once, the others wait (at most CLAIM_WAIT_NS)
-# until the units are all taken or every SM could have taken one. IOATTN_SM90_DECODE_CLAIM=0
-# keeps the grid positions
+# until the units are all taken, then take one (past the work: they exit).
+# IOATTN_SM90_DECODE_CLAIM=0 keeps the grid positions
 CLAIM = os.environ.get("IOATTN_SM90_DECODE_CLAIM", "1").lower() in ("1", "true", "on")
 CLAIM_WAIT_NS = gl.constexpr(2000)
+# (opt-in, IOATTN_SM90_DECODE_CLAIM_SPREAD=1) only the first CTAs on an even subset of SM ids,
+# one SM per unit, take theirs at once; the others wait as above. SM ids run GPC by GPC, so the
+# units spread over the GPCs as the block scheduler spreads a grid of exactly the units, where
+# first come, first served may crowd them (12 x 8k: 96 units ran 3.08-3.13 TB/s claimed against
+# 3.40 on a grid of its own 96 CTAs; results/tune/tune_decode_claim_extra_9472184_*.log).
+# Opt-in until timed on the H200
+CLAIM_SPREAD = os.environ.get("IOATTN_SM90_DECODE_CLAIM_SPREAD", "0").lower() in ("1", "true", "on")
 # the claim counters: next unit, claims made, then one arrival count per SM (ids folded into
-# CLAIM_SMS slots)
-CLAIM_SMS = gl.constexpr(256)
-CLAIM_WORDS = 2 + CLAIM_SMS.value
+# CLAIM_SMS slots; ``triton_decode.CLAIM_WORDS`` words, which the wrapper allocates without
+# loading Gluon)
+CLAIM_SMS = gl.constexpr(CLAIM_WORDS - 2)
 
 
 @gluon.jit
@@ -455,13 +464,18 @@ def _now_ns():
 
 
 @gluon.jit
-def _claim_unit(CLAIMS, n_units, n_ctas):
+def _claim_unit(CLAIMS, n_units, n_ctas, n_sms, SPREAD: gl.constexpr):
     """The unit (item x KV heads + head) this CTA runs (``CLAIM``), or n_units or more for
-    none. CLAIMS [CLAIM_WORDS] int32, zero between launches: the last CTA to claim zeroes it."""
+    none. CLAIMS [CLAIM_WORDS] int32, zero between launches: the last CTA to claim zeroes it.
+    SPREAD: only first CTAs on n_units SMs spread evenly over the ids claim at once
+    (``CLAIM_SPREAD``)."""
     smid = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
                                      is_pure=False, pack=1)
     nth = gl.atomic_add(CLAIMS + 2 + smid % CLAIM_SMS, 1)
-    if nth > 0:  # another CTA ran on this SM first: let the SMs without one take the units
+    late = nth > 0
+    if SPREAD:  # SM s is in the subset when (s + 1) * units / SMs passes an integer
+        late = late | ((smid + 1) * n_units // n_sms == smid * n_units // n_sms)
+    if late:  # another CTA ran on this SM first: let the SMs without one take the units
         t0 = _now_ns()
         seen = gl.atomic_add(CLAIMS, 0)
         waited = t0 - t0
@@ -488,7 +502,8 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                  BALANCED: gl.constexpr = False, COLS=None, softcap_scale=None,
                  PDL: gl.constexpr = False, HEADS_FIRST: gl.constexpr = False,
                  PREFETCH_: gl.constexpr = False, view_rows=None,
-                 CLAIMS=None, n_sms=0, CLAIM_: gl.constexpr = False):
+                 CLAIMS=None, n_sms=0, CLAIM_: gl.constexpr = False,
+                 CLAIM_SPREAD_: gl.constexpr = False):
     # MERGE: split requests are merged in the kernel by their last item (COUNTS [batch * KV
     # heads] int32 tickets, zero between launches; SLOT_START [batch + 1] the partial slots),
     # GROUP_P2 / MERGE_SLOTS the merge's tile (``_merge_parts``)
@@ -501,7 +516,10 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
     # slot's row) at about the same time; PREFETCH_ (with PDL, one item a CTA): L2 prefetches
     # of the item's first tiles before the wait (``PREFETCH``; K_RAW / V_RAW the caches' views'
     # bases, rows k_row_stride / v_row_stride elements apart, view_rows rows: None without
-    # prefetches, as one more scalar argument made the balanced fp8 forms spill 64 B)
+    # prefetches, as one more scalar argument made the balanced fp8 forms spill 64 B);
+    # CLAIM_ (CLAIMS [CLAIM_WORDS] int32 zeros, n_sms the SM count): where the work's units are
+    # fewer than the grid and at most n_sms, each CTA runs the unit it claims (``_claim_unit``)
+    # instead of its grid position's (``CLAIM``); CLAIM_SPREAD_ the even SM subset's claim
     KV_AXIS: gl.constexpr = 0 if HEADS_FIRST else 1
     w = gl.program_id(1 - KV_AXIS)
     off_hk = gl.program_id(KV_AXIS)
@@ -521,7 +539,8 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
         launch_dependents()
     if CLAIM_:
         if claim:
-            u = _claim_unit(CLAIMS, n_units, gl.num_programs(0) * gl.num_programs(1))
+            u = _claim_unit(CLAIMS, n_units, gl.num_programs(0) * gl.num_programs(1), n_sms,
+                            CLAIM_SPREAD_)
             w = u // n_kv
             off_hk = u % n_kv
     if not BALANCED:
@@ -672,7 +691,8 @@ def launch_constexprs(d: int, page: int, group: int, fp8: bool, merge: bool,
                 PRODUCER_REGS_=PRODUCER_REGS, MERGE=merge, GROUP_P2=group_p2,
                 MERGE_SLOTS=max(1, min(32, 8192 // (group_p2 * d))), CONVERT=fp8,
                 BALANCED=balanced, PDL=pdl, HEADS_FIRST=heads_first,
-                PREFETCH_=prefetch and pdl and not balanced, CLAIM_=claim and not balanced)
+                PREFETCH_=prefetch and pdl and not balanced, CLAIM_=claim and not balanced,
+                CLAIM_SPREAD_=claim and not balanced and CLAIM_SPREAD)
 
 
 def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
@@ -687,8 +707,10 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     [batch * KV heads] int32 zeros, slot_start [batch + 1]), by the kernel itself (the last
     item of each request; counts return to zero). columns [C + 1] (a balanced plan,
     ``ioattn.paged.plan.split_work_balanced``): one CTA per column and KV head, looping over the
-    column's items. pdl: launched with programmatic dependent launch (None: ``PDL``). Covered
-    calls: ``unsupported_reason``."""
+    column's items. pdl: launched with programmatic dependent launch (None: ``PDL``). claims
+    [CLAIM_WORDS] int32 zeros (the grid of max_items a graph's bound; n_work written by copies
+    only, as it is read before PDL's wait): the CTAs claim their units SM by SM when the work
+    fits one an SM (``CLAIM``; not with columns). Covered calls: ``unsupported_reason``."""
     total_q, h, d = q.shape
     h_k, page = k.shape[2], k.shape[1]
     batch = (seqlens_indptr.shape[0] - 2) // 3

@@ -524,13 +524,17 @@ def _pow2(n: int, lo: int = 1) -> int:
 # (and 2.65 at 6 = 576), 8 x 8k 8 3.25 / 2.83, 4 x 8k 16 2.59 / 2.20, 2 x 8k 32 1.95 / 1.77,
 # 1 x 32k 64 2.46 / 2.23, 16 x 4k 4 3.22 / 3.07, 32 x 4k 2 and 64 x 4k 1 unchanged
 KVCACHE_PROGRAMS_PER_SM = 4
+# the sm90 decode kernel's claim counters (``sm90_decode.CLAIM``): next unit, claims made and
+# 256 per-SM arrival counts, int32 (here so that the wrapper allocates them without Gluon)
+CLAIM_WORDS = 2 + 256
 
 
 def num_splits_for(batch: int, n_heads_k: int, m_blocks: int, max_keys: int, block_n: int,
                    device: torch.device) -> int:
     """Splits of the key range so that the grid fills, without passing, one wave of
     ``KVCACHE_PROGRAMS_PER_SM`` programs per SM, each split with at least 4 key tiles (at most
-    64 splits)."""
+    64 splits). The 4 was measured on the H200 only (d=128, bf16, 32 / 8 heads); other GPUs and
+    head dims, whose occupancy may differ, take it untimed."""
     sms = sm_count(device)
     programs = batch * n_heads_k * m_blocks
     by_sms = KVCACHE_PROGRAMS_PER_SM * sms // max(programs, 1)
@@ -708,7 +712,7 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
     makes it run one CTA per column and KV head over the column's items (the portable kernel
     runs the items one a program either way); pdl: the sm90 decode kernel launched with
     programmatic dependent launch or not (None: ``sm90_decode.PDL``); claims
-    [``sm90_decode.CLAIM_WORDS``] int32 zeros (a grid larger than the work: a graph's bound):
+    [``CLAIM_WORDS``] int32 zeros (a grid larger than the work: a graph's bound):
     the sm90 decode kernel's CTAs claim their work SM by SM (``sm90_decode.CLAIM``; n_work must
     then be written by copies, never by a kernel)."""
     total_q, h, d = q.shape

@@ -560,12 +560,13 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
                         kv_dtype: str | None = None, balanced: bool = False,
                         softcap: bool = False, pdl: bool | None = None,
                         heads_first: bool | None = None,
-                        prefetch: bool | None = None, claim: bool = False) -> KernelReport:
+                        prefetch: bool | None = None, claim: bool | str = False) -> KernelReport:
     """The sm90 paged decode kernel (``ioattn.decode.sm90_decode``) as its launcher specializes it
     (kv_dtype "fp8e4nv" / "fp8e5": an fp8 cache, converted in shared memory; balanced: a
     balanced plan's columns, each CTA looping over its items; softcap: its tanh on the scores;
     pdl / heads_first / prefetch: those switches, default as the environment sets them; claim:
-    the CTAs claiming their units, as a graph-mode launch on the bound's grid)."""
+    the CTAs claiming their units, as a graph-mode launch on the bound's grid; "spread": and
+    only an even subset of SMs claiming at once, IOATTN_SM90_DECODE_CLAIM_SPREAD)."""
     from ioattn.decode import sm90_decode as sd
 
     fn = sd._decode_sm90
@@ -591,7 +592,8 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
     heads_first = sd.HEADS_FIRST if heads_first is None else heads_first
     prefetch = sd.PREFETCH if prefetch is None else prefetch
     ce = dict(LSE_BASE2=True, **sd.launch_constexprs(d, page, group, fp8, merge, balanced, pdl,
-                                                     heads_first, prefetch, claim))
+                                                     heads_first, prefetch, bool(claim)))
+    ce["CLAIM_SPREAD_"] = ce["CLAIM_"] and claim == "spread"
     if not claim:
         ce["CLAIMS"] = None
     if not softcap:
@@ -606,7 +608,8 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
                         f"{' softcap' if softcap else ''}{' pdl' if pdl else ''}"
                         f"{' heads-first' if heads_first else ''}"
                         f"{' prefetch' if ce['PREFETCH_'] else ''}"
-                        f"{' claim' if ce['CLAIM_'] else ''} ws", fn, sig, ce, arch,
+                        f"{' claim' if ce['CLAIM_'] else ''}"
+                        f"{' spread' if ce['CLAIM_SPREAD_'] else ''} ws", fn, sig, ce, arch,
                         maxnreg=sd.MAXNREG, launch_pdl=pdl)
 
 

@@ -343,17 +343,21 @@ def test_sm90_decode_graph_capture_short_replay_long(merge, monkeypatch):
 
 
 @needs_sm90
-@pytest.mark.parametrize("claim", [True, False], ids=["claim", "positions"])
+@pytest.mark.parametrize("claim", [True, "spread", False], ids=["claim", "spread", "positions"])
 @pytest.mark.parametrize("merge", [False, True], ids=["combine", "merge-in-kernel"])
 def test_sm90_decode_graph_claims(merge, claim, monkeypatch):
     """A graph-mode wrapper launches the bound's grid; where the plan's (item, KV head) units
     fit one an SM, its CTAs claim them SM by SM (IOATTN_SM90_DECODE_CLAIM) instead of taking
-    their grid positions' units. Three PDL-launched runs back to back (sharing the claim
-    counters), eager and then captured in one graph and replayed under the same plan and a
-    second one; outputs (poisoned before each replay) and LSE against the references, and the
-    counters back at zero after each."""
+    their grid positions' units (spread: only an even subset of SMs claims at once,
+    IOATTN_SM90_DECODE_CLAIM_SPREAD). One run with the counters' reset held off shows that
+    every CTA claimed once (or, claims off, none did). Then three PDL-launched runs back to back
+    (sharing the counters), eager and captured in one graph, replayed under that plan, a second
+    that claims and a third with more units than SMs (the claiming kernel keeping its grid
+    positions); outputs (poisoned before each run and each replay) and LSE against the
+    references, and the counters back at zero after each."""
     monkeypatch.setattr(sm90_decode, "PDL", True)
-    monkeypatch.setattr(sm90_decode, "CLAIM", claim)
+    monkeypatch.setattr(sm90_decode, "CLAIM", bool(claim))
+    monkeypatch.setattr(sm90_decode, "CLAIM_SPREAD", claim == "spread")
     _sm90_decode_on(monkeypatch, merge)
     claims = []  # the claim counters each launch got (argument 18)
     inner = sm90_decode.paged_decode_sm90
@@ -361,6 +365,7 @@ def test_sm90_decode_graph_claims(merge, claim, monkeypatch):
                         lambda *a, **kw: claims.append(a[18]) or inner(*a, **kw))
     g = torch.Generator().manual_seed(11)
     b, h, h_k, d, page = 6, 32, 8, 128, 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
         torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
         paged_kv_indices_buffer=torch.empty(4000, dtype=torch.int32, device="cuda"))
@@ -369,17 +374,21 @@ def test_sm90_decode_graph_claims(merge, claim, monkeypatch):
     outs = [torch.empty_like(q) for q in qs]
     lses = [torch.empty(b, h, device="cuda", dtype=torch.float32) for _ in qs]
 
-    def plan(lens):
+    def plan(lens, claiming):
         pages = [(n + page - 1) // page for n in lens]
         indices = torch.randperm(4000, generator=g)[:sum(pages)].to(torch.int32)
         indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
         last = torch.tensor([n - (p - 1) * page for n, p in zip(lens, pages)], dtype=torch.int32)
         wrapper.plan(indptr, indices.cuda(), last, h, h_k, d, page, q_data_type=BF16)
         units = wrapper._n_items * h_k
-        # the work fits one unit an SM on a larger grid: the claiming launch
-        assert units <= torch.cuda.get_device_properties(0).multi_processor_count, units
         assert units < wrapper._max_items * h_k, (units, wrapper._max_items)
+        # claiming: the work fits one unit an SM on the larger grid
+        assert (units <= sms) == claiming, (units, sms)
         return lens, indptr, indices
+
+    def poison():  # the runs must write every element again
+        for t in outs + lses:
+            t.fill_(float("nan"))
 
     def check(lens, indptr, indices):
         for q, out, lse in zip(qs, outs, lses):
@@ -392,23 +401,35 @@ def test_sm90_decode_graph_claims(merge, claim, monkeypatch):
         for q, out, lse in zip(qs, outs, lses):
             wrapper.run(q, big, out=out, lse=lse, return_lse=True)
 
-    # (lengths whose plans split some requests yet stay within one unit an SM: 96 and 80 units)
-    first = plan([300, 650, 17, 480, 211, 555])
+    # (lengths whose plans split some requests yet stay within one unit an SM: 96 and 80 units;
+    # the third, 144 units)
+    first = plan([300, 650, 17, 480, 211, 555], True)
+    ctas = wrapper._max_items * h_k
+    wrapper._claims[1] = -(1 << 20)  # the last claimant's ticket never comes: no reset
+    wrapper.run(qs[0], big, out=outs[0], lse=lses[0], return_lse=True)
+    torch.cuda.synchronize()
+    got = wrapper._claims.tolist()
+    if claim:  # every CTA claimed once, counted once on its SM
+        assert got[0] == ctas and got[1] == ctas - (1 << 20) and sum(got[2:]) == ctas, got[:2]
+    else:
+        assert got[0] == 0 and got[1] == -(1 << 20) and not any(got[2:]), got[:2]
+    wrapper._claims.zero_()
+    poison()
     step()
     torch.cuda.synchronize()
-    assert len(claims) == 3 and all(c is wrapper._claims for c in claims), claims
+    assert len(claims) == 4 and all(c is wrapper._claims for c in claims), claims
     check(*first)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for lens in (None, [1500, 3000, 9000, 120, 2500, 700]):
-        p = first if lens is None else plan(lens)
-        for t in outs + lses:  # poisoned: the replays must write every element again
-            t.fill_(float("nan"))
-        graph.replay()
-        graph.replay()
-        torch.cuda.synchronize()
-        check(*p)
+    for lens, claiming in ((None, True), ([1500, 3000, 9000, 120, 2500, 700], True),
+                           ([3000] * 6, False)):
+        p = first if lens is None else plan(lens, claiming)
+        for _ in range(2):
+            poison()
+            graph.replay()
+            torch.cuda.synchronize()
+            check(*p)
 
 
 @needs_sm90

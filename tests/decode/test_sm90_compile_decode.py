@@ -60,21 +60,23 @@ for d, page, merge, kv, bal, cap, pdl in (
         (64, 8, True, "fp8e4nv", True, True, None), (128, 16, True, None, False, False, True),
         (64, 8, True, "fp8e4nv", True, True, True), (128, 16, True, None, False, False, "pf"),
         (64, 8, True, "fp8e4nv", False, True, "pf"), (128, 16, True, None, False, False, "pfc"),
-        (64, 8, True, "fp8e4nv", False, True, "pfc")):
+        (64, 8, True, "fp8e4nv", False, True, "pfc"), (128, 16, True, None, False, False, "pfcs")):
     # the sm90 decode kernel (Gluon, TMA per page run; merge: split requests merged in the
     # kernel; kv: an fp8 cache, converted; bal: a balanced plan's columns, looped over; cap:
     # softcap's tanh on the scores; pdl: programmatic dependent launch, with the grid's axes
     # swapped too; "pf": and L2 prefetches before its wait, IOATTN_SM90_DECODE_PREFETCH; "pfc":
-    # and the CTAs claiming their units, as on a graph's bound grid, IOATTN_SM90_DECODE_CLAIM)
+    # and the CTAs claiming their units, as on a graph's bound grid, IOATTN_SM90_DECODE_CLAIM;
+    # "pfcs": an even subset of SMs claiming first, IOATTN_SM90_DECODE_CLAIM_SPREAD)
     on = None if pdl is None else True  # (None: as the environment sets them)
     r = decode_gluon_report(d, page, merge=merge, kv_dtype=kv, balanced=bal, softcap=cap,
-                            pdl=on, heads_first=on, prefetch=pdl in ("pf", "pfc"),
-                            claim=pdl == "pfc")
+                            pdl=on, heads_first=on, prefetch=pdl in ("pf", "pfc", "pfcs"),
+                            claim="spread" if pdl == "pfcs" else pdl == "pfc")
     # (softcap's tanh on the MUFU: tanh.approx, unless IOATTN_SM90_SOFTCAP_APPROX=0)
     assert ("softcap" in r.name and APPROX) == (r.sass["MUFU.TANH"] > 0), r
     assert r.grid_dependency == (" pdl" in r.name), r
-    assert (" prefetch" in r.name) == (pdl in ("pf", "pfc")), r
-    assert (" claim" in r.name) == (pdl == "pfc"), r
+    assert (" prefetch" in r.name) == (pdl in ("pf", "pfc", "pfcs")), r
+    assert (" claim" in r.name) == (pdl in ("pfc", "pfcs")), r
+    assert (" spread" in r.name) == (pdl == "pfcs"), r
     assert r.tma and r.warp_specialized and r.registers <= 128, r  # two CTAs per SM
     out.append(r.__dict__)
 print(json.dumps(out))
