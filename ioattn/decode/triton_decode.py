@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ioattn.dense.common import LOG2E, cdiv, scores_log2
-from ioattn.dispatch import sm_count
+from ioattn.dispatch import sm90_unavailable_reason, sm_count
 from ioattn.launch import launcher
 
 
@@ -803,8 +803,8 @@ def _sm90_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                  extras: bool) -> bool:
     """Whether a planned decode call runs the sm90 decode kernel: on Hopper (``SM90_DECODE``)
     where ``sm90_decode.unsupported_reason`` has nothing against it."""
-    if not SM90_DECODE or not q.is_cuda:
-        return False
+    if not SM90_DECODE or not q.is_cuda or sm90_unavailable_reason(q.device) is not None:
+        return False  # (before the import: the module loads Gluon, which a GPU may lack)
     from ioattn.decode import sm90_decode
 
     return sm90_decode.unsupported_reason(q, k_pages, v_pages, 1, extras) is None
