@@ -654,7 +654,11 @@ for step in $steps; do
            done ;;
     sched-probe) # where the block scheduler puts a grid's working CTAs when the rest exit at
            # once (benchmarks/sched_probe.py: why a graph's bound grid cost the decode ~10%), eager and in a graph (~20 s)
-           timeout 120 python benchmarks/sched_probe.py --json "$OUT/sched_probe.json" 2>&1 | tail -12 ;;
+           timeout 120 python benchmarks/sched_probe.py --json "$OUT/sched_probe.json" 2>&1 | tail -12
+           # then where the decode's claims put 12 x 8k's 96 units on its bound grid of 45 items
+           # (first come first served against the even SM subset, IOATTN_SM90_DECODE_CLAIM_SPREAD)
+           timeout 120 python benchmarks/sched_probe.py --work 12 --items 12,45 \
+             --modes positions,claim,spread --json "$OUT/sched_probe_claims.json" 2>&1 | tail -12 ;;
     *) echo "unknown step $step" ;;
   esac
 done
