@@ -21,7 +21,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ioattn.decode.sm90_decode import _claim_unit
+from ioattn.decode.sm90_decode import _claim_unit, _now_ns, _smid
 from ioattn.decode.triton_decode import CLAIM_WORDS
 
 
@@ -36,10 +36,8 @@ def _probe(OUT, n_work, iters, CLAIMS, n_sms, SMEM_WORDS: gl.constexpr,
         unit = _claim_unit(CLAIMS, n_work * gl.num_programs(0), n_ctas, n_sms, SPREAD)
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     lane = gl.arange(0, 128, layout=layout)
-    smid = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [lane], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-    t0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lane], dtype=gl.int64,
-                                   is_pure=False, pack=1)
+    smid = _smid()
+    t0 = _now_ns()
     # the shared memory that holds the occupancy to two CTAs an SM, touched so it stays
     # (three buffers: a shared allocation's shape is a power of two)
     sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -55,8 +53,7 @@ def _probe(OUT, n_work, iters, CLAIMS, n_sms, SMEM_WORDS: gl.constexpr,
             x = x * 1.0000001 + 1.0
     x = x + buf.slice(SMEM_WORDS - 128, 128).load(layout)
     x = x + buf2.slice(0, 128).load(layout) + buf4.slice(0, 128).load(layout)
-    t1 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lane], dtype=gl.int64,
-                                   is_pure=False, pack=1)
+    t1 = _now_ns()
     first = lane == 0
     base = OUT + cta.to(gl.int64) * 5
     gl.store(base + lane * 0, smid.to(gl.int64), mask=first)

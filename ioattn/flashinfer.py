@@ -35,8 +35,7 @@ from ioattn.decode.merge import merge_state, merge_state_in_place, merge_states 
 from ioattn.decode import triton_decode
 from ioattn.decode.triton_decode import kvcache_attn, paged_attn, paged_tiles
 from ioattn.launch import launcher
-from ioattn.paged.plan import (kv_lengths, max_work_items, split_work,
-                               split_work_balanced)
+from ioattn.paged.plan import kv_lengths, max_work_items, split_work, split_work_balanced
 
 _LAYOUTS = ("NHD", "HND")
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, torch.float16: torch.float16,
@@ -416,8 +415,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # the caller fixes the split
         balanced = (triton_decode.SM90_DECODE_BALANCED and not disable_split_kv
                     and fixed_split_size is None)
-        by_columns = balanced
-        if self._use_cuda_graph and getattr(self, "_by_columns", by_columns) != by_columns:
+        if self._use_cuda_graph and getattr(self, "_balanced", balanced) != balanced:
             # (before any buffer is replaced)
             _fail("use_cuda_graph=True fixes the split mode at the first plan (fixed_split_size "
                   "/ disable_split_kv given or not)")
@@ -438,7 +436,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._slot_start = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
             self._max_items = max_items
         cols = getattr(self, "_columns", None)
-        if by_columns and (cols is None or cols.numel() != len(plan.columns)):
+        if balanced and (cols is None or cols.numel() != len(plan.columns)):
             # (the column count depends on the SMs and KV heads only, fixed under graphs)
             self._columns = torch.zeros(len(plan.columns), dtype=torch.int32, device=self._device)
         if getattr(self, "_counts", None) is None or self._counts.numel() < batch * num_kv_heads:
@@ -473,7 +471,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._seqlens_indptr.copy_(torch.tensor(lengths + ip + list(range(batch + 1)), dtype=torch.int32),
                                    non_blocking=non_blocking)
         self._slot_start.copy_(torch.tensor(plan.slot_start, dtype=torch.int32), non_blocking=non_blocking)
-        if by_columns:
+        if balanced:
             self._columns.copy_(torch.tensor(plan.columns, dtype=torch.int32),
                                 non_blocking=non_blocking)
         # no request split: run() skips the merge launch, unless a captured graph must keep it
@@ -497,7 +495,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                          scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
                          dtype=dt, kv_dtype=kv_dt, rope=rope,
                          block_m=paged_tiles(num_qo_heads // num_kv_heads, head_dim)[0])
-        self._by_columns = by_columns  # (run() launches over the columns)
+        self._balanced = balanced  # (run() launches over the columns)
         self._plan_kv_heads = num_kv_heads
         self._planned = True
 
@@ -530,7 +528,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                    self._o_part, self._lse_part, scale, wl, -1, c["softcap"], out,
                    lse if lse is not None else self._lse_keep, lse_base2=True, rope=c["rope"],
                    decode=True, small=self._small, counts=self._counts,
-                   columns=self._columns if self._by_columns else None, pdl=enable_pdl,
+                   columns=self._columns if self._balanced else None, pdl=enable_pdl,
                    claims=self._claims if self._use_cuda_graph else None)
         if v_scale is not None:
             out.mul_(v_scale)

@@ -464,13 +464,18 @@ def _now_ns():
 
 
 @gluon.jit
+def _smid():
+    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
 def _claim_unit(CLAIMS, n_units, n_ctas, n_sms, SPREAD: gl.constexpr):
     """The unit (item x KV heads + head) this CTA runs (``CLAIM``), or n_units or more for
     none. CLAIMS [CLAIM_WORDS] int32, zero between launches: the last CTA to claim zeroes it.
     SPREAD: only first CTAs on n_units SMs spread evenly over the ids claim at once
     (``CLAIM_SPREAD``)."""
-    smid = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
-                                     is_pure=False, pack=1)
+    smid = _smid()
     nth = gl.atomic_add(CLAIMS + 2 + smid % CLAIM_SMS, 1)
     late = nth > 0
     if SPREAD:  # SM s is in the subset when (s + 1) * units / SMs passes an integer
