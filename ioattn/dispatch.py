@@ -175,8 +175,11 @@ ENV_SWITCHES = (
      "of key tiles, one sm90 CTA per run and KV head looping over its pieces)"),
     ("IOATTN_SM90_DECODE_CLAIM", "1", "sm90 decode on a graph's bound grid: CTAs claim their "
      "(item, KV head) units SM by SM when the work fits one an SM (0: grid positions)"),
-    ("IOATTN_SM90_DECODE_CLAIM_SPREAD", "0", "sm90 decode claims: only the first CTAs on an "
-     "even subset of SM ids, one per unit, claim at once (the units spread over the GPCs)"),
+    ("IOATTN_SM90_DECODE_CLAIM_SPREAD", "1", "sm90 decode claims: only the first CTAs on an "
+     "even subset of SM ids, one per unit, claim at once (the units spread over the GPCs; 0: "
+     "first come, first served)"),
+    ("IOATTN_SM90_DECODE_PT_PREFETCH", "0", "sm90 decode: the producer prefetches each item's "
+     "page-table lines first (l2 / l1; 0: off)"),
     ("IOATTN_SM90_DECODE_MIN_BYTES", str(200 << 20), "planned eager decode: K+V bytes below "
      "which a plan keeps the portable kernel (its launch was cheaper on the host)"),
     ("IOATTN_SM90_DECODE_MERGE", "1", "sm90 decode: split requests merged in the kernel by "

@@ -111,13 +111,27 @@ PREFETCH = os.environ.get("IOATTN_SM90_DECODE_PREFETCH", "1").lower() in ("1", "
 # IOATTN_SM90_DECODE_CLAIM=0 keeps the grid positions
 CLAIM = os.environ.get("IOATTN_SM90_DECODE_CLAIM", "1").lower() in ("1", "true", "on")
 CLAIM_WAIT_NS = gl.constexpr(2000)
-# (opt-in, IOATTN_SM90_DECODE_CLAIM_SPREAD=1) only the first CTAs on an even subset of SM ids,
-# one SM per unit, take theirs at once; the others wait as above. SM ids run GPC by GPC, so the
-# units spread over the GPCs as the block scheduler spreads a grid of exactly the units, where
-# first come, first served may crowd them (12 x 8k: 96 units ran 3.08-3.13 TB/s claimed against
-# 3.40 on a grid of its own 96 CTAs; results/tune/tune_decode_claim_extra_9472184_*.log).
-# Opt-in until timed on the H200
-CLAIM_SPREAD = os.environ.get("IOATTN_SM90_DECODE_CLAIM_SPREAD", "0").lower() in ("1", "true", "on")
+# only the first CTAs on an even subset of SM ids, one SM per unit, take theirs at once; the
+# others wait as above. SM ids run GPC by GPC, so the units spread over the GPCs as the block
+# scheduler spreads a grid of exactly the units, where first come, first served crowded them:
+# 12 x 8k's 96 units ran 3.08-3.13 TB/s claimed FCFS against 3.40 on a grid of its own 96 CTAs
+# (results/tune/tune_decode_claim_extra_9472184_*.log). Spread / FCFS in one call
+# (results/tune/tune_decode_claim11{1,0}_92c65de_*): 12 x 8k on the bound 3.37 / 3.13 (own grid
+# 3.39 / 3.38), 16 x 8k 3.81 / 3.81, 8 x 8k (no claims) 3.09 / 3.08; the probe's 96 claimed units
+# per block of 16 SM ids [11, 12, 11, 12, 12, 11, 12, 12, 3] against FCFS's
+# [11, 10, 10, 14, 10, 11, 14, 12, 4] (sched_probe_claims_92c65de_*). On by default;
+# IOATTN_SM90_DECODE_CLAIM_SPREAD=0: first come, first served
+CLAIM_SPREAD = os.environ.get("IOATTN_SM90_DECODE_CLAIM_SPREAD", "1").lower() in ("1", "true", "on")
+# (opt-in until timed, IOATTN_SM90_DECODE_PT_PREFETCH=l2 / l1) the producer, as it starts an
+# item, prefetches every 128-byte line of the item's page-table slice (to L2, or to L1 too),
+# one line a lane. Without it each line's first entry misses (32 entries: 8 key tiles at page
+# 16) and the producer waits a memory latency (~1 us) before its next TMA copy, its ring
+# short of a tile meanwhile: hypothesis for part of 64 x 4k's ~2% behind cuDNN on contiguous KV
+_PT_LEVELS = {"0": 0, "off": 0, "l2": 1, "l1": 2}
+_pt = os.environ.get("IOATTN_SM90_DECODE_PT_PREFETCH", "0").lower()
+if _pt not in _PT_LEVELS:
+    raise ValueError(f"IOATTN_SM90_DECODE_PT_PREFETCH={_pt!r}: use 0, l2 or l1")
+PT_PREFETCH = _PT_LEVELS[_pt]
 # the claim counters: next unit, claims made, then one arrival count per SM (ids folded into
 # CLAIM_SMS slots; ``triton_decode.CLAIM_WORDS`` words, which the wrapper allocates without
 # loading Gluon)
@@ -136,17 +150,46 @@ def _slot_row(INDICES, bt_row, n_pages_b, key, page_rows, row_off, PAGE: gl.cons
 
 
 @gluon.jit
+def _prefetch_page_table(INDICES, bt_row, n_pages_b, start, n_keys, PAGE: gl.constexpr,
+                         LEVEL: gl.constexpr):
+    """Prefetch (LEVEL 1: to L2, 2: to L1) the 128-byte lines of the page-table entries of a
+    request's keys [start, start + n_keys), one line a lane of the calling warp. Entries from
+    the line holding the first one (aligned down: still within the table) to the request's
+    last page; nothing past the table is addressed."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    LINE: gl.constexpr = 32  # int32 entries a line
+    first = bt_row + start // PAGE
+    first = first - first % LINE
+    last = bt_row + gl.minimum(gl.cdiv(start + n_keys, PAGE), n_pages_b)
+    for c in range(first, last, 32 * LINE):
+        idx = c + gl.arange(0, 32, layout=layout) * LINE
+        addr = (INDICES + idx).to(gl.int64, bitcast=True)
+        if LEVEL == 2:
+            asm: gl.constexpr = ("{ .reg .pred %p; setp.ne.u32 %p, $2, 0; "
+                                 "@%p prefetch.global.L1 [$1]; mov.u32 $0, 0; }")
+        else:
+            asm: gl.constexpr = ("{ .reg .pred %p; setp.ne.u32 %p, $2, 0; "
+                                 "@%p prefetch.global.L2 [$1]; mov.u32 $0, 0; }")
+        gl.inline_asm_elementwise(asm, "=r,l,r", [addr, (idx < last).to(gl.int32)],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, bt_row,
                      n_pages_b, start, n_tiles, n_keys, row_off, page_rows, col,
                      PAGE: gl.constexpr, STAGES_: gl.constexpr, CONVERT: gl.constexpr, it0=0,
-                     SELF_ZERO: gl.constexpr = False):
+                     SELF_ZERO: gl.constexpr = False, PT_PREFETCH_: gl.constexpr = 0):
     """TMA loads of the item's key tiles [start + j * BLOCK_N, ...) into the ring from ring
     position it0: per tile one copy per page run (``PAGE`` keys, or the whole tile when pages
     are larger), at row page * page_rows + row_off (the head's, HND) + key % PAGE of the views.
     Page-table entries past the request's pages read as page 0 (those keys are masked; their V
-    rows zeroed, here or, SELF_ZERO or CONVERT, by the consumer)."""
+    rows zeroed, here or, SELF_ZERO or CONVERT, by the consumer). PT_PREFETCH_: the item's
+    page-table lines prefetched first (``PT_PREFETCH``)."""
     BLOCK_N_: gl.constexpr = k_smem.shape[1]
     BOX: gl.constexpr = k_desc.block_type.shape[0]
+    if PT_PREFETCH_ != 0:
+        _prefetch_page_table(INDICES, bt_row, n_pages_b, start, n_tiles * BLOCK_N_, PAGE,
+                             PT_PREFETCH_)
     for j in range(n_tiles):
         st = (it0 + j) % STAGES_
         mbarrier.wait(empty.index(st), (((it0 + j) // STAGES_) & 1) ^ 1)
@@ -414,7 +457,8 @@ def _decode_consumer_items(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, 
 @gluon.jit
 def _decode_producer_items(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, WORK,
                            SEQ, p0, p1, batch, capacity, row_off, page_rows, col,
-                           PAGE: gl.constexpr, STAGES_: gl.constexpr, CONVERT: gl.constexpr):
+                           PAGE: gl.constexpr, STAGES_: gl.constexpr, CONVERT: gl.constexpr,
+                           PT_PREFETCH_: gl.constexpr = 0):
     """(BALANCED) The producer over items p0 .. p1 - 1, the ring running on."""
     BLOCK_N_: gl.constexpr = k_smem.shape[1]
     it = p0 * 0
@@ -423,7 +467,7 @@ def _decode_producer_items(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed,
             WORK, SEQ, w, batch, capacity, BLOCK_N_)
         _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, bt_row,
                          n_pages_b, start, n_tiles, hi - start, row_off, page_rows, col, PAGE,
-                         STAGES_, CONVERT, it, True)
+                         STAGES_, CONVERT, it, True, PT_PREFETCH_)
         it += n_tiles
 
 
@@ -508,7 +552,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                  PDL: gl.constexpr = False, HEADS_FIRST: gl.constexpr = False,
                  PREFETCH_: gl.constexpr = False, view_rows=None,
                  CLAIMS=None, n_sms=0, CLAIM_: gl.constexpr = False,
-                 CLAIM_SPREAD_: gl.constexpr = False):
+                 CLAIM_SPREAD_: gl.constexpr = False, PT_PREFETCH_: gl.constexpr = 0):
     # MERGE: split requests are merged in the kernel by their last item (COUNTS [batch * KV
     # heads] int32 tickets, zero between launches; SLOT_START [batch + 1] the partial slots),
     # GROUP_P2 / MERGE_SLOTS the merge's tile (``_merge_parts``)
@@ -589,7 +633,8 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
             (_decode_producer_items, (k_desc, v_desc, k_smem, v_smem, full, empty,
                                       v_fixed.index(0), INDICES, WORK, SEQ, p0, p1, batch,
                                       capacity, off_hk.to(gl.int64) * head_rows, page_rows,
-                                      off_hk * head_cols, PAGE, STAGES_, CONVERT)),
+                                      off_hk * head_cols, PAGE, STAGES_, CONVERT,
+                                      PT_PREFETCH_)),
         ], [1], [PRODUCER_REGS_])
     else:
         gl.warp_specialize([
@@ -604,7 +649,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
             (_decode_producer, (k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed.index(0),
                                 INDICES, bt_row, n_pages_b, start, n_tiles, hi - start,
                                 off_hk.to(gl.int64) * head_rows, page_rows, off_hk * head_cols,
-                                PAGE, STAGES_, CONVERT)),
+                                PAGE, STAGES_, CONVERT, 0, False, PT_PREFETCH_)),
         ], [1], [PRODUCER_REGS_])
 
     invalidate(full, STAGES_)
@@ -697,7 +742,7 @@ def launch_constexprs(d: int, page: int, group: int, fp8: bool, merge: bool,
                 MERGE_SLOTS=max(1, min(32, 8192 // (group_p2 * d))), CONVERT=fp8,
                 BALANCED=balanced, PDL=pdl, HEADS_FIRST=heads_first,
                 PREFETCH_=prefetch and pdl and not balanced, CLAIM_=claim and not balanced,
-                CLAIM_SPREAD_=claim and not balanced and CLAIM_SPREAD)
+                CLAIM_SPREAD_=claim and not balanced and CLAIM_SPREAD, PT_PREFETCH_=PT_PREFETCH)
 
 
 def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,

@@ -343,14 +343,14 @@ def test_sm90_decode_graph_capture_short_replay_long(merge, monkeypatch):
 
 
 @needs_sm90
-@pytest.mark.parametrize("claim", [True, "spread", False], ids=["claim", "spread", "positions"])
+@pytest.mark.parametrize("claim", ["spread", True, False], ids=["spread", "fcfs", "positions"])
 @pytest.mark.parametrize("merge", [False, True], ids=["combine", "merge-in-kernel"])
 def test_sm90_decode_graph_claims(merge, claim, monkeypatch):
     """A graph-mode wrapper launches the bound's grid; where the plan's (item, KV head) units
     fit one an SM, its CTAs claim them SM by SM (IOATTN_SM90_DECODE_CLAIM) instead of taking
-    their grid positions' units (spread: only an even subset of SMs claims at once,
-    IOATTN_SM90_DECODE_CLAIM_SPREAD). One run with the counters' reset held off shows that
-    every CTA claimed once (or, claims off, none did). Then three PDL-launched runs back to back
+    their grid positions' units (spread, the default: only an even subset of SMs claims at
+    once, IOATTN_SM90_DECODE_CLAIM_SPREAD; fcfs: first come, first served). One run with the
+    counters' reset held off shows that every CTA claimed once (or, claims off, none did). Then three PDL-launched runs back to back
     (sharing the counters), eager and captured in one graph, replayed under that plan, a second
     that claims and a third with more units than SMs (the claiming kernel keeping its grid
     positions); outputs (poisoned before each run and each replay) and LSE against the
