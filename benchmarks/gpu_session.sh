@@ -672,7 +672,13 @@ for step in $steps; do
                --cells "${PT_CELLS:-64x4096x16,16x8192x16,1x32768x16,128x2048x16}" \
                --json "$OUT/tune_decode_pt_${lv}_$r.json" > "/tmp/tune_decode_pt_${lv}_$r.log" 2>&1
              echo "pt $lv round $r:"; grep "^== best" "/tmp/tune_decode_pt_${lv}_$r.log"
-           done; done ;;
+           done; done
+           # and 64 x 4k with larger pages (4096: one page a request, each request's K and V
+           # contiguous as cuDNN reads them): what the paging itself costs
+           timeout 100 python benchmarks/tune_decode.py --sm90 --per-sm auto --block-n 64 --stages 3 \
+             --grid-extra auto --cells 64x4096x16,64x4096x64,64x4096x4096 \
+             --json "$OUT/tune_decode_pages.json" > /tmp/tune_decode_pages.log 2>&1
+           echo "pages:"; grep "^== best" /tmp/tune_decode_pages.log ;;
     *) echo "unknown step $step" ;;
   esac
 done
