@@ -679,6 +679,32 @@ for step in $steps; do
              --grid-extra auto --cells 64x4096x16,64x4096x64,64x4096x4096 \
              --json "$OUT/tune_decode_pages.json" > /tmp/tune_decode_pages.log 2>&1
            echo "pages:"; grep "^== best" /tmp/tune_decode_pages.log ;;
+    loader) # the sm90 decode's producer: TMA (default) against cp.async
+           # (IOATTN_SM90_DECODE_LOADER=cpasync, a producer warpgroup; cuDNN's cp.async kernel
+           # read the same bytes at 2 points more of DRAM peak) and TMA with the page-table
+           # prefetch (PT_PREFETCH=l2): the decode GPU tests with each new form, then graph
+           # replays of four cells, the forms interleaved twice, then pages 16 / 64 / 4096 at
+           # 64 x 4k with each loader (~4 min)
+           IOATTN_SM90_DECODE_LOADER=cpasync timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
+             tests/decode/test_decode_sm90.py > "$OUT/tests_decode_cpasync.log" 2>&1
+           grep -E "FAILED|ERROR" "$OUT/tests_decode_cpasync.log" | head -5
+           echo "tests cpasync: $(tail -1 "$OUT/tests_decode_cpasync.log")"
+           IOATTN_SM90_DECODE_PT_PREFETCH=l2 timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
+             tests/decode/test_decode_sm90.py > "$OUT/tests_decode_pt_l2.log" 2>&1
+           echo "tests pt l2: $(tail -1 "$OUT/tests_decode_pt_l2.log")"
+           for r in 1 2; do for f in ${LOADER_FORMS:-tma:0 cpasync:0 tma:l2}; do
+             IOATTN_SM90_DECODE_LOADER=${f%%:*} IOATTN_SM90_DECODE_PT_PREFETCH=${f##*:} timeout 100 \
+               python benchmarks/tune_decode.py --sm90 --per-sm auto --block-n 64 --stages 3 \
+               --grid-extra auto --cells "${LOADER_CELLS:-64x4096x16,16x8192x16,1x32768x16,128x2048x16}" \
+               --json "$OUT/tune_decode_loader_${f%%:*}_${f##*:}_$r.json" > "/tmp/tune_decode_loader_${f}_$r.log" 2>&1
+             echo "$f round $r:"; grep "^== best" "/tmp/tune_decode_loader_${f}_$r.log"
+           done; done
+           for l in tma cpasync; do
+             IOATTN_SM90_DECODE_LOADER=$l timeout 100 python benchmarks/tune_decode.py --sm90 --per-sm auto \
+               --block-n 64 --stages 3 --grid-extra auto --cells 64x4096x16,64x4096x64,64x4096x4096 \
+               --json "$OUT/tune_decode_pages_$l.json" > "/tmp/tune_decode_pages_$l.log" 2>&1
+             echo "pages $l:"; grep "^== best" "/tmp/tune_decode_pages_$l.log"
+           done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -180,6 +180,8 @@ ENV_SWITCHES = (
      "first come, first served)"),
     ("IOATTN_SM90_DECODE_PT_PREFETCH", "0", "sm90 decode: the producer prefetches each item's "
      "page-table lines first (l2 / l1; 0: off)"),
+    ("IOATTN_SM90_DECODE_LOADER", "tma", "sm90 decode (bf16 / fp16, one item a CTA): the "
+     "producer fills the ring by TMA, or by cp.async with a producer warpgroup (cpasync)"),
     ("IOATTN_SM90_DECODE_MIN_BYTES", str(200 << 20), "planned eager decode: K+V bytes below "
      "which a plan keeps the portable kernel (its launch was cheaper on the host)"),
     ("IOATTN_SM90_DECODE_MERGE", "1", "sm90 decode: split requests merged in the kernel by "

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
@@ -132,6 +133,19 @@ _pt = os.environ.get("IOATTN_SM90_DECODE_PT_PREFETCH", "0").lower()
 if _pt not in _PT_LEVELS:
     raise ValueError(f"IOATTN_SM90_DECODE_PT_PREFETCH={_pt!r}: use 0, l2 or l1")
 PT_PREFETCH = _PT_LEVELS[_pt]
+# (opt-in until timed, IOATTN_SM90_DECODE_LOADER=cpasync) the producer fills the ring with
+# cp.async (16 bytes a lane, L1 bypassed, each lane's copies completing the stage's barrier
+# through cp.async.mbarrier.arrive) instead of TMA: cuDNN's decode kernel (sm80, cp.async) read
+# 64 x 4k at 93.2-94.3% of DRAM peak where ours read the same bytes in the same order at
+# 91.4-91.9% (results/tune/ncu_decode_whole_64x4096x16_f341af4_*): hypothesis, TMA's request
+# stream. Masked copies zero-fill the slots past the request's keys (no zeroing pass); bf16 /
+# fp16 caches, one item a CTA (fp8 and the balanced form keep TMA). CP_WARPS producer warps
+_loader = os.environ.get("IOATTN_SM90_DECODE_LOADER", "tma").lower()
+if _loader not in ("tma", "cpasync"):
+    raise ValueError(f"IOATTN_SM90_DECODE_LOADER={_loader!r}: use tma or cpasync")
+CP_ASYNC = _loader == "cpasync"
+CP_WARPS = 4
+CP_REGS = 40
 # the claim counters: next unit, claims made, then one arrival count per SM (ids folded into
 # CLAIM_SMS slots; ``triton_decode.CLAIM_WORDS`` words, which the wrapper allocates without
 # loading Gluon)
@@ -208,6 +222,38 @@ def _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDIC
 
 
 @gluon.jit
+def _decode_producer_cp(K_RAW, V_RAW, k_row_stride, v_row_stride, k_smem, v_smem, full, empty,
+                        INDICES, bt_row, n_pages_b, start, n_tiles, n_keys, row_off, page_rows,
+                        col, PAGE: gl.constexpr, STAGES_: gl.constexpr, HEAD_D: gl.constexpr):
+    """(``CP_ASYNC``) The item's key tiles into the ring by cp.async: each lane copies 16-byte
+    pieces of key-slot rows (CHUNK rows a step), masked past the item's n_keys keys (zero-
+    filled: those V rows must be zero for P·V) and past the request's pages, then arrives on
+    the stage's barrier when its own copies land (the barrier counts every producer lane)."""
+    BLOCK_N_: gl.constexpr = k_smem.shape[1]
+    LANES_C: gl.constexpr = HEAD_D // 8  # 16-byte pieces a row
+    W: gl.constexpr = gl.num_warps()
+    CHUNK: gl.constexpr = 8 * W  # rows a step (whole 8-row swizzle periods of the tile)
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // LANES_C, LANES_C], [W, 1], [1, 0])
+    rows_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
+    for j in range(n_tiles):
+        st = j % STAGES_
+        mbarrier.wait(empty.index(st), ((j // STAGES_) & 1) ^ 1)
+        for c in gl.static_range(BLOCK_N_ // CHUNK):
+            key = j * BLOCK_N_ + c * CHUNK + rows_c  # (from the item's first tile's key)
+            ok = key < n_keys
+            row = _slot_row(INDICES, bt_row, n_pages_b, start + key, page_rows, row_off, PAGE,
+                            ok)
+            k_ptr = K_RAW + (row * k_row_stride + col)[:, None] + cols[None, :]
+            v_ptr = V_RAW + (row * v_row_stride + col)[:, None] + cols[None, :]
+            async_copy.async_copy_global_to_shared(k_smem.index(st).slice(c * CHUNK, CHUNK, dim=0),
+                                                   k_ptr, mask=ok[:, None], cache_modifier=".cg")
+            async_copy.async_copy_global_to_shared(v_smem.index(st).slice(c * CHUNK, CHUNK, dim=0),
+                                                   v_ptr, mask=ok[:, None], cache_modifier=".cg")
+        async_copy.mbarrier_arrive(full.index(st), increment_count=False)
+
+
+@gluon.jit
 def _convert_tile(src, dst, n_valid):
     """dst = src in dst's dtype (a [BLOCK_N, d] fp8 tile to fp16), rows >= n_valid zeroed:
     one consumer warpgroup, 16 values a thread a row piece (16-byte shared loads)."""
@@ -229,9 +275,11 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_sme
                      start, lo, hi, n_tiles, qk_scale_log2, softcap_scale, COUNT, SLOT_START,
                      off_b, HEAD_D: gl.constexpr, STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr,
                      MERGE: gl.constexpr, GROUP_P2: gl.constexpr, MERGE_SLOTS: gl.constexpr,
-                     CONVERT: gl.constexpr, it0=0, SELF_ZERO: gl.constexpr = False):
+                     CONVERT: gl.constexpr, it0=0, SELF_ZERO: gl.constexpr = False,
+                     CP_ASYNC_: gl.constexpr = False):
     """One item for one KV head, its key tiles from ring position it0; SELF_ZERO: the last
-    tile's V rows past the request's keys zeroed here (else the producer zeroes them).
+    tile's V rows past the request's keys zeroed here (else the producer zeroes them; CP_ASYNC_:
+    its copies wrote them as zeros, and each tile is fenced for wgmma's proxy after its wait).
     softcap_scale: softcap's tanh(s · softcap_scale) on each score tile (qk_scale_log2 is then
     cap · log2 e, ``score_scales``), or None."""
     BLOCK_N_: gl.constexpr = k_smem.shape[1]
@@ -273,6 +321,8 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_sme
     for j in range(n_tiles):
         st = (it0 + j) % STAGES_
         mbarrier.wait(full.index(st), ((it0 + j) // STAGES_) & 1)
+        if CP_ASYNC_:  # (cp.async writes through the generic proxy; wgmma reads the async one)
+            fence_async_shared()
         key0 = start + j * BLOCK_N_
         if CONVERT:
             # an fp8 cache: the stage's K and V converted to fp16 in the operand buffers (exact:
@@ -302,7 +352,7 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_sme
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        if not CONVERT:
+        if not CONVERT and not CP_ASYNC_:
             if j == n_tiles - 1:
                 if key0 + BLOCK_N_ > hi:  # V rows past the request's keys: zeroed
                     if SELF_ZERO:  # (in place, by the warpgroup, before its wgmma reads them)
@@ -552,7 +602,9 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                  PDL: gl.constexpr = False, HEADS_FIRST: gl.constexpr = False,
                  PREFETCH_: gl.constexpr = False, view_rows=None,
                  CLAIMS=None, n_sms=0, CLAIM_: gl.constexpr = False,
-                 CLAIM_SPREAD_: gl.constexpr = False, PT_PREFETCH_: gl.constexpr = 0):
+                 CLAIM_SPREAD_: gl.constexpr = False, PT_PREFETCH_: gl.constexpr = 0,
+                 CP_ASYNC_: gl.constexpr = False, CP_WARPS_: gl.constexpr = 1,
+                 CP_REGS_: gl.constexpr = 56):
     # MERGE: split requests are merged in the kernel by their last item (COUNTS [batch * KV
     # heads] int32 tickets, zero between launches; SLOT_START [batch + 1] the partial slots),
     # GROUP_P2 / MERGE_SLOTS the merge's tile (``_merge_parts``)
@@ -568,7 +620,9 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
     # prefetches, as one more scalar argument made the balanced fp8 forms spill 64 B);
     # CLAIM_ (CLAIMS [CLAIM_WORDS] int32 zeros, n_sms the SM count): where the work's units are
     # fewer than the grid and at most n_sms, each CTA runs the unit it claims (``_claim_unit``)
-    # instead of its grid position's (``CLAIM``); CLAIM_SPREAD_ the even SM subset's claim
+    # instead of its grid position's (``CLAIM``); CLAIM_SPREAD_ the even SM subset's claim;
+    # CP_ASYNC_ (one item a CTA, bf16 / fp16): the producer's CP_WARPS_ warps (CP_REGS_
+    # registers) fill the ring by cp.async from K_RAW / V_RAW (``CP_ASYNC``)
     KV_AXIS: gl.constexpr = 0 if HEADS_FIRST else 1
     w = gl.program_id(1 - KV_AXIS)
     off_hk = gl.program_id(KV_AXIS)
@@ -613,7 +667,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
     else:
         kc_smem = q_smem  # (unused)
         vc_smem = q_smem
-    full = barriers(STAGES_, 1)
+    full = barriers(STAGES_, CP_WARPS_ * 32 if CP_ASYNC_ else 1)
     empty = barriers(STAGES_, 1)
     v_fixed = barriers(1, 1)
     fence_async_shared()
@@ -636,6 +690,21 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                                       off_hk * head_cols, PAGE, STAGES_, CONVERT,
                                       PT_PREFETCH_)),
         ], [1], [PRODUCER_REGS_])
+    elif CP_ASYNC_:
+        gl.warp_specialize([
+            (_decode_consumer, (Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem,
+                                vc_smem, full, empty,
+                                v_fixed.index(0), q_row, stride_qs, stride_qh, stride_os,
+                                stride_oh, h0, group, n_heads, part, start, lo, hi, n_tiles,
+                                qk_scale_log2, softcap_scale,
+                                COUNTS + off_b * gl.num_programs(KV_AXIS) + off_hk,
+                                SLOT_START, off_b, HEAD_D, STAGES_, LSE_BASE2, MERGE, GROUP_P2,
+                                MERGE_SLOTS, CONVERT, 0, False, True)),
+            (_decode_producer_cp, (K_RAW, V_RAW, k_row_stride, v_row_stride, k_smem, v_smem,
+                                   full, empty, INDICES, bt_row, n_pages_b, start, n_tiles,
+                                   hi - start, off_hk.to(gl.int64) * head_rows, page_rows,
+                                   off_hk * head_cols, PAGE, STAGES_, HEAD_D)),
+        ], [CP_WARPS_], [CP_REGS_])
     else:
         gl.warp_specialize([
             (_decode_consumer, (Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem,
@@ -742,7 +811,9 @@ def launch_constexprs(d: int, page: int, group: int, fp8: bool, merge: bool,
                 MERGE_SLOTS=max(1, min(32, 8192 // (group_p2 * d))), CONVERT=fp8,
                 BALANCED=balanced, PDL=pdl, HEADS_FIRST=heads_first,
                 PREFETCH_=prefetch and pdl and not balanced, CLAIM_=claim and not balanced,
-                CLAIM_SPREAD_=claim and not balanced and CLAIM_SPREAD, PT_PREFETCH_=PT_PREFETCH)
+                CLAIM_SPREAD_=claim and not balanced and CLAIM_SPREAD, PT_PREFETCH_=PT_PREFETCH,
+                CP_ASYNC_=CP_ASYNC and not fp8 and not balanced, CP_WARPS_=CP_WARPS,
+                CP_REGS_=CP_REGS)
 
 
 def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
