@@ -127,7 +127,10 @@ CLAIM_SPREAD = os.environ.get("IOATTN_SM90_DECODE_CLAIM_SPREAD", "1").lower() in
 # item, prefetches every 128-byte line of the item's page-table slice (to L2, or to L1 too),
 # one line a lane. Without it each line's first entry misses (32 entries: 8 key tiles at page
 # 16) and the producer waits a memory latency (~1 us) before its next TMA copy, its ring
-# short of a tile meanwhile: hypothesis for part of 64 x 4k's ~2% behind cuDNN on contiguous KV
+# short of a tile meanwhile: hypothesis for part of 64 x 4k's ~2% behind cuDNN on contiguous KV.
+# Timed (results/tune/tune_decode_loader_tma_{0,l2}_{1,2}_1b00ff3_*, graph replays, interleaved):
+# 64 x 4k 4.19 / 4.17 with l2 against 4.19 / 4.18 without, 16 x 8k 3.88 / 3.85 against
+# 3.84 / 3.86: no gain, so it stays off (opt-in, GPU tests pass with it)
 _PT_LEVELS = {"0": 0, "off": 0, "l2": 1, "l1": 2}
 _pt = os.environ.get("IOATTN_SM90_DECODE_PT_PREFETCH", "0").lower()
 if _pt not in _PT_LEVELS:
@@ -139,7 +142,11 @@ PT_PREFETCH = _PT_LEVELS[_pt]
 # 64 x 4k at 93.2-94.3% of DRAM peak where ours read the same bytes in the same order at
 # 91.4-91.9% (results/tune/ncu_decode_whole_64x4096x16_f341af4_*): hypothesis, TMA's request
 # stream. Masked copies zero-fill the slots past the request's keys (no zeroing pass); bf16 /
-# fp16 caches, one item a CTA (fp8 and the balanced form keep TMA). CP_WARPS producer warps
+# fp16 caches, one item a CTA (fp8 and the balanced form keep TMA). CP_WARPS producer warps.
+# Timed (results/tune/tune_decode_loader_{tma,cpasync}_0_{1,2}_1b00ff3_*, graph replays,
+# interleaved): 64 x 4k 4.19 / 4.19 against TMA's 4.19 / 4.18 (the hypothesis is refuted: the
+# loader is not the gap), 16 x 8k 3.29 against 3.84-3.86 (one CTA an SM there: one producer
+# warpgroup's issue rate), 128 x 2k 4.04-4.05 against 4.15-4.16. TMA stays the default
 _loader = os.environ.get("IOATTN_SM90_DECODE_LOADER", "tma").lower()
 if _loader not in ("tma", "cpasync"):
     raise ValueError(f"IOATTN_SM90_DECODE_LOADER={_loader!r}: use tma or cpasync")
