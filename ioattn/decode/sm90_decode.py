@@ -261,6 +261,23 @@ def _decode_producer_cp(K_RAW, V_RAW, k_row_stride, v_row_stride, k_smem, v_smem
 
 
 @gluon.jit
+def _decode_producer_one(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, bt_row,
+                         n_pages_b, start, n_tiles, n_keys, row_off, page_rows, col, K_RAW,
+                         V_RAW, k_row_stride, v_row_stride, PAGE: gl.constexpr,
+                         STAGES_: gl.constexpr, HEAD_D: gl.constexpr, CONVERT: gl.constexpr,
+                         PT_PREFETCH_: gl.constexpr, CP_ASYNC_: gl.constexpr):
+    """The producer of one item a CTA: by cp.async (CP_ASYNC_) or TMA."""
+    if CP_ASYNC_:
+        _decode_producer_cp(K_RAW, V_RAW, k_row_stride, v_row_stride, k_smem, v_smem, full,
+                            empty, INDICES, bt_row, n_pages_b, start, n_tiles, n_keys, row_off,
+                            page_rows, col, PAGE, STAGES_, HEAD_D)
+    else:
+        _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, bt_row,
+                         n_pages_b, start, n_tiles, n_keys, row_off, page_rows, col, PAGE,
+                         STAGES_, CONVERT, 0, False, PT_PREFETCH_)
+
+
+@gluon.jit
 def _convert_tile(src, dst, n_valid):
     """dst = src in dst's dtype (a [BLOCK_N, d] fp8 tile to fp16), rows >= n_valid zeroed:
     one consumer warpgroup, 16 values a thread a row piece (16-byte shared loads)."""
@@ -610,8 +627,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                  PREFETCH_: gl.constexpr = False, view_rows=None,
                  CLAIMS=None, n_sms=0, CLAIM_: gl.constexpr = False,
                  CLAIM_SPREAD_: gl.constexpr = False, PT_PREFETCH_: gl.constexpr = 0,
-                 CP_ASYNC_: gl.constexpr = False, CP_WARPS_: gl.constexpr = 1,
-                 CP_REGS_: gl.constexpr = 56):
+                 CP_ASYNC_: gl.constexpr = False, PRODUCER_WARPS_: gl.constexpr = 1):
     # MERGE: split requests are merged in the kernel by their last item (COUNTS [batch * KV
     # heads] int32 tickets, zero between launches; SLOT_START [batch + 1] the partial slots),
     # GROUP_P2 / MERGE_SLOTS the merge's tile (``_merge_parts``)
@@ -628,8 +644,8 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
     # CLAIM_ (CLAIMS [CLAIM_WORDS] int32 zeros, n_sms the SM count): where the work's units are
     # fewer than the grid and at most n_sms, each CTA runs the unit it claims (``_claim_unit``)
     # instead of its grid position's (``CLAIM``); CLAIM_SPREAD_ the even SM subset's claim;
-    # CP_ASYNC_ (one item a CTA, bf16 / fp16): the producer's CP_WARPS_ warps (CP_REGS_
-    # registers) fill the ring by cp.async from K_RAW / V_RAW (``CP_ASYNC``)
+    # CP_ASYNC_ (one item a CTA, bf16 / fp16): the producer's PRODUCER_WARPS_ warps
+    # (PRODUCER_REGS_ registers) fill the ring by cp.async from K_RAW / V_RAW (``CP_ASYNC``)
     KV_AXIS: gl.constexpr = 0 if HEADS_FIRST else 1
     w = gl.program_id(1 - KV_AXIS)
     off_hk = gl.program_id(KV_AXIS)
@@ -674,7 +690,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
     else:
         kc_smem = q_smem  # (unused)
         vc_smem = q_smem
-    full = barriers(STAGES_, CP_WARPS_ * 32 if CP_ASYNC_ else 1)
+    full = barriers(STAGES_, PRODUCER_WARPS_ * 32 if CP_ASYNC_ else 1)
     empty = barriers(STAGES_, 1)
     v_fixed = barriers(1, 1)
     fence_async_shared()
@@ -697,21 +713,6 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                                       off_hk * head_cols, PAGE, STAGES_, CONVERT,
                                       PT_PREFETCH_)),
         ], [1], [PRODUCER_REGS_])
-    elif CP_ASYNC_:
-        gl.warp_specialize([
-            (_decode_consumer, (Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem,
-                                vc_smem, full, empty,
-                                v_fixed.index(0), q_row, stride_qs, stride_qh, stride_os,
-                                stride_oh, h0, group, n_heads, part, start, lo, hi, n_tiles,
-                                qk_scale_log2, softcap_scale,
-                                COUNTS + off_b * gl.num_programs(KV_AXIS) + off_hk,
-                                SLOT_START, off_b, HEAD_D, STAGES_, LSE_BASE2, MERGE, GROUP_P2,
-                                MERGE_SLOTS, CONVERT, 0, False, True)),
-            (_decode_producer_cp, (K_RAW, V_RAW, k_row_stride, v_row_stride, k_smem, v_smem,
-                                   full, empty, INDICES, bt_row, n_pages_b, start, n_tiles,
-                                   hi - start, off_hk.to(gl.int64) * head_rows, page_rows,
-                                   off_hk * head_cols, PAGE, STAGES_, HEAD_D)),
-        ], [CP_WARPS_], [CP_REGS_])
     else:
         gl.warp_specialize([
             (_decode_consumer, (Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem,
@@ -721,12 +722,14 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                                 qk_scale_log2, softcap_scale,
                                 COUNTS + off_b * gl.num_programs(KV_AXIS) + off_hk,
                                 SLOT_START, off_b, HEAD_D, STAGES_, LSE_BASE2, MERGE, GROUP_P2,
-                                MERGE_SLOTS, CONVERT)),
-            (_decode_producer, (k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed.index(0),
-                                INDICES, bt_row, n_pages_b, start, n_tiles, hi - start,
-                                off_hk.to(gl.int64) * head_rows, page_rows, off_hk * head_cols,
-                                PAGE, STAGES_, CONVERT, 0, False, PT_PREFETCH_)),
-        ], [1], [PRODUCER_REGS_])
+                                MERGE_SLOTS, CONVERT, 0, False, CP_ASYNC_)),
+            (_decode_producer_one, (k_desc, v_desc, k_smem, v_smem, full, empty,
+                                    v_fixed.index(0), INDICES, bt_row, n_pages_b, start, n_tiles,
+                                    hi - start, off_hk.to(gl.int64) * head_rows, page_rows,
+                                    off_hk * head_cols, K_RAW, V_RAW, k_row_stride,
+                                    v_row_stride, PAGE, STAGES_, HEAD_D, CONVERT, PT_PREFETCH_,
+                                    CP_ASYNC_)),
+        ], [PRODUCER_WARPS_], [PRODUCER_REGS_])
 
     invalidate(full, STAGES_)
     invalidate(empty, STAGES_)
@@ -813,14 +816,15 @@ def launch_constexprs(d: int, page: int, group: int, fp8: bool, merge: bool,
     ``ioattn.dense.inspect``), CTAs claiming their units (``CLAIM``) or not; LSE_BASE2 is the
     caller's."""
     group_p2 = 1 << (group - 1).bit_length()
+    cp = CP_ASYNC and not fp8 and not balanced
     return dict(PAGE=page, HEAD_D=d, BLOCK_N_=BLOCK_N, STAGES_=STAGES_FP8 if fp8 else STAGES,
-                PRODUCER_REGS_=PRODUCER_REGS, MERGE=merge, GROUP_P2=group_p2,
+                PRODUCER_REGS_=CP_REGS if cp else PRODUCER_REGS,
+                PRODUCER_WARPS_=CP_WARPS if cp else 1, MERGE=merge, GROUP_P2=group_p2,
                 MERGE_SLOTS=max(1, min(32, 8192 // (group_p2 * d))), CONVERT=fp8,
                 BALANCED=balanced, PDL=pdl, HEADS_FIRST=heads_first,
                 PREFETCH_=prefetch and pdl and not balanced, CLAIM_=claim and not balanced,
                 CLAIM_SPREAD_=claim and not balanced and CLAIM_SPREAD, PT_PREFETCH_=PT_PREFETCH,
-                CP_ASYNC_=CP_ASYNC and not fp8 and not balanced, CP_WARPS_=CP_WARPS,
-                CP_REGS_=CP_REGS)
+                CP_ASYNC_=cp)
 
 
 def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
