@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [pt-prefetch]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [pt-prefetch] [loader] [read-probe] [d256-persistent] [shallow]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -705,6 +705,33 @@ for step in $steps; do
                --json "$OUT/tune_decode_pages_$l.json" > "/tmp/tune_decode_pages_$l.log" 2>&1
              echo "pages $l:"; grep "^== best" "/tmp/tune_decode_pages_$l.log"
            done ;;
+    d256-persistent) # the d=256 forward on persistent CTAs (dynamic scheduler; one CTA per
+           # tile is its default): the persistent tests (d=256 cases run under every mode), then
+           # d=256 forward dynamic / auto with cuDNN in both (~60 + 2 x 100 s)
+           timeout 200 python -m pytest -q -n 14 -p no:cacheprovider -rf tests/dense/test_sm90.py \
+             -k "persistent_fwd and D256" > "$OUT/tests_d256_persistent.log" 2>&1
+           grep -E "^FAILED" "$OUT/tests_d256_persistent.log"; tail -1 "$OUT/tests_d256_persistent.log"
+           onoff IOATTN_SM90_PERSISTENT "dynamic auto" fwd_d256_persist --modes fwd --dims 256 \
+             --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
+    shallow) # the sm90 decode's ring depth by the work (IOATTN_SM90_DECODE_SHALLOW) and its
+           # page-table loads a tile ahead (ROWS_AHEAD): decode GPU tests with the defaults and
+           # with SHALLOW=0, then graph replays of five cells, SHALLOW 1 / 0 interleaved twice
+           # (~3 min)
+           for sh in 1 0; do IOATTN_SM90_DECODE_SHALLOW=$sh timeout 150 python -m pytest -q -n 8 \
+             -p no:cacheprovider tests/decode/test_decode_sm90.py > "$OUT/tests_decode_shallow$sh.log" 2>&1
+             echo "tests shallow $sh: $(tail -1 "$OUT/tests_decode_shallow$sh.log")"; done
+           for r in 1 2; do for sh in 1 0; do
+             IOATTN_SM90_DECODE_SHALLOW=$sh timeout 100 python benchmarks/tune_decode.py --sm90 \
+               --per-sm auto --block-n 64 --stages 3 --grid-extra auto \
+               --cells "${SHALLOW_CELLS:-64x4096x16,16x8192x16,1x32768x16,128x2048x16,12x8192x16}" \
+               --json "$OUT/tune_decode_shallow${sh}_$r.json" > "/tmp/tune_decode_shallow${sh}_$r.log" 2>&1
+             echo "shallow $sh round $r:"; grep "^== best" "/tmp/tune_decode_shallow${sh}_$r.log" | sort -u
+           done; done ;;
+    read-probe) # the decode ring's bare read rate (benchmarks/read_probe.py: no math, or a
+           # spin standing for it), beside cuDNN and the planned decode over the same K / V,
+           # 64 x 4k unless READ_CELL (~1 min)
+           timeout 300 python benchmarks/read_probe.py --cell "${READ_CELL:-64x4096}" \
+             ${READ_CONFIGS:+--configs "$READ_CONFIGS"} --json "$OUT/read_probe.json" 2>&1 | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -28,8 +28,9 @@ from ioattn.paged import plan
 CELLS = [(64, 4096, 16), (16, 8192, 16), (1, 32768, 16), (128, 2048, 16), (64, 4096, 1)]
 
 
-def _replayed(fn):
-    """fn captured in a CUDA graph (after an eager warm-up call); returns the replay."""
+def _replayed(fn, calls: int = 1):
+    """fn captured ``calls`` times in a CUDA graph (after an eager warm-up call); returns the
+    replay."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -37,7 +38,8 @@ def _replayed(fn):
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
     return graph.replay
 
 

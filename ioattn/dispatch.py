@@ -182,6 +182,10 @@ ENV_SWITCHES = (
      "page-table lines first (l2 / l1; 0: off)"),
     ("IOATTN_SM90_DECODE_LOADER", "tma", "sm90 decode (bf16 / fp16, one item a CTA): the "
      "producer fills the ring by TMA, or by cp.async with a producer warpgroup (cpasync)"),
+    ("IOATTN_SM90_DECODE_ROWS_AHEAD", "1", "sm90 decode: the TMA producer loads each key "
+     "tile's page-table entries a tile ahead, before waiting for the tile's stage"),
+    ("IOATTN_SM90_DECODE_SHALLOW", "1", "sm90 decode (bf16 / fp16, one item a CTA): two key "
+     "tiles in flight a CTA, not the ring's three, when the work's units outnumber the SMs"),
     ("IOATTN_SM90_DECODE_MIN_BYTES", str(200 << 20), "planned eager decode: K+V bytes below "
      "which a plan keeps the portable kernel (its launch was cheaper on the host)"),
     ("IOATTN_SM90_DECODE_MERGE", "1", "sm90 decode: split requests merged in the kernel by "

@@ -51,7 +51,8 @@ BLOCK_N = 64  # keys per tile
 # K/V tiles in flight per CTA (32 KB each at d=128): 3 stages take 112 KB of shared memory
 # (114,908 B with Q and barriers: two CTAs and their 1 KB reservations fit the SM's 228 KB) and
 # 128 registers a thread at launch (MAXNREG; the consumer warpgroup grows to 232 through
-# setmaxnreg, spill-free), so two CTAs fit on an SM: six tiles in flight
+# setmaxnreg, spill-free), so two CTAs fit on an SM: six tiles in flight, or four where the
+# work's CTAs share SMs (``SHALLOW``)
 STAGES = 3
 # fp8 caches (``FP8``): the ring holds fp8 tiles (16 KB a stage at d=128) and the consumer
 # converts each into two operand tiles of fp16 (32 KB): 4 stages keep the CTA at 114,892 B,
@@ -147,6 +148,31 @@ PT_PREFETCH = _PT_LEVELS[_pt]
 # interleaved): 64 x 4k 4.19 / 4.19 against TMA's 4.19 / 4.18 (the hypothesis is refuted: the
 # loader is not the gap), 16 x 8k 3.29 against 3.84-3.86 (one CTA an SM there: one producer
 # warpgroup's issue rate), 128 x 2k 4.04-4.05 against 4.15-4.16. TMA stays the default
+# the TMA producer loads each key tile's page-table entries a tile ahead, before it waits for
+# the tile's stage, instead of after (then each refill of a stage waits a load's latency, the
+# entry's L2 hit or miss, before its copies go out). Measured on an H100 with two tiles in
+# flight a CTA (``SHALLOW``'s depth), graph replays of 64 x 4k page 16: 3.03 TB/s against
+# 3.00-3.01 loading after the wait; with three, level (2.99-3.00 against 3.00)
+# (benchmarks/read_probe.py, results/tune/read_probe_ahead_e965def_nvidia-h100_*).
+# IOATTN_SM90_DECODE_ROWS_AHEAD=0 loads them after the wait
+ROWS_AHEAD = os.environ.get("IOATTN_SM90_DECODE_ROWS_AHEAD", "1").lower() in ("1", "true", "on")
+# (bf16 / fp16 caches, one item a CTA) two key tiles in flight a CTA instead of STAGES when the
+# launch's (item, KV head) units outnumber the SMs (N_WORK, read in the kernel: graph-safe), so
+# that two CTAs share an SM: the ring keeps its STAGES stages (the occupancy stays two CTAs an
+# SM), the producer waits for the tile two back to be freed before it loads the next. Found
+# with benchmarks/read_probe.py on an H100 (results/tune/read_probe_bare_e965def_*): a bare TMA
+# ring of 64-key K+V tiles (no page table, no math) read 64 x 4k at 3.00 TB/s with 3 stages x
+# 2 CTAs an SM (192 KB in flight an SM), 3.08-3.09 with 2 x 2 and 3.10-3.12 with 2-3 x 1,
+# cuDNN 3.05 in the same run: past ~128 KB in flight an SM, DRAM serves the same bytes slower
+# (a spin of up to 600 ns a stage in the consumer changed nothing). The planned decode, same
+# run (read_probe_shallow_e965def_*): 64 x 4k over cuDNN's own K/V 3.05 / 3.05 TB/s (2.95
+# without), page 16 3.01-3.02 (2.98), cuDNN 3.05. Graph replays of five cells, on / off
+# interleaved twice (tune_decode_shallow{1,0}_*_e965def_*): 64 x 4k 2.90 / 2.88-2.89, 1 x 32k
+# 2.04 / 2.01-2.02, 128 x 2k 2.89 / 2.87-2.88, 16 x 8k 2.73 / 2.71-2.72, 12 x 8k (one CTA an
+# SM: three in flight either way) 2.61 / 2.59-2.60; two stages for every launch lost 12 x 8k
+# (2.51 against 2.61, tune_decode_stages{2,3}_*_e965def_*), hence the rule. Not yet timed on
+# the H200. IOATTN_SM90_DECODE_SHALLOW=0 keeps STAGES in flight
+SHALLOW = os.environ.get("IOATTN_SM90_DECODE_SHALLOW", "1").lower() in ("1", "true", "on")
 _loader = os.environ.get("IOATTN_SM90_DECODE_LOADER", "tma").lower()
 if _loader not in ("tma", "cpasync"):
     raise ValueError(f"IOATTN_SM90_DECODE_LOADER={_loader!r}: use tma or cpasync")
@@ -199,25 +225,48 @@ def _prefetch_page_table(INDICES, bt_row, n_pages_b, start, n_keys, PAGE: gl.con
 def _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, bt_row,
                      n_pages_b, start, n_tiles, n_keys, row_off, page_rows, col,
                      PAGE: gl.constexpr, STAGES_: gl.constexpr, CONVERT: gl.constexpr, it0=0,
-                     SELF_ZERO: gl.constexpr = False, PT_PREFETCH_: gl.constexpr = 0):
+                     SELF_ZERO: gl.constexpr = False, PT_PREFETCH_: gl.constexpr = 0,
+                     ROWS_AHEAD_: gl.constexpr = False, depth=0):
     """TMA loads of the item's key tiles [start + j * BLOCK_N, ...) into the ring from ring
     position it0: per tile one copy per page run (``PAGE`` keys, or the whole tile when pages
     are larger), at row page * page_rows + row_off (the head's, HND) + key % PAGE of the views.
     Page-table entries past the request's pages read as page 0 (those keys are masked; their V
     rows zeroed, here or, SELF_ZERO or CONVERT, by the consumer). PT_PREFETCH_: the item's
-    page-table lines prefetched first (``PT_PREFETCH``)."""
+    page-table lines prefetched first (``PT_PREFETCH``). depth in 1 .. STAGES_ - 1: at most
+    that many tiles in flight or held by the consumer (``SHALLOW``), the ring's other stages
+    left unused."""
     BLOCK_N_: gl.constexpr = k_smem.shape[1]
     BOX: gl.constexpr = k_desc.block_type.shape[0]
+    NB: gl.constexpr = BLOCK_N_ // BOX  # TMA copies a tile, of K and of V
     if PT_PREFETCH_ != 0:
         _prefetch_page_table(INDICES, bt_row, n_pages_b, start, n_tiles * BLOCK_N_, PAGE,
                              PT_PREFETCH_)
+    if ROWS_AHEAD_:
+        # each tile's page-table entries loaded a tile ahead, before the wait for its stage,
+        # so the copies go out as soon as the stage is free (``ROWS_AHEAD``)
+        box_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        boxes = gl.arange(0, NB, layout=box_layout)
+        nxt = _slot_row(INDICES, bt_row, n_pages_b, start + boxes * BOX, page_rows, row_off,
+                        PAGE, n_tiles > 0).to(gl.int32)
     for j in range(n_tiles):
         st = (it0 + j) % STAGES_
+        if ROWS_AHEAD_:
+            cur = nxt
+            nxt = _slot_row(INDICES, bt_row, n_pages_b, start + (j + 1) * BLOCK_N_ + boxes * BOX,
+                            page_rows, row_off, PAGE, j + 1 < n_tiles).to(gl.int32)
+        if (depth > 0) & (depth < STAGES_) & (j >= depth):
+            # the tile depth back freed first (its stage's phase cannot have moved on since:
+            # the stage's next tile is loaded after this one)
+            back = it0 + j - depth
+            mbarrier.wait(empty.index(back % STAGES_), (back // STAGES_) & 1)
         mbarrier.wait(empty.index(st), (((it0 + j) // STAGES_) & 1) ^ 1)
-        mbarrier.expect(full.index(st), 2 * (BLOCK_N_ // BOX) * k_desc.block_type.nbytes)
-        for i in gl.static_range(BLOCK_N_ // BOX):
-            row = _slot_row(INDICES, bt_row, n_pages_b, start + j * BLOCK_N_ + i * BOX,
-                            page_rows, row_off, PAGE).to(gl.int32)
+        mbarrier.expect(full.index(st), 2 * NB * k_desc.block_type.nbytes)
+        for i in gl.static_range(NB):
+            if ROWS_AHEAD_:
+                row = gl.sum(gl.where(boxes == i, cur, 0), axis=0)
+            else:
+                row = _slot_row(INDICES, bt_row, n_pages_b, start + j * BLOCK_N_ + i * BOX,
+                                page_rows, row_off, PAGE).to(gl.int32)
             tma.async_copy_global_to_shared(k_desc, [row, col], full.index(st),
                                             k_smem.index(st).slice(i * BOX, BOX, dim=0))
             tma.async_copy_global_to_shared(v_desc, [row, col], full.index(st),
@@ -265,7 +314,8 @@ def _decode_producer_one(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, I
                          n_pages_b, start, n_tiles, n_keys, row_off, page_rows, col, K_RAW,
                          V_RAW, k_row_stride, v_row_stride, PAGE: gl.constexpr,
                          STAGES_: gl.constexpr, HEAD_D: gl.constexpr, CONVERT: gl.constexpr,
-                         PT_PREFETCH_: gl.constexpr, CP_ASYNC_: gl.constexpr):
+                         PT_PREFETCH_: gl.constexpr, CP_ASYNC_: gl.constexpr,
+                         ROWS_AHEAD_: gl.constexpr = False, depth=0):
     """The producer of one item a CTA: by cp.async (CP_ASYNC_) or TMA."""
     if CP_ASYNC_:
         _decode_producer_cp(K_RAW, V_RAW, k_row_stride, v_row_stride, k_smem, v_smem, full,
@@ -274,7 +324,7 @@ def _decode_producer_one(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, I
     else:
         _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, bt_row,
                          n_pages_b, start, n_tiles, n_keys, row_off, page_rows, col, PAGE,
-                         STAGES_, CONVERT, 0, False, PT_PREFETCH_)
+                         STAGES_, CONVERT, 0, False, PT_PREFETCH_, ROWS_AHEAD_, depth)
 
 
 @gluon.jit
@@ -532,7 +582,7 @@ def _decode_consumer_items(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, 
 def _decode_producer_items(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, WORK,
                            SEQ, p0, p1, batch, capacity, row_off, page_rows, col,
                            PAGE: gl.constexpr, STAGES_: gl.constexpr, CONVERT: gl.constexpr,
-                           PT_PREFETCH_: gl.constexpr = 0):
+                           PT_PREFETCH_: gl.constexpr = 0, ROWS_AHEAD_: gl.constexpr = False):
     """(BALANCED) The producer over items p0 .. p1 - 1, the ring running on."""
     BLOCK_N_: gl.constexpr = k_smem.shape[1]
     it = p0 * 0
@@ -541,7 +591,7 @@ def _decode_producer_items(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed,
             WORK, SEQ, w, batch, capacity, BLOCK_N_)
         _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, bt_row,
                          n_pages_b, start, n_tiles, hi - start, row_off, page_rows, col, PAGE,
-                         STAGES_, CONVERT, it, True, PT_PREFETCH_)
+                         STAGES_, CONVERT, it, True, PT_PREFETCH_, ROWS_AHEAD_)
         it += n_tiles
 
 
@@ -627,7 +677,8 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                  PREFETCH_: gl.constexpr = False, view_rows=None,
                  CLAIMS=None, n_sms=0, CLAIM_: gl.constexpr = False,
                  CLAIM_SPREAD_: gl.constexpr = False, PT_PREFETCH_: gl.constexpr = 0,
-                 CP_ASYNC_: gl.constexpr = False, PRODUCER_WARPS_: gl.constexpr = 1):
+                 CP_ASYNC_: gl.constexpr = False, PRODUCER_WARPS_: gl.constexpr = 1,
+                 ROWS_AHEAD_: gl.constexpr = False, SHALLOW_: gl.constexpr = False):
     # MERGE: split requests are merged in the kernel by their last item (COUNTS [batch * KV
     # heads] int32 tickets, zero between launches; SLOT_START [batch + 1] the partial slots),
     # GROUP_P2 / MERGE_SLOTS the merge's tile (``_merge_parts``)
@@ -645,7 +696,10 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
     # fewer than the grid and at most n_sms, each CTA runs the unit it claims (``_claim_unit``)
     # instead of its grid position's (``CLAIM``); CLAIM_SPREAD_ the even SM subset's claim;
     # CP_ASYNC_ (one item a CTA, bf16 / fp16): the producer's PRODUCER_WARPS_ warps
-    # (PRODUCER_REGS_ registers) fill the ring by cp.async from K_RAW / V_RAW (``CP_ASYNC``)
+    # (PRODUCER_REGS_ registers) fill the ring by cp.async from K_RAW / V_RAW (``CP_ASYNC``);
+    # ROWS_AHEAD_: the TMA producer's page-table loads a tile ahead (``ROWS_AHEAD``);
+    # SHALLOW_ (n_sms the SM count): two tiles in flight a CTA when the work's units outnumber
+    # the SMs, so that CTAs share them (``SHALLOW``)
     KV_AXIS: gl.constexpr = 0 if HEADS_FIRST else 1
     w = gl.program_id(1 - KV_AXIS)
     off_hk = gl.program_id(KV_AXIS)
@@ -669,9 +723,14 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                             CLAIM_SPREAD_)
             w = u // n_kv
             off_hk = u % n_kv
+    depth = 0
     if not BALANCED:
-        if w >= gl.load(N_WORK):
+        n_work = gl.load(N_WORK)
+        if w >= n_work:
             return
+        if SHALLOW_:
+            if n_work * n_kv > n_sms:
+                depth = 2
         off_b, part, lo, hi, start, n_tiles, bt_row, n_pages_b, q_row = _item(
             WORK, SEQ, w, batch, capacity, BLOCK_N_)
 
@@ -711,7 +770,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                                       v_fixed.index(0), INDICES, WORK, SEQ, p0, p1, batch,
                                       capacity, off_hk.to(gl.int64) * head_rows, page_rows,
                                       off_hk * head_cols, PAGE, STAGES_, CONVERT,
-                                      PT_PREFETCH_)),
+                                      PT_PREFETCH_, ROWS_AHEAD_)),
         ], [1], [PRODUCER_REGS_])
     else:
         gl.warp_specialize([
@@ -728,7 +787,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                                     hi - start, off_hk.to(gl.int64) * head_rows, page_rows,
                                     off_hk * head_cols, K_RAW, V_RAW, k_row_stride,
                                     v_row_stride, PAGE, STAGES_, HEAD_D, CONVERT, PT_PREFETCH_,
-                                    CP_ASYNC_)),
+                                    CP_ASYNC_, ROWS_AHEAD_, depth)),
         ], [PRODUCER_WARPS_], [PRODUCER_REGS_])
 
     invalidate(full, STAGES_)
@@ -824,7 +883,8 @@ def launch_constexprs(d: int, page: int, group: int, fp8: bool, merge: bool,
                 BALANCED=balanced, PDL=pdl, HEADS_FIRST=heads_first,
                 PREFETCH_=prefetch and pdl and not balanced, CLAIM_=claim and not balanced,
                 CLAIM_SPREAD_=claim and not balanced and CLAIM_SPREAD, PT_PREFETCH_=PT_PREFETCH,
-                CP_ASYNC_=cp)
+                CP_ASYNC_=cp, ROWS_AHEAD_=ROWS_AHEAD and not cp,
+                SHALLOW_=SHALLOW and not cp and not fp8 and not balanced)
 
 
 def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
@@ -875,6 +935,7 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
         indices.shape[0] * page, page_rows, head_rows, head_cols, qk_scale_log2,
         LSE_BASE2=lse_base2, softcap_scale=softcap_scale,
         **consts, COLS=columns, view_rows=k_desc.shape[0] if consts["PREFETCH_"] else None,
-        CLAIMS=claims if claim else None, n_sms=sm_count(q.device) if claim else 0,
+        CLAIMS=claims if claim else None,
+        n_sms=sm_count(q.device) if claim or consts["SHALLOW_"] else 0,
         num_warps=4, maxnreg=MAXNREG, launch_pdl=pdl,
     )

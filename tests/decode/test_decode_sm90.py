@@ -233,6 +233,28 @@ def test_sm90_decode(c, merge, monkeypatch):
     _check_requests(out, lse, q, cache, c["layout"], lens, indices, indptr)
 
 
+@needs_sm90
+@pytest.mark.parametrize("shallow, ahead", [(True, True), (True, False), (False, False)],
+                         ids=["shallow", "shallow-rows-after", "deep-rows-after"])
+@pytest.mark.parametrize("c", [CASES[0], CASES[1], CASES[2], CASES[3], CASES[7]],
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_sm90_decode_ring_depth(c, shallow, ahead, monkeypatch):
+    """IOATTN_SM90_DECODE_SHALLOW: two key tiles in flight a CTA, of the ring's three, when the
+    launch's (item, KV head) units outnumber the SMs (the count made 2 here, so every case
+    takes it; by default only large batches do), or three; IOATTN_SM90_DECODE_ROWS_AHEAD off:
+    each tile's page-table entries loaded after the wait for its stage. Pages of 8 to 64 keys
+    (1 to 8 copies a tile), split requests, ragged lengths, stale NaN slots."""
+    monkeypatch.setattr(sm90_decode, "SHALLOW", shallow)
+    monkeypatch.setattr(sm90_decode, "ROWS_AHEAD", ahead)
+    monkeypatch.setattr(sm90_decode, "sm_count", lambda device: 2)
+    calls = _sm90_decode_on(monkeypatch)
+    c, dtype, wrapper, (lens, indptr, indices, last, cache) = _planned(c)
+    q = torch.randn(c["batch"], c["h"], c["d"], device="cuda", dtype=dtype)
+    out, lse = wrapper.run(q, cache, return_lse=True)
+    assert calls, "the sm90 decode kernel did not run"
+    _check_requests(out, lse, q, cache, c["layout"], lens, indices, indptr)
+
+
 FP8_CASES = [dict(CASES[0], big_q=True), CASES[1], CASES[2], CASES[4], CASES[6], CASES[7]]
 
 

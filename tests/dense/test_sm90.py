@@ -142,7 +142,11 @@ PERSISTENT_CASES = [Case(113, 203, d=64), Case(203, 113, d=128, causal=True),
                     Case(1000, 100, d=64, causal=True, h=4, h_k=2),
                     Case(300, 300, d=64, h=2, window=(50, 20)),
                     # batched causal d=64 from 4k: FA3's 192x128 tile by default
-                    Case(4133, 4133, d=64, causal=True, b=1, h=2, h_k=1)]
+                    Case(4133, 4133, d=64, causal=True, b=1, h=2, h_k=1),
+                    # d=256 (persistent when forced: 2 ring stages, O from registers) on more
+                    # tiles than SMs, with and without a causal mask
+                    Case(2048, 2048, d=256, b=1, h=20),
+                    Case(1023, 1023, d=256, causal=True, b=3, h=16, h_k=4)]
 
 
 @needs_sm90

@@ -1,0 +1,241 @@
+"""The read ceiling of the sm90 decode kernel's request stream, without its math (issue 4's
+64 x 4k cell: our kernel reads the same bytes as cuDNN's at 88-91% of DRAM peak against cuDNN's
+91-94%, whatever the loader (TMA or cp.async), page size or layout; benchmarks/NOTES.md,
+sessions 25-27). A Gluon kernel with the decode kernel's skeleton (grid (KV heads, requests),
+one TMA producer warp filling a ring of STAGES stages of BLOCK_N keys of K and V, one consumer
+warpgroup) whose consumer only waits for each stage and frees it, optionally after spinning
+DELAY ns (the time the real consumer's QKᵀ, softmax and P·V hold a stage). It reads a
+contiguous HND cache [b, h_k, ctx, d] (cuDNN's own K / V), so its rate is the ring's and the
+grid's, not the page table's.
+
+If the bare ring reads at cuDNN's rate, the consumer's time on each stage is the gap; if it
+reads at ours, the ring / grid shape is, and the sweep shows which shape reads faster (session
+28, on an H100: fewer tiles in flight an SM read faster, which ``sm90_decode.SHALLOW`` acts on).
+Timed beside SDPA cuDNN and the planned decode under ``--ours`` settings of sm90_decode's
+constants, over the same K / V as one page a request (HND) and as shuffled pages of ``--page``
+keys (NHD), in one process: graph replays of ``--loop`` calls back to back (time per call),
+median of ``--rounds``, every implementation twice in turn.
+
+    python benchmarks/read_probe.py --cell 64x4096 --configs 3x64x2x0,3x64x2x400,2x64x1x0 \
+        --ours 3x1x1,3x1x0 --json F
+    (--configs: stages x keys a stage x CTAs an SM (1: shared memory padded) x spin ns;
+     --ours: STAGES x ROWS_AHEAD x SHALLOW)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+import ioattn.flashinfer as fi
+from ioattn.decode import sm90_decode as sd
+from ioattn.decode.sm90_decode import _now_ns
+from ioattn.dense.sm90_common import barriers, invalidate
+from tune_decode import _replayed  # (run as a script: benchmarks/ is on sys.path)
+
+
+@gluon.jit
+def _produce(k_desc, v_desc, k_smem, v_smem, full, empty, row0, n_tiles,
+             STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    for j in range(n_tiles):
+        st = j % STAGES
+        mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(full.index(st), 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, 0], full.index(st),
+                                        k_smem.index(st))
+        tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, 0], full.index(st),
+                                        v_smem.index(st))
+
+
+@gluon.jit
+def _consume(OUT, k_smem, full, empty, n_tiles, delay_ns, cta, STAGES: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    acc = gl.zeros([32, 32], gl.float32, layout)
+    for j in range(n_tiles):
+        st = j % STAGES
+        mbarrier.wait(full.index(st), (j // STAGES) & 1)
+        # a read of the stage, so the wait is on data the consumer uses (as the real one's wgmma)
+        acc += k_smem.index(st).slice(0, 32, dim=0).slice(0, 32, dim=1).load(layout).to(gl.float32)
+        if delay_ns > 0:
+            t0 = _now_ns()
+            t = t0
+            while t - t0 < delay_ns:
+                t = _now_ns()
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(st), count=1)
+    total = gl.sum(gl.sum(acc, axis=1), axis=0)
+    gl.store(OUT + cta, total)
+
+
+@gluon.jit
+def _read_probe(k_desc, v_desc, OUT, n_keys, delay_ns, STAGES: gl.constexpr,
+                BLOCK_N: gl.constexpr, D: gl.constexpr, PAD_BYTES: gl.constexpr):
+    head = gl.program_id(0)
+    req = gl.program_id(1)
+    cta = req * gl.num_programs(0) + head
+    row0 = cta * n_keys  # (the [b, h_k, ctx, d] cache as rows: one (request, head) a run)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    if PAD_BYTES > 0:  # (occupancy: one CTA an SM)
+        pad_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        pad = gl.allocate_shared_memory(gl.int8, [PAD_BYTES], pad_layout)
+        lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        lanes = gl.arange(0, 128, layout=lane_layout)
+        pad.slice(PAD_BYTES - 128, 128).store(lanes.to(gl.int8))
+        gl.store(OUT + gl.num_programs(0) * gl.num_programs(1) + cta + lanes * 0,
+                 pad.slice(PAD_BYTES - 128, 128).load(lane_layout).to(gl.float32),
+                 mask=lanes == 1)
+    full = barriers(STAGES, 1)
+    empty = barriers(STAGES, 1)
+    fence_async_shared()
+    n_tiles = n_keys // BLOCK_N
+    gl.warp_specialize([
+        (_consume, (OUT, k_smem, full, empty, n_tiles, delay_ns, cta, STAGES)),
+        (_produce, (k_desc, v_desc, k_smem, v_smem, full, empty, row0, n_tiles, STAGES,
+                    BLOCK_N)),
+    ], [1], [24])
+    invalidate(full, STAGES)
+    invalidate(empty, STAGES)
+
+
+def probe_fn(k: torch.Tensor, v: torch.Tensor, stages: int, block_n: int, per_sm: int,
+             delay: int):
+    b, h_k, ctx, d = k.shape
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.bfloat16)
+    kd = TensorDescriptor.from_tensor(k.view(-1, d), [block_n, d], layout)
+    vd = TensorDescriptor.from_tensor(v.view(-1, d), [block_n, d], layout)
+    out = torch.empty(2 * b * h_k, device=k.device, dtype=torch.float32)
+    used = 2 * stages * block_n * d * k.element_size()
+    short = 120 * 1024 - used  # (past half the SM's 228 KB: one CTA an SM)
+    pad = 1 << (short - 1).bit_length() if per_sm == 1 and short > 0 else 0  # (a power of two)
+    if used + pad > 227 * 1024:
+        raise SystemExit(f"stages {stages} x {block_n} keys: {used} B, more than an SM holds")
+    if per_sm == 2 and used > 110 * 1024:
+        raise SystemExit(f"stages {stages} x {block_n} keys: {used} B, not two CTAs an SM")
+
+    def fn():
+        _read_probe[(h_k, b)](kd, vd, out, ctx, delay, STAGES=stages, BLOCK_N=block_n, D=d,
+                              PAD_BYTES=pad, num_warps=4, maxnreg=128)
+    return fn
+
+
+def graph_time(fn, loop: int, rounds: int) -> list[float]:
+    """ms per call: ``loop`` calls captured in one graph, replayed ``rounds`` times."""
+    fn()
+    replay = _replayed(fn, loop)
+    replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / loop)
+    return times
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cell", default="64x4096", help="batch x context")
+    p.add_argument("--configs", default="3x64x2x0,2x64x2x0,3x64x1x0,4x64x1x0,2x64x1x0",
+                   help="bare rings: stages x keys a stage x CTAs an SM x spin ns a stage")
+    p.add_argument("--ours", default="3x1x1,3x1x0,3x0x0,2x1x0",
+                   help="the planned decode's settings, each as STAGES x ROWS_AHEAD x SHALLOW "
+                        "(sm90_decode's constants, set for its launch), over the contiguous K / V "
+                        "and over a paged cache of --page keys (NHD, shuffled pages)")
+    p.add_argument("--page", type=int, default=16)
+    p.add_argument("--loop", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    b, ctx = (int(x) for x in a.cell.split("x"))
+    saved = sd.STAGES, sd.ROWS_AHEAD, sd.SHALLOW
+    h, h_k, d, dt = 32, 8, 128, torch.bfloat16
+    k = torch.randn(b, h_k, ctx, d, device="cuda", dtype=dt)
+    v = torch.randn(b, h_k, ctx, d, device="cuda", dtype=dt)
+    q = torch.randn(b, h, d, device="cuda", dtype=dt)
+    nbytes = 2 * k.numel() * k.element_size()
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q[:, :, None, :], k, v, enable_gqa=True)
+
+    def wrapper(layout, pages, indptr, indices, last, page_size):
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(
+            torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), kv_layout=layout,
+            use_cuda_graph=True, paged_kv_indptr_buffer=torch.empty(b + 1, dtype=torch.int32,
+                                                                    device="cuda"),
+            paged_kv_indices_buffer=torch.empty(indices.numel(), dtype=torch.int32,
+                                                device="cuda"),
+            paged_kv_last_page_len_buffer=torch.empty(b, dtype=torch.int32, device="cuda"))
+        w.plan(indptr, indices, last, h, h_k, d, page_size, q_data_type=dt)
+        return lambda: w.run(q, pages)
+
+    kv = torch.stack((k, v), dim=1)  # [b, 2, h_k, ctx, d]: request i's K and V as page i
+    whole = wrapper("HND", kv, torch.arange(b + 1, dtype=torch.int32),
+                    torch.arange(b, dtype=torch.int32, device="cuda"),
+                    torch.full((b,), ctx, dtype=torch.int32),
+                    ctx)
+    # the same K / V in pages of --page keys, NHD, in shuffled order (the acceptance cell's form)
+    n_pages = b * ctx // a.page
+    perm = torch.randperm(n_pages, device="cuda")
+    paged = torch.empty(n_pages, 2, a.page, h_k, d, device="cuda", dtype=dt)
+    paged[perm] = kv.permute(0, 3, 1, 2, 4).reshape(n_pages, a.page, 2, h_k, d).transpose(1, 2)
+    paged_fn = wrapper("NHD", paged, torch.arange(0, n_pages + 1, ctx // a.page,
+                                                  dtype=torch.int32),
+                       perm.to(torch.int32), torch.full((b,), a.page, dtype=torch.int32), a.page)
+    ref = cudnn()[:, :, 0].float()
+    err = max((whole().float() - ref).abs().max().item(),
+              (paged_fn().float() - ref).abs().max().item())
+    fns = [("cudnn", cudnn)]
+    for o in a.ours.split(","):
+        st, ahead, shallow = (int(x) for x in o.split("x"))
+
+        def setting(fn, new=(st, bool(ahead), bool(shallow))):
+            def run():
+                sd.STAGES, sd.ROWS_AHEAD, sd.SHALLOW = new
+                try:
+                    return fn()
+                finally:
+                    sd.STAGES, sd.ROWS_AHEAD, sd.SHALLOW = saved
+            return run
+        tag = f"s{st}_ahead{ahead}_shallow{shallow}"
+        fns.append((f"ours_whole_{tag}", setting(whole)))
+        fns.append((f"ours_page{a.page}_{tag}", setting(paged_fn)))
+    for c in a.configs.split(","):
+        st, bn, per_sm, delay = (int(x) for x in c.split("x"))
+        fns.append((f"probe_s{st}_n{bn}_cta{per_sm}_d{delay}",
+                    probe_fn(k, v, st, bn, per_sm, delay)))
+    results = []
+    for name, fn in fns:  # (two passes, so each impl is timed twice apart: the card drifts)
+        results.append(dict(name=name, ms=graph_time(fn, a.loop, a.rounds)))
+    for name, fn in fns:
+        results.append(dict(name=name + "#2", ms=graph_time(fn, a.loop, a.rounds)))
+    for r in results:
+        r["tb_s"] = nbytes / (statistics.median(r["ms"]) * 1e-3) / 1e12
+        print(f"{r['name']:32s} {statistics.median(r['ms']) * 1e3:8.1f} us  {r['tb_s']:.3f} TB/s")
+    print(f"ours vs cuDNN max abs error {err:.2e}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                           date=datetime.date.today().isoformat(),
+                           git_commit=os.environ.get("IOATTN_GIT_COMMIT", "unknown"),
+                           triton=__import__("triton").__version__, cell=a.cell, loop=a.loop,
+                           rounds=a.rounds, bytes=nbytes, max_abs_err=err, results=results), f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
