@@ -151,10 +151,11 @@ def main(argv=None):
     p.add_argument("--cell", default="64x4096", help="batch x context")
     p.add_argument("--configs", default="3x64x2x0,2x64x2x0,3x64x1x0,4x64x1x0,2x64x1x0",
                    help="bare rings: stages x keys a stage x CTAs an SM x spin ns a stage")
-    p.add_argument("--ours", default="3x1x1,3x1x0,3x0x0,2x1x0",
+    p.add_argument("--ours", default="3x1x1,3x1x0,3x0x0,2x1x0,4x1x1",
                    help="the planned decode's settings, each as STAGES x ROWS_AHEAD x SHALLOW "
                         "(sm90_decode's constants, set for its launch), over the contiguous K / V "
-                        "and over a paged cache of --page keys (NHD, shuffled pages)")
+                        "and over a paged cache of --page keys (NHD, shuffled pages); STAGES "
+                        "4 takes more than half an SM's shared memory: one CTA an SM")
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--loop", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
