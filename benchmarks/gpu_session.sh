@@ -720,7 +720,7 @@ for step in $steps; do
            for sh in 1 0; do IOATTN_SM90_DECODE_SHALLOW=$sh timeout 150 python -m pytest -q -n 8 \
              -p no:cacheprovider tests/decode/test_decode_sm90.py > "$OUT/tests_decode_shallow$sh.log" 2>&1
              echo "tests shallow $sh: $(tail -1 "$OUT/tests_decode_shallow$sh.log")"; done
-           for r in 1 2; do for sh in 1 0; do
+           for r in 1 2; do order="1 0"; [ $r = 2 ] && order="0 1"; for sh in $order; do
              IOATTN_SM90_DECODE_SHALLOW=$sh timeout 100 python benchmarks/tune_decode.py --sm90 \
                --per-sm auto --block-n 64 --stages 3 --grid-extra auto \
                --cells "${SHALLOW_CELLS:-64x4096x16,16x8192x16,1x32768x16,128x2048x16,12x8192x16}" \

@@ -152,7 +152,7 @@ PT_PREFETCH = _PT_LEVELS[_pt]
 # the tile's stage, instead of after (then each refill of a stage waits a load's latency, the
 # entry's L2 hit or miss, before its copies go out). Measured on an H100 with two tiles in
 # flight a CTA (``SHALLOW``'s depth), graph replays of 64 x 4k page 16: 3.03 TB/s against
-# 3.00-3.01 loading after the wait; with three, level (2.99-3.00 against 3.00)
+# 3.00-3.01 loading after the wait; with three, 0.3-0.4% behind (2.98-3.00 against 2.99-3.01)
 # (benchmarks/read_probe.py, results/tune/read_probe_ahead_e965def_nvidia-h100_*).
 # IOATTN_SM90_DECODE_ROWS_AHEAD=0 loads them after the wait
 ROWS_AHEAD = os.environ.get("IOATTN_SM90_DECODE_ROWS_AHEAD", "1").lower() in ("1", "true", "on")
@@ -171,7 +171,9 @@ ROWS_AHEAD = os.environ.get("IOATTN_SM90_DECODE_ROWS_AHEAD", "1").lower() in ("1
 # 2.04 / 2.01-2.02, 128 x 2k 2.89 / 2.87-2.88, 16 x 8k 2.73 / 2.71-2.72, 12 x 8k (one CTA an
 # SM: three in flight either way) 2.61 / 2.59-2.60; two stages for every launch lost 12 x 8k
 # (2.51 against 2.61, tune_decode_stages{2,3}_*_e965def_*), hence the rule. Not yet timed on
-# the H200. IOATTN_SM90_DECODE_SHALLOW=0 keeps STAGES in flight
+# the H200. Caveat (review): the graph-replay gains above are no larger than 16 x 8k's and
+# 12 x 8k's, where the rule never engages (run-order drift); the evidence is read_probe's
+# same-process numbers. IOATTN_SM90_DECODE_SHALLOW=0 keeps STAGES in flight
 SHALLOW = os.environ.get("IOATTN_SM90_DECODE_SHALLOW", "1").lower() in ("1", "true", "on")
 _loader = os.environ.get("IOATTN_SM90_DECODE_LOADER", "tma").lower()
 if _loader not in ("tma", "cpasync"):
