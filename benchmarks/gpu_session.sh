@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [pt-prefetch] [loader] [read-probe] [d256-persistent] [shallow]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -660,40 +660,18 @@ for step in $steps; do
            # (first come first served against the even SM subset, IOATTN_SM90_DECODE_CLAIM_SPREAD)
            timeout 120 python benchmarks/sched_probe.py --work 12 --items 12,45 \
              --modes positions,claim,spread --json "$OUT/sched_probe_claims.json" 2>&1 | tail -12 ;;
-    pt-prefetch) # the sm90 decode's producer prefetching each item's page-table lines
-           # (IOATTN_SM90_DECODE_PT_PREFETCH 0 / l2 / l1): the decode GPU tests with each on, then
-           # graph replays of four cells, the settings interleaved twice (~3 min)
-           for lv in l2 l1; do IOATTN_SM90_DECODE_PT_PREFETCH=$lv timeout 120 python -m pytest -q -n 8 \
-             -p no:cacheprovider tests/decode/test_decode_sm90.py > "$OUT/tests_decode_pt_$lv.log" 2>&1
-             echo "tests pt $lv: $(tail -1 "$OUT/tests_decode_pt_$lv.log")"; done
-           for r in 1 2; do for lv in 0 l2 l1; do
-             IOATTN_SM90_DECODE_PT_PREFETCH=$lv timeout 100 python benchmarks/tune_decode.py --sm90 \
-               --per-sm auto --block-n 64 --stages 3 --grid-extra auto \
-               --cells "${PT_CELLS:-64x4096x16,16x8192x16,1x32768x16,128x2048x16}" \
-               --json "$OUT/tune_decode_pt_${lv}_$r.json" > "/tmp/tune_decode_pt_${lv}_$r.log" 2>&1
-             echo "pt $lv round $r:"; grep "^== best" "/tmp/tune_decode_pt_${lv}_$r.log"
-           done; done
-           # and 64 x 4k with larger pages (4096: one page a request, each request's K and V
-           # contiguous as cuDNN reads them): what the paging itself costs
-           timeout 100 python benchmarks/tune_decode.py --sm90 --per-sm auto --block-n 64 --stages 3 \
-             --grid-extra auto --cells 64x4096x16,64x4096x64,64x4096x4096 \
-             --json "$OUT/tune_decode_pages.json" > /tmp/tune_decode_pages.log 2>&1
-           echo "pages:"; grep "^== best" /tmp/tune_decode_pages.log ;;
     loader) # the sm90 decode's producer: TMA (default) against cp.async
            # (IOATTN_SM90_DECODE_LOADER=cpasync, a producer warpgroup; cuDNN's cp.async kernel
-           # read the same bytes at 2 points more of DRAM peak) and TMA with the page-table
-           # prefetch (PT_PREFETCH=l2): the decode GPU tests with each new form, then graph
-           # replays of four cells, the forms interleaved twice, then pages 16 / 64 / 4096 at
-           # 64 x 4k with each loader (~4 min)
+           # read the same bytes at 2 points more of DRAM peak): the decode GPU tests with it,
+           # then graph replays of four cells, the forms interleaved twice, then pages 16 / 64 /
+           # 4096 at 64 x 4k with each loader (~4 min; session 27's run also timed a page-table
+           # prefetch, since replaced by ROWS_AHEAD)
            IOATTN_SM90_DECODE_LOADER=cpasync timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
              tests/decode/test_decode_sm90.py > "$OUT/tests_decode_cpasync.log" 2>&1
            grep -E "FAILED|ERROR" "$OUT/tests_decode_cpasync.log" | head -5
            echo "tests cpasync: $(tail -1 "$OUT/tests_decode_cpasync.log")"
-           IOATTN_SM90_DECODE_PT_PREFETCH=l2 timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
-             tests/decode/test_decode_sm90.py > "$OUT/tests_decode_pt_l2.log" 2>&1
-           echo "tests pt l2: $(tail -1 "$OUT/tests_decode_pt_l2.log")"
-           for r in 1 2; do for f in ${LOADER_FORMS:-tma:0 cpasync:0 tma:l2}; do
-             IOATTN_SM90_DECODE_LOADER=${f%%:*} IOATTN_SM90_DECODE_PT_PREFETCH=${f##*:} timeout 100 \
+           for r in 1 2; do for f in ${LOADER_FORMS:-tma:0 cpasync:0}; do
+             IOATTN_SM90_DECODE_LOADER=${f%%:*} timeout 100 \
                python benchmarks/tune_decode.py --sm90 --per-sm auto --block-n 64 --stages 3 \
                --grid-extra auto --cells "${LOADER_CELLS:-64x4096x16,16x8192x16,1x32768x16,128x2048x16}" \
                --json "$OUT/tune_decode_loader_${f%%:*}_${f##*:}_$r.json" > "/tmp/tune_decode_loader_${f}_$r.log" 2>&1

@@ -178,8 +178,6 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_DECODE_CLAIM_SPREAD", "1", "sm90 decode claims: only the first CTAs on an "
      "even subset of SM ids, one per unit, claim at once (the units spread over the GPCs; 0: "
      "first come, first served)"),
-    ("IOATTN_SM90_DECODE_PT_PREFETCH", "0", "sm90 decode: the producer prefetches each item's "
-     "page-table lines first (l2 / l1; 0: off)"),
     ("IOATTN_SM90_DECODE_LOADER", "tma", "sm90 decode (bf16 / fp16, one item a CTA): the "
      "producer fills the ring by TMA, or by cp.async with a producer warpgroup (cpasync)"),
     ("IOATTN_SM90_DECODE_ROWS_AHEAD", "1", "sm90 decode: the TMA producer loads each key "

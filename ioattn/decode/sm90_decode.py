@@ -124,19 +124,6 @@ CLAIM_WAIT_NS = gl.constexpr(2000)
 # [11, 10, 10, 14, 10, 11, 14, 12, 4] (sched_probe_claims_92c65de_*). On by default;
 # IOATTN_SM90_DECODE_CLAIM_SPREAD=0: first come, first served
 CLAIM_SPREAD = os.environ.get("IOATTN_SM90_DECODE_CLAIM_SPREAD", "1").lower() in ("1", "true", "on")
-# (opt-in until timed, IOATTN_SM90_DECODE_PT_PREFETCH=l2 / l1) the producer, as it starts an
-# item, prefetches every 128-byte line of the item's page-table slice (to L2, or to L1 too),
-# one line a lane. Without it each line's first entry misses (32 entries: 8 key tiles at page
-# 16) and the producer waits a memory latency (~1 us) before its next TMA copy, its ring
-# short of a tile meanwhile: hypothesis for part of 64 x 4k's ~2% behind cuDNN on contiguous KV.
-# Timed (results/tune/tune_decode_loader_tma_{0,l2}_{1,2}_1b00ff3_*, graph replays, interleaved):
-# 64 x 4k 4.19 / 4.17 with l2 against 4.19 / 4.18 without, 16 x 8k 3.88 / 3.85 against
-# 3.84 / 3.86: no gain, so it stays off (opt-in, GPU tests pass with it)
-_PT_LEVELS = {"0": 0, "off": 0, "l2": 1, "l1": 2}
-_pt = os.environ.get("IOATTN_SM90_DECODE_PT_PREFETCH", "0").lower()
-if _pt not in _PT_LEVELS:
-    raise ValueError(f"IOATTN_SM90_DECODE_PT_PREFETCH={_pt!r}: use 0, l2 or l1")
-PT_PREFETCH = _PT_LEVELS[_pt]
 # (opt-in until timed, IOATTN_SM90_DECODE_LOADER=cpasync) the producer fills the ring with
 # cp.async (16 bytes a lane, L1 bypassed, each lane's copies completing the stage's barrier
 # through cp.async.mbarrier.arrive) instead of TMA: cuDNN's decode kernel (sm80, cp.async) read
@@ -148,39 +135,38 @@ PT_PREFETCH = _PT_LEVELS[_pt]
 # interleaved): 64 x 4k 4.19 / 4.19 against TMA's 4.19 / 4.18 (the hypothesis is refuted: the
 # loader is not the gap), 16 x 8k 3.29 against 3.84-3.86 (one CTA an SM there: one producer
 # warpgroup's issue rate), 128 x 2k 4.04-4.05 against 4.15-4.16. TMA stays the default
-# the TMA producer loads each key tile's page-table entries a tile ahead, before it waits for
-# the tile's stage, instead of after (then each refill of a stage waits a load's latency, the
-# entry's L2 hit or miss, before its copies go out). Measured on an H100 with two tiles in
-# flight a CTA (``SHALLOW``'s depth), graph replays of 64 x 4k page 16: 3.03 TB/s against
-# 3.00-3.01 loading after the wait; with three, 0.3-0.4% behind (2.98-3.00 against 2.99-3.01)
-# (benchmarks/read_probe.py, results/tune/read_probe_ahead_e965def_nvidia-h100_*).
-# IOATTN_SM90_DECODE_ROWS_AHEAD=0 loads them after the wait
-ROWS_AHEAD = os.environ.get("IOATTN_SM90_DECODE_ROWS_AHEAD", "1").lower() in ("1", "true", "on")
-# (bf16 / fp16 caches, one item a CTA) two key tiles in flight a CTA instead of STAGES when the
-# launch's (item, KV head) units outnumber the SMs (N_WORK, read in the kernel: graph-safe), so
-# that two CTAs share an SM: the ring keeps its STAGES stages (the occupancy stays two CTAs an
-# SM), the producer waits for the tile two back to be freed before it loads the next. Found
-# with benchmarks/read_probe.py on an H100 (results/tune/read_probe_bare_e965def_*): a bare TMA
-# ring of 64-key K+V tiles (no page table, no math) read 64 x 4k at 3.00 TB/s with 3 stages x
-# 2 CTAs an SM (192 KB in flight an SM), 3.08-3.09 with 2 x 2 and 3.10-3.12 with 2-3 x 1,
-# cuDNN 3.05 in the same run: past ~128 KB in flight an SM, DRAM serves the same bytes slower
-# (a spin of up to 600 ns a stage in the consumer changed nothing). The planned decode, same
-# run (read_probe_shallow_e965def_*): 64 x 4k over cuDNN's own K/V 3.05 / 3.05 TB/s (2.95
-# without), page 16 3.01-3.02 (2.98), cuDNN 3.05. Graph replays of five cells, on / off
-# interleaved twice (tune_decode_shallow{1,0}_*_e965def_*): 64 x 4k 2.90 / 2.88-2.89, 1 x 32k
-# 2.04 / 2.01-2.02, 128 x 2k 2.89 / 2.87-2.88, 16 x 8k 2.73 / 2.71-2.72, 12 x 8k (one CTA an
-# SM: three in flight either way) 2.61 / 2.59-2.60; two stages for every launch lost 12 x 8k
-# (2.51 against 2.61, tune_decode_stages{2,3}_*_e965def_*), hence the rule. Not yet timed on
-# the H200. Caveat (review): the graph-replay gains above are no larger than 16 x 8k's and
-# 12 x 8k's, where the rule never engages (run-order drift); the evidence is read_probe's
-# same-process numbers. IOATTN_SM90_DECODE_SHALLOW=0 keeps STAGES in flight
-SHALLOW = os.environ.get("IOATTN_SM90_DECODE_SHALLOW", "1").lower() in ("1", "true", "on")
 _loader = os.environ.get("IOATTN_SM90_DECODE_LOADER", "tma").lower()
 if _loader not in ("tma", "cpasync"):
     raise ValueError(f"IOATTN_SM90_DECODE_LOADER={_loader!r}: use tma or cpasync")
 CP_ASYNC = _loader == "cpasync"
 CP_WARPS = 4
 CP_REGS = 40
+# the TMA producer loads each key tile's page-table entries a tile ahead, before it waits for
+# the tile's stage, instead of after (then each refill of a stage waits a load's latency, the
+# entry's L2 hit or miss, before its copies go out; it replaces session 27's page-table line
+# prefetch to L2 / L1, which timed level: tune_decode_loader_tma_{0,l2}_*_1b00ff3_*). Measured
+# on an H100 with a 2-stage ring, graph replays of 64 x 4k page 16: 3.03 TB/s against 3.00-3.01
+# loading after the wait; with three in flight 0.3-0.4% behind (2.98-3.00 against 2.99-3.01)
+# (benchmarks/read_probe.py, results/tune/read_probe_{ahead,shallow}_e965def_nvidia-h100_*).
+# IOATTN_SM90_DECODE_ROWS_AHEAD=0 loads them after the wait
+ROWS_AHEAD = os.environ.get("IOATTN_SM90_DECODE_ROWS_AHEAD", "1").lower() in ("1", "true", "on")
+# (bf16 / fp16 caches, one item a CTA) two key tiles in flight a CTA instead of STAGES when the
+# launch's (item, KV head) units outnumber the SMs (N_WORK, read in the kernel: graph-safe), so
+# that every SM has work and (d=128) two CTAs share most SMs: the ring keeps its STAGES stages
+# (occupancy unchanged), the producer waits for the tile two back to be freed before it loads
+# the next. Found with benchmarks/read_probe.py on an H100: a bare TMA ring of 64-key K+V tiles
+# (no page table, no math) read 64 x 4k at 3.00 TB/s with 3 stages x 2 CTAs an SM (192 KB in
+# flight an SM), 3.08-3.09 with 2 x 2, 3.09-3.10 with 3 x 1, 3.12-3.13 with 2 x 1, cuDNN 3.05:
+# the fewer bytes in flight, the faster, down to 64 KB an SM (a spin of up to 600 ns a stage in
+# the consumer changed nothing) (results/tune/read_probe_{bare,ahead}_e965def_*). The planned
+# decode in one run (read_probe_shallow_e965def_*): 64 x 4k over a copy of cuDNN's K/V as one
+# page a request 3.05 TB/s (2.95 without), page 16 3.01-3.02 (2.99), cuDNN 3.05. Graph
+# replays on / off (tune_decode_shallow{1,0}_*_e965def_*) moved +0.3-1.3% in every cell,
+# 16 x 8k and 12 x 8k (never engaged there) as much: run-order drift, not evidence. Two stages
+# for every launch lost 12 x 8k (96 CTAs: SMs idle; 2.51 against 2.61,
+# tune_decode_stages{2,3}_*_e965def_*), hence the rule. Not yet timed on the H200.
+# IOATTN_SM90_DECODE_SHALLOW=0 keeps STAGES in flight
+SHALLOW = os.environ.get("IOATTN_SM90_DECODE_SHALLOW", "1").lower() in ("1", "true", "on")
 # the claim counters: next unit, claims made, then one arrival count per SM (ids folded into
 # CLAIM_SMS slots; ``triton_decode.CLAIM_WORDS`` words, which the wrapper allocates without
 # loading Gluon)
@@ -199,50 +185,22 @@ def _slot_row(INDICES, bt_row, n_pages_b, key, page_rows, row_off, PAGE: gl.cons
 
 
 @gluon.jit
-def _prefetch_page_table(INDICES, bt_row, n_pages_b, start, n_keys, PAGE: gl.constexpr,
-                         LEVEL: gl.constexpr):
-    """Prefetch (LEVEL 1: to L2, 2: to L1) the 128-byte lines of the page-table entries of a
-    request's keys [start, start + n_keys), one line a lane of the calling warp. Entries from
-    the line holding the first one (aligned down: still within the table) to the request's
-    last page; nothing past the table is addressed."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    LINE: gl.constexpr = 32  # int32 entries a line
-    first = bt_row + start // PAGE
-    first = first - first % LINE
-    last = bt_row + gl.minimum(gl.cdiv(start + n_keys, PAGE), n_pages_b)
-    for c in range(first, last, 32 * LINE):
-        idx = c + gl.arange(0, 32, layout=layout) * LINE
-        addr = (INDICES + idx).to(gl.int64, bitcast=True)
-        if LEVEL == 2:
-            asm: gl.constexpr = ("{ .reg .pred %p; setp.ne.u32 %p, $2, 0; "
-                                 "@%p prefetch.global.L1 [$1]; mov.u32 $0, 0; }")
-        else:
-            asm: gl.constexpr = ("{ .reg .pred %p; setp.ne.u32 %p, $2, 0; "
-                                 "@%p prefetch.global.L2 [$1]; mov.u32 $0, 0; }")
-        gl.inline_asm_elementwise(asm, "=r,l,r", [addr, (idx < last).to(gl.int32)],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, bt_row,
                      n_pages_b, start, n_tiles, n_keys, row_off, page_rows, col,
                      PAGE: gl.constexpr, STAGES_: gl.constexpr, CONVERT: gl.constexpr, it0=0,
-                     SELF_ZERO: gl.constexpr = False, PT_PREFETCH_: gl.constexpr = 0,
-                     ROWS_AHEAD_: gl.constexpr = False, depth=0):
+                     SELF_ZERO: gl.constexpr = False, ROWS_AHEAD_: gl.constexpr = False,
+                     depth=0):
     """TMA loads of the item's key tiles [start + j * BLOCK_N, ...) into the ring from ring
     position it0: per tile one copy per page run (``PAGE`` keys, or the whole tile when pages
     are larger), at row page * page_rows + row_off (the head's, HND) + key % PAGE of the views.
     Page-table entries past the request's pages read as page 0 (those keys are masked; their V
-    rows zeroed, here or, SELF_ZERO or CONVERT, by the consumer). PT_PREFETCH_: the item's
-    page-table lines prefetched first (``PT_PREFETCH``). depth in 1 .. STAGES_ - 1: at most
-    that many tiles in flight or held by the consumer (``SHALLOW``), the ring's other stages
-    left unused."""
+    rows zeroed, here or, SELF_ZERO or CONVERT, by the consumer). ROWS_AHEAD_: each tile's
+    page-table entries loaded a tile ahead (``ROWS_AHEAD``). depth in 1 .. STAGES_ - 1: at most
+    that many tiles in flight or held by the consumer at once (``SHALLOW``); the stages still
+    rotate."""
     BLOCK_N_: gl.constexpr = k_smem.shape[1]
     BOX: gl.constexpr = k_desc.block_type.shape[0]
     NB: gl.constexpr = BLOCK_N_ // BOX  # TMA copies a tile, of K and of V
-    if PT_PREFETCH_ != 0:
-        _prefetch_page_table(INDICES, bt_row, n_pages_b, start, n_tiles * BLOCK_N_, PAGE,
-                             PT_PREFETCH_)
     if ROWS_AHEAD_:
         # each tile's page-table entries loaded a tile ahead, before the wait for its stage,
         # so the copies go out as soon as the stage is free (``ROWS_AHEAD``)
@@ -316,8 +274,8 @@ def _decode_producer_one(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, I
                          n_pages_b, start, n_tiles, n_keys, row_off, page_rows, col, K_RAW,
                          V_RAW, k_row_stride, v_row_stride, PAGE: gl.constexpr,
                          STAGES_: gl.constexpr, HEAD_D: gl.constexpr, CONVERT: gl.constexpr,
-                         PT_PREFETCH_: gl.constexpr, CP_ASYNC_: gl.constexpr,
-                         ROWS_AHEAD_: gl.constexpr = False, depth=0):
+                         CP_ASYNC_: gl.constexpr, ROWS_AHEAD_: gl.constexpr = False,
+                         depth=0):
     """The producer of one item a CTA: by cp.async (CP_ASYNC_) or TMA."""
     if CP_ASYNC_:
         _decode_producer_cp(K_RAW, V_RAW, k_row_stride, v_row_stride, k_smem, v_smem, full,
@@ -326,7 +284,7 @@ def _decode_producer_one(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, I
     else:
         _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, bt_row,
                          n_pages_b, start, n_tiles, n_keys, row_off, page_rows, col, PAGE,
-                         STAGES_, CONVERT, 0, False, PT_PREFETCH_, ROWS_AHEAD_, depth)
+                         STAGES_, CONVERT, 0, False, ROWS_AHEAD_, depth)
 
 
 @gluon.jit
@@ -584,7 +542,7 @@ def _decode_consumer_items(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, 
 def _decode_producer_items(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, WORK,
                            SEQ, p0, p1, batch, capacity, row_off, page_rows, col,
                            PAGE: gl.constexpr, STAGES_: gl.constexpr, CONVERT: gl.constexpr,
-                           PT_PREFETCH_: gl.constexpr = 0, ROWS_AHEAD_: gl.constexpr = False):
+                           ROWS_AHEAD_: gl.constexpr = False):
     """(BALANCED) The producer over items p0 .. p1 - 1, the ring running on."""
     BLOCK_N_: gl.constexpr = k_smem.shape[1]
     it = p0 * 0
@@ -593,7 +551,7 @@ def _decode_producer_items(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed,
             WORK, SEQ, w, batch, capacity, BLOCK_N_)
         _decode_producer(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed, INDICES, bt_row,
                          n_pages_b, start, n_tiles, hi - start, row_off, page_rows, col, PAGE,
-                         STAGES_, CONVERT, it, True, PT_PREFETCH_, ROWS_AHEAD_)
+                         STAGES_, CONVERT, it, True, ROWS_AHEAD_)
         it += n_tiles
 
 
@@ -678,7 +636,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                  PDL: gl.constexpr = False, HEADS_FIRST: gl.constexpr = False,
                  PREFETCH_: gl.constexpr = False, view_rows=None,
                  CLAIMS=None, n_sms=0, CLAIM_: gl.constexpr = False,
-                 CLAIM_SPREAD_: gl.constexpr = False, PT_PREFETCH_: gl.constexpr = 0,
+                 CLAIM_SPREAD_: gl.constexpr = False,
                  CP_ASYNC_: gl.constexpr = False, PRODUCER_WARPS_: gl.constexpr = 1,
                  ROWS_AHEAD_: gl.constexpr = False, SHALLOW_: gl.constexpr = False):
     # MERGE: split requests are merged in the kernel by their last item (COUNTS [batch * KV
@@ -772,7 +730,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                                       v_fixed.index(0), INDICES, WORK, SEQ, p0, p1, batch,
                                       capacity, off_hk.to(gl.int64) * head_rows, page_rows,
                                       off_hk * head_cols, PAGE, STAGES_, CONVERT,
-                                      PT_PREFETCH_, ROWS_AHEAD_)),
+                                      ROWS_AHEAD_)),
         ], [1], [PRODUCER_REGS_])
     else:
         gl.warp_specialize([
@@ -788,8 +746,8 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                                     v_fixed.index(0), INDICES, bt_row, n_pages_b, start, n_tiles,
                                     hi - start, off_hk.to(gl.int64) * head_rows, page_rows,
                                     off_hk * head_cols, K_RAW, V_RAW, k_row_stride,
-                                    v_row_stride, PAGE, STAGES_, HEAD_D, CONVERT, PT_PREFETCH_,
-                                    CP_ASYNC_, ROWS_AHEAD_, depth)),
+                                    v_row_stride, PAGE, STAGES_, HEAD_D, CONVERT, CP_ASYNC_,
+                                    ROWS_AHEAD_, depth)),
         ], [PRODUCER_WARPS_], [PRODUCER_REGS_])
 
     invalidate(full, STAGES_)
@@ -884,7 +842,7 @@ def launch_constexprs(d: int, page: int, group: int, fp8: bool, merge: bool,
                 MERGE_SLOTS=max(1, min(32, 8192 // (group_p2 * d))), CONVERT=fp8,
                 BALANCED=balanced, PDL=pdl, HEADS_FIRST=heads_first,
                 PREFETCH_=prefetch and pdl and not balanced, CLAIM_=claim and not balanced,
-                CLAIM_SPREAD_=claim and not balanced and CLAIM_SPREAD, PT_PREFETCH_=PT_PREFETCH,
+                CLAIM_SPREAD_=claim and not balanced and CLAIM_SPREAD,
                 CP_ASYNC_=cp, ROWS_AHEAD_=ROWS_AHEAD and not cp,
                 SHALLOW_=SHALLOW and not cp and not fp8 and not balanced)
 
