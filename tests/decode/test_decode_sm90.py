@@ -233,20 +233,28 @@ def test_sm90_decode(c, merge, monkeypatch):
     _check_requests(out, lse, q, cache, c["layout"], lens, indices, indptr)
 
 
+# (long requests, so each CTA streams many 64-key tiles and the producer's wait for the tile two
+# back runs many times: pages of 8, 16 and 32 keys, NHD and HND)
+RING_CASES = [CASES[0], CASES[1], CASES[3], CASES[7],
+              dict(batch=3, h=8, h_k=2, d=128, page=8, layout="NHD", max_len=1100),
+              dict(batch=2, h=16, h_k=4, d=64, page=32, layout="HND", dtype=FP16, max_len=900),
+              dict(batch=2, h=4, h_k=1, d=128, page=16, layout="HND", max_len=1300)]
+
+
 @needs_sm90
 @pytest.mark.parametrize("shallow, ahead", [(True, True), (True, False), (False, False)],
                          ids=["shallow", "shallow-rows-after", "deep-rows-after"])
-@pytest.mark.parametrize("c", [CASES[0], CASES[1], CASES[2], CASES[3], CASES[7]],
-                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("c", RING_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_sm90_decode_ring_depth(c, shallow, ahead, monkeypatch):
     """IOATTN_SM90_DECODE_SHALLOW: two key tiles in flight a CTA, of the ring's three, when the
-    launch's (item, KV head) units outnumber the SMs (the count made 2 here, so every case
+    launch's (item, KV head) units outnumber the SMs (the count made 1 here, so every case
     takes it; by default only large batches do), or three; IOATTN_SM90_DECODE_ROWS_AHEAD off:
     each tile's page-table entries loaded after the wait for its stage. Pages of 8 to 64 keys
-    (1 to 8 copies a tile), split requests, ragged lengths, stale NaN slots."""
+    (1 to 8 copies a tile), long requests (up to 21 tiles a CTA), split requests, ragged
+    lengths, stale NaN slots."""
     monkeypatch.setattr(sm90_decode, "SHALLOW", shallow)
     monkeypatch.setattr(sm90_decode, "ROWS_AHEAD", ahead)
-    monkeypatch.setattr(sm90_decode, "sm_count", lambda device: 2)
+    monkeypatch.setattr(sm90_decode, "sm_count", lambda device: 1)
     calls = _sm90_decode_on(monkeypatch)
     c, dtype, wrapper, (lens, indptr, indices, last, cache) = _planned(c)
     q = torch.randn(c["batch"], c["h"], c["d"], device="cuda", dtype=dtype)
