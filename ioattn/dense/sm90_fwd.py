@@ -160,6 +160,12 @@ if WG3_BLOCK_N not in ("auto", "64", "128"):
 # 0.96-0.99x and on the other forms -8% to +8% by cell with no consistent sign, so they keep the
 # wait's own order; "1" / "0" force it on / off everywhere
 EXP_EARLY_MODE = os.environ.get("IOATTN_SM90_FWD_EXP_EARLY", "auto").lower()
+if EXP_EARLY_MODE in ("true", "on"):
+    EXP_EARLY_MODE = "1"
+if EXP_EARLY_MODE in ("false", "off"):
+    EXP_EARLY_MODE = "0"
+if EXP_EARLY_MODE not in ("auto", "1", "0"):
+    raise ValueError(f"IOATTN_SM90_FWD_EXP_EARLY={EXP_EARLY_MODE!r}: expected auto, 1 or 0")
 # (opt-in, IOATTN_SM90_FWD_LAZY=1) FlashAttention-4's lazy rescale on unmasked key blocks: a
 # warpgroup keeps its rows' running max (the exponentials' shift) unless some row's max grew
 # past it by more than LAZY_LOG2 (log2 units: P then stays <= 2^8, l and O in fp32 far from
@@ -170,12 +176,6 @@ EXP_EARLY_MODE = os.environ.get("IOATTN_SM90_FWD_EXP_EARLY", "auto").lower()
 # keep the exact update.
 LAZY = gl.constexpr(os.environ.get("IOATTN_SM90_FWD_LAZY", "0").lower() in ("1", "true", "on"))
 LAZY_LOG2 = gl.constexpr(8.0)
-if EXP_EARLY_MODE in ("true", "on"):
-    EXP_EARLY_MODE = "1"
-if EXP_EARLY_MODE in ("false", "off"):
-    EXP_EARLY_MODE = "0"
-if EXP_EARLY_MODE not in ("auto", "1", "0"):
-    raise ValueError(f"IOATTN_SM90_FWD_EXP_EARLY={EXP_EARLY_MODE!r}: expected auto, 1 or 0")
 
 
 def _block_n(head_dim: int) -> int:
@@ -707,7 +707,8 @@ def _block_step(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, s_zer
     """One steady-state step: QK of the block at ring position it (keys from col0) issued, then
     PV of the previous block (its P in p, V at it - 1) into acc; wait(1) retires QK, and this
     block's softmax from (m_i, l_i) runs while PV is on the tensor cores. Returns (p, alpha, m,
-    l, acc, grow), acc not yet rescaled by alpha (grow: whether it needs it, ``LAZY``); s_zero: S's zero accumulator, made once."""
+    l, acc, grow), acc not yet rescaled by alpha (grow: whether it needs it, ``LAZY``); s_zero:
+    S's zero accumulator, made once."""
     dtype: gl.constexpr = q.dtype
     p_layout: gl.constexpr = wgmma_a_operand(acc.type.layout)
     st = it % STAGES
