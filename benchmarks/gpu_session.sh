@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [fwd-lazy]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -705,17 +705,6 @@ for step in $steps; do
                --json "$OUT/tune_decode_shallow${sh}_$r.json" > "/tmp/tune_decode_shallow${sh}_$r.log" 2>&1
              echo "shallow $sh round $r:"; grep "^== best" "/tmp/tune_decode_shallow${sh}_$r.log" | sort -u
            done; done ;;
-    fwd-lazy) # the forward's lazy rescale (IOATTN_SM90_FWD_LAZY, opt-in): its tests and the
-           # sm90 forward tests with it on, then d = 128 / 256 forward 2k-16k on / off / on, cuDNN
-           # beside each (~6 min)
-           IOATTN_SM90_FWD_LAZY=1 timeout 200 python -m pytest -q -n 8 -p no:cacheprovider -rf \
-             tests/dense/test_sm90.py -k "lazy or fwd_bwd or persistent_fwd or softcap_fwd" \
-             > "$OUT/tests_fwd_lazy.log" 2>&1
-           grep -E "^FAILED" "$OUT/tests_fwd_lazy.log"; tail -1 "$OUT/tests_fwd_lazy.log"
-           onoff IOATTN_SM90_FWD_LAZY "1 0" fwd_lazy --modes fwd --dims ${LAZY_DIMS:-128,256} \
-             --seqlens 2048,4096,8192,16384 --dtypes bf16
-           bench_with IOATTN_SM90_FWD_LAZY=1 fwd_lazy1_again --modes fwd --dims ${LAZY_DIMS:-128,256} \
-             --seqlens 2048,4096,8192,16384 --dtypes bf16 ;;
     read-probe) # the decode ring's bare read rate (benchmarks/read_probe.py: no math, or a
            # spin standing for it), beside cuDNN and the planned decode over the same K / V,
            # 64 x 4k unless READ_CELL (~1 min)

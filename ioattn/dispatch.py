@@ -131,9 +131,6 @@ ENV_SWITCHES = (
      "conversion) kept before the wait for the previous block's PV GEMM (auto: on the d=64 "
      "192x128 tile without a mask; 1: everywhere; 0: nowhere, ptxas then runs most of them "
      "after it, and the d=64 forward without a mask keeps 128x128 tiles)"),
-    ("IOATTN_SM90_FWD_LAZY", "0", "sm90 forward: FlashAttention-4's lazy rescale on unmasked key "
-     "blocks (1: a warpgroup keeps its rows' running max, and skips O's rescale, unless a row's "
-     "grew by more than 2^8; 0: every block rescales)"),
     ("IOATTN_SM90_BWD_EXP_EARLY", "0", "sm90 backward (d<=128 dK/dV kernels): each step's exponentials "
      "kept before the wait for dP's GEMM (1: on; 0: off, ptxas then runs most of them after it)"),
     ("IOATTN_SM90_FWD_WG3", "1", "sm90 forward at d=64: three consumer warpgroups (192-row "

@@ -166,16 +166,6 @@ if EXP_EARLY_MODE in ("false", "off"):
     EXP_EARLY_MODE = "0"
 if EXP_EARLY_MODE not in ("auto", "1", "0"):
     raise ValueError(f"IOATTN_SM90_FWD_EXP_EARLY={EXP_EARLY_MODE!r}: expected auto, 1 or 0")
-# (opt-in, IOATTN_SM90_FWD_LAZY=1) FlashAttention-4's lazy rescale on unmasked key blocks: a
-# warpgroup keeps its rows' running max (the exponentials' shift) unless some row's max grew
-# past it by more than LAZY_LOG2 (log2 units: P then stays <= 2^8, l and O in fp32 far from
-# overflow, and out = O / l, LSE = m + log2 l hold for any shift), so after a tile's first
-# blocks the O rescale (HEAD_DV / 2 FMULs a thread a block: 128 at d=256, a quarter of the
-# steady loop's instructions there; 64 at d=128) is skipped; the decision is one reduction
-# over the warpgroup's rows (a scalar, so the skip is a branch, not predication). Masked blocks
-# keep the exact update.
-LAZY = gl.constexpr(os.environ.get("IOATTN_SM90_FWD_LAZY", "0").lower() in ("1", "true", "on"))
-LAZY_LOG2 = gl.constexpr(8.0)
 
 
 def _block_n(head_dim: int) -> int:
@@ -470,9 +460,8 @@ def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_ri
                   OP_LAYOUT: gl.constexpr = None):
     """One key block's online-softmax update in the log2 domain (scores = s * qk_scale_log2).
 
-    Returns (p, alpha, m_new, l_new, grow); p unnormalized (with OP_LAYOUT: already PV's OP_DTYPE
-    register operand), alpha the rescale of the running sums; grow (``LAZY``, a scalar): whether
-    O must be rescaled by alpha (False: alpha is 1, the shift kept).
+    Returns (p, alpha, m_new, l_new); p unnormalized (with OP_LAYOUT: already PV's OP_DTYPE
+    register operand), alpha the rescale of the running sums.
     With OP_LAYOUT: the exponentials inside the masked / unmasked branches, so they end a basic block
     that the wait for PV_{j-1} follows: ptxas schedules within blocks, and after the join it
     hoists that wait above most of them (``_exp_early``).
@@ -497,21 +486,16 @@ def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_ri
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
         # a row that has seen no key keeps m = -inf: shift by 0 so exp2 sees -inf, not NaN
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        grow = need_mask
         if OP_LAYOUT is not None:
             p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE, OP_LAYOUT)
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
-        grow = need_mask  # (unused without LAZY: O always rescaled)
-        if LAZY:  # (m_i = -inf, a row with no key yet: the difference is +inf, so it grows)
-            grow = gl.max(m_new - m_i, axis=0) > LAZY_LOG2
-            m_new = gl.where(grow, m_new, m_i)
         m_use = m_new
         if OP_LAYOUT is not None:
             p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE, OP_LAYOUT)
     if OP_LAYOUT is None:
         p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE, OP_LAYOUT)
-    return p, alpha, m_new, l_new, grow
+    return p, alpha, m_new, l_new
 
 
 @gluon.jit
@@ -658,17 +642,13 @@ def _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, p,
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=wgmma_acc_layout(BLOCK_N))
     for j in range(1, n_tiles):
-        p, alpha, m_i, l_i, acc, grow = _block_step(q, k_smem, v_smem, k_full, v_full, k_empty,
+        p, alpha, m_i, l_i, acc = _block_step(q, k_smem, v_smem, k_full, v_full, k_empty,
                                               v_empty, turn, s_zero, p, acc, m_i, l_i, it0 + j, rnd0 + j,
                                               lo + j * BLOCK_N, row0, seqlen_k, off, window_left,
                                               window_right, qk_scale_log2,
                                               softcap_scale, WG, STAGES, HAS_LEFT,
                                               HAS_RIGHT, PINGPONG, EARLY, QK_COLS)
-        if LAZY:
-            if grow:
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        else:
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     return p, acc, m_i, l_i
 
 
@@ -690,10 +670,9 @@ def _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it, rnd, co
     _pass_turn(turn, WG, PINGPONG)
     s = softcap_tanh(warpgroup_mma_wait(0, deps=[s_tok]), softcap_scale)
     mbarrier.arrive(k_empty.index(st), count=1)
-    p, alpha, m_i, l_i, grow = _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off,
-                                             window_left, window_right, qk_scale_log2, HAS_LEFT,
-                                             HAS_RIGHT, dtype if EARLY else None,
-                                             p_layout if EARLY else None)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left,
+                                       window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT,
+                                       dtype if EARLY else None, p_layout if EARLY else None)
     return p, m_i, l_i
 
 
@@ -707,8 +686,7 @@ def _block_step(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, s_zer
     """One steady-state step: QK of the block at ring position it (keys from col0) issued, then
     PV of the previous block (its P in p, V at it - 1) into acc; wait(1) retires QK, and this
     block's softmax from (m_i, l_i) runs while PV is on the tensor cores. Returns (p, alpha, m,
-    l, acc, grow), acc not yet rescaled by alpha (grow: whether it needs it, ``LAZY``); s_zero:
-    S's zero accumulator, made once."""
+    l, acc), acc not yet rescaled by alpha; s_zero: S's zero accumulator, made once."""
     dtype: gl.constexpr = q.dtype
     p_layout: gl.constexpr = wgmma_a_operand(acc.type.layout)
     st = it % STAGES
@@ -722,13 +700,12 @@ def _block_step(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, s_zer
     _pass_turn(turn, WG, PINGPONG)
     s = softcap_tanh(warpgroup_mma_wait(1, deps=[s_tok]), softcap_scale)
     mbarrier.arrive(k_empty.index(st), count=1)  # K is consumed: the producer refills it
-    p, alpha, m_i, l_i, grow = _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off,
-                                             window_left, window_right, qk_scale_log2, HAS_LEFT,
-                                             HAS_RIGHT, dtype if EARLY else None,
-                                             p_layout if EARLY else None)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left,
+                                       window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT,
+                                       dtype if EARLY else None, p_layout if EARLY else None)
     acc = warpgroup_mma_wait(0, deps=[acc_tok])
     mbarrier.arrive(v_empty.index(prev), count=1)  # the previous block's V is consumed
-    return p, alpha, m_i, l_i, acc, grow
+    return p, alpha, m_i, l_i, acc
 
 
 @gluon.jit
