@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -34,6 +34,17 @@ timelines() {
       --json "$OUT/fwd_timeline_${name}_${tag}_d${d}_2048${c:+_causal}.json" > /tmp/timeline.log 2>&1
     echo "== $e timeline d=$d 2048 $c"
     grep -E '^note:|"tile_us"|"kernel_us"|"q_wait"|"first"|"store"' /tmp/timeline.log | head -10
+  done; done; }
+# decode_onoff VAR NAME: graph replays of five decode cells (DECODE_CELLS) on the sm90 kernel,
+# VAR=1 / 0 interleaved twice (each round reversed), into $OUT/tune_decode_NAME<v>_<round>.json
+decode_onoff() {
+  local var=$1 name=$2 r v order
+  for r in 1 2; do order="1 0"; [ $r = 2 ] && order="0 1"; for v in $order; do
+    env "$var=$v" timeout 100 python benchmarks/tune_decode.py --sm90 \
+      --per-sm auto --block-n 64 --stages 3 --grid-extra auto \
+      --cells "${DECODE_CELLS:-64x4096x16,16x8192x16,1x32768x16,128x2048x16,12x8192x16}" \
+      --json "$OUT/tune_decode_${name}${v}_$r.json" > "/tmp/tune_decode_${name}${v}_$r.log" 2>&1
+    echo "$name $v round $r:"; grep "^== best" "/tmp/tune_decode_${name}${v}_$r.log" | sort -u
   done; done; }
 for step in $steps; do
   case $step in
@@ -698,18 +709,21 @@ for step in $steps; do
            for sh in 1 0; do IOATTN_SM90_DECODE_SHALLOW=$sh timeout 150 python -m pytest -q -n 8 \
              -p no:cacheprovider tests/decode/test_decode_sm90.py > "$OUT/tests_decode_shallow$sh.log" 2>&1
              echo "tests shallow $sh: $(tail -1 "$OUT/tests_decode_shallow$sh.log")"; done
-           for r in 1 2; do order="1 0"; [ $r = 2 ] && order="0 1"; for sh in $order; do
-             IOATTN_SM90_DECODE_SHALLOW=$sh timeout 100 python benchmarks/tune_decode.py --sm90 \
-               --per-sm auto --block-n 64 --stages 3 --grid-extra auto \
-               --cells "${SHALLOW_CELLS:-64x4096x16,16x8192x16,1x32768x16,128x2048x16,12x8192x16}" \
-               --json "$OUT/tune_decode_shallow${sh}_$r.json" > "/tmp/tune_decode_shallow${sh}_$r.log" 2>&1
-             echo "shallow $sh round $r:"; grep "^== best" "/tmp/tune_decode_shallow${sh}_$r.log" | sort -u
-           done; done ;;
+           decode_onoff IOATTN_SM90_DECODE_SHALLOW shallow ;;
     read-probe) # the decode ring's bare read rate (benchmarks/read_probe.py: no math, or a
            # spin standing for it), beside cuDNN and the planned decode over the same K / V,
            # 64 x 4k unless READ_CELL (~1 min)
            timeout 300 python benchmarks/read_probe.py --cell "${READ_CELL:-64x4096}" \
              ${READ_CONFIGS:+--configs "$READ_CONFIGS"} --json "$OUT/read_probe.json" 2>&1 | tail -40 ;;
+    mma16) # the sm90 decode's consumer on mma.sync for groups <= 16 (IOATTN_SM90_DECODE_MMA16):
+           # decode GPU tests with it on and off, read_probe at 64 x 4k (on / off in one
+           # process), then graph replays of five cells, MMA16 1 / 0 interleaved twice (~5 min)
+           for m in 1 0; do IOATTN_SM90_DECODE_MMA16=$m timeout 150 python -m pytest -q -n 8 \
+             -p no:cacheprovider tests/decode/test_decode_sm90.py > "$OUT/tests_decode_mma16$m.log" 2>&1
+             echo "tests mma16 $m: $(tail -1 "$OUT/tests_decode_mma16$m.log")"; done
+           timeout 200 python benchmarks/read_probe.py --cell 64x4096 --configs 2x64x2x0 \
+             --ours 3x1x1x0,3x1x1x1,2x1x0x1 --json "$OUT/read_probe_mma16.json" 2>&1 | tail -16
+           decode_onoff IOATTN_SM90_DECODE_MMA16 mma16 ;;
     *) echo "unknown step $step" ;;
   esac
 done

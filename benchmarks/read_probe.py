@@ -20,7 +20,7 @@ median of ``--rounds``, every implementation twice in turn.
     python benchmarks/read_probe.py --cell 64x4096 --configs 3x64x2x0,3x64x2x400,2x64x1x0 \
         --ours 3x1x1,3x1x0 --json F
     (--configs: stages x keys a stage x CTAs an SM (1: shared memory padded) x spin ns;
-     --ours: STAGES x ROWS_AHEAD x SHALLOW)
+     --ours: STAGES x ROWS_AHEAD x SHALLOW [x MMA16])
 """
 from __future__ import annotations
 
@@ -154,7 +154,8 @@ def main(argv=None):
                    help="bare rings: stages x keys a stage x CTAs an SM x spin ns a stage")
     p.add_argument("--ours", default="3x1x1,3x1x0,3x0x0,2x1x0,4x1x1",
                    help="the planned decode's settings, each as STAGES x ROWS_AHEAD x SHALLOW "
-                        "(sm90_decode's constants, set for its launch), over the contiguous K / V "
+                        "[x MMA16] (sm90_decode's constants, set for its launch), over the "
+                        "contiguous K / V "
                         "and over a paged cache of --page keys (NHD, shuffled pages); STAGES "
                         "4 takes more than half an SM's shared memory: one CTA an SM")
     p.add_argument("--page", type=int, default=16)
@@ -163,7 +164,7 @@ def main(argv=None):
     p.add_argument("--json")
     a = p.parse_args(argv)
     b, ctx = (int(x) for x in a.cell.split("x"))
-    saved = sd.STAGES, sd.ROWS_AHEAD, sd.SHALLOW
+    saved = sd.STAGES, sd.ROWS_AHEAD, sd.SHALLOW, sd.MMA16
     h, h_k, d, dt = 32, 8, 128, torch.bfloat16
     k = torch.randn(b, h_k, ctx, d, device="cuda", dtype=dt)
     v = torch.randn(b, h_k, ctx, d, device="cuda", dtype=dt)
@@ -202,17 +203,19 @@ def main(argv=None):
     errs = {}  # each setting's max abs error against cuDNN, both layouts
     fns = [("cudnn", cudnn)]
     for o in a.ours.split(","):
-        st, ahead, shallow = (int(x) for x in o.split("x"))
+        st, ahead, shallow, *mma16 = (int(x) for x in o.split("x"))
+        mma16 = mma16[0] if mma16 else int(saved[3])
 
-        def setting(fn, new=(st, bool(ahead), bool(shallow))):
+        def setting(fn, new=(st, bool(ahead), bool(shallow), bool(mma16))):
             def run():
-                sd.STAGES, sd.ROWS_AHEAD, sd.SHALLOW = new
+                sd.STAGES, sd.ROWS_AHEAD, sd.SHALLOW, sd.MMA16 = new
                 try:
                     return fn()
                 finally:
-                    sd.STAGES, sd.ROWS_AHEAD, sd.SHALLOW = saved
+                    sd.STAGES, sd.ROWS_AHEAD, sd.SHALLOW, sd.MMA16 = saved
             return run
-        tag = f"s{st}_ahead{ahead}_shallow{shallow}"
+        tag = f"s{st}_ahead{ahead}_shallow{shallow}" + (f"_mma16{mma16}" if o.count("x") > 2
+                                                          else "")
         for name, fn in ((f"ours_whole_{tag}", setting(whole)),
                          (f"ours_page{a.page}_{tag}", setting(paged_fn))):
             errs[name] = (fn().float() - ref).abs().max().item()

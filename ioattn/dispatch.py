@@ -184,6 +184,8 @@ ENV_SWITCHES = (
      "tile's page-table entries a tile ahead, before waiting for the tile's stage"),
     ("IOATTN_SM90_DECODE_SHALLOW", "1", "sm90 decode (bf16 / fp16, one item a CTA): two key "
      "tiles in flight a CTA, not the ring's three, when the work's units outnumber the SMs"),
+    ("IOATTN_SM90_DECODE_MMA16", "0", "sm90 decode: GQA groups of at most 16 query heads on "
+     "mma.sync (16 rows, each consumer warp on its own keys) instead of a 64-row wgmma tile"),
     ("IOATTN_SM90_DECODE_MIN_BYTES", str(200 << 20), "planned eager decode: K+V bytes below "
      "which a plan keeps the portable kernel (its launch was cheaper on the host)"),
     ("IOATTN_SM90_DECODE_MERGE", "1", "sm90 decode: split requests merged in the kernel by "

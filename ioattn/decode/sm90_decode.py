@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
@@ -167,6 +167,15 @@ ROWS_AHEAD = os.environ.get("IOATTN_SM90_DECODE_ROWS_AHEAD", "1").lower() in ("1
 # tune_decode_stages{2,3}_*_e965def_*), hence the rule. Not yet timed on the H200.
 # IOATTN_SM90_DECODE_SHALLOW=0 keeps STAGES in flight
 SHALLOW = os.environ.get("IOATTN_SM90_DECODE_SHALLOW", "1").lower() in ("1", "true", "on")
+# (GQA groups of at most 16 query heads) the consumer on mma.sync (m16n8k16, ``_consumer_mma16``)
+# instead of a 64-row wgmma tile: the group padded to 16 rows, not 64, so a 4-head group's
+# tensor work and softmax shrink 4x (wgmma's M is 64: at 32 / 8 heads, 60 of its 64 rows are
+# padding). Each of the four consumer warps takes 16 keys of every tile with its own online
+# softmax (no cross-warp traffic a tile); their states merge once an item. Hypothesis: the
+# consumer's time on each stage is part of the last 2.8% between the bare ring and ours at
+# 64 x 4k (read_probe_shallow_6a6de0a_*). Opt-in until timed: IOATTN_SM90_DECODE_MMA16=1
+MMA16 = os.environ.get("IOATTN_SM90_DECODE_MMA16", "0").lower() in ("1", "true", "on")
+MMA16_ROWS = gl.constexpr(16)
 # the claim counters: next unit, claims made, then one arrival count per SM (ids folded into
 # CLAIM_SMS slots; ``triton_decode.CLAIM_WORDS`` words, which the wrapper allocates without
 # loading Gluon)
@@ -310,10 +319,186 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_sme
                      off_b, HEAD_D: gl.constexpr, STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr,
                      MERGE: gl.constexpr, GROUP_P2: gl.constexpr, MERGE_SLOTS: gl.constexpr,
                      CONVERT: gl.constexpr, it0=0, SELF_ZERO: gl.constexpr = False,
-                     CP_ASYNC_: gl.constexpr = False):
-    """One item for one KV head, its key tiles from ring position it0; SELF_ZERO: the last
-    tile's V rows past the request's keys zeroed here (else the producer zeroes them; CP_ASYNC_:
-    its copies wrote them as zeros, and each tile is fenced for wgmma's proxy after its wait).
+                     CP_ASYNC_: gl.constexpr = False, MMA16_: gl.constexpr = False):
+    """One item for one KV head, its key tiles from ring position it0, on mma.sync for a GQA
+    group of at most 16 heads (MMA16_, ``_consumer_mma16``) or a 64-row wgmma tile
+    (``_consumer_wgmma``)."""
+    if MMA16_:
+        _consumer_mma16(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
+                        full, empty, v_fixed, q_row, stride_qs, stride_qh, stride_os, stride_oh,
+                        h0, group, n_heads, part, start, lo, hi, n_tiles, qk_scale_log2,
+                        softcap_scale, COUNT, SLOT_START, off_b, HEAD_D, STAGES_, LSE_BASE2,
+                        MERGE, GROUP_P2, MERGE_SLOTS, CONVERT, it0, SELF_ZERO, CP_ASYNC_)
+    else:
+        _consumer_wgmma(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
+                        full, empty, v_fixed, q_row, stride_qs, stride_qh, stride_os, stride_oh,
+                        h0, group, n_heads, part, start, lo, hi, n_tiles, qk_scale_log2,
+                        softcap_scale, COUNT, SLOT_START, off_b, HEAD_D, STAGES_, LSE_BASE2,
+                        MERGE, GROUP_P2, MERGE_SLOTS, CONVERT, it0, SELF_ZERO, CP_ASYNC_)
+
+
+@gluon.jit
+def _consumer_mma16(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
+                    full, empty, v_fixed, q_row, stride_qs, stride_qh, stride_os, stride_oh, h0,
+                    group, n_heads, part, start, lo, hi, n_tiles, qk_scale_log2, softcap_scale,
+                    COUNT, SLOT_START, off_b, HEAD_D: gl.constexpr, STAGES_: gl.constexpr,
+                    LSE_BASE2: gl.constexpr, MERGE: gl.constexpr, GROUP_P2: gl.constexpr,
+                    MERGE_SLOTS: gl.constexpr, CONVERT: gl.constexpr, it0=0,
+                    SELF_ZERO: gl.constexpr = False, CP_ASYNC_: gl.constexpr = False):
+    """(``MMA16``) ``_decode_consumer`` on mma.sync m16n8k16 for a GQA group of at most 16
+    heads: the group's heads are the 16 rows of every warp's Q fragment (loaded once an item),
+    warp w takes keys [16 w, 16 w + 16) of each tile (S = Q·Kᵀ, its own online softmax, O += P·V
+    with P straight from S's registers), and the four warps' (m, l, O) merge once, through
+    Q's shared buffer, at the end. Operands are read from the ring by ldmatrix (the generic
+    proxy: no fence after TMA's completion, nor after the producer's or our zeroing)."""
+    BLOCK_N_: gl.constexpr = k_smem.shape[1]
+    W: gl.constexpr = gl.num_warps()
+    R: gl.constexpr = MMA16_ROWS
+    KW: gl.constexpr = BLOCK_N_ // W  # keys a warp, of each tile (16: one k-step of P·V)
+    HALF: gl.constexpr = HEAD_D // 2
+    dtype: gl.constexpr = q_smem.dtype
+    gl.static_assert(W * R == q_smem.shape[0])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1],
+                                                  instr_shape=[1, 16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
+    b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
+    row3: gl.constexpr = gl.SliceLayout(2, mma)  # [W, R]: a warp's rows
+
+    # Q: rows R w + r hold query head h0 + r (r < group) for every warp w
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+    rq = gl.arange(0, W * R, layout=gl.SliceLayout(1, ld))
+    cq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ld))
+    q_tile, q_exp = _load_q(Q, q_row, stride_qs, stride_qh, h0 + rq % R, rq % R < group, cq,
+                            CONVERT)
+    if CONVERT:  # (q scaled by 2^-q_exp: the raw scores, or softcap's tanh argument, undo it)
+        if softcap_scale is None:
+            qk_scale_log2 = qk_scale_log2 * gl.exp2(q_exp)
+        else:
+            softcap_scale = softcap_scale * gl.exp2(q_exp)
+    q_smem.store(q_tile.to(dtype))
+    gl.thread_barrier()
+    q3 = q_smem.reshape([W, R, HEAD_D]).load(a_l)
+
+    m_i = gl.full([W, R], float("-inf"), gl.float32, layout=row3)
+    l_i = gl.full([W, R], 0.0, gl.float32, layout=row3)
+    acc = gl.zeros([W, R, HEAD_D], gl.float32, layout=mma)
+    s_zero = gl.zeros([W, R, KW], gl.float32, layout=mma)
+    wk = gl.arange(0, W, layout=gl.SliceLayout(1, row3))
+    ik = gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
+    koff = wk[:, None, None] * KW + ik[None, None, :]  # [W, 1, KW]: a warp's keys of a tile
+    for j in range(n_tiles):
+        st = (it0 + j) % STAGES_
+        mbarrier.wait(full.index(st), ((it0 + j) // STAGES_) & 1)
+        key0 = start + j * BLOCK_N_
+        if CONVERT:
+            # an fp8 cache: the stage's K and V converted to fp16 in the operand buffers (V's
+            # slots past the request's keys zeroed on the way); the stage is then free
+            _convert_tile(k_smem.index(st), kc_smem, BLOCK_N_)
+            _convert_tile(v_smem.index(st), vc_smem, hi - key0)
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(st), count=1)
+            k_op = kc_smem
+            v_op = vc_smem
+        else:
+            k_op = k_smem.index(st)
+            v_op = v_smem.index(st)
+        k3 = k_op.reshape([W, KW, HEAD_D]).permute((0, 2, 1)).load(b_l)
+        s = softcap_tanh(mma_v2(q3, k3, s_zero), softcap_scale)
+        if (key0 < lo) | (key0 + BLOCK_N_ > hi):
+            keys = key0 + koff
+            s = gl.where((keys >= lo) & (keys < hi), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=2) * qk_scale_log2)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s * qk_scale_log2 - m_use[:, :, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, axis=2)
+        m_i = m_new
+        acc = acc * alpha[:, :, None]
+        if not CONVERT and not CP_ASYNC_:
+            if j == n_tiles - 1:
+                if key0 + BLOCK_N_ > hi:  # V rows past the request's keys: zeroed
+                    if SELF_ZERO:  # (in place, by the warpgroup, before it reads them)
+                        zero_tail_rows(v_smem.index(st), hi - key0)
+                        gl.thread_barrier()
+                    else:  # (by the producer)
+                        mbarrier.wait(v_fixed, 0)
+        v3 = v_op.reshape([W, KW, HEAD_D]).load(b_l)
+        acc = mma_v2(gl.convert_layout(p.to(dtype), a_l), v3, acc)
+        gl.thread_barrier()  # every warp's reads of the stage (or operand buffers) done
+        if not CONVERT:
+            mbarrier.arrive(empty.index(st), count=1)
+
+    # the warps' states merged through Q's buffer (Q is in registers): m and l, then O's
+    # partials half the columns at a time ([W, R, D / 2] fp32), each read back with every
+    # thread holding all W warps' values of its elements (a reduction without the compiler's
+    # scratch, which would cost the second CTA an SM)
+    flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+    buf_ml = q_smem._reinterpret(gl.float32, [2 * W, R], flat2)
+    buf_o = q_smem._reinterpret(gl.float32, [W, R, HALF], flat3)
+    red: gl.constexpr = gl.BlockedLayout([W, 1, 4], [1, 2, 16], [1, W, 1], [2, 1, 0])
+    ml: gl.constexpr = gl.SliceLayout(2, red)  # [W, R]
+    buf_ml.slice(0, W, dim=0).store(m_i)
+    buf_ml.slice(W, W, dim=0).store(l_i)
+    gl.thread_barrier()
+    m_w = buf_ml.slice(0, W, dim=0).load(ml)
+    l_w = buf_ml.slice(W, W, dim=0).load(ml)
+    gl.thread_barrier()
+    m = gl.max(m_w, axis=0)
+    m_use = gl.where(m == float("-inf"), 0.0, m)
+    sc = gl.exp2(m_w - m_use[None, :])
+    l_t = gl.sum(l_w * sc, axis=0)
+    lo_h, hi_h = gl.split(gl.permute(gl.reshape(acc, [W, R, 2, HALF]), (0, 1, 3, 2)))
+    buf_o.store(lo_h)
+    gl.thread_barrier()
+    o_lo = gl.sum(buf_o.load(red) * sc[:, :, None], axis=0)
+    gl.thread_barrier()
+    buf_o.store(hi_h)
+    gl.thread_barrier()
+    o_hi = gl.sum(buf_o.load(red) * sc[:, :, None], axis=0)
+
+    o2: gl.constexpr = gl.SliceLayout(0, red)  # [R, HALF]
+    row_o: gl.constexpr = gl.SliceLayout(1, o2)
+    l_o = gl.convert_layout(l_t, row_o)
+    empty_row = l_o == 0.0
+    l_safe = gl.where(empty_row, 1.0, l_o)
+    lse = gl.where(empty_row, float("-inf"), gl.convert_layout(m_use, row_o) + gl.log2(l_safe))
+    if not LSE_BASE2:
+        lse = lse * 0.6931471805599453
+    inv = (1.0 / l_safe)[:, None]
+    rows_o = gl.arange(0, R, layout=row_o)
+    cols_o = gl.arange(0, HALF, layout=gl.SliceLayout(0, o2))
+    live = rows_o < group
+    heads_o = (h0 + rows_o).to(gl.int64)
+    if part >= 0:
+        _store_part(O_PART, LSE_PART, o_lo * inv, lse, heads_o, cols_o, live, heads_o, live,
+                    part, n_heads, HEAD_D, True)
+        _store_part(O_PART, LSE_PART, o_hi * inv, lse, heads_o, cols_o + HALF, live, heads_o,
+                    live, part, n_heads, HEAD_D, False)
+        if MERGE:
+            _merge_if_last(O, LSE, O_PART, LSE_PART, COUNT, SLOT_START, off_b, q_row, h0,
+                           group, n_heads, stride_os, stride_oh, HEAD_D, LSE_BASE2, GROUP_P2,
+                           MERGE_SLOTS)
+    else:
+        _store_out(O, LSE, o_lo * inv, lse, heads_o, cols_o, live, heads_o, live, q_row,
+                   n_heads, stride_os, stride_oh, True)
+        _store_out(O, LSE, o_hi * inv, lse, heads_o, cols_o + HALF, live, heads_o, live, q_row,
+                   n_heads, stride_os, stride_oh, False)
+
+
+@gluon.jit
+def _consumer_wgmma(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
+                    full, empty, v_fixed,
+                    q_row, stride_qs, stride_qh, stride_os, stride_oh, h0, group, n_heads, part,
+                    start, lo, hi, n_tiles, qk_scale_log2, softcap_scale, COUNT, SLOT_START,
+                    off_b, HEAD_D: gl.constexpr, STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr,
+                    MERGE: gl.constexpr, GROUP_P2: gl.constexpr, MERGE_SLOTS: gl.constexpr,
+                    CONVERT: gl.constexpr, it0=0, SELF_ZERO: gl.constexpr = False,
+                    CP_ASYNC_: gl.constexpr = False):
+    """(``_decode_consumer``'s 64-row wgmma form) One item for one KV head, its key tiles from
+    ring position it0; SELF_ZERO: the last tile's V rows past the request's keys zeroed here
+    (else the producer zeroes them; CP_ASYNC_: its copies wrote them as zeros, and each tile is
+    fenced for wgmma's proxy after its wait).
     softcap_scale: softcap's tanh(s · softcap_scale) on each score tile (qk_scale_log2 is then
     cap · log2 e, ``score_scales``), or None."""
     BLOCK_N_: gl.constexpr = k_smem.shape[1]
@@ -330,20 +515,11 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_sme
     rows_o = gl.arange(0, ROWS, layout=row_o)
     cols_o = gl.arange(0, HEAD_D, layout=col_o)
     live = rows_o < group
-    q_ptrs = (Q + q_row * stride_qs + (h0 + rows_o)[:, None].to(gl.int64) * stride_qh
-              + cols_o[None, :])
-    q_tile = gl.load(q_ptrs, mask=live[:, None], other=0.0)
-    if CONVERT:
-        # (fp16 operands) q scaled by a power of two so that its largest |value| fits fp16
-        # (<= 2^15), which the score scale undoes exactly (as the portable kernel does)
-        q_f = q_tile.to(gl.float32)
-        q_abs = gl.abs(q_f)  # (over finite values: an inf must not zero the group's other heads)
-        q_amax = gl.max(gl.max(gl.where(q_abs < float("inf"), q_abs, 0.0), axis=1), axis=0)
-        q_exp = gl.maximum(gl.ceil(gl.log2(q_amax)) - 15.0, 0.0)
-        q_tile = q_f * gl.exp2(-q_exp)
+    q_tile, q_exp = _load_q(Q, q_row, stride_qs, stride_qh, h0 + rows_o, live, cols_o, CONVERT)
+    if CONVERT:  # (q scaled by 2^-q_exp: the raw scores, or softcap's tanh argument, undo it)
         if softcap_scale is None:
             qk_scale_log2 = qk_scale_log2 * gl.exp2(q_exp)
-        else:  # (the raw scores are tanh's argument)
+        else:
             softcap_scale = softcap_scale * gl.exp2(q_exp)
     q_smem.store(q_tile.to(dtype))
     fence_async_shared()
@@ -411,29 +587,75 @@ def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_sme
     heads_l = (h0 + rows_l).to(gl.int64)
     heads_o = (h0 + rows_o).to(gl.int64)
     if part >= 0:
-        # a split request: fp32 partials in slot ``part`` (O_PART [slots, h, d], LSE_PART
-        # [slots, h]), merged afterwards
-        base = part.to(gl.int64) * n_heads
-        gl.store(O_PART + (base + heads_o)[:, None] * HEAD_D + cols_o[None, :], acc,
-                 mask=live[:, None])
-        gl.store(LSE_PART + base + heads_l, lse, mask=rows_l < group)
+        _store_part(O_PART, LSE_PART, acc, lse, heads_o, cols_o, live, heads_l, rows_l < group,
+                    part, n_heads, HEAD_D, True)
         if MERGE:
-            # the request's last item to finish merges its partials (no combine launch): the
-            # whole warpgroup's stores, then one acquire-release ticket on the (request, KV
-            # head) counter; the merging CTA resets it for the next launch (graph replays)
-            gl.thread_barrier()
-            slot0 = gl.load(SLOT_START + off_b)
-            n_parts = gl.load(SLOT_START + off_b + 1) - slot0
-            ticket = gl.atomic_add(COUNT, 1, sem="acq_rel", scope="gpu")
-            if ticket == n_parts - 1:
-                _merge_parts(O, LSE, O_PART, LSE_PART, slot0, n_parts, q_row, h0, group,
-                             n_heads, stride_os, stride_oh, HEAD_D, LSE_BASE2, GROUP_P2,
-                             MERGE_SLOTS, 4)
-                gl.store(COUNT, 0)
+            _merge_if_last(O, LSE, O_PART, LSE_PART, COUNT, SLOT_START, off_b, q_row, h0,
+                           group, n_heads, stride_os, stride_oh, HEAD_D, LSE_BASE2, GROUP_P2,
+                           MERGE_SLOTS)
     else:
-        gl.store(O + q_row * stride_os + heads_o[:, None] * stride_oh + cols_o[None, :],
-                 acc.to(O.dtype.element_ty), mask=live[:, None])
-        gl.store(LSE + q_row * n_heads + heads_l, lse, mask=rows_l < group)
+        _store_out(O, LSE, acc, lse, heads_o, cols_o, live, heads_l, rows_l < group, q_row,
+                   n_heads, stride_os, stride_oh, True)
+
+
+@gluon.jit
+def _load_q(Q, q_row, stride_qs, stride_qh, heads, live, cols, CONVERT: gl.constexpr):
+    """The query row's heads ``heads`` (rows where ``live``, zeros elsewhere) as a tile of the
+    layout of heads / cols, and q_exp: CONVERT (fp16 operands) scales q by 2^-q_exp so that its
+    largest |value| fits fp16 (<= 2^15), which the caller's score scale undoes exactly (as the
+    portable kernel does; q_exp 0 otherwise)."""
+    q_ptrs = (Q + q_row * stride_qs + heads[:, None].to(gl.int64) * stride_qh + cols[None, :])
+    q_tile = gl.load(q_ptrs, mask=live[:, None], other=0.0)
+    q_exp = 0.0
+    if CONVERT:
+        q_f = q_tile.to(gl.float32)
+        q_abs = gl.abs(q_f)  # (over finite values: an inf must not zero the group's other heads)
+        q_amax = gl.max(gl.max(gl.where(q_abs < float("inf"), q_abs, 0.0), axis=1), axis=0)
+        q_exp = gl.maximum(gl.ceil(gl.log2(q_amax)) - 15.0, 0.0)
+        q_tile = q_f * gl.exp2(-q_exp)
+    return q_tile, q_exp
+
+
+@gluon.jit
+def _store_part(O_PART, LSE_PART, o, lse, heads_o, cols_o, live_o, heads_l, live_l, part,
+                n_heads, HEAD_D: gl.constexpr, WITH_LSE: gl.constexpr):
+    """A split request's item: its fp32 partial output columns cols_o of heads heads_o (and,
+    WITH_LSE, its LSE of heads_l) in slot ``part`` (O_PART [slots, h, d], LSE_PART [slots, h]),
+    merged afterwards."""
+    base = part.to(gl.int64) * n_heads
+    gl.store(O_PART + (base + heads_o)[:, None] * HEAD_D + cols_o[None, :], o,
+             mask=live_o[:, None])
+    if WITH_LSE:
+        gl.store(LSE_PART + base + heads_l, lse, mask=live_l)
+
+
+@gluon.jit
+def _store_out(O, LSE, o, lse, heads_o, cols_o, live_o, heads_l, live_l, q_row, n_heads,
+               stride_os, stride_oh, WITH_LSE: gl.constexpr):
+    """An unsplit request's item: its output columns cols_o of heads heads_o (and, WITH_LSE,
+    its LSE of heads_l)."""
+    gl.store(O + q_row * stride_os + heads_o[:, None] * stride_oh + cols_o[None, :],
+             o.to(O.dtype.element_ty), mask=live_o[:, None])
+    if WITH_LSE:
+        gl.store(LSE + q_row * n_heads + heads_l, lse, mask=live_l)
+
+
+@gluon.jit
+def _merge_if_last(O, LSE, O_PART, LSE_PART, COUNT, SLOT_START, off_b, q_row, h0, group, n_heads,
+                   stride_os, stride_oh, HEAD_D: gl.constexpr, LSE_BASE2: gl.constexpr,
+                   GROUP_P2: gl.constexpr, MERGE_SLOTS: gl.constexpr):
+    """(MERGE) After an item's partials are stored: the request's last item to finish merges
+    them (no combine launch): the whole warpgroup's stores, then one acquire-release ticket on
+    the (request, KV head) counter; the merging CTA resets it for the next launch (graph
+    replays)."""
+    gl.thread_barrier()
+    slot0 = gl.load(SLOT_START + off_b)
+    n_parts = gl.load(SLOT_START + off_b + 1) - slot0
+    ticket = gl.atomic_add(COUNT, 1, sem="acq_rel", scope="gpu")
+    if ticket == n_parts - 1:
+        _merge_parts(O, LSE, O_PART, LSE_PART, slot0, n_parts, q_row, h0, group, n_heads,
+                     stride_os, stride_oh, HEAD_D, LSE_BASE2, GROUP_P2, MERGE_SLOTS, 4)
+        gl.store(COUNT, 0)
 
 
 @gluon.jit
@@ -518,7 +740,8 @@ def _decode_consumer_items(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, 
                            softcap_scale, COUNTS, SLOT_START, off_hk, HEAD_D: gl.constexpr,
                            STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr, MERGE: gl.constexpr,
                            GROUP_P2: gl.constexpr, MERGE_SLOTS: gl.constexpr,
-                           CONVERT: gl.constexpr, KV_AXIS: gl.constexpr):
+                           CONVERT: gl.constexpr, KV_AXIS: gl.constexpr,
+                           MMA16_: gl.constexpr = False):
     """(BALANCED) The consumer over items p0 .. p1 - 1, the ring running on from one to the
     next; it zeroes V's rows past each request's keys itself (a producer ahead by two items
     would otherwise complete ``v_fixed``'s phases faster than they are waited for)."""
@@ -534,7 +757,7 @@ def _decode_consumer_items(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, 
                          softcap_scale, COUNTS + off_b * gl.num_programs(KV_AXIS) + off_hk, SLOT_START,
                          off_b,
                          HEAD_D, STAGES_, LSE_BASE2, MERGE, GROUP_P2, MERGE_SLOTS, CONVERT, it,
-                         True)
+                         True, False, MMA16_)
         it += n_tiles
 
 
@@ -638,7 +861,8 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                  CLAIMS=None, n_sms=0, CLAIM_: gl.constexpr = False,
                  CLAIM_SPREAD_: gl.constexpr = False,
                  CP_ASYNC_: gl.constexpr = False, PRODUCER_WARPS_: gl.constexpr = 1,
-                 ROWS_AHEAD_: gl.constexpr = False, SHALLOW_: gl.constexpr = False):
+                 ROWS_AHEAD_: gl.constexpr = False, SHALLOW_: gl.constexpr = False,
+                 MMA16_: gl.constexpr = False):
     # MERGE: split requests are merged in the kernel by their last item (COUNTS [batch * KV
     # heads] int32 tickets, zero between launches; SLOT_START [batch + 1] the partial slots),
     # GROUP_P2 / MERGE_SLOTS the merge's tile (``_merge_parts``)
@@ -659,7 +883,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
     # (PRODUCER_REGS_ registers) fill the ring by cp.async from K_RAW / V_RAW (``CP_ASYNC``);
     # ROWS_AHEAD_: the TMA producer's page-table loads a tile ahead (``ROWS_AHEAD``);
     # SHALLOW_ (n_sms the SM count): two tiles in flight a CTA when the work's units outnumber
-    # the SMs, so that CTAs share them (``SHALLOW``)
+    # the SMs, so that CTAs share them (``SHALLOW``); MMA16_: the consumer on mma.sync (``MMA16``)
     KV_AXIS: gl.constexpr = 0 if HEADS_FIRST else 1
     w = gl.program_id(1 - KV_AXIS)
     off_hk = gl.program_id(KV_AXIS)
@@ -725,7 +949,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                                       stride_oh, h0, group, n_heads, qk_scale_log2,
                                       softcap_scale, COUNTS, SLOT_START, off_hk, HEAD_D, STAGES_,
                                       LSE_BASE2, MERGE,
-                                      GROUP_P2, MERGE_SLOTS, CONVERT, KV_AXIS)),
+                                      GROUP_P2, MERGE_SLOTS, CONVERT, KV_AXIS, MMA16_)),
             (_decode_producer_items, (k_desc, v_desc, k_smem, v_smem, full, empty,
                                       v_fixed.index(0), INDICES, WORK, SEQ, p0, p1, batch,
                                       capacity, off_hk.to(gl.int64) * head_rows, page_rows,
@@ -741,7 +965,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                                 qk_scale_log2, softcap_scale,
                                 COUNTS + off_b * gl.num_programs(KV_AXIS) + off_hk,
                                 SLOT_START, off_b, HEAD_D, STAGES_, LSE_BASE2, MERGE, GROUP_P2,
-                                MERGE_SLOTS, CONVERT, 0, False, CP_ASYNC_)),
+                                MERGE_SLOTS, CONVERT, 0, False, CP_ASYNC_, MMA16_)),
             (_decode_producer_one, (k_desc, v_desc, k_smem, v_smem, full, empty,
                                     v_fixed.index(0), INDICES, bt_row, n_pages_b, start, n_tiles,
                                     hi - start, off_hk.to(gl.int64) * head_rows, page_rows,
@@ -844,7 +1068,8 @@ def launch_constexprs(d: int, page: int, group: int, fp8: bool, merge: bool,
                 PREFETCH_=prefetch and pdl and not balanced, CLAIM_=claim and not balanced,
                 CLAIM_SPREAD_=claim and not balanced and CLAIM_SPREAD,
                 CP_ASYNC_=cp, ROWS_AHEAD_=ROWS_AHEAD and not cp,
-                SHALLOW_=SHALLOW and not cp and not fp8 and not balanced)
+                SHALLOW_=SHALLOW and not cp and not fp8 and not balanced,
+                MMA16_=MMA16 and group <= MMA16_ROWS.value)
 
 
 def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,

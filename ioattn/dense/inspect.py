@@ -123,22 +123,24 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
             num(r"(\d+) bytes spill loads"))
 
 
-SASS_OPS = ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "SYNCS", "WARPGROUP", "MUFU")
+SASS_OPS = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "SYNCS", "WARPGROUP", "MUFU")
 
 
 def _sass_counts(text: str) -> dict:
     """Counts of the Hopper SASS opcodes in SASS_OPS in a kernel's SASS (``_sass_text``):
-    HGMMA (async warpgroup MMA), UTMALDG/UTMASTG (TMA), USETMAXREG (register reallocation), SYNCS
-    (mbarrier ops); and MUFU.TANH (softcap's tanh.approx) among the MUFU ops."""
+    HGMMA (async warpgroup MMA), HMMA (mma.sync), UTMALDG/UTMASTG (TMA), USETMAXREG (register
+    reallocation), SYNCS (mbarrier ops); and MUFU.TANH (softcap's tanh.approx) among the MUFU
+    ops."""
     # (addresses grow past four hex digits in kernels over 64 KB of code)
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text)
     return {**{op: ops.count(op) for op in SASS_OPS}, "MUFU.TANH": text.count("MUFU.TANH")}
 
 
 def loop_spills(text: str) -> list[list[int]]:
-    """The innermost loops of a kernel's SASS that issue wgmma (HGMMA: the step / key-block
-    loops), each as [instructions, STL, LDL] an iteration, in code order. A loop is a backward
-    branch's span; innermost, one holding no other. Spills outside them (a prologue, an
+    """The innermost loops of a kernel's SASS that issue tensor-core MMAs (HGMMA, wgmma, or
+    HMMA, mma.sync: the step / key-block loops), each as [instructions, STL, LDL] an
+    iteration, in code order. A loop is a backward branch's span; innermost, one holding no
+    other. Spills outside them (a prologue, an
     epilogue, a persistent kernel's per-tile code) cost once, these every iteration."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in
            re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
@@ -152,7 +154,7 @@ def loop_spills(text: str) -> list[list[int]]:
         if any(o != (lo, hi) and lo <= o[0] and o[1] <= hi for o in spans):
             continue
         body = [op for addr, op in ins if lo <= addr <= hi]
-        if any("HGMMA" in op for op in body):
+        if any(re.search(r"\bHG?MMA\b", op) for op in body):
             out.append([len(body), sum(bool(re.search(r"\bSTL\b", op)) for op in body),
                         sum(bool(re.search(r"\bLDL\b", op)) for op in body)])
     return out

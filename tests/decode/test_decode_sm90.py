@@ -114,6 +114,16 @@ def test_prefetch_rule():
     assert not rule(pdl=True, prefetch=False)
 
 
+def test_mma16_rule(monkeypatch):
+    """The mma.sync consumer (IOATTN_SM90_DECODE_MMA16) takes GQA groups of at most 16 heads
+    (its rows); larger groups keep the 64-row wgmma tile."""
+    monkeypatch.setattr(sm90_decode, "MMA16", True)
+    for group, want in ((1, True), (4, True), (16, True), (17, False), (64, False)):
+        assert sm90_decode.launch_constexprs(128, 16, group, False, True)["MMA16_"] == want
+    monkeypatch.setattr(sm90_decode, "MMA16", False)
+    assert not sm90_decode.launch_constexprs(128, 16, 4, False, True)["MMA16_"]
+
+
 def test_small_plans_stay_portable_in_eager_calls(monkeypatch):
     """Eager plans that read few bytes keep the portable kernel (the Gluon launch's host time
     outweighs its kernel there); large plans take the sm90 kernel where it covers the call, and

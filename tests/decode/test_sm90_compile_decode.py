@@ -79,6 +79,20 @@ for d, page, merge, kv, bal, cap, pdl in (
     assert (" spread" in r.name) == (pdl == "pfcs"), r
     assert r.tma and r.warp_specialized and r.registers <= 128, r  # two CTAs per SM
     out.append(r.__dict__)
+from ioattn.decode import sm90_decode as sd
+sd.MMA16 = True  # the mma.sync consumer for groups <= 16 (IOATTN_SM90_DECODE_MMA16), its forms
+for d, page, merge, kv, bal, cap in (
+        (128, 16, True, None, False, False), (64, 8, False, None, False, False),
+        (128, 16, True, "fp8e4nv", False, True), (128, 16, True, None, True, False),
+        (64, 8, True, None, True, True)):
+    r = decode_gluon_report(d, page, merge=merge, kv_dtype=kv, balanced=bal, softcap=cap,
+                            pdl=True, heads_first=True, prefetch=True)
+    r.name += " mma16"
+    assert r.sass["HMMA"] > 0 and r.sass["HGMMA"] == 0 and r.loops, r
+    assert all(st == ld == 0 for _, st, ld in r.loops), r
+    assert r.tma and r.warp_specialized and r.registers <= 128, r
+    assert r.shared_bytes <= 115712 or d < 128, r  # (two CTAs an SM, as the wgmma form)
+    out.append(r.__dict__)
 print(json.dumps(out))
 """
 
@@ -95,4 +109,5 @@ def test_serving_kernels_compile_for_sm90():
         # multiples of 16), every serving kernel in the configuration its launcher picks is
         # spill-free; the attention tiles run on the tensor cores (the gather is a copy)
         assert r["spill_stores"] == 0, f"{r['name']}: {r['spill_stores']} B of spills"
-        assert r["name"].startswith("gather kv") or r["wgmma"], f"{r['name']}: no tensor-core MMA"
+        assert r["name"].startswith("gather kv") or r["wgmma"] or r["name"].endswith(" mma16"), \
+            f"{r['name']}: no tensor-core MMA"

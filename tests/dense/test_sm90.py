@@ -765,9 +765,9 @@ def test_rows_view_of_layouts():
 
 
 def test_loop_spills_reads_sass():
-    """inspect.loop_spills: the innermost backward-branch spans that issue HGMMA, with their
-    instructions and spill stores / loads an iteration; outer loops and loops without wgmma
-    are not reported."""
+    """inspect.loop_spills: the innermost backward-branch spans that issue HGMMA or HMMA, with
+    their instructions and spill stores / loads an iteration; outer loops and loops without
+    tensor-core MMAs are not reported."""
     from ioattn.dense.inspect import loop_spills
 
     sass = "\n".join([
@@ -779,8 +779,11 @@ def test_loop_spills_reads_sass():
         "        /*0050*/                   FADD R4, R4, R5 ;",
         "        /*0060*/              @P1   BRA 0x50 ;",  # a loop without wgmma
         "        /*0070*/              @P2   BRA 0x10 ;",  # outer loop
-        "        /*0080*/                   EXIT ;"])
-    assert loop_spills(sass) == [[3, 0, 1]]
+        "        /*0080*/                   HMMA.16816.F32.BF16 R8, R4, R6, RZ ;",
+        "        /*0090*/                   STL [R1], R8 ;",
+        "        /*00a0*/              @P3   BRA 0x80 ;",  # an mma.sync loop
+        "        /*00b0*/                   EXIT ;"])
+    assert loop_spills(sass) == [[3, 0, 1], [3, 1, 0]]
 
 
 def test_timeline_stamps_match_the_kernels():
