@@ -173,7 +173,10 @@ SHALLOW = os.environ.get("IOATTN_SM90_DECODE_SHALLOW", "1").lower() in ("1", "tr
 # padding). Each of the four consumer warps takes 16 keys of every tile with its own online
 # softmax (no cross-warp traffic a tile); their states merge once an item. Hypothesis: the
 # consumer's time on each stage is part of the last 2.8% between the bare ring and ours at
-# 64 x 4k (read_probe_shallow_6a6de0a_*). Opt-in until timed: IOATTN_SM90_DECODE_MMA16=1
+# 64 x 4k on the H200 (read_probe_shallow_6a6de0a_*). Refuted on the H100: 64 x 4k over
+# cuDNN's K/V 3.06 TB/s on / 3.03-3.06 off, page 16 3.01-3.03 / 3.02 (cuDNN 3.05), graph
+# replays of five cells level (results/tune/{read_probe,tune_decode}_mma16*_d3f5a4c_*); GPU
+# tests 141 passed on and off. Untimed on the H200, so opt-in: IOATTN_SM90_DECODE_MMA16=1
 MMA16 = os.environ.get("IOATTN_SM90_DECODE_MMA16", "0").lower() in ("1", "true", "on")
 MMA16_ROWS = gl.constexpr(16)
 # the claim counters: next unit, claims made, then one arrival count per SM (ids folded into
