@@ -712,9 +712,10 @@ for step in $steps; do
            decode_onoff IOATTN_SM90_DECODE_SHALLOW shallow ;;
     read-probe) # the decode ring's bare read rate (benchmarks/read_probe.py: no math, or a
            # spin standing for it), beside cuDNN and the planned decode over the same K / V,
-           # 64 x 4k unless READ_CELL (~1 min)
+           # 64 x 4k unless READ_CELL, our settings READ_OURS (read_probe's --ours) (~1 min)
            timeout 300 python benchmarks/read_probe.py --cell "${READ_CELL:-64x4096}" \
-             ${READ_CONFIGS:+--configs "$READ_CONFIGS"} --json "$OUT/read_probe.json" 2>&1 | tail -40 ;;
+             ${READ_CONFIGS:+--configs "$READ_CONFIGS"} ${READ_OURS:+--ours "$READ_OURS"} \
+             --json "$OUT/read_probe.json" 2>&1 | tail -40 ;;
     mma16) # the sm90 decode's consumer on mma.sync for groups <= 16 (IOATTN_SM90_DECODE_MMA16):
            # decode GPU tests with it on and off, read_probe at 64 x 4k (on / off in one
            # process), then graph replays of five cells, MMA16 1 / 0 interleaved twice (~5 min)

@@ -20,7 +20,7 @@ median of ``--rounds``, every implementation twice in turn.
     python benchmarks/read_probe.py --cell 64x4096 --configs 3x64x2x0,3x64x2x400,2x64x1x0 \
         --ours 3x1x1,3x1x0 --json F
     (--configs: stages x keys a stage x CTAs an SM (1: shared memory padded) x spin ns;
-     --ours: STAGES x ROWS_AHEAD x SHALLOW [x MMA16])
+     --ours: STAGES x ROWS_AHEAD x SHALLOW [x MMA16 [x items a CTA]])
 """
 from __future__ import annotations
 
@@ -154,7 +154,9 @@ def main(argv=None):
                    help="bare rings: stages x keys a stage x CTAs an SM x spin ns a stage")
     p.add_argument("--ours", default="3x1x1,3x1x0,3x0x0,2x1x0,4x1x1",
                    help="the planned decode's settings, each as STAGES x ROWS_AHEAD x SHALLOW "
-                        "[x MMA16] (sm90_decode's constants, set for its launch), over the "
+                        "[x MMA16 [x ITEMS]] (sm90_decode's constants, set for its launch; "
+                        "ITEMS > 0: the unsplit items run ITEMS a CTA through the balanced "
+                        "form's columns, the ring running on), over the "
                         "contiguous K / V "
                         "and over a paged cache of --page keys (NHD, shuffled pages); STAGES "
                         "4 takes more than half an SM's shared memory: one CTA an SM")
@@ -175,7 +177,10 @@ def main(argv=None):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q[:, :, None, :], k, v, enable_gqa=True)
 
-    def wrapper(layout, pages, indptr, indices, last, page_size):
+    def wrapper(layout, pages, indptr, indices, last, page_size, items=0):
+        """The planned decode over the cache; items > 0: its (unsplit) items run through the
+        balanced form's columns, ``items`` a CTA with the ring running on from one to the next
+        (no CTA ends between them)."""
         w = fi.BatchDecodeWithPagedKVCacheWrapper(
             torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), kv_layout=layout,
             use_cuda_graph=True, paged_kv_indptr_buffer=torch.empty(b + 1, dtype=torch.int32,
@@ -184,27 +189,47 @@ def main(argv=None):
                                                 device="cuda"),
             paged_kv_last_page_len_buffer=torch.empty(b, dtype=torch.int32, device="cuda"))
         w.plan(indptr, indices, last, h, h_k, d, page_size, q_data_type=dt)
+        if items:
+            if int(w._n_work.item()) != b:
+                raise SystemExit(f"items a CTA: the plan split the requests ({w._n_work.item()} "
+                                 f"items for {b})")
+            w._columns = torch.arange(0, b + 1, items, dtype=torch.int32, device="cuda")
+            if w._columns[-1].item() != b:
+                raise SystemExit(f"items a CTA: {items} does not divide the batch {b}")
+            w._balanced = True
         return lambda: w.run(q, pages)
 
     kv = torch.stack((k, v), dim=1)  # [b, 2, h_k, ctx, d]: request i's K and V as page i
-    whole = wrapper("HND", kv, torch.arange(b + 1, dtype=torch.int32),
-                    torch.arange(b, dtype=torch.int32, device="cuda"),
-                    torch.full((b,), ctx, dtype=torch.int32),
-                    ctx)
     # the same K / V in pages of --page keys, NHD, in shuffled order (the acceptance cell's form)
     n_pages = b * ctx // a.page
     perm = torch.randperm(n_pages, device="cuda")
     paged = torch.empty(n_pages, 2, a.page, h_k, d, device="cuda", dtype=dt)
     paged[perm] = kv.permute(0, 3, 1, 2, 4).reshape(n_pages, a.page, 2, h_k, d).transpose(1, 2)
-    paged_fn = wrapper("NHD", paged, torch.arange(0, n_pages + 1, ctx // a.page,
-                                                  dtype=torch.int32),
-                       perm.to(torch.int32), torch.full((b,), a.page, dtype=torch.int32), a.page)
+    made = {}
+
+    def planned(kind, items):
+        """The planned decode over the cache as one page a request (whole, HND) or as
+        --page pages (paged), items a CTA (0: one a CTA, the plan's grid); made once."""
+        if (kind, items) not in made:
+            if kind == "whole":
+                cache = ("HND", kv, torch.arange(b + 1, dtype=torch.int32),
+                         torch.arange(b, dtype=torch.int32, device="cuda"),
+                         torch.full((b,), ctx, dtype=torch.int32), ctx)
+            else:
+                cache = ("NHD", paged, torch.arange(0, n_pages + 1, ctx // a.page,
+                                                    dtype=torch.int32),
+                         perm.to(torch.int32), torch.full((b,), a.page, dtype=torch.int32),
+                         a.page)
+            made[kind, items] = wrapper(*cache, items)
+        return made[kind, items]
+
     ref = cudnn()[:, :, 0].float()
     errs = {}  # each setting's max abs error against cuDNN, both layouts
     fns = [("cudnn", cudnn)]
     for o in a.ours.split(","):
-        st, ahead, shallow, *mma16 = (int(x) for x in o.split("x"))
-        mma16 = mma16[0] if mma16 else int(saved[3])
+        st, ahead, shallow, *more = (int(x) for x in o.split("x"))
+        mma16 = more[0] if more else int(saved[3])
+        items = more[1] if len(more) > 1 else 0
 
         def setting(fn, new=(st, bool(ahead), bool(shallow), bool(mma16))):
             def run():
@@ -214,10 +239,10 @@ def main(argv=None):
                 finally:
                     sd.STAGES, sd.ROWS_AHEAD, sd.SHALLOW, sd.MMA16 = saved
             return run
-        tag = f"s{st}_ahead{ahead}_shallow{shallow}" + (f"_mma16{mma16}" if o.count("x") > 2
-                                                          else "")
-        for name, fn in ((f"ours_whole_{tag}", setting(whole)),
-                         (f"ours_page{a.page}_{tag}", setting(paged_fn))):
+        tag = (f"s{st}_ahead{ahead}_shallow{shallow}" + (f"_mma16{mma16}" if more else "")
+               + (f"_items{items}" if items else ""))
+        for name, fn in ((f"ours_whole_{tag}", setting(planned("whole", items))),
+                         (f"ours_page{a.page}_{tag}", setting(planned("paged", items)))):
             errs[name] = (fn().float() - ref).abs().max().item()
             fns.append((name, fn))
     for c in a.configs.split(","):
