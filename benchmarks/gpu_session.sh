@@ -35,14 +35,15 @@ timelines() {
     echo "== $e timeline d=$d 2048 $c"
     grep -E '^note:|"tile_us"|"kernel_us"|"q_wait"|"first"|"store"' /tmp/timeline.log | head -10
   done; done; }
-# decode_onoff VAR NAME: graph replays of five decode cells (DECODE_CELLS) on the sm90 kernel,
+# decode_onoff VAR NAME: graph replays of five decode cells (DECODE_CELLS, or the older name
+# SHALLOW_CELLS) on the sm90 kernel,
 # VAR=1 / 0 interleaved twice (each round reversed), into $OUT/tune_decode_NAME<v>_<round>.json
 decode_onoff() {
   local var=$1 name=$2 r v order
   for r in 1 2; do order="1 0"; [ $r = 2 ] && order="0 1"; for v in $order; do
     env "$var=$v" timeout 100 python benchmarks/tune_decode.py --sm90 \
       --per-sm auto --block-n 64 --stages 3 --grid-extra auto \
-      --cells "${DECODE_CELLS:-64x4096x16,16x8192x16,1x32768x16,128x2048x16,12x8192x16}" \
+      --cells "${DECODE_CELLS:-${SHALLOW_CELLS:-64x4096x16,16x8192x16,1x32768x16,128x2048x16,12x8192x16}}" \
       --json "$OUT/tune_decode_${name}${v}_$r.json" > "/tmp/tune_decode_${name}${v}_$r.log" 2>&1
     echo "$name $v round $r:"; grep "^== best" "/tmp/tune_decode_${name}${v}_$r.log" | sort -u
   done; done; }

@@ -353,7 +353,8 @@ def _consumer_mma16(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem
     warp w takes keys [16 w, 16 w + 16) of each tile (S = Q·Kᵀ, its own online softmax, O += P·V
     with P straight from S's registers), and the four warps' (m, l, O) merge once, through
     Q's shared buffer, at the end. Operands are read from the ring by ldmatrix (the generic
-    proxy: no fence after TMA's completion, nor after the producer's or our zeroing)."""
+    proxy: no fence after TMA's completion or the producer's zeroing; our own zeroing is fenced,
+    as TMA rewrites the stage later)."""
     BLOCK_N_: gl.constexpr = k_smem.shape[1]
     W: gl.constexpr = gl.num_warps()
     R: gl.constexpr = MMA16_ROWS
@@ -422,6 +423,7 @@ def _consumer_mma16(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem
                 if key0 + BLOCK_N_ > hi:  # V rows past the request's keys: zeroed
                     if SELF_ZERO:  # (in place, by the warpgroup, before it reads them)
                         zero_tail_rows(v_smem.index(st), hi - key0)
+                        fence_async_shared()  # (the producer's TMA rewrites the stage later)
                         gl.thread_barrier()
                     else:  # (by the producer)
                         mbarrier.wait(v_fixed, 0)

@@ -223,16 +223,19 @@ def _planned(c):
 
 
 @needs_sm90
+@pytest.mark.parametrize("mma16", [False, True], ids=["wgmma", "mma16"])
 @pytest.mark.parametrize("merge", [False, True, "balanced"],
                          ids=["combine", "merge-in-kernel", "balanced"])
 @pytest.mark.parametrize("c", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-def test_sm90_decode(c, merge, monkeypatch):
+def test_sm90_decode(c, merge, mma16, monkeypatch):
     """Outputs and base-2 LSE against per-request references; slots past each request's last key
     hold NaN (stale cache entries) and must not reach the outputs. merge: split requests merged
     by their last item inside the kernel (IOATTN_SM90_DECODE_MERGE) instead of the combine;
     balanced: the balanced split (IOATTN_SM90_DECODE_BALANCED, merged in the kernel), each CTA
-    looping over its column's items (explicit splits keep the plain split)."""
+    looping over its column's items (explicit splits keep the plain split). mma16: the consumer
+    on mma.sync (IOATTN_SM90_DECODE_MMA16; every case's group is <= 16 heads)."""
     balanced = merge == "balanced"
+    monkeypatch.setattr(sm90_decode, "MMA16", mma16)
     calls = _sm90_decode_on(monkeypatch, bool(merge), balanced)
     c, dtype, wrapper, (lens, indptr, indices, last, cache) = _planned(c)
     q = torch.randn(c["batch"], c["h"], c["d"], device="cuda", dtype=dtype)

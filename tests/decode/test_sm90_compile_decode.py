@@ -50,6 +50,8 @@ for name, kv, d, paged in [("gather kv paged", "*bf16", 128, True),
     out.append(r.__dict__)
 from ioattn.dense.inspect import decode_gluon_report
 from ioattn.dense.sm90_common import SOFTCAP_APPROX as APPROX
+from ioattn.decode import sm90_decode as sd
+sd.MMA16 = False  # (the wgmma forms first, whatever IOATTN_SM90_DECODE_MMA16 says; MMA16 below)
 for d, page, merge, kv, bal, cap, pdl in (
         (128, 16, False, None, False, False, None), (64, 8, False, None, False, False, None),
         (128, 128, False, None, False, False, None), (128, 16, True, None, False, False, None),
@@ -79,18 +81,20 @@ for d, page, merge, kv, bal, cap, pdl in (
     assert (" spread" in r.name) == (pdl == "pfcs"), r
     assert r.tma and r.warp_specialized and r.registers <= 128, r  # two CTAs per SM
     out.append(r.__dict__)
-from ioattn.decode import sm90_decode as sd
 sd.MMA16 = True  # the mma.sync consumer for groups <= 16 (IOATTN_SM90_DECODE_MMA16), its forms
 for d, page, merge, kv, bal, cap in (
         (128, 16, True, None, False, False), (64, 8, False, None, False, False),
         (128, 16, True, "fp8e4nv", False, True), (128, 16, True, None, True, False),
-        (64, 8, True, None, True, True)):
+        (64, 8, True, None, True, True), (128, 16, False, None, False, "cp")):
+    if cap == "cp":  # (the cp.async producer, IOATTN_SM90_DECODE_LOADER=cpasync)
+        sd.CP_ASYNC, cap = True, False
     r = decode_gluon_report(d, page, merge=merge, kv_dtype=kv, balanced=bal, softcap=cap,
                             pdl=True, heads_first=True, prefetch=True)
-    r.name += " mma16"
+    r.name += " cp.async mma16" if sd.CP_ASYNC else " mma16"
+    sd.CP_ASYNC = False
     assert r.sass["HMMA"] > 0 and r.sass["HGMMA"] == 0 and r.loops, r
     assert all(st == ld == 0 for _, st, ld in r.loops), r
-    assert r.tma and r.warp_specialized and r.registers <= 128, r
+    assert (r.tma or "cp.async" in r.name) and r.warp_specialized and r.registers <= 128, r
     assert r.shared_bytes <= 115712 or d < 128, r  # (two CTAs an SM, as the wgmma form)
     out.append(r.__dict__)
 print(json.dumps(out))
