@@ -156,8 +156,7 @@ def main(argv=None):
                    help="the planned decode's settings, each as STAGES x ROWS_AHEAD x SHALLOW "
                         "[x MMA16 [x ITEMS]] (sm90_decode's constants, set for its launch; "
                         "ITEMS > 0: the unsplit items run ITEMS a CTA through the balanced "
-                        "form's columns, the ring running on), over the "
-                        "contiguous K / V "
+                        "form's columns, the ring running on), over the contiguous K / V "
                         "and over a paged cache of --page keys (NHD, shuffled pages); STAGES "
                         "4 takes more than half an SM's shared memory: one CTA an SM")
     p.add_argument("--page", type=int, default=16)

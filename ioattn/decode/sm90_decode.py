@@ -315,32 +315,6 @@ def _convert_tile(src, dst, n_valid):
 
 
 @gluon.jit
-def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
-                     full, empty, v_fixed,
-                     q_row, stride_qs, stride_qh, stride_os, stride_oh, h0, group, n_heads, part,
-                     start, lo, hi, n_tiles, qk_scale_log2, softcap_scale, COUNT, SLOT_START,
-                     off_b, HEAD_D: gl.constexpr, STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr,
-                     MERGE: gl.constexpr, GROUP_P2: gl.constexpr, MERGE_SLOTS: gl.constexpr,
-                     CONVERT: gl.constexpr, it0=0, SELF_ZERO: gl.constexpr = False,
-                     CP_ASYNC_: gl.constexpr = False, MMA16_: gl.constexpr = False):
-    """One item for one KV head, its key tiles from ring position it0, on mma.sync for a GQA
-    group of at most 16 heads (MMA16_, ``_consumer_mma16``) or a 64-row wgmma tile
-    (``_consumer_wgmma``)."""
-    if MMA16_:
-        _consumer_mma16(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
-                        full, empty, v_fixed, q_row, stride_qs, stride_qh, stride_os, stride_oh,
-                        h0, group, n_heads, part, start, lo, hi, n_tiles, qk_scale_log2,
-                        softcap_scale, COUNT, SLOT_START, off_b, HEAD_D, STAGES_, LSE_BASE2,
-                        MERGE, GROUP_P2, MERGE_SLOTS, CONVERT, it0, SELF_ZERO, CP_ASYNC_)
-    else:
-        _consumer_wgmma(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
-                        full, empty, v_fixed, q_row, stride_qs, stride_qh, stride_os, stride_oh,
-                        h0, group, n_heads, part, start, lo, hi, n_tiles, qk_scale_log2,
-                        softcap_scale, COUNT, SLOT_START, off_b, HEAD_D, STAGES_, LSE_BASE2,
-                        MERGE, GROUP_P2, MERGE_SLOTS, CONVERT, it0, SELF_ZERO, CP_ASYNC_)
-
-
-@gluon.jit
 def _consumer_mma16(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
                     full, empty, v_fixed, q_row, stride_qs, stride_qh, stride_os, stride_oh, h0,
                     group, n_heads, part, start, lo, hi, n_tiles, qk_scale_log2, softcap_scale,
@@ -492,18 +466,18 @@ def _consumer_mma16(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem
 
 
 @gluon.jit
-def _consumer_wgmma(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
-                    full, empty, v_fixed,
-                    q_row, stride_qs, stride_qh, stride_os, stride_oh, h0, group, n_heads, part,
-                    start, lo, hi, n_tiles, qk_scale_log2, softcap_scale, COUNT, SLOT_START,
-                    off_b, HEAD_D: gl.constexpr, STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr,
-                    MERGE: gl.constexpr, GROUP_P2: gl.constexpr, MERGE_SLOTS: gl.constexpr,
-                    CONVERT: gl.constexpr, it0=0, SELF_ZERO: gl.constexpr = False,
-                    CP_ASYNC_: gl.constexpr = False):
-    """(``_decode_consumer``'s 64-row wgmma form) One item for one KV head, its key tiles from
-    ring position it0; SELF_ZERO: the last tile's V rows past the request's keys zeroed here
-    (else the producer zeroes them; CP_ASYNC_: its copies wrote them as zeros, and each tile is
-    fenced for wgmma's proxy after its wait).
+def _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
+                     full, empty, v_fixed,
+                     q_row, stride_qs, stride_qh, stride_os, stride_oh, h0, group, n_heads, part,
+                     start, lo, hi, n_tiles, qk_scale_log2, softcap_scale, COUNT, SLOT_START,
+                     off_b, HEAD_D: gl.constexpr, STAGES_: gl.constexpr, LSE_BASE2: gl.constexpr,
+                     MERGE: gl.constexpr, GROUP_P2: gl.constexpr, MERGE_SLOTS: gl.constexpr,
+                     CONVERT: gl.constexpr, it0=0, SELF_ZERO: gl.constexpr = False,
+                     CP_ASYNC_: gl.constexpr = False):
+    """One item for one KV head, its key tiles from ring position it0, the GQA group on a 64-row
+    wgmma tile (``_consumer_mma16``: on mma.sync); SELF_ZERO: the last tile's V rows past the
+    request's keys zeroed here (else the producer zeroes them; CP_ASYNC_: its copies wrote them
+    as zeros, and each tile is fenced for wgmma's proxy after its wait).
     softcap_scale: softcap's tanh(s · softcap_scale) on each score tile (qk_scale_log2 is then
     cap · log2 e, ``score_scales``), or None."""
     BLOCK_N_: gl.constexpr = k_smem.shape[1]
@@ -756,13 +730,12 @@ def _decode_consumer_items(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, 
         off_b, part, lo, hi, start, n_tiles, bt_row, n_pages_b, q_row = _item(
             WORK, SEQ, w, batch, capacity, BLOCK_N_)
         gl.thread_barrier()  # the last item's wgmmas have read Q before it is replaced
-        _decode_consumer(Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem,
-                         full, empty, v_fixed, q_row, stride_qs, stride_qh, stride_os, stride_oh,
-                         h0, group, n_heads, part, start, lo, hi, n_tiles, qk_scale_log2,
-                         softcap_scale, COUNTS + off_b * gl.num_programs(KV_AXIS) + off_hk, SLOT_START,
-                         off_b,
-                         HEAD_D, STAGES_, LSE_BASE2, MERGE, GROUP_P2, MERGE_SLOTS, CONVERT, it,
-                         True, False, MMA16_)
+        (_consumer_mma16 if MMA16_ else _decode_consumer)(  # (MMA16_: at compile time)
+            Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem, full, empty,
+            v_fixed, q_row, stride_qs, stride_qh, stride_os, stride_oh, h0, group, n_heads, part,
+            start, lo, hi, n_tiles, qk_scale_log2, softcap_scale,
+            COUNTS + off_b * gl.num_programs(KV_AXIS) + off_hk, SLOT_START, off_b, HEAD_D,
+            STAGES_, LSE_BASE2, MERGE, GROUP_P2, MERGE_SLOTS, CONVERT, it, True)
         it += n_tiles
 
 
@@ -963,14 +936,12 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
         ], [1], [PRODUCER_REGS_])
     else:
         gl.warp_specialize([
-            (_decode_consumer, (Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem,
-                                vc_smem, full, empty,
-                                v_fixed.index(0), q_row, stride_qs, stride_qh, stride_os,
-                                stride_oh, h0, group, n_heads, part, start, lo, hi, n_tiles,
-                                qk_scale_log2, softcap_scale,
-                                COUNTS + off_b * gl.num_programs(KV_AXIS) + off_hk,
-                                SLOT_START, off_b, HEAD_D, STAGES_, LSE_BASE2, MERGE, GROUP_P2,
-                                MERGE_SLOTS, CONVERT, 0, False, CP_ASYNC_, MMA16_)),
+            (_consumer_mma16 if MMA16_ else _decode_consumer,  # (MMA16_: at compile time)
+             (Q, O, LSE, O_PART, LSE_PART, q_smem, k_smem, v_smem, kc_smem, vc_smem, full, empty,
+              v_fixed.index(0), q_row, stride_qs, stride_qh, stride_os, stride_oh, h0, group,
+              n_heads, part, start, lo, hi, n_tiles, qk_scale_log2, softcap_scale,
+              COUNTS + off_b * gl.num_programs(KV_AXIS) + off_hk, SLOT_START, off_b, HEAD_D,
+              STAGES_, LSE_BASE2, MERGE, GROUP_P2, MERGE_SLOTS, CONVERT, 0, False, CP_ASYNC_)),
             (_decode_producer_one, (k_desc, v_desc, k_smem, v_smem, full, empty,
                                     v_fixed.index(0), INDICES, bt_row, n_pages_b, start, n_tiles,
                                     hi - start, off_hk.to(gl.int64) * head_rows, page_rows,

@@ -140,8 +140,8 @@ def loop_spills(text: str) -> list[list[int]]:
     """The innermost loops of a kernel's SASS that issue tensor-core MMAs (HGMMA, wgmma, or
     HMMA, mma.sync: the step / key-block loops), each as [instructions, STL, LDL] an
     iteration, in code order. A loop is a backward branch's span; innermost, one holding no
-    other. Spills outside them (a prologue, an
-    epilogue, a persistent kernel's per-tile code) cost once, these every iteration."""
+    other. Spills outside them (a prologue, an epilogue, a persistent kernel's per-tile code)
+    cost once, these every iteration."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in
            re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
     spans = set()
