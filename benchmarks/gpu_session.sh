@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -718,14 +718,23 @@ for step in $steps; do
              ${READ_CONFIGS:+--configs "$READ_CONFIGS"} ${READ_OURS:+--ours "$READ_OURS"} \
              --json "$OUT/read_probe.json" 2>&1 | tail -40 ;;
     mma16) # the sm90 decode's consumer on mma.sync for groups <= 16 (IOATTN_SM90_DECODE_MMA16):
-           # decode GPU tests with it on and off, read_probe at 64 x 4k (on / off in one
+           # decode GPU tests (on and off), read_probe at 64 x 4k (on / off in one
            # process), then graph replays of five cells, MMA16 1 / 0 interleaved twice (~5 min)
-           for m in 1 0; do IOATTN_SM90_DECODE_MMA16=$m timeout 150 python -m pytest -q -n 8 \
-             -p no:cacheprovider tests/decode/test_decode_sm90.py > "$OUT/tests_decode_mma16$m.log" 2>&1
-             echo "tests mma16 $m: $(tail -1 "$OUT/tests_decode_mma16$m.log")"; done
+           # (test_sm90_decode runs each case with MMA16 off and on itself)
+           timeout 200 python -m pytest -q -n 8 -p no:cacheprovider tests/decode/test_decode_sm90.py \
+             > "$OUT/tests_decode_mma16.log" 2>&1; echo "tests: $(tail -1 "$OUT/tests_decode_mma16.log")"
            timeout 200 python benchmarks/read_probe.py --cell 64x4096 --configs 2x64x2x0 \
              --ours 3x1x1x0,3x1x1x1,2x1x0x1 --json "$OUT/read_probe_mma16.json" 2>&1 | tail -16
            decode_onoff IOATTN_SM90_DECODE_MMA16 mma16 ;;
+    early) # the sm90 decode's item read before PDL's wait (IOATTN_SM90_DECODE_EARLY): its GPU
+           # tests, read_probe at 64 x 4k (default / early / two items a CTA, one process), then
+           # graph replays of five cells, EARLY 1 / 0 interleaved twice (~5 min)
+           timeout 200 python -m pytest -q -n 8 -p no:cacheprovider tests/decode/test_decode_sm90.py \
+             -k "early" > "$OUT/tests_decode_early.log" 2>&1; echo "tests: $(tail -1 "$OUT/tests_decode_early.log")"
+           timeout 200 python benchmarks/read_probe.py --cell 64x4096 --configs 2x64x2x0 \
+             --ours "${READ_OURS:-3x1x1x0x0x0,3x1x1x0x0x1,2x1x0x0x0x0,2x1x0x0x2x0}" \
+             --json "$OUT/read_probe_early.json" 2>&1 | tail -20
+           decode_onoff IOATTN_SM90_DECODE_EARLY early ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -20,7 +20,7 @@ median of ``--rounds``, every implementation twice in turn.
     python benchmarks/read_probe.py --cell 64x4096 --configs 3x64x2x0,3x64x2x400,2x64x1x0 \
         --ours 3x1x1,3x1x0 --json F
     (--configs: stages x keys a stage x CTAs an SM (1: shared memory padded) x spin ns;
-     --ours: STAGES x ROWS_AHEAD x SHALLOW [x MMA16 [x items a CTA]])
+     --ours: STAGES x ROWS_AHEAD x SHALLOW [x MMA16 [x items a CTA [x EARLY]]])
 """
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def main(argv=None):
                    help="bare rings: stages x keys a stage x CTAs an SM x spin ns a stage")
     p.add_argument("--ours", default="3x1x1,3x1x0,3x0x0,2x1x0,4x1x1",
                    help="the planned decode's settings, each as STAGES x ROWS_AHEAD x SHALLOW "
-                        "[x MMA16 [x ITEMS]] (sm90_decode's constants, set for its launch; "
+                        "[x MMA16 [x ITEMS [x EARLY]]] (sm90_decode's constants, set for its launch; "
                         "ITEMS > 0: the unsplit items run ITEMS a CTA through the balanced "
                         "form's columns, the ring running on), over the contiguous K / V "
                         "and over a paged cache of --page keys (NHD, shuffled pages); STAGES "
@@ -165,7 +165,7 @@ def main(argv=None):
     p.add_argument("--json")
     a = p.parse_args(argv)
     b, ctx = (int(x) for x in a.cell.split("x"))
-    saved = sd.STAGES, sd.ROWS_AHEAD, sd.SHALLOW, sd.MMA16
+    saved = sd.STAGES, sd.ROWS_AHEAD, sd.SHALLOW, sd.MMA16, sd.EARLY
     h, h_k, d, dt = 32, 8, 128, torch.bfloat16
     k = torch.randn(b, h_k, ctx, d, device="cuda", dtype=dt)
     v = torch.randn(b, h_k, ctx, d, device="cuda", dtype=dt)
@@ -229,20 +229,21 @@ def main(argv=None):
         st, ahead, shallow, *more = (int(x) for x in o.split("x"))
         mma16 = more[0] if more else int(saved[3])
         items = more[1] if len(more) > 1 else 0
+        early = more[2] if len(more) > 2 else int(saved[4])
         if items and shallow:  # (the balanced form keeps STAGES in flight, PREFETCH off)
             raise SystemExit(f"--ours {o}: items a CTA run the balanced form, which has no "
                              "SHALLOW; give SHALLOW 0 and STAGES the tiles in flight")
 
-        def setting(fn, new=(st, bool(ahead), bool(shallow), bool(mma16))):
+        def setting(fn, new=(st, bool(ahead), bool(shallow), bool(mma16), bool(early))):
             def run():
-                sd.STAGES, sd.ROWS_AHEAD, sd.SHALLOW, sd.MMA16 = new
+                sd.STAGES, sd.ROWS_AHEAD, sd.SHALLOW, sd.MMA16, sd.EARLY = new
                 try:
                     return fn()
                 finally:
-                    sd.STAGES, sd.ROWS_AHEAD, sd.SHALLOW, sd.MMA16 = saved
+                    sd.STAGES, sd.ROWS_AHEAD, sd.SHALLOW, sd.MMA16, sd.EARLY = saved
             return run
         tag = (f"s{st}_ahead{ahead}_shallow{shallow}" + (f"_mma16{mma16}" if more else "")
-               + (f"_items{items}" if items else ""))
+               + (f"_items{items}" if items else "") + (f"_early{early}" if len(more) > 2 else ""))
         for name, fn in ((f"ours_whole_{tag}", setting(planned("whole", items))),
                          (f"ours_page{a.page}_{tag}", setting(planned("paged", items)))):
             errs[name] = (fn().float() - ref).abs().max().item()

@@ -179,6 +179,18 @@ SHALLOW = os.environ.get("IOATTN_SM90_DECODE_SHALLOW", "1").lower() in ("1", "tr
 # tests 141 passed on and off. Untimed on the H200, so opt-in: IOATTN_SM90_DECODE_MMA16=1
 MMA16 = os.environ.get("IOATTN_SM90_DECODE_MMA16", "0").lower() in ("1", "true", "on")
 MMA16_ROWS = gl.constexpr(16)
+# (one item a CTA) the CTA reads its item (the plan's WORK row, then its request's SEQ entries)
+# before PDL's wait, not after: those buffers are written by the wrapper's host copies only,
+# never by a kernel, so the previous kernel cannot be writing them (the page table may be: it
+# is read after the wait). And only the first 2 * SMs CTAs (in launch order) aim L2 prefetches
+# (``PREFETCH``): a later CTA starts when one before it ends, with no kernel left to wait for,
+# and its prefetches were one more dependent load (the page table) before its first copy.
+# Hypothesis: the fixed time of a CTA's start, its chain of dependent loads (N_WORK, WORK,
+# SEQ, the page table for the prefetches, then the page table again and the first copy) while
+# its SM's other CTA starts too (CTAs of equal work end together), is part of 64 x 4k's gap
+# (2.8% between the bare ring and ours on the H200); this takes two of those loads off it.
+# Untimed: opt-in, IOATTN_SM90_DECODE_EARLY=1
+EARLY = os.environ.get("IOATTN_SM90_DECODE_EARLY", "0").lower() in ("1", "true", "on")
 # the claim counters: next unit, claims made, then one arrival count per SM (ids folded into
 # CLAIM_SMS slots; ``triton_decode.CLAIM_WORDS`` words, which the wrapper allocates without
 # loading Gluon)
@@ -692,13 +704,17 @@ def _merge_parts(O, LSE, O_PART, LSE_PART, slot0, n_parts, q_row, h0, group, n_h
 
 
 @gluon.jit
-def _item(WORK, SEQ, w, batch, capacity, BLOCK_N_: gl.constexpr):
+def _item(WORK, SEQ, w, batch, capacity, BLOCK_N_: gl.constexpr, live=None,
+          LIVE: gl.constexpr = False):
     """Work item w of the plan: (request, partial slot, first key, end key, first tile's key,
-    key tiles, the request's page-table row and pages, its query row)."""
+    key tiles, the request's page-table row and pages, its query row). LIVE: live False (w past
+    the plan's items, whose WORK rows may be stale) reads request 0's row of SEQ instead."""
     off_b = gl.load(WORK + 5 * w)
     w_lo = gl.load(WORK + 5 * w + 2)
     w_hi = gl.load(WORK + 5 * w + 3)
     part = gl.load(WORK + 5 * w + 4)
+    if LIVE:
+        off_b = gl.where(live, off_b, 0)
     seqlen_k = gl.minimum(gl.maximum(gl.load(SEQ + off_b), 0), capacity)
     bt_row = gl.load(SEQ + batch + off_b)
     n_pages_b = gl.load(SEQ + batch + off_b + 1) - bt_row
@@ -767,23 +783,33 @@ def _prefetch_item(K_RAW, V_RAW, k_row_stride, v_row_stride, view_rows, INDICES,
     if w < gl.load(N_WORK):
         off_b, part, lo, hi, start, n_tiles, bt_row, n_pages_b, q_row = _item(
             WORK, SEQ, w, batch, capacity, BLOCK_N_)
-        N: gl.constexpr = 256  # key slots, two a thread (arange takes a power of two)
-        gl.static_assert(TILES * BLOCK_N_ <= N)
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        keys = start + gl.arange(0, N, layout=layout)
-        ok = keys < gl.minimum(hi, start + TILES * BLOCK_N_)
-        rows = _slot_row(INDICES, bt_row, n_pages_b, keys, page_rows, row_off, PAGE, ok)
-        rows = gl.minimum(gl.maximum(rows, 0), view_rows - 1)
-        k_addr = (K_RAW + rows * k_row_stride + col).to(gl.int64, bitcast=True)
-        v_addr = (V_RAW + rows * v_row_stride + col).to(gl.int64, bitcast=True)
-        nbytes = gl.full([N], HEAD_D * K_RAW.dtype.element_ty.primitive_bitwidth // 8, gl.int32,
-                         layout=layout)
-        gl.inline_asm_elementwise(
-            "{ .reg .pred %p; setp.ne.u32 %p, $4, 0; "
-            "@%p cp.async.bulk.prefetch.L2.global [$1], $3; "
-            "@%p cp.async.bulk.prefetch.L2.global [$2], $3; mov.u32 $0, 0; }",
-            "=r,l,l,r,r", [k_addr, v_addr, nbytes, ok.to(gl.int32)], dtype=gl.int32,
-            is_pure=False, pack=1)
+        _prefetch_tiles(K_RAW, V_RAW, k_row_stride, v_row_stride, view_rows, INDICES, start, hi,
+                        bt_row, n_pages_b, row_off, page_rows, col, PAGE, HEAD_D, BLOCK_N_,
+                        TILES)
+
+
+@gluon.jit
+def _prefetch_tiles(K_RAW, V_RAW, k_row_stride, v_row_stride, view_rows, INDICES, start, hi,
+                    bt_row, n_pages_b, row_off, page_rows, col, PAGE: gl.constexpr,
+                    HEAD_D: gl.constexpr, BLOCK_N_: gl.constexpr, TILES: gl.constexpr):
+    """(``_prefetch_item``) The L2 prefetches of the key tiles from start (keys below hi)."""
+    N: gl.constexpr = 256  # key slots, two a thread (arange takes a power of two)
+    gl.static_assert(TILES * BLOCK_N_ <= N)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    keys = start + gl.arange(0, N, layout=layout)
+    ok = keys < gl.minimum(hi, start + TILES * BLOCK_N_)
+    rows = _slot_row(INDICES, bt_row, n_pages_b, keys, page_rows, row_off, PAGE, ok)
+    rows = gl.minimum(gl.maximum(rows, 0), view_rows - 1)
+    k_addr = (K_RAW + rows * k_row_stride + col).to(gl.int64, bitcast=True)
+    v_addr = (V_RAW + rows * v_row_stride + col).to(gl.int64, bitcast=True)
+    nbytes = gl.full([N], HEAD_D * K_RAW.dtype.element_ty.primitive_bitwidth // 8, gl.int32,
+                     layout=layout)
+    gl.inline_asm_elementwise(
+        "{ .reg .pred %p; setp.ne.u32 %p, $4, 0; "
+        "@%p cp.async.bulk.prefetch.L2.global [$1], $3; "
+        "@%p cp.async.bulk.prefetch.L2.global [$2], $3; mov.u32 $0, 0; }",
+        "=r,l,l,r,r", [k_addr, v_addr, nbytes, ok.to(gl.int32)], dtype=gl.int32,
+        is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -840,7 +866,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                  CLAIM_SPREAD_: gl.constexpr = False,
                  CP_ASYNC_: gl.constexpr = False, PRODUCER_WARPS_: gl.constexpr = 1,
                  ROWS_AHEAD_: gl.constexpr = False, SHALLOW_: gl.constexpr = False,
-                 MMA16_: gl.constexpr = False):
+                 MMA16_: gl.constexpr = False, EARLY_: gl.constexpr = False):
     # MERGE: split requests are merged in the kernel by their last item (COUNTS [batch * KV
     # heads] int32 tickets, zero between launches; SLOT_START [batch + 1] the partial slots),
     # GROUP_P2 / MERGE_SLOTS the merge's tile (``_merge_parts``)
@@ -861,7 +887,9 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
     # (PRODUCER_REGS_ registers) fill the ring by cp.async from K_RAW / V_RAW (``CP_ASYNC``);
     # ROWS_AHEAD_: the TMA producer's page-table loads a tile ahead (``ROWS_AHEAD``);
     # SHALLOW_ (n_sms the SM count): two tiles in flight a CTA when the work's units outnumber
-    # the SMs, so that CTAs share them (``SHALLOW``); MMA16_: the consumer on mma.sync (``MMA16``)
+    # the SMs, so that CTAs share them (``SHALLOW``); MMA16_: the consumer on mma.sync (``MMA16``);
+    # EARLY_ (one item a CTA; n_sms the SM count): the item read before PDL's wait, prefetches
+    # from the first 2 * n_sms CTAs only (``EARLY``)
     KV_AXIS: gl.constexpr = 0 if HEADS_FIRST else 1
     w = gl.program_id(1 - KV_AXIS)
     off_hk = gl.program_id(KV_AXIS)
@@ -870,9 +898,21 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
     if CLAIM_:  # (CLAIM: N_WORK is written by copies only, so it may be read before the wait)
         n_units = gl.load(N_WORK) * n_kv
         claim = (n_units < gl.num_programs(0) * gl.num_programs(1)) & (n_units <= n_sms)
+    if EARLY_:  # (one item a CTA) the item read before PDL's wait (``EARLY``)
+        n_work = gl.load(N_WORK)
+        off_b, part, lo, hi, start, n_tiles, bt_row, n_pages_b, q_row = _item(
+            WORK, SEQ, w, batch, capacity, BLOCK_N_, w < n_work, True)
     if PDL:  # launched with launch_pdl: the previous kernel may still run (see ``PDL``)
         if PREFETCH_:
-            if not claim:
+            if EARLY_:  # (the CTAs of the first wave only: later ones find no kernel to wait for)
+                first = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0) < 2 * n_sms
+                if not claim:
+                    if (w < n_work) & first:
+                        _prefetch_tiles(K_RAW, V_RAW, k_row_stride, v_row_stride, view_rows,
+                                        INDICES, start, hi, bt_row, n_pages_b,
+                                        off_hk.to(gl.int64) * head_rows, page_rows,
+                                        off_hk * head_cols, PAGE, HEAD_D, BLOCK_N_, STAGES_)
+            elif not claim:
                 _prefetch_item(K_RAW, V_RAW, k_row_stride, v_row_stride, view_rows, INDICES,
                                WORK, SEQ, N_WORK, w, batch, capacity,
                                off_hk.to(gl.int64) * head_rows, page_rows, off_hk * head_cols,
@@ -887,14 +927,20 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
             off_hk = u % n_kv
     depth = 0
     if not BALANCED:
-        n_work = gl.load(N_WORK)
+        if not EARLY_:
+            n_work = gl.load(N_WORK)
         if w >= n_work:
             return
         if SHALLOW_:
             if n_work * n_kv > n_sms:
                 depth = 2
-        off_b, part, lo, hi, start, n_tiles, bt_row, n_pages_b, q_row = _item(
-            WORK, SEQ, w, batch, capacity, BLOCK_N_)
+        if EARLY_:
+            if claim:  # (the claimed unit's item)
+                off_b, part, lo, hi, start, n_tiles, bt_row, n_pages_b, q_row = _item(
+                    WORK, SEQ, w, batch, capacity, BLOCK_N_)
+        else:
+            off_b, part, lo, hi, start, n_tiles, bt_row, n_pages_b, q_row = _item(
+                WORK, SEQ, w, batch, capacity, BLOCK_N_)
 
     # CONVERT: an fp8 cache (the ring holds fp8 tiles): the wgmma operands are fp16 (e4m3 / e5m2
     # -> fp16 is one conversion per pair of values, -> bf16 two more per value; q is staged in
@@ -1045,7 +1091,7 @@ def launch_constexprs(d: int, page: int, group: int, fp8: bool, merge: bool,
                 CLAIM_SPREAD_=claim and not balanced and CLAIM_SPREAD,
                 CP_ASYNC_=cp, ROWS_AHEAD_=ROWS_AHEAD and not cp,
                 SHALLOW_=SHALLOW and not cp and not fp8 and not balanced,
-                MMA16_=MMA16 and group <= MMA16_ROWS.value)
+                MMA16_=MMA16 and group <= MMA16_ROWS.value, EARLY_=EARLY and not balanced)
 
 
 def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
@@ -1097,6 +1143,6 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
         LSE_BASE2=lse_base2, softcap_scale=softcap_scale,
         **consts, COLS=columns, view_rows=k_desc.shape[0] if consts["PREFETCH_"] else None,
         CLAIMS=claims if claim else None,
-        n_sms=sm_count(q.device) if claim or consts["SHALLOW_"] else 0,
+        n_sms=sm_count(q.device) if claim or consts["SHALLOW_"] or consts["EARLY_"] else 0,
         num_warps=4, maxnreg=MAXNREG, launch_pdl=pdl,
     )

@@ -611,7 +611,8 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
                         f"{' heads-first' if heads_first else ''}"
                         f"{' prefetch' if ce['PREFETCH_'] else ''}"
                         f"{' claim' if ce['CLAIM_'] else ''}"
-                        f"{' spread' if ce['CLAIM_SPREAD_'] else ''} ws", fn, sig, ce, arch,
+                        f"{' spread' if ce['CLAIM_SPREAD_'] else ''}"
+                        f"{' early' if ce['EARLY_'] else ''} ws", fn, sig, ce, arch,
                         maxnreg=sd.MAXNREG, launch_pdl=pdl)
 
 

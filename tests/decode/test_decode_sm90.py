@@ -223,19 +223,26 @@ def _planned(c):
 
 
 @needs_sm90
-@pytest.mark.parametrize("mma16", [False, True], ids=["wgmma", "mma16"])
+@pytest.mark.parametrize("form", ["wgmma", "mma16", "early"])
 @pytest.mark.parametrize("merge", [False, True, "balanced"],
                          ids=["combine", "merge-in-kernel", "balanced"])
 @pytest.mark.parametrize("c", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-def test_sm90_decode(c, merge, mma16, monkeypatch):
+def test_sm90_decode(c, merge, form, monkeypatch):
     """Outputs and base-2 LSE against per-request references; slots past each request's last key
     hold NaN (stale cache entries) and must not reach the outputs. merge: split requests merged
     by their last item inside the kernel (IOATTN_SM90_DECODE_MERGE) instead of the combine;
     balanced: the balanced split (IOATTN_SM90_DECODE_BALANCED, merged in the kernel), each CTA
     looping over its column's items (explicit splits keep the plain split). mma16: the consumer
-    on mma.sync (IOATTN_SM90_DECODE_MMA16; every case's group is <= 16 heads)."""
+    on mma.sync (IOATTN_SM90_DECODE_MMA16; every case's group is <= 16 heads); early: the item
+    read before PDL's wait (IOATTN_SM90_DECODE_EARLY), one SM counted, so that only the first
+    two CTAs aim L2 prefetches."""
     balanced = merge == "balanced"
-    monkeypatch.setattr(sm90_decode, "MMA16", mma16)
+    monkeypatch.setattr(sm90_decode, "MMA16", form == "mma16")
+    monkeypatch.setattr(sm90_decode, "EARLY", form == "early")
+    if form == "early":
+        monkeypatch.setattr(sm90_decode, "PDL", True)
+        monkeypatch.setattr(sm90_decode, "PREFETCH", True)
+        monkeypatch.setattr(sm90_decode, "sm_count", lambda device: 1)
     calls = _sm90_decode_on(monkeypatch, bool(merge), balanced)
     c, dtype, wrapper, (lens, indptr, indices, last, cache) = _planned(c)
     q = torch.randn(c["batch"], c["h"], c["d"], device="cuda", dtype=dtype)
@@ -352,12 +359,16 @@ def test_sm90_decode_softcap(c, merge, monkeypatch):
 
 
 @needs_sm90
+@pytest.mark.parametrize("early", [False, True], ids=["", "early"])
 @pytest.mark.parametrize("merge", [False, True, "balanced"],
                          ids=["combine", "merge-in-kernel", "balanced"])
-def test_sm90_decode_graph_capture_short_replay_long(merge, monkeypatch):
+def test_sm90_decode_graph_capture_short_replay_long(merge, early, monkeypatch):
     """run() through the sm90 decode kernel captured at short lengths, replayed after a plan with
     long ones (split requests): the fixed grid covers any plan; with the in-kernel merge, the
-    tickets return to zero between replays (balanced: the columns' items replanned too)."""
+    tickets return to zero between replays (balanced: the columns' items replanned too). early:
+    the item read before PDL's wait (IOATTN_SM90_DECODE_EARLY; CTAs past the plan's items read
+    stale WORK rows there)."""
+    monkeypatch.setattr(sm90_decode, "EARLY", early)
     _sm90_decode_on(monkeypatch, bool(merge), merge == "balanced")
     g = torch.Generator().manual_seed(5)
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -388,7 +399,8 @@ def test_sm90_decode_graph_capture_short_replay_long(merge, monkeypatch):
 @needs_sm90
 @pytest.mark.parametrize("claim", ["spread", True, False], ids=["spread", "fcfs", "positions"])
 @pytest.mark.parametrize("merge", [False, True], ids=["combine", "merge-in-kernel"])
-def test_sm90_decode_graph_claims(merge, claim, monkeypatch):
+@pytest.mark.parametrize("early", [False, True], ids=["", "early"])
+def test_sm90_decode_graph_claims(merge, claim, early, monkeypatch):
     """A graph-mode wrapper launches the bound's grid; where the plan's (item, KV head) units
     fit one an SM, its CTAs claim them SM by SM (IOATTN_SM90_DECODE_CLAIM) instead of taking
     their grid positions' units (spread, the default: only an even subset of SMs claims at
@@ -399,6 +411,7 @@ def test_sm90_decode_graph_claims(merge, claim, monkeypatch):
     positions); outputs (poisoned before each run and each replay) and LSE against the
     references, and the counters back at zero after each."""
     monkeypatch.setattr(sm90_decode, "PDL", True)
+    monkeypatch.setattr(sm90_decode, "EARLY", early)  # (IOATTN_SM90_DECODE_EARLY)
     monkeypatch.setattr(sm90_decode, "CLAIM", bool(claim))
     monkeypatch.setattr(sm90_decode, "CLAIM_SPREAD", claim == "spread")
     _sm90_decode_on(monkeypatch, merge)
