@@ -726,14 +726,14 @@ for step in $steps; do
            timeout 200 python benchmarks/read_probe.py --cell 64x4096 --configs 2x64x2x0 \
              --ours 3x1x1x0,3x1x1x1,2x1x0x1 --json "$OUT/read_probe_mma16.json" 2>&1 | tail -16
            decode_onoff IOATTN_SM90_DECODE_MMA16 mma16 ;;
-    early) # the sm90 decode's item read before PDL's wait (IOATTN_SM90_DECODE_EARLY): its GPU
-           # tests, read_probe at 64 x 4k (default / early / two items a CTA, one process), then
-           # graph replays of five cells, EARLY 1 / 0 interleaved twice (~5 min)
-           timeout 200 python -m pytest -q -n 8 -p no:cacheprovider tests/decode/test_decode_sm90.py \
-             -k "early" > "$OUT/tests_decode_early.log" 2>&1; echo "tests: $(tail -1 "$OUT/tests_decode_early.log")"
+    early) # the sm90 decode's item read before PDL's wait (IOATTN_SM90_DECODE_EARLY):
+           # read_probe at 64 x 4k (default / early / two items a CTA, one process), its GPU
+           # tests, then graph replays of five cells, EARLY 1 / 0 interleaved twice (~5 min)
            timeout 200 python benchmarks/read_probe.py --cell 64x4096 --configs 2x64x2x0 \
              --ours "${READ_OURS:-3x1x1x0x0x0,3x1x1x0x0x1,2x1x0x0x0x0,2x1x0x0x2x0}" \
              --json "$OUT/read_probe_early.json" 2>&1 | tail -20
+           timeout 200 python -m pytest -q -n 8 -p no:cacheprovider tests/decode/test_decode_sm90.py \
+             -k "early" > "$OUT/tests_decode_early.log" 2>&1; echo "tests: $(tail -1 "$OUT/tests_decode_early.log")"
            decode_onoff IOATTN_SM90_DECODE_EARLY early ;;
     *) echo "unknown step $step" ;;
   esac
