@@ -186,7 +186,7 @@ ENV_SWITCHES = (
      "tiles in flight a CTA, not the ring's three, when the work's units outnumber the SMs"),
     ("IOATTN_SM90_DECODE_MMA16", "0", "sm90 decode: GQA groups of at most 16 query heads on "
      "mma.sync (16 rows, each consumer warp on its own keys) instead of a 64-row wgmma tile"),
-    ("IOATTN_SM90_DECODE_EARLY", "0", "sm90 decode (one item a CTA): the item read before PDL's "
+    ("IOATTN_SM90_DECODE_EARLY", "1", "sm90 decode (one item a CTA): the item read before PDL's "
      "wait, L2 prefetches from the first wave of CTAs only (fewer dependent loads at a CTA's start)"),
     ("IOATTN_SM90_DECODE_MIN_BYTES", str(200 << 20), "planned eager decode: K+V bytes below "
      "which a plan keeps the portable kernel (its launch was cheaper on the host)"),

@@ -188,9 +188,14 @@ MMA16_ROWS = gl.constexpr(16)
 # Hypothesis: the fixed time of a CTA's start, its chain of dependent loads (N_WORK, WORK,
 # SEQ, the page table for the prefetches, then the page table again and the first copy) while
 # its SM's other CTA starts too (CTAs of equal work end together), is part of 64 x 4k's gap
-# (2.8% between the bare ring and ours on the H200); this takes two of those loads off it.
-# Untimed: opt-in, IOATTN_SM90_DECODE_EARLY=1
-EARLY = os.environ.get("IOATTN_SM90_DECODE_EARLY", "0").lower() in ("1", "true", "on")
+# (2.8% between the bare ring and ours on the H200); this takes about half of that chain off.
+# Timed on an H100 (results/tune/{read_probe_early,tune_decode_early*}_a1ee344_nvidia-h100_*,
+# read_probe_early_rev_25b0bb6_*): 64 x 4k page 16 3.028 / 3.029 TB/s against 3.020 / 3.021
+# off, 3.016 / 3.019 against 3.013 / 3.015 in the reversed order (cuDNN 3.05-3.06); graph
+# replays of 64 x 4k 2.91 / 2.91 against 2.89 / 2.90, four other cells level: +0.1-0.7%, every
+# pairing the same sign. Not yet timed on the H200. On by default; IOATTN_SM90_DECODE_EARLY=0
+# reads the item after the wait, every CTA prefetching
+EARLY = os.environ.get("IOATTN_SM90_DECODE_EARLY", "1").lower() in ("1", "true", "on")
 # the claim counters: next unit, claims made, then one arrival count per SM (ids folded into
 # CLAIM_SMS slots; ``triton_decode.CLAIM_WORDS`` words, which the wrapper allocates without
 # loading Gluon)

@@ -52,7 +52,7 @@ from ioattn.dense.inspect import decode_gluon_report
 from ioattn.dense.sm90_common import SOFTCAP_APPROX as APPROX
 from ioattn.decode import sm90_decode as sd
 sd.MMA16 = False  # (the wgmma forms first, whatever IOATTN_SM90_DECODE_MMA16 says; MMA16 below)
-sd.EARLY = False  # (and IOATTN_SM90_DECODE_EARLY; its forms below)
+sd.EARLY = True  # (the default, whatever IOATTN_SM90_DECODE_EARLY says; its off forms below)
 for d, page, merge, kv, bal, cap, pdl in (
         (128, 16, False, None, False, False, None), (64, 8, False, None, False, False, None),
         (128, 128, False, None, False, False, None), (128, 16, True, None, False, False, None),
@@ -99,14 +99,15 @@ for d, page, merge, kv, bal, cap in (
     assert r.shared_bytes <= 115712 or d < 128, r  # (two CTAs an SM, as the wgmma form)
     out.append(r.__dict__)
 sd.MMA16 = False
-sd.EARLY = True  # the item read before PDL's wait (IOATTN_SM90_DECODE_EARLY), its forms
+sd.EARLY = False  # the item read after PDL's wait (IOATTN_SM90_DECODE_EARLY=0), its forms
 for d, page, merge, kv, cap, pdl in (
         (128, 16, True, None, False, "pf"), (64, 8, True, "fp8e4nv", True, "pf"),
         (128, 16, True, None, False, "pfcs"), (128, 16, False, None, False, None)):
     on = pdl is not None
     r = decode_gluon_report(d, page, merge=merge, kv_dtype=kv, softcap=cap, pdl=on,
                             heads_first=on, prefetch=on, claim="spread" if pdl == "pfcs" else False)
-    assert " early" in r.name and r.grid_dependency == on, r
+    r.name += " late"
+    assert " early" not in r.name and r.grid_dependency == on, r
     assert r.tma and r.warp_specialized and r.registers <= 128, r
     out.append(r.__dict__)
 print(json.dumps(out))
