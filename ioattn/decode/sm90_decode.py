@@ -180,11 +180,15 @@ SHALLOW = os.environ.get("IOATTN_SM90_DECODE_SHALLOW", "1").lower() in ("1", "tr
 MMA16 = os.environ.get("IOATTN_SM90_DECODE_MMA16", "0").lower() in ("1", "true", "on")
 MMA16_ROWS = gl.constexpr(16)
 # (one item a CTA) the CTA reads its item (the plan's WORK row, then its request's SEQ entries)
-# before PDL's wait, not after: those buffers are written by the wrapper's host copies only,
-# never by a kernel, so the previous kernel cannot be writing them (the page table may be: it
-# is read after the wait). And only the first 2 * SMs CTAs (in launch order) aim L2 prefetches
-# (``PREFETCH``): a later CTA starts when one before it ends, with no kernel left to wait for,
-# and its prefetches were one more dependent load (the page table) before its first copy.
+# before PDL's wait, not after: the decode wrapper's plan() writes those buffers (and N_WORK)
+# by copies from the host, after the zero fill that allocates them, so the kernel launched
+# just before this one (the only one PDL overlaps it with) cannot be writing them (the page
+# table and Q may be: they are read after the wait). And only the first 2 * SMs CTAs (in
+# launch order) aim L2 prefetches (``PREFETCH``): a later CTA starts when one before it ends,
+# with no kernel left to wait for, and its prefetches were one more dependent load (the page
+# table) before its first copy. (2 * SMs approximates the first wave: d=64 fits more CTAs an
+# SM, and on a graph's bound grid with the items axis second, CTAs past the plan's items
+# count too; both only cost prefetches, never correctness.)
 # Hypothesis: the fixed time of a CTA's start, its chain of dependent loads (N_WORK, WORK,
 # SEQ, the page table for the prefetches, then the page table again and the first copy) while
 # its SM's other CTA starts too (CTAs of equal work end together), is part of 64 x 4k's gap
@@ -1112,9 +1116,11 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     item of each request; counts return to zero). columns [C + 1] (a balanced plan,
     ``ioattn.paged.plan.split_work_balanced``): one CTA per column and KV head, looping over the
     column's items. pdl: launched with programmatic dependent launch (None: ``PDL``). claims
-    [CLAIM_WORDS] int32 zeros (the grid of max_items a graph's bound; n_work written by copies
-    only, as it is read before PDL's wait): the CTAs claim their units SM by SM when the work
-    fits one an SM (``CLAIM``; not with columns). Covered calls: ``unsupported_reason``."""
+    [CLAIM_WORDS] int32 zeros (the grid of max_items a graph's bound): the CTAs claim their
+    units SM by SM when the work fits one an SM (``CLAIM``; not with columns). work, n_work and
+    seqlens_indptr are read before PDL's wait (``EARLY``, and n_work for claims): they must be
+    written by copies, not by the kernel launched just before this one (the decode wrapper's
+    plan() copies them from the host). Covered calls: ``unsupported_reason``."""
     total_q, h, d = q.shape
     h_k, page = k.shape[2], k.shape[1]
     batch = (seqlens_indptr.shape[0] - 2) // 3

@@ -708,7 +708,9 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
     [batch + 1]) is FlashInfer's packed custom mask (True = attend). Launches a fixed grid, so CUDA graphs replay it under new plans; allocates
     nothing. decode: one query row per request (the decode wrapper); on Hopper such calls run
     the sm90 decode kernel where it covers them
-    (``ioattn.decode.sm90_decode``); columns [C + 1] (a balanced plan, ``split_work_balanced``)
+    (``ioattn.decode.sm90_decode``), which reads work, n_work and seqlens_indptr before PDL's
+    wait (``sm90_decode.EARLY``): with decode=True they must be written by copies (a kernel
+    that writes them must not be the launch just before this one); columns [C + 1] (a balanced plan, ``split_work_balanced``)
     makes it run one CTA per column and KV head over the column's items (the portable kernel
     runs the items one a program either way); pdl: the sm90 decode kernel launched with
     programmatic dependent launch or not (None: ``sm90_decode.PDL``); claims

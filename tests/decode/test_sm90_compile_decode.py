@@ -80,6 +80,7 @@ for d, page, merge, kv, bal, cap, pdl in (
     assert (" prefetch" in r.name) == (pdl in ("pf", "pfc", "pfcs")), r
     assert (" claim" in r.name) == (pdl in ("pfc", "pfcs")), r
     assert (" spread" in r.name) == (pdl == "pfcs"), r
+    assert (" early" in r.name) == (not bal), r  # (EARLY: one item a CTA only)
     assert r.tma and r.warp_specialized and r.registers <= 128, r  # two CTAs per SM
     out.append(r.__dict__)
 sd.MMA16 = True  # the mma.sync consumer for groups <= 16 (IOATTN_SM90_DECODE_MMA16), its forms
