@@ -19,7 +19,8 @@ median of ``--rounds``, every implementation twice in turn.
 
     python benchmarks/read_probe.py --cell 64x4096 --configs 3x64x2x0,3x64x2x400,2x64x1x0 \
         --ours 3x1x1,3x1x0 --json F
-    (--configs: stages x keys a stage x CTAs an SM (1: shared memory padded) x spin ns;
+    (--configs: stages x keys a stage x CTAs an SM (1: shared memory padded) x spin ns
+     [x keys a copy];
      --ours: STAGES x ROWS_AHEAD x SHALLOW [x MMA16 [x items a CTA [x EARLY]]])
 """
 from __future__ import annotations
@@ -48,14 +49,19 @@ from tune_decode import _replayed  # (run as a script: benchmarks/ is on sys.pat
 @gluon.jit
 def _produce(k_desc, v_desc, k_smem, v_smem, full, empty, row0, n_tiles,
              STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    BOX: gl.constexpr = k_desc.block_type.shape[0]  # keys a copy (a page's, as ours per page)
+    NB: gl.constexpr = BLOCK_N // BOX
     for j in range(n_tiles):
         st = j % STAGES
         mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(full.index(st), 2 * k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, 0], full.index(st),
-                                        k_smem.index(st))
-        tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, 0], full.index(st),
-                                        v_smem.index(st))
+        mbarrier.expect(full.index(st), 2 * NB * k_desc.block_type.nbytes)
+        for i in gl.static_range(NB):
+            tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N + i * BOX, 0],
+                                            full.index(st),
+                                            k_smem.index(st).slice(i * BOX, BOX, dim=0))
+            tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N + i * BOX, 0],
+                                            full.index(st),
+                                            v_smem.index(st).slice(i * BOX, BOX, dim=0))
 
 
 @gluon.jit
@@ -110,11 +116,16 @@ def _read_probe(k_desc, v_desc, OUT, n_keys, delay_ns, STAGES: gl.constexpr,
 
 
 def probe_fn(k: torch.Tensor, v: torch.Tensor, stages: int, block_n: int, per_sm: int,
-             delay: int):
+             delay: int, box: int = 0):
+    """The bare ring over k / v; box: keys a TMA copy (0: the stage's block_n, one copy of K
+    and one of V a stage; 16: four a 64-key stage, as ours issues over pages of 16)."""
     b, h_k, ctx, d = k.shape
-    layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.bfloat16)
-    kd = TensorDescriptor.from_tensor(k.view(-1, d), [block_n, d], layout)
-    vd = TensorDescriptor.from_tensor(v.view(-1, d), [block_n, d], layout)
+    box = box or block_n
+    if block_n % box or box % 8:
+        raise SystemExit(f"keys a copy {box}: a multiple of 8 dividing {block_n}")
+    layout = gl.NVMMASharedLayout.get_default_for([box, d], gl.bfloat16)
+    kd = TensorDescriptor.from_tensor(k.view(-1, d), [box, d], layout)
+    vd = TensorDescriptor.from_tensor(v.view(-1, d), [box, d], layout)
     out = torch.empty(2 * b * h_k, device=k.device, dtype=torch.float32)
     used = 2 * stages * block_n * d * k.element_size()
     short = 120 * 1024 - used  # (past half the SM's 228 KB: one CTA an SM)
@@ -151,7 +162,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cell", default="64x4096", help="batch x context")
     p.add_argument("--configs", default="3x64x2x0,2x64x2x0,3x64x1x0,4x64x1x0,2x64x1x0",
-                   help="bare rings: stages x keys a stage x CTAs an SM x spin ns a stage")
+                   help="bare rings: stages x keys a stage x CTAs an SM x spin ns a stage "
+                        "[x keys a TMA copy (default: the stage's)]")
     p.add_argument("--ours", default="3x1x1,3x1x0,3x0x0,2x1x0,4x1x1",
                    help="the planned decode's settings, each as STAGES x ROWS_AHEAD x SHALLOW "
                         "[x MMA16 [x ITEMS [x EARLY]]] (sm90_decode's constants, set for its launch; "
@@ -251,9 +263,9 @@ def main(argv=None):
                 raise SystemExit(f"{name}: max abs error {errs[name]:.2e} against cuDNN")
             fns.append((name, fn))
     for c in a.configs.split(","):
-        st, bn, per_sm, delay = (int(x) for x in c.split("x"))
-        fns.append((f"probe_s{st}_n{bn}_cta{per_sm}_d{delay}",
-                    probe_fn(k, v, st, bn, per_sm, delay)))
+        st, bn, per_sm, delay, *box = (int(x) for x in c.split("x"))
+        fns.append((f"probe_s{st}_n{bn}_cta{per_sm}_d{delay}" + (f"_box{box[0]}" if box else ""),
+                    probe_fn(k, v, st, bn, per_sm, delay, *box)))
     results = []
     for name, fn in fns:  # (two passes, so each impl is timed twice apart: the card drifts)
         results.append(dict(name=name, ms=graph_time(fn, a.loop, a.rounds)))
