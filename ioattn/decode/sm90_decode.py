@@ -72,9 +72,9 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 # stream's previous kernel finishes (its launch and CTA setup off the critical path: a few us of
 # a 1 x 32k step's ~40), and
 # waits in ``grid_dependency_wait`` before touching memory the previous kernel may write (before
-# it, only the plan's buffers are read: the L2 prefetches' aim, and N_WORK for claims); it then lets the next PDL-launched
-# kernel (the next layer's decode) start the same way. Under CUDA graph capture the launch
-# attribute becomes a programmatic edge. Expected: the graph-replayed 1 x 32k cell toward the
+# it, only the plan's buffers are read: N_WORK, the L2 prefetches' aim, with EARLY the item); it
+# then lets the next PDL-launched kernel (the next layer's decode) start the same way. Under
+# CUDA graph capture the launch attribute becomes a programmatic edge. Expected: the graph-replayed 1 x 32k cell toward the
 # kernel's own rate (3.76 TB/s in the kernel against 3.39 replayed back to back)
 # Timed (session 16, results/decode_pdl{00,01,10,11}_b1d4228_*): replayed back to back, +1% in
 # each pair (1 x 32k 3.45 / 3.41 against 3.41 / 3.37 TB/s, heads-first off / on; 64 x 4k
@@ -783,13 +783,13 @@ def _decode_producer_items(k_desc, v_desc, k_smem, v_smem, full, empty, v_fixed,
 
 @gluon.jit
 def _prefetch_item(K_RAW, V_RAW, k_row_stride, v_row_stride, view_rows, INDICES, WORK, SEQ,
-                   N_WORK, w, batch, capacity, row_off, page_rows, col, PAGE: gl.constexpr,
+                   n_work, w, batch, capacity, row_off, page_rows, col, PAGE: gl.constexpr,
                    HEAD_D: gl.constexpr, BLOCK_N_: gl.constexpr, TILES: gl.constexpr):
     """L2 prefetches of item w's first TILES key tiles (each key slot's K and V row of this KV
     head: HEAD_D elements), one slot a thread at a time over the CTA's 128 threads. Rows are
     clamped to the views' view_rows: a page table the previous kernel is still writing may
     hold anything here."""
-    if w < gl.load(N_WORK):
+    if w < n_work:
         off_b, part, lo, hi, start, n_tiles, bt_row, n_pages_b, q_row = _item(
             WORK, SEQ, w, batch, capacity, BLOCK_N_)
         _prefetch_tiles(K_RAW, V_RAW, k_row_stride, v_row_stride, view_rows, INDICES, start, hi,
@@ -904,11 +904,12 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
     off_hk = gl.program_id(KV_AXIS)
     n_kv = gl.num_programs(KV_AXIS)
     claim = False
-    if CLAIM_:  # (CLAIM: N_WORK is written by copies only, so it may be read before the wait)
-        n_units = gl.load(N_WORK) * n_kv
+    if not BALANCED:  # (N_WORK is written by copies only, so it may be read before the wait)
+        n_work = gl.load(N_WORK)
+    if CLAIM_:
+        n_units = n_work * n_kv
         claim = (n_units < gl.num_programs(0) * gl.num_programs(1)) & (n_units <= n_sms)
     if EARLY_:  # (one item a CTA) the item read before PDL's wait (``EARLY``)
-        n_work = gl.load(N_WORK)
         off_b, part, lo, hi, start, n_tiles, bt_row, n_pages_b, q_row = _item(
             WORK, SEQ, w, batch, capacity, BLOCK_N_, w < n_work, True)
     if PDL:  # launched with launch_pdl: the previous kernel may still run (see ``PDL``)
@@ -923,7 +924,7 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
                                         off_hk * head_cols, PAGE, HEAD_D, BLOCK_N_, STAGES_)
             elif not claim:
                 _prefetch_item(K_RAW, V_RAW, k_row_stride, v_row_stride, view_rows, INDICES,
-                               WORK, SEQ, N_WORK, w, batch, capacity,
+                               WORK, SEQ, n_work, w, batch, capacity,
                                off_hk.to(gl.int64) * head_rows, page_rows, off_hk * head_cols,
                                PAGE, HEAD_D, BLOCK_N_, STAGES_)
         grid_dependency_wait()
@@ -936,8 +937,6 @@ def _decode_sm90(k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEQ, INDICES, WORK
             off_hk = u % n_kv
     depth = 0
     if not BALANCED:
-        if not EARLY_:
-            n_work = gl.load(N_WORK)
         if w >= n_work:
             return
         if SHALLOW_:
@@ -1117,10 +1116,10 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     ``ioattn.paged.plan.split_work_balanced``): one CTA per column and KV head, looping over the
     column's items. pdl: launched with programmatic dependent launch (None: ``PDL``). claims
     [CLAIM_WORDS] int32 zeros (the grid of max_items a graph's bound): the CTAs claim their
-    units SM by SM when the work fits one an SM (``CLAIM``; not with columns). work, n_work and
-    seqlens_indptr are read before PDL's wait (``EARLY``, and n_work for claims): they must be
-    written by copies, not by the kernel launched just before this one (the decode wrapper's
-    plan() copies them from the host). Covered calls: ``unsupported_reason``."""
+    units SM by SM when the work fits one an SM (``CLAIM``; not with columns). n_work (and, with
+    ``EARLY``, work and seqlens_indptr) is read before PDL's wait: written by copies, not by the
+    kernel launched just before this one (the decode wrapper's plan() copies them from the
+    host). Covered calls: ``unsupported_reason``."""
     total_q, h, d = q.shape
     h_k, page = k.shape[2], k.shape[1]
     batch = (seqlens_indptr.shape[0] - 2) // 3
