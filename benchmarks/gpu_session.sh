@@ -8,6 +8,9 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD IOATTN_GIT_COMMIT=${IOATTN_GIT_COMMIT:-unknown}
 OUT=${OUT:-/tmp/ioattn_out}; mkdir -p "$OUT"
+# the card in result names (nvidia-h200 / nvidia-h100): a call named for the H200 may get an H100
+GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE 'h[0-9]{3}' \
+  | tr 'A-Z' 'a-z'); GPU_TAG=nvidia-${GPU_TAG:-gpu}
 steps=${*:-tests bench long}
 # bench_with "VAR=V [VAR=V ...]" NAME ARGS...: `python -m ioattn bench ARGS` under those
 # settings, cuDNN beside ioattn's sm90 backend, into $OUT/NAME.json; prints the rows
@@ -85,20 +88,20 @@ for step in $steps; do
            # from ~10-30 calls a round under a power-capped clock; ~+75 s of timing
            timeout 460 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes bf16 \
              --rounds ${BENCH_ROUNDS:-5} --rep ${BENCH_REP:-250} \
-             --out "$OUT/dense_nvidia-h200_$(date +%F).json" > "$OUT/bench.log" 2>&1
+             --out "$OUT/dense_${GPU_TAG}_$(date +%F).json" > "$OUT/bench.log" 2>&1
            grep -E "geomean" "$OUT/bench.log" ;;
     long)  timeout 120 python benchmarks/long_context.py --out "$OUT" > "$OUT/long.log" 2>&1
            cat "$OUT/long.log" ;;
     sm90)  timeout 200 python -m ioattn bench --modes fwd --dims 64,128 --seqlens 2048,8192,16384 --dtypes bf16 \
              --impls ioattn,ioattn_sm90,ioattn_triton,sdpa_cudnn,flex --no-plots \
-             --out "$OUT/sm90_fwd_quick_nvidia-h200_$(date +%F).json" > "$OUT/sm90_quick.log" 2>&1
+             --out "$OUT/sm90_fwd_quick_${GPU_TAG}_$(date +%F).json" > "$OUT/sm90_quick.log" 2>&1
            grep -E "^fwd|geomean" "$OUT/sm90_quick.log" ;;
     sm90-bwd) timeout 240 python -m ioattn bench --modes bwd --dims 64,128 --seqlens 2048,8192,16384 --dtypes bf16 \
              --impls ioattn,ioattn_sm90,ioattn_triton,sdpa_cudnn,flex --no-plots \
-             --out "$OUT/sm90_bwd_quick_nvidia-h200_$(date +%F).json" > "$OUT/sm90_bwd_quick.log" 2>&1
+             --out "$OUT/sm90_bwd_quick_${GPU_TAG}_$(date +%F).json" > "$OUT/sm90_bwd_quick.log" 2>&1
            grep -E "^bwd|geomean" "$OUT/sm90_bwd_quick.log" ;;
     decode) timeout 420 python -m ioattn bench --suite decode \
-             --out "$OUT/decode_nvidia-h200_$(date +%F).json" > "$OUT/decode.log" 2>&1
+             --out "$OUT/decode_${GPU_TAG}_$(date +%F).json" > "$OUT/decode.log" 2>&1
            grep -vE "^/" "$OUT/decode.log" | tail -70 ;;
     sm90-bwd-fused) # the fused backward (dQ writer warp): its tests, then fused / two-kernel timed
            IOATTN_SM90_FUSED_BWD=1 timeout 120 python -m pytest -q -n 8 -p no:cacheprovider \
@@ -109,7 +112,7 @@ for step in $steps; do
              tail -1 "$OUT/tests_fused_bwd.log"; fi
            for f in 1 0; do IOATTN_SM90_FUSED_BWD=$f timeout 150 python -m ioattn bench --modes bwd \
              --dims 64,128 --seqlens 2048,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
-             --out "$OUT/sm90_bwd_fused_writer${f}_nvidia-h200_$(date +%F).json" > "$OUT/fused$f.log" 2>&1
+             --out "$OUT/sm90_bwd_fused_writer${f}_${GPU_TAG}_$(date +%F).json" > "$OUT/fused$f.log" 2>&1
              echo "fused=$f"; grep -E "^bwd" "$OUT/fused$f.log"; done ;;
     tune-decode) timeout 200 python benchmarks/tune_decode.py --json "$OUT/tune_decode.json" > "$OUT/tune_decode.log" 2>&1
            grep "^==" "$OUT/tune_decode.log"
@@ -128,7 +131,7 @@ for step in $steps; do
              > "$OUT/tests_serving.log" 2>&1; tail -1 "$OUT/tests_serving.log" ;;
     chunked) timeout 150 python -m ioattn bench --suite decode --cells 128x2048x16 \
              --prefill-cells 8x4096x512x16,8x4096x512x64,8x4096x128x16 \
-             --out "$OUT/chunked_nvidia-h200_$(date +%F).json" > "$OUT/chunked.log" 2>&1
+             --out "$OUT/chunked_${GPU_TAG}_$(date +%F).json" > "$OUT/chunked.log" 2>&1
            grep chunked "$OUT/chunked.log" ;;
     tune-decode-graph) timeout 240 python benchmarks/tune_decode.py --graph \
              --cells 1x32768x16,16x8192x16,64x4096x16 --block-n 64,128 --warps 4 --stages 2,4,5 \
@@ -145,21 +148,21 @@ for step in $steps; do
            grep -E "Duration|Tensor is|Issue Slots|No Eligible" "$OUT/ncu_details.txt" ;;
     bench-fp16) timeout 460 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --dtypes fp16 \
              --rounds ${BENCH_ROUNDS:-5} --rep ${BENCH_REP:-250} \
-             --out "$OUT/dense_fp16_nvidia-h200_$(date +%F).json" > "$OUT/bench_fp16.log" 2>&1
+             --out "$OUT/dense_fp16_${GPU_TAG}_$(date +%F).json" > "$OUT/bench_fp16.log" 2>&1
            grep -E "geomean" "$OUT/bench_fp16.log" ;;
     sm90-decode) # the Gluon decode kernel (default on Hopper): its tests, then the decode suite on / off
            IOATTN_SM90_DECODE=1 timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
              tests/decode/test_decode_sm90.py > "$OUT/tests_sm90_decode.log" 2>&1
            tail -1 "$OUT/tests_sm90_decode.log"
            for dec in 1 0; do IOATTN_SM90_DECODE=$dec timeout 200 python -m ioattn bench --suite decode \
-             --out "$OUT/decode_sm90dec${dec}_nvidia-h200_$(date +%F).json" > "$OUT/decode_sm90dec$dec.log" 2>&1
+             --out "$OUT/decode_sm90dec${dec}_${GPU_TAG}_$(date +%F).json" > "$OUT/decode_sm90dec$dec.log" 2>&1
              echo "sm90 decode=$dec"; grep -vE "^/" "$OUT/decode_sm90dec$dec.log" | grep -E "x4096|x8192|x32768" | head -12; done ;;
     host)  # host time per call (eager): public calls, op layers, decode run()
-           timeout 120 python benchmarks/host_overhead.py --json "$OUT/host_overhead_nvidia-h200.json" \
+           timeout 120 python benchmarks/host_overhead.py --json "$OUT/host_overhead_${GPU_TAG}.json" \
              > "$OUT/host.log" 2>&1; head -34 "$OUT/host.log" ;;
     host-graph) # the FA-grid 2k cells under the benchmark's timer and as graph replays (host share)
            timeout 300 python benchmarks/host_overhead.py --graph \
-             --json "$OUT/host_graph_nvidia-h200.json" > "$OUT/host_graph.log" 2>&1
+             --json "$OUT/host_graph_${GPU_TAG}.json" > "$OUT/host_graph.log" 2>&1
            grep -E "^(fwd|bwd) d" "$OUT/host_graph.log" ;;
     profile-decode) # ncu: the planned decode's kernels and cuDNN's on the same cells (time, DRAM)
            for cell in 64x4096x16 1x32768x16; do
@@ -217,14 +220,14 @@ for step in $steps; do
              > "$OUT/tests_decode_merge.log" 2>&1; tail -1 "$OUT/tests_decode_merge.log"
            for m in 1 0; do IOATTN_SM90_DECODE_MERGE=$m timeout 150 python -m ioattn bench --suite decode \
              --cells 1x32768x16,16x8192x16,64x4096x16 --prefill-cells "" \
-             --out "$OUT/decode_merge${m}_nvidia-h200_$(date +%F).json" > "$OUT/decode_merge$m.log" 2>&1
+             --out "$OUT/decode_merge${m}_${GPU_TAG}_$(date +%F).json" > "$OUT/decode_merge$m.log" 2>&1
              echo "merge=$m"; grep -E "ioattn_paged|cudnn" "$OUT/decode_merge$m.log"; done ;;
     sm90-persistent) # the persistent forward (dynamic scheduler / snake order): tests, then timed vs off
            timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_sm90.py -k persistent \
              > "$OUT/tests_persistent.log" 2>&1; tail -1 "$OUT/tests_persistent.log"
            for pers in dynamic 1 0; do IOATTN_SM90_PERSISTENT=$pers timeout 150 python -m ioattn bench --modes fwd \
              --dims 64,128 --seqlens 2048,4096,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn --no-plots \
-             --out "$OUT/sm90_fwd_persistent_snake${pers}_nvidia-h200_$(date +%F).json" > "$OUT/pers$pers.log" 2>&1
+             --out "$OUT/sm90_fwd_persistent_snake${pers}_${GPU_TAG}_$(date +%F).json" > "$OUT/pers$pers.log" 2>&1
              echo "persistent=$pers"; grep -E "^fwd" "$OUT/pers$pers.log"; done ;;
     tune-sm90) # pipeline depths of the sm90 backward kernels (and the d=64 forward's)
            timeout 300 python benchmarks/tune_sm90.py --mode bwd --dims 64,128 --seqlens 2048,16384 \

@@ -20,7 +20,8 @@ median of ``--rounds``, every implementation twice in turn.
     python benchmarks/read_probe.py --cell 64x4096 --configs 3x64x2x0,3x64x2x400,2x64x1x0 \
         --ours 3x1x1,3x1x0 --json F
     (--configs: stages x keys a stage x CTAs an SM (1: shared memory padded) x spin ns
-     [x keys a copy];
+     [x keys a copy [x order: 0 rows in order, 1 an identity table, 2 a shuffled table,
+     3 shuffled within each 2 MB]];
      --ours: STAGES x ROWS_AHEAD x SHALLOW [x MMA16 [x items a CTA [x EARLY]]])
 """
 from __future__ import annotations
@@ -47,8 +48,8 @@ from tune_decode import _replayed  # (run as a script: benchmarks/ is on sys.pat
 
 
 @gluon.jit
-def _produce(k_desc, v_desc, k_smem, v_smem, full, empty, row0, n_tiles,
-             STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+def _produce(k_desc, v_desc, k_smem, v_smem, full, empty, row0, n_tiles, TABLE,
+             STAGES: gl.constexpr, BLOCK_N: gl.constexpr, TABLED: gl.constexpr):
     BOX: gl.constexpr = k_desc.block_type.shape[0]  # keys a copy (a page's, as ours per page)
     NB: gl.constexpr = BLOCK_N // BOX
     for j in range(n_tiles):
@@ -56,11 +57,12 @@ def _produce(k_desc, v_desc, k_smem, v_smem, full, empty, row0, n_tiles,
         mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(full.index(st), 2 * NB * k_desc.block_type.nbytes)
         for i in gl.static_range(NB):
-            tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N + i * BOX, 0],
-                                            full.index(st),
+            row = row0 + j * BLOCK_N + i * BOX
+            if TABLED:  # (a page table's entry for each copy: the box of rows it reads)
+                row = gl.load(TABLE + row // BOX) * BOX
+            tma.async_copy_global_to_shared(k_desc, [row, 0], full.index(st),
                                             k_smem.index(st).slice(i * BOX, BOX, dim=0))
-            tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N + i * BOX, 0],
-                                            full.index(st),
+            tma.async_copy_global_to_shared(v_desc, [row, 0], full.index(st),
                                             v_smem.index(st).slice(i * BOX, BOX, dim=0))
 
 
@@ -85,8 +87,9 @@ def _consume(OUT, k_smem, full, empty, n_tiles, delay_ns, cta, STAGES: gl.conste
 
 
 @gluon.jit
-def _read_probe(k_desc, v_desc, OUT, n_keys, delay_ns, STAGES: gl.constexpr,
-                BLOCK_N: gl.constexpr, D: gl.constexpr, PAD_BYTES: gl.constexpr):
+def _read_probe(k_desc, v_desc, OUT, TABLE, n_keys, delay_ns, STAGES: gl.constexpr,
+                BLOCK_N: gl.constexpr, D: gl.constexpr, PAD_BYTES: gl.constexpr,
+                TABLED: gl.constexpr):
     head = gl.program_id(0)
     req = gl.program_id(1)
     cta = req * gl.num_programs(0) + head
@@ -108,17 +111,21 @@ def _read_probe(k_desc, v_desc, OUT, n_keys, delay_ns, STAGES: gl.constexpr,
     n_tiles = n_keys // BLOCK_N
     gl.warp_specialize([
         (_consume, (OUT, k_smem, full, empty, n_tiles, delay_ns, cta, STAGES)),
-        (_produce, (k_desc, v_desc, k_smem, v_smem, full, empty, row0, n_tiles, STAGES,
-                    BLOCK_N)),
+        (_produce, (k_desc, v_desc, k_smem, v_smem, full, empty, row0, n_tiles, TABLE, STAGES,
+                    BLOCK_N, TABLED)),
     ], [1], [24])
     invalidate(full, STAGES)
     invalidate(empty, STAGES)
 
 
 def probe_fn(k: torch.Tensor, v: torch.Tensor, stages: int, block_n: int, per_sm: int,
-             delay: int, box: int = 0):
+             delay: int, box: int = 0, order: int = 0):
     """The bare ring over k / v; box: keys a TMA copy (0: the stage's block_n, one copy of K
-    and one of V a stage; 16: four a 64-key stage, as ours issues over pages of 16)."""
+    and one of V a stage; 16: four a 64-key stage, as ours issues over pages of 16); order:
+    0 each CTA's rows in order, 1 each copy's box of rows read from a table (the identity: a
+    page table's dependent load, the same rows), 2 from a shuffled table (every box of the
+    cache read once, by a CTA that does not own it: shuffled pages' scattered reads), 3 shuffled
+    within each 2 MB of the cache (scattered reads, TLB reach as in order)."""
     b, h_k, ctx, d = k.shape
     box = box or block_n
     if block_n % box or box % 8:
@@ -127,6 +134,18 @@ def probe_fn(k: torch.Tensor, v: torch.Tensor, stages: int, block_n: int, per_sm
     kd = TensorDescriptor.from_tensor(k.view(-1, d), [box, d], layout)
     vd = TensorDescriptor.from_tensor(v.view(-1, d), [box, d], layout)
     out = torch.empty(2 * b * h_k, device=k.device, dtype=torch.float32)
+    n_boxes = k.numel() // d // box
+    if order < 2:
+        table = torch.arange(n_boxes, device=k.device)
+    elif order == 2:
+        table = torch.randperm(n_boxes, device=k.device)
+    else:  # 3: shuffled within each 2 MB (a GPU page's reach: TLB misses as in order)
+        group = max(1, (2 << 20) // (box * d * k.element_size()))
+        if n_boxes % group:
+            raise SystemExit(f"order 3: {n_boxes} boxes are not whole 2 MB groups of {group}")
+        table = (torch.argsort(torch.rand(n_boxes // group, group, device=k.device), dim=1)
+                 + torch.arange(0, n_boxes, group, device=k.device)[:, None]).flatten()
+    table = table.to(torch.int32)
     used = 2 * stages * block_n * d * k.element_size()
     short = 120 * 1024 - used  # (past half the SM's 228 KB: one CTA an SM)
     pad = 1 << (short - 1).bit_length() if per_sm == 1 and short > 0 else 0  # (a power of two)
@@ -136,8 +155,8 @@ def probe_fn(k: torch.Tensor, v: torch.Tensor, stages: int, block_n: int, per_sm
         raise SystemExit(f"stages {stages} x {block_n} keys: {used} B, not two CTAs an SM")
 
     def fn():
-        _read_probe[(h_k, b)](kd, vd, out, ctx, delay, STAGES=stages, BLOCK_N=block_n, D=d,
-                              PAD_BYTES=pad, num_warps=4, maxnreg=128)
+        _read_probe[(h_k, b)](kd, vd, out, table, ctx, delay, STAGES=stages, BLOCK_N=block_n,
+                              D=d, PAD_BYTES=pad, TABLED=order > 0, num_warps=4, maxnreg=128)
     return fn
 
 
@@ -163,7 +182,8 @@ def main(argv=None):
     p.add_argument("--cell", default="64x4096", help="batch x context")
     p.add_argument("--configs", default="3x64x2x0,2x64x2x0,3x64x1x0,4x64x1x0,2x64x1x0",
                    help="bare rings: stages x keys a stage x CTAs an SM x spin ns a stage "
-                        "[x keys a TMA copy (default: the stage's)]")
+                        "[x keys a TMA copy (0: the stage's) [x order: 0 in order, 1 through "
+                        "an identity table, 2 a shuffled one, 3 shuffled within each 2 MB]]")
     p.add_argument("--ours", default="3x1x1,3x1x0,3x0x0,2x1x0,4x1x1",
                    help="the planned decode's settings, each as STAGES x ROWS_AHEAD x SHALLOW "
                         "[x MMA16 [x ITEMS [x EARLY]]] (sm90_decode's constants, set for its launch; "
@@ -263,9 +283,11 @@ def main(argv=None):
                 raise SystemExit(f"{name}: max abs error {errs[name]:.2e} against cuDNN")
             fns.append((name, fn))
     for c in a.configs.split(","):
-        st, bn, per_sm, delay, *box = (int(x) for x in c.split("x"))
-        fns.append((f"probe_s{st}_n{bn}_cta{per_sm}_d{delay}" + (f"_box{box[0]}" if box else ""),
-                    probe_fn(k, v, st, bn, per_sm, delay, *box)))
+        st, bn, per_sm, delay, *more = (int(x) for x in c.split("x"))
+        fns.append((f"probe_s{st}_n{bn}_cta{per_sm}_d{delay}"
+                    + (f"_box{more[0]}" if more else "")
+                    + (f"_order{more[1]}" if len(more) > 1 else ""),
+                    probe_fn(k, v, st, bn, per_sm, delay, *more)))
     results = []
     for name, fn in fns:  # (two passes, so each impl is timed twice apart: the card drifts)
         results.append(dict(name=name, ms=graph_time(fn, a.loop, a.rounds)))

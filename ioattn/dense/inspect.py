@@ -282,9 +282,29 @@ def _gluon_signature(fn, dtype: str, desc_rows: dict, d: int, heads_view: bool =
     return sig
 
 
-def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16") -> list[KernelReport]:
-    """The sm90 Gluon kernels (sm90_fwd.py, sm90_bwd.py) compiled as their launchers configure them."""
-    return [gluon_report(*job, arch) for job in gluon_jobs(head_dims, dtype)]
+def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16",
+                  jobs: int = 1) -> list[KernelReport]:
+    """The sm90 Gluon kernels (sm90_fwd.py, sm90_bwd.py) compiled as their launchers configure
+    them; jobs > 1: that many processes compile them (the ~100 forms take ~7 min on one core;
+    each compile is one core's ptxas), the reports in ``gluon_jobs``' order."""
+    todo = gluon_jobs(head_dims, dtype)
+    if jobs <= 1:
+        return [gluon_report(*job, arch) for job in todo]
+    import concurrent.futures
+    import multiprocessing
+
+    # spawned workers rebuild the job list (kernels are not picklable) from the same
+    # environment, so job i is the same form there
+    with concurrent.futures.ProcessPoolExecutor(
+            jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_gluon_job_report,
+                             [(i, tuple(head_dims), dtype, arch) for i in range(len(todo))]))
+
+
+def _gluon_job_report(args: tuple) -> KernelReport:
+    """(``gluon_reports``' workers) the report of ``gluon_jobs(head_dims, dtype)[i]``."""
+    i, head_dims, dtype, arch = args
+    return gluon_report(*gluon_jobs(head_dims, dtype)[i], arch)
 
 
 def gluon_sass(name: str, head_dim: int, arch: int = 90, dtype: str = "bf16") -> str:
@@ -622,11 +642,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", default="64,128,256")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--gluon", action="store_true", help="the sm90 Gluon kernels instead")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="processes compiling the Gluon kernels (--gluon; default 1)")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
     if a.gluon:
-        reports = gluon_reports(a.arch)
+        reports = gluon_reports(a.arch, jobs=a.jobs)
     else:
         reports = default_reports(a.arch, tuple(int(x) for x in a.dims.split(",")))
     if a.json:
