@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [decode-eager] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -337,14 +337,6 @@ for step in $steps; do
              --dims 128 --seqlens 2048,4096,8192,16384 --dtypes bf16 --impls ioattn_sm90,sdpa_cudnn \
              --no-plots --out "$OUT/sm90_fwd_pp128_$v.json" > "$OUT/pp128_$v.log" 2>&1
              echo "== pingpong=$v"; grep -E "^fwd" "$OUT/pp128_$v.log"; done ;;
-    decode-eager) # eager planned decode: the sm90 kernel for small plans too (threshold 0) vs
-           # the default (portable below 200 MiB), now that both launch through ioattn.launch
-           for m in 0 default; do
-             case $m in 0) e=IOATTN_SM90_DECODE_MIN_BYTES=0 ;; *) e=X=1 ;; esac
-             env $e timeout 150 python -m ioattn bench --suite decode \
-               --cells 1x32768x16,16x8192x16,64x4096x16,128x2048x16 --prefill-cells "" \
-               --out "$OUT/decode_eager_min$m.json" > "$OUT/decode_eager_$m.log" 2>&1
-             echo "== min_bytes=$m"; grep -E "ioattn_paged |cudnn" "$OUT/decode_eager_$m.log"; done ;;
     sm90-exp-early) # each key block's exponentials before the wait for PV_{j-1} (opt-in,
            # IOATTN_SM90_FWD_EXP_EARLY): the forward's tests with it, then timed on / off
            # (step total within the 600 s of a call: 150 + 100 + 2 x 120 + 90)

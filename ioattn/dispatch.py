@@ -188,8 +188,6 @@ ENV_SWITCHES = (
      "mma.sync (16 rows, each consumer warp on its own keys) instead of a 64-row wgmma tile"),
     ("IOATTN_SM90_DECODE_EARLY", "1", "sm90 decode (one item a CTA): the item read before PDL's "
      "wait, L2 prefetches from the first wave of CTAs only (fewer dependent loads at a CTA's start)"),
-    ("IOATTN_SM90_DECODE_MIN_BYTES", str(200 << 20), "planned eager decode: K+V bytes below "
-     "which a plan keeps the portable kernel (its launch was cheaper on the host)"),
     ("IOATTN_SM90_DECODE_MERGE", "1", "sm90 decode: split requests merged in the kernel by "
      "their last item (no combine launch)"),
     ("IOATTN_SM90_DECODE_PDL", "1", "sm90 decode: programmatic dependent launch (its CTAs start "

@@ -477,10 +477,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # no request split: run() skips the merge launch, unless a captured graph must keep it
         # for later plans
         self._merge = self._use_cuda_graph or plan.slot_start[-1] > 0
-        kv_bytes = 2 * sum(lengths) * num_kv_heads * head_dim * kv_dt.itemsize
-        # a small eager plan keeps the portable decode kernel (host time, ``paged_attn``); a
-        # graph-mode wrapper never does, so its warm-up and its capture run the same kernel
-        self._small = not self._use_cuda_graph and kv_bytes < triton_decode.SM90_DECODE_MIN_BYTES
         if self._indices_buf is not None:
             if self._indices_buf.numel() < idx.numel():
                 _fail(f"paged_kv_indices_buffer has {self._indices_buf.numel()} entries; this plan "
@@ -527,7 +523,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                    -(-(c["h"] // c["h_k"]) // block_m), block_m,
                    self._o_part, self._lse_part, scale, wl, -1, c["softcap"], out,
                    lse if lse is not None else self._lse_keep, lse_base2=True, rope=c["rope"],
-                   decode=True, small=self._small, counts=self._counts,
+                   decode=True, counts=self._counts,
                    columns=self._columns if self._balanced else None, pdl=enable_pdl,
                    claims=self._claims if self._use_cuda_graph else None)
         if v_scale is not None:

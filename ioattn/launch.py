@@ -29,6 +29,7 @@ The plain path is taken under the interpreter, for an argument of a type outside
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 from triton import knobs
@@ -180,9 +181,8 @@ class Launcher:
         if compiled is False:  # not a CompiledKernel: Triton's call each time
             return self._plain(grid, args, kwargs)
         # the launcher takes every parameter in order (the constexprs' values too, which it skips)
-        try:
-            tail = [kwargs[n] if n in kwargs else self.defaults[n] for n in self.names[len(args):]]
-        except KeyError:  # a parameter without a value: Triton's call says which
+        tail = self._tail(args, kwargs)
+        if tail is None:  # a parameter without a value: Triton's call says which
             return self._plain(grid, args, kwargs)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
@@ -193,6 +193,104 @@ class Launcher:
         compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, meta,
                      enter, leave, *args, *tail)
         return compiled
+
+
+    def _tail(self, args, kwargs):
+        """The parameters after the positional ``args``, in order, from ``kwargs`` or their
+        defaults (None when one has neither)."""
+        try:
+            return [kwargs[n] if n in kwargs else self.defaults[n] for n in self.names[len(args):]]
+        except KeyError:
+            return None
+
+    def bind(self, grid, args, kwargs, slots) -> Optional["Bound"]:
+        """Launch as ``self[grid](*args, **kwargs)``, and return a ``Bound`` that repeats this
+        launch with new tensors in the positional parameters ``slots`` only (None where the
+        launch cannot be bound: the plain path, a kernel with scratch memory, or Triton's
+        launcher not in the form ``_raw_launch`` knows). The caller keys the Bound on
+        everything the other arguments derive from (every pointer among them included)."""
+        compiled = self._launch(grid, args, kwargs)
+        tail = self._tail(args, kwargs)
+        if not self.fast or tail is None or not hasattr(compiled, "run"):
+            return None
+        run = compiled.run
+        found = _raw_launch(run)
+        if found is None or getattr(run, "global_scratch_size", 1) \
+                or getattr(run, "profile_scratch_size", 1):
+            return None
+        raw, desc_meta, desc_positions = found
+        flat, where = [], {}
+        metas = iter(desc_meta)
+        for i, a in enumerate(list(args) + tail):
+            if i in desc_positions:  # a TMA descriptor, encoded once (its base pointer included)
+                flat.extend(x.data_ptr() if isinstance(x, torch.Tensor) else x
+                            for x in _encode(a, next(metas)))
+                continue
+            where[i] = len(flat)
+            # tensors as their addresses: the Bound keeps no tensor (its memory) alive
+            flat.append(a.data_ptr() if isinstance(a, torch.Tensor) else a)
+        head = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+                compiled.packed_metadata)
+        return Bound(raw, head, flat, tuple(where[i] for i in slots), _current_device(),
+                     _knobs())
+
+
+class Bound:
+    """One launch kept with its arguments flattened as Triton's C launcher takes them (TMA
+    descriptors encoded, tensors as addresses), so a repeat is one C call: ``Launcher.bind``.
+    Calling it with tensors for the bound slots launches on the current stream, or returns
+    False (nothing launched) when Triton's launch hooks, its switches or the current device
+    changed since: the caller then launches the plain way."""
+
+    __slots__ = ("raw", "head", "flat", "slots", "device", "knobs")
+
+    def __init__(self, raw, head, flat, slots, device, knobs_) -> None:
+        self.raw, self.head, self.flat, self.slots = raw, head, flat, slots
+        self.device, self.knobs = device, knobs_
+
+    def __call__(self, *tensors) -> bool:
+        if _hooks() != (None, None) or _knobs() != self.knobs \
+                or _current_device() != self.device:
+            return False
+        flat = self.flat.copy()
+        for slot, t in zip(self.slots, tensors):
+            flat[slot] = t
+        gx, gy, gz, function, coop, pdl, packed = self.head
+        self.raw(gx, gy, gz, _current_stream(self.device), function, coop, pdl, None, None,
+                 packed, None, None, None, *flat)
+        return True
+
+
+def _raw_launch(run):
+    """(C launch function, TMA descriptor metadata, descriptor parameter positions) of a
+    Triton 3.6 ``CudaLauncher``: its ``launch`` is the C function itself, or the closure
+    ``wrap_handle_tensordesc`` puts around it (which encodes each descriptor per call). None
+    for any other form."""
+    launch = getattr(run, "launch", None)
+    if launch is None:
+        return None
+    if type(launch).__name__ == "builtin_function_or_method":
+        return launch, [], frozenset()
+    code = getattr(launch, "__code__", None)
+    if code is None or not launch.__qualname__.startswith("wrap_handle_tensordesc.") \
+            or launch.__closure__ is None:
+        return None
+    cells = {n: c.cell_contents for n, c in zip(code.co_freevars, launch.__closure__)}
+    raw, meta, positions = (cells.get(n) for n in ("launcher", "tensordesc_meta",
+                                                    "tensordesc_indices"))
+    if raw is None or meta is None or positions is None \
+            or type(raw).__name__ != "builtin_function_or_method":
+        return None
+    return raw, list(meta), frozenset(positions)
+
+
+def _encode(desc, meta) -> list:
+    """A descriptor parameter's arguments to the C launcher (as Triton's per-call wrapper
+    makes them)."""
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+
+    return make_tensordesc_arg(desc, meta)
 
 
 def launcher(kernel) -> Launcher:

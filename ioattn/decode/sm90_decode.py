@@ -44,7 +44,7 @@ from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, grid_dependency_
                                       zero_last_key_tile, zero_tail_rows)
 from ioattn.dispatch import sm_count
 from ioattn.decode.triton_decode import CLAIM_WORDS
-from ioattn.launch import Desc, launcher
+from ioattn.launch import Desc, keep, launcher
 
 ROWS = gl.constexpr(64)  # wgmma's M: the GQA group's query heads, zero-padded
 BLOCK_N = 64  # keys per tile
@@ -1125,6 +1125,21 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     batch = (seqlens_indptr.shape[0] - 2) // 3
     if max_items * h_k == 0:
         return
+    pdl = PDL if pdl is None else bool(pdl)
+    # a repeat of a launch seen before (the same cache, plan buffers, shapes and settings;
+    # each layer of a step is one): one C call with this call's q, out and lse (``_BOUND``)
+    key = (q.device, sm_count(q.device), q.dtype, q.shape, q.stride(), q.data_ptr() % 16 == 0, k.dtype, k.shape,
+           k.stride(), k.data_ptr(), v.shape, v.stride(), v.data_ptr(), out.dtype, out.stride(),
+           out.data_ptr() % 16 == 0, lse.dtype, lse.stride(), lse.data_ptr() % 16 == 0,
+           indices.data_ptr(), indices.shape[0], seqlens_indptr.data_ptr(),
+           seqlens_indptr.shape[0], work.data_ptr(), n_work.data_ptr(), max_items,
+           o_part.data_ptr(), lse_part.data_ptr(), softmax_scale, lse_base2,
+           None if merge is None else (merge[0].data_ptr(), merge[1].data_ptr()),
+           None if columns is None else (columns.data_ptr(), columns.numel()), softcap, pdl,
+           None if claims is None else claims.data_ptr(), _switches())
+    bound = _BOUND.get(key)
+    if bound is not None and bound(q.data_ptr(), out.data_ptr(), lse.data_ptr()):
+        return
     box = min(page, BLOCK_N)
     # one descriptor per view, each from its own base (interleaved pages or separate pools,
     # the same layout: ``coverage_problem``)
@@ -1138,21 +1153,37 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     grid = (max_items if columns is None else columns.numel() - 1, h_k)
     # (heads first puts the items on the grid's y axis, which CUDA caps at 65535)
     heads_first = HEADS_FIRST and grid[0] <= 65535
-    pdl = PDL if pdl is None else bool(pdl)
     if heads_first:
         grid = grid[::-1]
     qk_scale_log2, softcap_scale = score_scales(softmax_scale, softcap)
     claim = CLAIM and claims is not None and columns is None
     consts = launch_constexprs(d, page, group, fp8, merge is not None, columns is not None, pdl,
                                heads_first, PREFETCH, claim)
-    launcher(_decode_sm90)[grid](
+    bound = launcher(_decode_sm90).bind(grid, (
         k_desc, v_desc, q, out, lse, o_part, lse_part, seqlens_indptr, indices, work, n_work,
         counts, slot_start, k, v, view[4], _row_view(v)[4],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), batch, h, group,
-        indices.shape[0] * page, page_rows, head_rows, head_cols, qk_scale_log2,
+        indices.shape[0] * page, page_rows, head_rows, head_cols, qk_scale_log2), dict(
         LSE_BASE2=lse_base2, softcap_scale=softcap_scale,
         **consts, COLS=columns, view_rows=k_desc.shape[0] if consts["PREFETCH_"] else None,
         CLAIMS=claims if claim else None,
         n_sms=sm_count(q.device) if claim or consts["SHALLOW_"] or consts["EARLY_"] else 0,
-        num_warps=4, maxnreg=MAXNREG, launch_pdl=pdl,
-    )
+        num_warps=4, maxnreg=MAXNREG, launch_pdl=pdl), slots=(2, 3, 4))  # (q, out, lse)
+    if bound is not None:
+        keep(_BOUND, key, bound)
+
+
+# ``paged_decode_sm90``'s launches kept for repeats (``launch.Bound``: the flattened arguments,
+# TMA descriptors encoded, tensors as addresses), by everything the arguments derive from but
+# q, out and lse (their alignment only): a model's layers each repeat one per step. The
+# wrapper's run() cost ~200 us of host time a call on the H100 machine through the launcher's
+# per-call signature, Triton's descriptor encoding and its pointer checks
+# (results/tune/host_sm90dec_0e6b35a_nvidia-h100_2026-12-06.*)
+_BOUND: dict = {}
+
+
+def _switches() -> tuple:
+    """The module settings a launch reads (tests and benchmarks/read_probe.py change some)."""
+    return (STAGES, STAGES_FP8, FP8, CP_ASYNC, CP_REGS, CP_WARPS, PRODUCER_REGS, ROWS_AHEAD,
+            SHALLOW, MMA16, EARLY, PDL, HEADS_FIRST, PREFETCH, CLAIM, CLAIM_SPREAD, MAXNREG,
+            BLOCK_N)

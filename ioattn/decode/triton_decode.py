@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ioattn.dense.common import LOG2E, cdiv, scores_log2
 from ioattn.dispatch import sm90_unavailable_reason, sm_count
-from ioattn.launch import launcher
+from ioattn.launch import keep, launcher
 
 
 @triton.jit
@@ -693,7 +693,7 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
                lse: torch.Tensor, lse_base2: bool,
                rope: Optional[tuple[float, float]] = None,
                mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-               decode: bool = False, small: bool = False,
+               decode: bool = False,
                counts: Optional[torch.Tensor] = None,
                columns: Optional[torch.Tensor] = None, pdl: Optional[bool] = None,
                claims: Optional[torch.Tensor] = None) -> None:
@@ -723,11 +723,8 @@ def paged_attn(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, in
     group = h // h_k
     block_d = _pow2(d, 16)
     extras = softcap > 0 or rope is not None or mask is not None or window_right >= 0
-    # small: an eager plan that reads few bytes (``SM90_DECODE_MIN_BYTES``), where the host time
-    # of a call outweighs its kernel: the portable launch, ~65 us cheaper on the host, is then
-    # faster (graph-mode wrappers never pass it: their warm-up and capture must load one kernel)
     # (softcap runs in the sm90 kernel too; RoPE, masks and windows do not)
-    if decode and not small and _sm90_decode(q, k_pages, v_pages, rope is not None
+    if decode and _sm90_decode(q, k_pages, v_pages, rope is not None
                                              or mask is not None or window_right >= 0
                                              or window_left >= 0):
         from ioattn.decode.sm90_decode import paged_decode_sm90
@@ -790,15 +787,12 @@ SM90_DECODE_MERGE = os.environ.get("IOATTN_SM90_DECODE_MERGE", "1").lower() not 
 SM90_DECODE_BALANCED = os.environ.get("IOATTN_SM90_DECODE_BALANCED", "0").lower() in ("1", "true", "on")
 
 
-# K+V bytes of a plan below which eager decode calls (wrappers without use_cuda_graph) keep the
-# portable kernel: at 1 x 32k (134 MB) the sm90 kernel runs 36 us on the GPU against 53, but
-# run() costs 150 us of host time against 90, and eager timing went from 2.03 to 1.27 TB/s; at
-# 16 x 8k (537 MB) eager gained (3.42 -> 3.61). results/tune/profile_decode_sm90dec{1,0}.json,
-# results/decode_8ca8970_*.json. 200 MiB sits between the two. Measured before the serving
-# kernels launched through ``ioattn.launch`` (TMA descriptors as plain fields, no per-call
-# binding), which cuts the sm90 launch's host time: IOATTN_SM90_DECODE_MIN_BYTES (bytes) sets
-# it, to measure again (0: the sm90 kernel for every eager plan it covers)
-SM90_DECODE_MIN_BYTES = int(os.environ.get("IOATTN_SM90_DECODE_MIN_BYTES", str(200 << 20)))
+# Eager plans of every size run the sm90 kernel where it covers them. Until session 33, plans
+# under 200 MiB of K+V kept the portable kernel (IOATTN_SM90_DECODE_MIN_BYTES): the sm90
+# launch's host time (~200 us a run() on the H100 machine) outweighed its faster kernel there.
+# With its launches kept for repeats (``sm90_decode._BOUND``) run() costs 79 us, and the eager
+# 1 x 32k cell reads 2.12 TB/s on the sm90 kernel against 1.20 on the portable one (cuDNN
+# 2.13; 16 x 8k and 64 x 4k level), on an H100 (results/tune/decode_eager_min*_*_nvidia-h100_*)
 
 
 def _sm90_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
@@ -809,7 +803,18 @@ def _sm90_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
         return False  # (before the import: the module loads Gluon, which a GPU may lack)
     from ioattn.decode import sm90_decode
 
-    return sm90_decode.unsupported_reason(q, k_pages, v_pages, 1, extras) is None
+    # (answered once per form of the call: what coverage_problem reads, alignment included)
+    key = (q.device, q.dtype, q.shape[1:], k_pages.dtype, k_pages.shape[1:], k_pages.stride(),
+           k_pages.data_ptr() % 16, v_pages.dtype, v_pages.shape[1:], v_pages.stride(),
+           v_pages.data_ptr() % 16, extras, sm90_decode.FP8)
+    got = _COVERED.get(key)
+    if got is None:
+        got = keep(_COVERED, key, sm90_decode.coverage_problem(q, k_pages, v_pages, 1, extras)
+                   is None)
+    return got
+
+
+_COVERED: dict = {}  # ``_sm90_decode``'s answers by the call's form
 
 
 def paged_tiles(group: int, d: int, rows_per_request: int = 1,

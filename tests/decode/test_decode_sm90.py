@@ -22,13 +22,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _sm90_decode_on(monkeypatch, merge=False, balanced=False):
-    """The planned decode forced onto the sm90 kernel, small plans too (merge: split requests
+    """The planned decode forced onto the sm90 kernel (merge: split requests
     merged inside it; balanced: FlashInfer's balanced split, each CTA looping over its column's
     items); returns the list each of its launches appends to."""
     monkeypatch.setattr(triton_decode, "SM90_DECODE", True)
     monkeypatch.setattr(triton_decode, "SM90_DECODE_MERGE", merge)
     monkeypatch.setattr(triton_decode, "SM90_DECODE_BALANCED", balanced)
-    monkeypatch.setattr(triton_decode, "SM90_DECODE_MIN_BYTES", 0)
     if balanced:  # (few SMs: the columns hold several items, requests cut many times)
         monkeypatch.setattr(fi, "sm_count", lambda device: 4)
     calls = []  # per launch: whether it ran the balanced form (the columns, argument 15)
@@ -124,47 +123,29 @@ def test_mma16_rule(monkeypatch):
     assert not sm90_decode.launch_constexprs(128, 16, 4, False, True)["MMA16_"]
 
 
-def test_small_plans_stay_portable_in_eager_calls(monkeypatch):
-    """Eager plans that read few bytes keep the portable kernel (the Gluon launch's host time
-    outweighs its kernel there); large plans take the sm90 kernel where it covers the call, and
-    graph-mode wrappers always do (their warm-up and capture must load the same kernel). The
-    rule is the plan's K+V bytes (``SM90_DECODE_MIN_BYTES``); checked on the kernel choice."""
+def test_eager_plans_ask_the_sm90_rule(monkeypatch):
+    """Every planned decode run(), eager or graph-mode and whatever its size, asks the sm90 rule
+    (``triton_decode._sm90_decode``) and takes the portable kernel only where it says no: eager
+    plans under 200 MiB of K+V kept the portable kernel until the sm90 launch's host time fell
+    (its launches kept for repeats, ``sm90_decode._BOUND``). On a CPU the portable kernel then
+    runs under the interpreter."""
     import ioattn.flashinfer as fi
 
     asked = []
     monkeypatch.setattr(triton_decode, "_sm90_decode", lambda *a: asked.append(1) and False)
-
-    def planned(pages, graph=False, page=16, h_k=8, d=128):
-        kw = dict(use_cuda_graph=True,
-                  paged_kv_indices_buffer=torch.empty(pages, dtype=torch.int32, device=DEVICE)) \
-            if graph else {}
-        w = fi.BatchDecodeWithPagedKVCacheWrapper(
-            torch.empty(8 << 20, dtype=torch.uint8, device=DEVICE), **kw)
-        w.plan(torch.tensor([0, pages], dtype=torch.int32, device=DEVICE),
-               torch.arange(pages, dtype=torch.int32, device=DEVICE),
-               torch.tensor([page], dtype=torch.int32, device=DEVICE), 4 * h_k, h_k, d, page,
-               q_data_type=BF16)
-        return w
-
-    limit = triton_decode.SM90_DECODE_MIN_BYTES
-    per_page = 2 * 16 * 8 * 128 * 2
-    assert planned(limit // per_page - 1)._small
-    assert not planned(limit // per_page + 1)._small
-    assert not planned(8, graph=True)._small
-    # the choice itself: run() asks the sm90 rule only for plans that are not small (the
-    # portable kernel then runs; on a CPU under the interpreter)
-    for small, want in ((True, []), (False, [1])):
+    for graph in (False, True):
         asked.clear()
+        kw = dict(use_cuda_graph=True, paged_kv_indices_buffer=torch.empty(
+            4, dtype=torch.int32, device=DEVICE)) if graph else {}
         q = torch.randn(1, 4, 64, dtype=BF16, device=DEVICE)
         cache = torch.randn(4, 2, 16, 1, 64, dtype=BF16, device=DEVICE)
         w = fi.BatchDecodeWithPagedKVCacheWrapper(
-            torch.empty(8 << 20, dtype=torch.uint8, device=DEVICE))
+            torch.empty(8 << 20, dtype=torch.uint8, device=DEVICE), **kw)
         w.plan(torch.tensor([0, 4], dtype=torch.int32, device=DEVICE),
                torch.arange(4, dtype=torch.int32, device=DEVICE),
                torch.tensor([16], dtype=torch.int32, device=DEVICE), 4, 1, 64, 16, q_data_type=BF16)
-        w._small = small
         w.run(q, cache)
-        assert asked == want
+        assert asked == [1], (graph, asked)
 
 
 CASES = [
@@ -253,6 +234,48 @@ def test_sm90_decode(c, merge, form, monkeypatch):
     # (explicit splits stay plain under the balanced split)
     assert all(calls) == (balanced and "split" not in c), calls
     _check_requests(out, lse, q, cache, c["layout"], lens, indices, indptr)
+
+
+@needs_sm90
+@pytest.mark.parametrize("merge", [False, True], ids=["combine", "merge-in-kernel"])
+@pytest.mark.parametrize("c", [CASES[1], CASES[2]],
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_sm90_decode_repeats_per_layer(c, merge, monkeypatch):
+    """One plan run over three layers' caches, two steps: each layer's first launch is kept
+    (``sm90_decode._BOUND``, one per cache) and its repeat is one C call with the new q, out and
+    lse, checked against the references (outputs and LSE poisoned before each call); with a
+    Triton launch hook set the kept launches step aside, so the hook sees every launch."""
+    import triton
+
+    from ioattn import launch
+
+    monkeypatch.setattr(sm90_decode, "_BOUND", {})
+    repeats = []
+    orig_call = launch.Bound.__call__
+    monkeypatch.setattr(launch.Bound, "__call__",
+                        lambda self, *t: repeats.append(orig_call(self, *t)) or repeats[-1])
+    calls = _sm90_decode_on(monkeypatch, merge)
+    c, dtype, wrapper, (lens, indptr, indices, last, cache) = _planned(c)
+    layers = [cache]
+    for _ in range(2):  # (other layers' caches: fresh values, the same stale NaN slots)
+        layer = torch.randn_like(cache)
+        layer[torch.isnan(cache)] = float("nan")
+        layers.append(layer)
+    for step in range(3):
+        if step == 2:
+            seen = []
+            monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook",
+                                lambda meta: seen.append(meta))
+        for layer in layers:
+            q = torch.randn(c["batch"], c["h"], c["d"], device="cuda", dtype=dtype)
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full((c["batch"], c["h"]), float("nan"), device="cuda")
+            wrapper.run(q, layer, out=out, lse=lse, return_lse=True)
+            _check_requests(out, lse, q, layer, c["layout"], lens, indices, indptr)
+    assert len(calls) == 9 and len(sm90_decode._BOUND) == 3, (len(calls), sm90_decode._BOUND)
+    # step 1's three launches were repeats; step 2's stepped aside for the hook
+    assert repeats == [True] * 3 + [False] * 3, repeats
+    assert len(seen) >= 3, "the launch hook missed launches"
 
 
 # (long requests, so each CTA streams many 64-key tiles and the producer's wait for the tile two

@@ -109,13 +109,11 @@ def test_batch_decode(c, device):
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_batch_decode_balanced(c, device, monkeypatch):
     """The balanced split (IOATTN_SM90_DECODE_BALANCED): the same outputs as the reference, on
-    whichever kernel runs the plan (its pieces are work items; on Hopper the sm90 kernel, small
-    plans too, loops over each column's where it covers the call). Few SMs, so that requests
+    whichever kernel runs the plan (its pieces are work items; on Hopper the sm90 kernel loops over each column's where it covers the call). Few SMs, so that requests
     are cut into many pieces."""
     from ioattn.decode import triton_decode
 
     monkeypatch.setattr(triton_decode, "SM90_DECODE_BALANCED", True)
-    monkeypatch.setattr(triton_decode, "SM90_DECODE_MIN_BYTES", 0)
     monkeypatch.setattr(fi, "sm_count", lambda device: 3)
     test_batch_decode(c, device)
 
