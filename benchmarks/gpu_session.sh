@@ -374,9 +374,7 @@ for step in $steps; do
              tests/decode/test_decode_sm90.py tests/paged/test_flashinfer.py -k "fp8 or sm90_decode" \
              > "$OUT/tests_decode_fp8.log" 2>&1
            grep -E "^FAILED" "$OUT/tests_decode_fp8.log"; tail -1 "$OUT/tests_decode_fp8.log"
-           # (every eager plan on the sm90 kernel where it covers it: the 1 x 32k fp8 plan is
-           # under the small-plan threshold)
-           for v in 1 0; do IOATTN_SM90_DECODE_FP8=$v IOATTN_SM90_DECODE_MIN_BYTES=0 timeout 150 \
+           for v in 1 0; do IOATTN_SM90_DECODE_FP8=$v timeout 150 \
              python -m ioattn bench --suite decode \
              --cells 1x32768x16,16x8192x16,64x4096x16,128x2048x16 --prefill-cells "" \
              --out "$OUT/decode_fp8_sm90$v.json" > "/tmp/decode_fp8_$v.log" 2>&1

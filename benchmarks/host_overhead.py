@@ -69,6 +69,17 @@ def main(argv=None):
            torch.full((4,), page, dtype=torch.int32), 32, 8, 128, page, q_data_type=dt)
     qd = torch.randn(4, 32, 128, device=dev, dtype=dt)
     res["decode_run"] = _per_call_us(lambda: w.run(qd, cache))
+    # an engine's step: plan() from a new page-table tensor (the same lengths), then run() over
+    # 8 layers' caches; us per step
+    layers = [torch.randn_like(cache) for _ in range(8)]
+    indptr_d, last_d = torch.arange(0, 65, 16, dtype=torch.int32), torch.full((4,), page, dtype=torch.int32)
+
+    def step():
+        w.plan(indptr_d, torch.arange(64, dtype=torch.int32).to(dev), last_d, 32, 8, 128, page,
+               q_data_type=dt)
+        for layer in layers:
+            w.run(qd, layer)
+    res["decode_step_plan_8_runs"] = _per_call_us(step, n=100)
     # the index tensors kept across calls, as a model's layers pass them (new ones each call
     # would pay the value checks' host sync every time: the first measurements did)
     lens_d = torch.full((4,), 256, dtype=torch.int32, device=dev)

@@ -484,7 +484,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._indices_buf[:idx.numel()].copy_(idx, non_blocking=non_blocking)
             self._indices = self._indices_buf
         else:
-            self._indices = idx.to(self._device).contiguous()
+            # a buffer of the wrapper's own, grown geometrically (the kernels take its size as a
+            # bound, as a graph-mode caller's larger buffer), so that its address stays from
+            # plan to plan: run()'s kept sm90 launches (``sm90_decode._BOUND``) key on it
+            own = getattr(self, "_indices_own", None)
+            if own is None or own.numel() < idx.numel():
+                size = max(idx.numel(), 2 * own.numel() if own is not None else 0, 1024)
+                own = self._indices_own = torch.zeros(size, dtype=torch.int32, device=self._device)
+            own[:idx.numel()].copy_(idx, non_blocking=non_blocking)
+            self._indices = own
         self._n_pages_needed = int(idx.max()) + 1 if idx.numel() else 0  # (min >= 0: _check_csr)
         self._cfg = dict(h=num_qo_heads, h_k=num_kv_heads, d=head_dim, page_size=page_size,
                          window_left=window_left, softcap=float(logits_soft_cap or 0.0),

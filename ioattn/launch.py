@@ -211,8 +211,9 @@ class Launcher:
         everything the other arguments derive from (every pointer among them included)."""
         compiled = self._launch(grid, args, kwargs)
         tail = self._tail(args, kwargs)
-        if not self.fast or tail is None or not hasattr(compiled, "run"):
-            return None
+        if not self.fast or tail is None or _hooks() != (None, None) or not all(
+                hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+            return None  # (with launch hooks set, launches must go through Triton's call)
         run = compiled.run
         found = _raw_launch(run)
         if found is None or getattr(run, "global_scratch_size", 1) \
@@ -267,8 +268,12 @@ def _raw_launch(run):
     Triton 3.6 ``CudaLauncher``: its ``launch`` is the C function itself, or the closure
     ``wrap_handle_tensordesc`` puts around it (which encodes each descriptor per call). None
     for any other form."""
+    from triton.backends.nvidia import driver as nvidia_driver
+
     launch = getattr(run, "launch", None)
-    if launch is None:
+    # (the base arguments ``Bound`` passes: grid, stream, function, cooperative, PDL, the two
+    # scratch buffers, packed metadata, launch metadata and the two hooks)
+    if launch is None or getattr(nvidia_driver, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO":
         return None
     if type(launch).__name__ == "builtin_function_or_method":
         return launch, [], frozenset()

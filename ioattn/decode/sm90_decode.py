@@ -1128,12 +1128,13 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     pdl = PDL if pdl is None else bool(pdl)
     # a repeat of a launch seen before (the same cache, plan buffers, shapes and settings;
     # each layer of a step is one): one C call with this call's q, out and lse (``_BOUND``)
-    key = (q.device, sm_count(q.device), q.dtype, q.shape, q.stride(), q.data_ptr() % 16 == 0, k.dtype, k.shape,
-           k.stride(), k.data_ptr(), v.shape, v.stride(), v.data_ptr(), out.dtype, out.stride(),
-           out.data_ptr() % 16 == 0, lse.dtype, lse.stride(), lse.data_ptr() % 16 == 0,
-           indices.data_ptr(), indices.shape[0], seqlens_indptr.data_ptr(),
-           seqlens_indptr.shape[0], work.data_ptr(), n_work.data_ptr(), max_items,
-           o_part.data_ptr(), lse_part.data_ptr(), softmax_scale, lse_base2,
+    key = (q.device, sm_count(q.device), q.dtype, q.shape, q.stride(),
+           q.data_ptr() % 16 == 0, k.dtype, k.shape, k.stride(), k.data_ptr(), v.dtype, v.shape,
+           v.stride(), v.data_ptr(), out.dtype, out.stride(), out.data_ptr() % 16 == 0,
+           lse.dtype, lse.stride(), lse.data_ptr() % 16 == 0, indices.dtype, indices.data_ptr(),
+           indices.shape[0], seqlens_indptr.data_ptr(), seqlens_indptr.shape[0],
+           work.data_ptr(), n_work.data_ptr(), max_items, o_part.data_ptr(),
+           lse_part.data_ptr(), softmax_scale, lse_base2,
            None if merge is None else (merge[0].data_ptr(), merge[1].data_ptr()),
            None if columns is None else (columns.data_ptr(), columns.numel()), softcap, pdl,
            None if claims is None else claims.data_ptr(), _switches())
@@ -1175,7 +1176,9 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
 
 # ``paged_decode_sm90``'s launches kept for repeats (``launch.Bound``: the flattened arguments,
 # TMA descriptors encoded, tensors as addresses), by everything the arguments derive from but
-# q, out and lse (their alignment only): a model's layers each repeat one per step. The
+# q, out and lse (their alignment only): a model's layers each repeat one per step (the
+# decode wrapper's buffers, its eager page table included, keep their addresses from plan to
+# plan; a plan whose item count changes, or a new batch size, makes new keys). The
 # wrapper's run() cost ~200 us of host time a call on the H100 machine through the launcher's
 # per-call signature, Triton's descriptor encoding and its pointer checks
 # (results/tune/host_sm90dec_0e6b35a_nvidia-h100_2026-12-06.*)

@@ -297,14 +297,19 @@ def gluon_reports(arch: int = 90, head_dims=(64, 128, 256), dtype: str = "bf16",
     # environment, so job i is the same form there
     with concurrent.futures.ProcessPoolExecutor(
             jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(_gluon_job_report,
-                             [(i, tuple(head_dims), dtype, arch) for i in range(len(todo))]))
+        return list(pool.map(_gluon_job_report, [(i, job[0], tuple(head_dims), dtype, arch)
+                                                 for i, job in enumerate(todo)]))
 
 
 def _gluon_job_report(args: tuple) -> KernelReport:
-    """(``gluon_reports``' workers) the report of ``gluon_jobs(head_dims, dtype)[i]``."""
-    i, head_dims, dtype, arch = args
-    return gluon_report(*gluon_jobs(head_dims, dtype)[i], arch)
+    """(``gluon_reports``' workers) the report of ``gluon_jobs(head_dims, dtype)[i]``, checked to
+    be the job the parent named (a worker that sees other settings would label another form)."""
+    i, name, head_dims, dtype, arch = args
+    job = gluon_jobs(head_dims, dtype)[i]
+    if job[0] != name:
+        raise RuntimeError(f"compile job {i}: the worker built {job[0]!r}, the parent {name!r} "
+                           "(module settings changed in the parent after import?)")
+    return gluon_report(*job, arch)
 
 
 def gluon_sass(name: str, head_dim: int, arch: int = 90, dtype: str = "bf16") -> str:
