@@ -35,6 +35,8 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
     p.add_argument("--graph", action="store_true", help="the 2k cells eager vs graph-replayed")
+    p.add_argument("--graph-seqlens", default="2048",
+                   help="with --graph: the FA-grid sequence lengths (comma-separated)")
     a = p.parse_args(argv)
     dev, dt = "cuda", torch.bfloat16
     q, k, v = (torch.randn(1, 128, 16, 128, device=dev, dtype=dt) for _ in range(3))
@@ -127,7 +129,8 @@ def main(argv=None):
             pstats.Stats(pr, stream=s).sort_stats(order).print_stats(30)
             print(f"== cProfile {name} ({n} calls, by {order})\n" + s.getvalue())
     if a.graph:
-        res["graph_vs_eager_ms"] = graph_vs_eager()
+        res["graph_vs_eager_ms"] = {s: graph_vs_eager(s) for s in
+                                    (int(x) for x in a.graph_seqlens.split(","))}
     if a.json:
         env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                    triton=__import__("triton").__version__,
@@ -177,7 +180,7 @@ def graph_vs_eager(s: int = 2048) -> dict:
                         except Exception as e:  # a capture failure is a finding, not a stop
                             row["graph"] = f"{type(e).__name__}: {str(e)[:120]}"
                         out[f"{mode} {cell}"] = row
-                        print(f"{mode} {cell}: {row}", flush=True)
+                        print(f"{mode} {cell} s={s}: {row}", flush=True)
             del q, k, v, qt, kt, vt, o, o_side
             torch.cuda.empty_cache()
     return out
