@@ -165,8 +165,14 @@ for step in $steps; do
              --json "$OUT/host_graph_${GPU_TAG}.json" > "$OUT/host_graph.log" 2>&1
            grep -E "^(fwd|bwd) d" "$OUT/host_graph.log" ;;
     short) # the FA grid's short cells (s = 512 / 1k: forward 0.63-0.87x cuDNN, d=128 backward
-           # 0.80x in dense_f341af4): eager vs graph-replayed (host share) at 512 and 1k, then
-           # the stamped d=128 forward at 512 (tile, Q-wait, first-block and store times) (~4 min)
+           # 0.80x in dense_f341af4), where `auto` keeps the portable kernels (the sm90 ones were
+           # never timed there, but the d=256 backward): the sm90 backend forced beside auto and
+           # cuDNN, then eager vs graph-replayed (host share), then the stamped d=128 forward at
+           # 512 (tile, Q-wait, first-block and store times) (~6 min)
+           timeout 240 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --seqlens 512,1024 \
+             --dtypes bf16 --impls ioattn,ioattn_sm90,sdpa_cudnn --no-plots \
+             --out "$OUT/short_${GPU_TAG}_$(date +%F).json" > "$OUT/short_bench.log" 2>&1
+           grep -E "^(fwd|bwd)" "$OUT/short_bench.log"
            timeout 300 python benchmarks/host_overhead.py --graph --graph-seqlens 512,1024 \
              --json "$OUT/host_graph_short_${GPU_TAG}.json" > "$OUT/host_graph_short.log" 2>&1
            grep -E "^(fwd|bwd) d" "$OUT/host_graph_short.log"
