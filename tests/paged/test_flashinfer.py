@@ -109,13 +109,42 @@ def test_batch_decode(c, device):
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_batch_decode_balanced(c, device, monkeypatch):
     """The balanced split (IOATTN_SM90_DECODE_BALANCED): the same outputs as the reference, on
-    whichever kernel runs the plan (its pieces are work items; on Hopper the sm90 kernel loops over each column's where it covers the call). Few SMs, so that requests
-    are cut into many pieces."""
+    whichever kernel runs the plan (its pieces are work items; on Hopper the sm90 kernel loops
+    over each column's where it covers the call). Few SMs, so that requests are cut into many
+    pieces."""
     from ioattn.decode import triton_decode
 
     monkeypatch.setattr(triton_decode, "SM90_DECODE_BALANCED", True)
     monkeypatch.setattr(fi, "sm_count", lambda device: 3)
     test_batch_decode(c, device)
+
+
+def test_batch_decode_replans(device):
+    """One eager wrapper planned again and again, as an engine plans every step: its page table
+    is copied into a buffer of the wrapper's own, grown geometrically (the kernels take its size
+    as a bound, stale entries past the plan's pages unread), whose address stays while the plans
+    fit (run()'s kept sm90 launches key on it); each plan's outputs against the references."""
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(32 << 20, dtype=torch.uint8, device=device))
+    tables = []
+    for batch, max_len, page in ((3, 60, 4), (8, 900, 1), (3, 200, 4)):
+        g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+        lens, indptr, indices, last, cache = _paged(batch, 2, 64, page, BF16, device,
+                                                    max_len=max_len, g=g)
+        wrapper.plan(indptr, indices.to(device), last, 4, 2, 64, page, q_data_type=BF16)
+        q = torch.randn(batch, 4, 64, device=device, dtype=BF16)
+        out = wrapper.run(q, cache)
+        for b, n in enumerate(lens):
+            k, v = _gather(cache, "NHD", indices, indptr, b, n)
+            _check_request(f"plan {len(tables)} out[{b}]", out[b:b + 1], q[b:b + 1], k, v)
+        tables.append((wrapper._indices.data_ptr(), wrapper._indices.numel(), indices.numel()))
+    (p0, n0, need0), (p1, n1, need1), (p2, n2, need2) = tables
+    assert n0 == max(need0, 1024), tables
+    if need1 > n0:  # (almost always: 7 requests of up to 900 one-key pages) grown
+        assert n1 >= max(need1, 2 * n0), tables
+    else:
+        assert (p1, n1) == (p0, n0), tables
+    assert need2 <= n1 and (p2, n2) == (p1, n1), tables  # (fits: the same buffer)
 
 
 def test_balanced_plan():
