@@ -211,30 +211,38 @@ class Launcher:
         everything the other arguments derive from (every pointer among them included)."""
         compiled = self._launch(grid, args, kwargs)
         tail = self._tail(args, kwargs)
-        if not self.fast or tail is None or _hooks() != (None, None) or not all(
-                hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+        if not self.fast or tail is None or _hooks() != (None, None):
             return None  # (with launch hooks set, launches must go through Triton's call)
-        run = compiled.run
-        found = _raw_launch(run)
-        if found is None or getattr(run, "global_scratch_size", 1) \
-                or getattr(run, "profile_scratch_size", 1):
-            return None
-        raw, desc_meta, desc_positions = found
-        flat, where = [], {}
-        metas = iter(desc_meta)
-        for i, a in enumerate(list(args) + tail):
-            if i in desc_positions:  # a TMA descriptor, encoded once (its base pointer included)
-                flat.extend(x.data_ptr() if isinstance(x, torch.Tensor) else x
-                            for x in _encode(a, next(metas)))
-                continue
-            where[i] = len(flat)
-            # tensors as their addresses: the Bound keeps no tensor (its memory) alive
-            flat.append(a.data_ptr() if isinstance(a, torch.Tensor) else a)
-        head = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                compiled.function, run.launch_cooperative_grid, run.launch_pdl,
-                compiled.packed_metadata)
-        return Bound(raw, head, flat, tuple(where[i] for i in slots), _current_device(),
-                     _knobs())
+        return bound_launch(compiled, grid, list(args) + tail, slots, _current_device())
+
+
+def bound_launch(compiled, grid, params: list, slots, device: int) -> Optional["Bound"]:
+    """(``Launcher.bind``) The ``Bound`` of a launch of ``compiled`` on ``grid`` with every
+    parameter's value in order (``params``, constexprs included) and ``slots`` (indices into
+    params) left to each call; None where it cannot be bound (no C launcher in the form
+    ``_raw_launch`` knows, scratch memory, not a CompiledKernel)."""
+    if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+        return None
+    run = compiled.run
+    found = _raw_launch(run)
+    if found is None or getattr(run, "global_scratch_size", 1) \
+            or getattr(run, "profile_scratch_size", 1):
+        return None
+    raw, desc_meta, desc_positions = found
+    flat, where = [], {}
+    metas = iter(desc_meta)
+    for i, a in enumerate(params):
+        if i in desc_positions:  # a TMA descriptor, encoded once (its base pointer included)
+            flat.extend(x.data_ptr() if isinstance(x, torch.Tensor) else x
+                        for x in _encode(a, next(metas)))
+            continue
+        where[i] = len(flat)
+        # tensors as their addresses: the Bound keeps no tensor (its memory) alive
+        flat.append(a.data_ptr() if isinstance(a, torch.Tensor) else a)
+    head = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+            compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+            compiled.packed_metadata)
+    return Bound(raw, head, flat, tuple(where[i] for i in slots), device, _knobs())
 
 
 class Bound:
@@ -284,8 +292,7 @@ def _raw_launch(run):
     cells = {n: c.cell_contents for n, c in zip(code.co_freevars, launch.__closure__)}
     raw, meta, positions = (cells.get(n) for n in ("launcher", "tensordesc_meta",
                                                     "tensordesc_indices"))
-    if raw is None or meta is None or positions is None \
-            or type(raw).__name__ != "builtin_function_or_method":
+    if raw is None or meta is None or positions is None or not callable(raw):
         return None
     return raw, list(meta), frozenset(positions)
 

@@ -273,3 +273,57 @@ def test_int_and_float_keys_match_tritons_specialization():
             for x in values:
                 triton_key = native_specialize_impl(BaseBackend, x, False, True, align)
                 assert seen.setdefault(sig(x), triton_key) == triton_key, (x, sig(x))
+
+
+
+def test_bound_launch_passes_what_tritons_launch_passes(monkeypatch):
+    """``launch.bound_launch``: the arguments its one C call passes are those Triton 3.6's own
+    launch passes (``CudaLauncher.__call__`` through ``wrap_handle_tensordesc``: the real
+    wrapper here, around a recording stand-in for the C function, found by ``_raw_launch``):
+    the 13 base arguments, every parameter in order (constexprs included), TMA descriptors
+    expanded in place, tensors as their addresses; the slots take each call's values.
+    (Descriptors without metadata: the form whose expansion needs no driver.)"""
+    from triton.backends.nvidia import driver as nv
+
+    calls = []
+
+    def c_launch(*args):
+        calls.append(args)
+
+    signature = {"X_desc": "tensordesc<bf16[64, 128]>", "X": "*bf16", "n": "i32",
+                 "BLOCK": "constexpr", "Y_desc": "tensordesc<bf16[64, 128]>", "Z": "*fp32"}
+
+    class Run:  # CudaLauncher's attributes and call, as in Triton 3.6
+        launch = staticmethod(nv.wrap_handle_tensordesc(c_launch, signature, None))
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, True
+
+        def __call__(self, gx, gy, gz, stream, function, *args):
+            self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid,
+                        self.launch_pdl, None, None, *args)
+
+    class Compiled:
+        run, function, packed_metadata = Run(), 77, ("packed",)
+
+    assert launch._raw_launch(Compiled.run) == (c_launch, [None, None], frozenset({0, 4}))
+    monkeypatch.setattr(launch, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_hooks", lambda: (None, None))
+
+    def desc(t):
+        return launch.Desc(t, tuple(t.shape), tuple(t.stride()), (64, 128), "layout")
+
+    x0, y, z0 = torch.randn(256, 128), torch.randn(128, 128), torch.randn(8)
+    bound = launch.bound_launch(Compiled(), (5, 2), [desc(x0), x0, 300, 64, desc(y), z0],
+                                (1, 5), 0)
+    x1, z1 = torch.randn(256, 128), torch.randn(8)
+    assert bound(x1.data_ptr(), z1.data_ptr())
+    # Triton's own launch of the same call: the descriptors as bound, x1 / z1 in the slots
+    Compiled.run(5, 2, 1, 1234, 77, ("packed",), None, None, None,
+                 desc(x0), x1, 300, 64, desc(y), z1)
+
+    def flat(args):  # (tensors as the addresses the C launcher reads)
+        return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+
+    assert len(calls) == 2 and flat(calls[0]) == flat(calls[1]), calls
+    assert len(calls[0]) == 13 + (1 + 2 + 2 + 1 + 2 + 2) * 2 + 4  # (two decomposed descriptors)
