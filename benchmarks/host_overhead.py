@@ -74,7 +74,8 @@ def main(argv=None):
     # an engine's step: plan() from a new page-table tensor (the same lengths), then run() over
     # 8 layers' caches; us per step
     layers = [torch.randn_like(cache) for _ in range(8)]
-    indptr_d, last_d = torch.arange(0, 65, 16, dtype=torch.int32), torch.full((4,), page, dtype=torch.int32)
+    indptr_d = torch.arange(0, 65, 16, dtype=torch.int32)
+    last_d = torch.full((4,), page, dtype=torch.int32)
 
     def step():
         w.plan(indptr_d, torch.arange(64, dtype=torch.int32).to(dev), last_d, 32, 8, 128, page,

@@ -792,7 +792,8 @@ SM90_DECODE_BALANCED = os.environ.get("IOATTN_SM90_DECODE_BALANCED", "0").lower(
 # launch's host time (~200 us a run() on the H100 machine) outweighed its faster kernel there.
 # With its launches kept for repeats (``sm90_decode._BOUND``) run() costs 79 us, and the eager
 # 1 x 32k cell reads 2.12 TB/s on the sm90 kernel against 1.20 on the portable one (cuDNN
-# 2.13; 16 x 8k and 64 x 4k level), on an H100 (results/tune/decode_eager_{sm90,portable}_e287008_nvidia-h100_*)
+# 2.13; 16 x 8k and 64 x 4k level), on an H100
+# (results/tune/decode_eager_{sm90,portable}_e287008_nvidia-h100_*)
 
 
 def _sm90_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
