@@ -233,8 +233,11 @@ def bound_launch(compiled, grid, params: list, slots, device: int) -> Optional["
     metas = iter(desc_meta)
     for i, a in enumerate(params):
         if i in desc_positions:  # a TMA descriptor, encoded once (its base pointer included)
-            flat.extend(x.data_ptr() if isinstance(x, torch.Tensor) else x
-                        for x in _encode(a, next(metas)))
+            meta = next(metas)
+            args = _encode(a, meta)
+            # (a slot's descriptor: its fields kept, to encode at each call's base address)
+            where[i] = (len(flat), len(args), _At(a, 0), meta)
+            flat.extend(args)
             continue
         where[i] = len(flat)
         # tensors as their addresses: the Bound keeps no tensor (its memory) alive
@@ -245,12 +248,31 @@ def bound_launch(compiled, grid, params: list, slots, device: int) -> Optional["
     return Bound(raw, head, flat, tuple(where[i] for i in slots), device, _knobs())
 
 
+class _Ptr(int):
+    """An address with a tensor's ``data_ptr`` (what Triton's descriptor encoding reads)."""
+
+    def data_ptr(self) -> int:
+        return int(self)
+
+
+class _At:
+    """A TMA descriptor's fields (a ``Desc`` or gluon's ``TensorDescriptor``) over another
+    base address: a ``Bound``'s descriptor slot, encoded at each call's address."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, desc, address: int) -> None:
+        self.base, self.shape, self.strides = _Ptr(address), desc.shape, desc.strides
+        self.padding = desc.padding
+
+
 class Bound:
     """One launch kept with its arguments flattened as Triton's C launcher takes them (TMA
     descriptors encoded, tensors as addresses), so a repeat is one C call: ``Launcher.bind``.
-    Calling it with tensors for the bound slots launches on the current stream, or returns
-    False (nothing launched) when Triton's launch hooks, its switches or the current device
-    changed since: the caller then launches the plain way."""
+    Calling it with a value for each bound slot (a pointer parameter's: an address or tensor;
+    a descriptor's: the base address, its shape, strides and box kept from the bind) launches
+    on the current stream, or returns False (nothing launched) when Triton's launch hooks, its
+    switches or the current device changed since: the caller then launches the plain way."""
 
     __slots__ = ("raw", "head", "flat", "slots", "device", "knobs")
 
@@ -258,13 +280,17 @@ class Bound:
         self.raw, self.head, self.flat, self.slots = raw, head, flat, slots
         self.device, self.knobs = device, knobs_
 
-    def __call__(self, *tensors) -> bool:
+    def __call__(self, *values) -> bool:
         if _hooks() != (None, None) or _knobs() != self.knobs \
                 or _current_device() != self.device:
             return False
         flat = self.flat.copy()
-        for slot, t in zip(self.slots, tensors):
-            flat[slot] = t
+        for slot, value in zip(self.slots, values):
+            if type(slot) is tuple:  # a descriptor: encoded at this call's base address
+                at, width, fields, meta = slot
+                flat[at:at + width] = _encode(_At(fields, value), meta)
+            else:
+                flat[slot] = value
         gx, gy, gz, function, coop, pdl, packed = self.head
         self.raw(gx, gy, gz, _current_stream(self.device), function, coop, pdl, None, None,
                  packed, None, None, None, *flat)
@@ -299,10 +325,11 @@ def _raw_launch(run):
 
 def _encode(desc, meta) -> list:
     """A descriptor parameter's arguments to the C launcher (as Triton's per-call wrapper
-    makes them)."""
+    makes them), tensors among them (the decomposed form's base) as addresses."""
     from triton.backends.nvidia.driver import make_tensordesc_arg
 
-    return make_tensordesc_arg(desc, meta)
+    return [int(x.data_ptr()) if hasattr(x, "data_ptr") else x
+            for x in make_tensordesc_arg(desc, meta)]
 
 
 def launcher(kernel) -> Launcher:

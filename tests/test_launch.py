@@ -321,9 +321,17 @@ def test_bound_launch_passes_what_tritons_launch_passes(monkeypatch):
     # Triton's own launch of the same call: the descriptors as bound, x1 / z1 in the slots
     Compiled.run(5, 2, 1, 1234, 77, ("packed",), None, None, None,
                  desc(x0), x1, 300, 64, desc(y), z1)
+    # a descriptor slot too (X_desc: encoded at each call's base, its fields kept)
+    both = launch.bound_launch(Compiled(), (5, 2), [desc(x0), x0, 300, 64, desc(y), z0],
+                               (0, 1, 5), 0)
+    assert both(x1.data_ptr(), x1.data_ptr(), z1.data_ptr())
+    Compiled.run(5, 2, 1, 1234, 77, ("packed",), None, None, None,
+                 desc(x1), x1, 300, 64, desc(y), z1)
 
     def flat(args):  # (tensors as the addresses the C launcher reads)
         return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
 
-    assert len(calls) == 2 and flat(calls[0]) == flat(calls[1]), calls
+    assert len(calls) == 4, calls
+    assert flat(calls[0]) == flat(calls[1]) and flat(calls[2]) == flat(calls[3]), calls
+    assert flat(calls[2]) != flat(calls[0])  # (X_desc's base moved)
     assert len(calls[0]) == 13 + (1 + 2 + 2 + 1 + 2 + 2) * 2 + 4  # (two decomposed descriptors)
