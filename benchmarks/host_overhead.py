@@ -61,6 +61,15 @@ def main(argv=None):
     prm = make_params(q, k, v, None, None, 128, 128, 0.088, -1, -1, 0.0, None, 0.0, None)
     o, lse = torch.empty_like(q), torch.empty(1, 16, 128, device=dev)
     res["launch_only"] = _per_call_us(lambda: attn_fwd(prm, q, k, v, o, lse))
+    # the sm90 forward's kept launches (IOATTN_SM90_FWD_BIND), off / on in one process
+    from ioattn.dense import sm90_fwd
+
+    saved = sm90_fwd.BIND
+    for bind in (False, True):
+        sm90_fwd.BIND = bind
+        res[f"fwd_sm90_bind{int(bind)}"] = _per_call_us(
+            lambda: ioattn.flash_attn_func(q, k, v, backend="sm90"))
+    sm90_fwd.BIND = saved
     res["sdpa_fwd"] = _per_call_us(lambda: torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)))
     # planned decode, 4 requests of 256 keys, pages of 16, GQA 32/8

@@ -108,6 +108,29 @@ def _matches_varlen(c: Case, q, k, v, kw, out) -> None:
         torch.testing.assert_close(out_v.view_as(out).float(), out.float(), atol=1e-2, rtol=0)
 
 
+@needs_sm90
+@pytest.mark.parametrize("c", [CASES[2], CASES[8], CASES[12], CASES[16], CASES[9]],
+                         ids=lambda c: "sm90-bind-" + c.id)
+def test_sm90_fwd_bind(c: Case, monkeypatch):
+    """IOATTN_SM90_FWD_BIND: the forward's launches kept by call form (``sm90_fwd._BOUND``) and
+    repeated in one C call with each call's tensors (descriptors encoded at their addresses):
+    three rounds of a case with fresh inputs (and its varlen form where it has one), each
+    against the reference; every round after the first is a repeat, none steps aside."""
+    from ioattn import launch
+    from ioattn.dense import sm90_fwd
+
+    monkeypatch.setattr(sm90_fwd, "BIND", True)
+    monkeypatch.setattr(sm90_fwd, "_BOUND", {})
+    repeats = []
+    orig_call = launch.Bound.__call__
+    monkeypatch.setattr(launch.Bound, "__call__",
+                        lambda self, *v: repeats.append(orig_call(self, *v)) or repeats[-1])
+    for _ in range(3):
+        q, k, v, kw, out = _forward_only(c)
+        _matches_varlen(c, q, k, v, kw, out)
+    assert sm90_fwd._BOUND and len(repeats) >= 2 and all(repeats), repeats
+
+
 WG3_CASES = [Case(113, 203, d=64), Case(203, 113, d=64, causal=True),
              Case(1023, 1024, d=64, causal=True, dtype=FP16, b=3, h=3),
              Case(777, 777, d=64, h=6, h_k=3, window=(100, -1)), Case(192, 192, d=64, h=2),
