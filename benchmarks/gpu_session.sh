@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early] [short]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early] [short] [d256-decode]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -164,6 +164,15 @@ for step in $steps; do
            timeout 300 python benchmarks/host_overhead.py --graph \
              --json "$OUT/host_graph_${GPU_TAG}.json" > "$OUT/host_graph.log" 2>&1
            grep -E "^(fwd|bwd) d" "$OUT/host_graph.log" ;;
+    d256-decode) # head dim 256 on the sm90 decode kernel (IOATTN_SM90_DECODE_D256, opt-in):
+           # its GPU tests, then GQA 16 / 8 heads at d=256 (the hidden size of the d=128 cells),
+           # the sm90 kernel (1) against the portable one (0), cuDNN beside both (~4 min)
+           timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/decode/test_decode_sm90.py \
+             -k "d256" > "$OUT/tests_decode_d256.log" 2>&1; echo "tests: $(tail -1 "$OUT/tests_decode_d256.log")"
+           for v in 1 0; do IOATTN_SM90_DECODE_D256=$v timeout 150 python -m ioattn bench --suite decode \
+               --dim 256 --heads 16,8 --cells 64x4096x16,16x8192x16,1x32768x16,128x2048x16 \
+               --prefill-cells "" --out "$OUT/decode_d256_sm90$v.json" > "/tmp/decode_d256_$v.log" 2>&1
+             echo "== d256 sm90=$v"; grep -E "ioattn_paged |sdpa_cudnn |_graphloop" "/tmp/decode_d256_$v.log"; done ;;
     short) # the FA grid's short cells (s = 512 / 1k: forward 0.63-0.87x cuDNN, d=128 backward
            # 0.80x in dense_f341af4), where `auto` keeps the portable kernels (the sm90 ones were
            # never timed there, but the d=256 backward): the sm90 backend forced beside auto and

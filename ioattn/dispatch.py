@@ -190,6 +190,8 @@ ENV_SWITCHES = (
      "wait, L2 prefetches from the first wave of CTAs only (fewer dependent loads at a CTA's start)"),
     ("IOATTN_SM90_FWD_BIND", "0", "sm90 forward: a repeat of a call's form launched in one C "
      "call (descriptors encoded at the call's addresses), past the launcher's signature"),
+    ("IOATTN_SM90_DECODE_D256", "0", "sm90 decode at head dim 256 too (one CTA an SM, 232 "
+     "registers a thread); off: the portable kernel serves it"),
     ("IOATTN_SM90_DECODE_MERGE", "1", "sm90 decode: split requests merged in the kernel by "
      "their last item (no combine launch)"),
     ("IOATTN_SM90_DECODE_PDL", "1", "sm90 decode: programmatic dependent launch (its CTAs start "

@@ -66,7 +66,16 @@ STAGES_FP8 = 4
 FP8 = os.environ.get("IOATTN_SM90_DECODE_FP8", "1").lower() not in ("0", "false", "off")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 MAXNREG = 128
-SUPPORTED_HEAD_DIMS = (64, 128)
+# d=256 (opt-in until timed on a GPU; IOATTN_SM90_DECODE_D256=1): the 64 x 256 fp32 O tile
+# takes 128 of the consumer's registers and its wgmma more than 128 to issue, so the kernel
+# compiles for MAXNREG_D256 a thread (ptxas: "insufficient registers (128) ... 158 or
+# higher"); 3 stages of 64 keys (64 KB each) and Q take 229,612 B of shared memory: one CTA
+# an SM, 192 KB in flight (128 KB where its units outnumber the SMs, ``SHALLOW``). sm90
+# compile: spill-free (merge, GQA 2, balanced page 64). Until then the portable kernel serves
+# d=256 (as 96)
+D256 = os.environ.get("IOATTN_SM90_DECODE_D256", "0").lower() in ("1", "true", "on")
+MAXNREG_D256 = 232
+SUPPORTED_HEAD_DIMS = (64, 128, 256) if D256 else (64, 128)
 # programmatic dependent launch (default, as FlashInfer's on Hopper; IOATTN_SM90_DECODE_PDL=0
 # turns it off): the kernel is launched with launch_pdl, so its CTAs may start while the
 # stream's previous kernel finishes (its launch and CTA setup off the critical path: a few us of
@@ -1077,6 +1086,12 @@ def _descriptor(t: torch.Tensor, view: tuple, box: int) -> Desc:
                 shared_layout(box, t.shape[-1], t.dtype))
 
 
+def launch_maxnreg(d: int) -> int:
+    """Registers a thread the kernel compiles and launches for at head dim d (``MAXNREG``,
+    ``MAXNREG_D256``)."""
+    return MAXNREG if d <= 128 else MAXNREG_D256
+
+
 def launch_constexprs(d: int, page: int, group: int, fp8: bool, merge: bool,
                       balanced: bool = False, pdl: bool = False,
                       heads_first: bool = False, prefetch: bool = False,
@@ -1099,7 +1114,8 @@ def launch_constexprs(d: int, page: int, group: int, fp8: bool, merge: bool,
                 CLAIM_SPREAD_=claim and not balanced and CLAIM_SPREAD,
                 CP_ASYNC_=cp, ROWS_AHEAD_=ROWS_AHEAD and not cp,
                 SHALLOW_=SHALLOW and not cp and not fp8 and not balanced,
-                MMA16_=MMA16 and group <= MMA16_ROWS.value, EARLY_=EARLY and not balanced)
+                MMA16_=MMA16 and group <= MMA16_ROWS.value and d <= 128,
+                EARLY_=EARLY and not balanced)
 
 
 def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
@@ -1169,7 +1185,7 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
         **consts, COLS=columns, view_rows=k_desc.shape[0] if consts["PREFETCH_"] else None,
         CLAIMS=claims if claim else None,
         n_sms=sm_count(q.device) if claim or consts["SHALLOW_"] or consts["EARLY_"] else 0,
-        num_warps=4, maxnreg=MAXNREG, launch_pdl=pdl), slots=(2, 3, 4))  # (q, out, lse)
+        num_warps=4, maxnreg=launch_maxnreg(d), launch_pdl=pdl), slots=(2, 3, 4))  # (q, out, lse)
     if bound is not None:
         keep(_BOUND, key, bound)
 
@@ -1189,4 +1205,4 @@ def _switches() -> tuple:
     """The module settings a launch reads (tests and benchmarks/read_probe.py change some)."""
     return (STAGES, STAGES_FP8, FP8, CP_ASYNC, CP_REGS, CP_WARPS, PRODUCER_REGS, ROWS_AHEAD,
             SHALLOW, MMA16, EARLY, PDL, HEADS_FIRST, PREFETCH, CLAIM, CLAIM_SPREAD, MAXNREG,
-            BLOCK_N)
+            MAXNREG_D256, BLOCK_N)

@@ -807,7 +807,7 @@ def _sm90_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
     # (answered once per form of the call: what coverage_problem reads, alignment included)
     key = (q.device, q.dtype, q.shape[1:], k_pages.dtype, k_pages.shape[1:], k_pages.stride(),
            k_pages.data_ptr() % 16, v_pages.dtype, v_pages.shape[1:], v_pages.stride(),
-           v_pages.data_ptr() % 16, extras, sm90_decode.FP8)
+           v_pages.data_ptr() % 16, extras, sm90_decode.FP8, sm90_decode.SUPPORTED_HEAD_DIMS)
     got = _COVERED.get(key)
     if got is None:
         got = keep(_COVERED, key, sm90_decode.coverage_problem(q, k_pages, v_pages, 1, extras)

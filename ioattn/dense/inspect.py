@@ -638,7 +638,7 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
                         f"{' claim' if ce['CLAIM_'] else ''}"
                         f"{' spread' if ce['CLAIM_SPREAD_'] else ''}"
                         f"{' early' if ce['EARLY_'] else ''} ws", fn, sig, ce, arch,
-                        maxnreg=sd.MAXNREG, launch_pdl=pdl)
+                        maxnreg=sd.launch_maxnreg(d), launch_pdl=pdl)
 
 
 def main(argv=None) -> int:

@@ -86,6 +86,22 @@ def test_coverage_rules(kw, match, monkeypatch):
         assert problem is not None and match in problem, problem
 
 
+def test_d256_coverage(monkeypatch):
+    """Head dim 256 is covered only with IOATTN_SM90_DECODE_D256 (``SUPPORTED_HEAD_DIMS``), and
+    compiles for ``MAXNREG_D256`` registers a thread; the others for ``MAXNREG``."""
+    k, v = _views(d=256)
+    q = torch.randn(3, 4 * k.shape[2], 256, dtype=k.dtype)
+    monkeypatch.setattr(sm90_decode, "SUPPORTED_HEAD_DIMS", (64, 128))
+    assert "head_dim 256" in sm90_decode.coverage_problem(q, k, v, 1, False)
+    monkeypatch.setattr(sm90_decode, "SUPPORTED_HEAD_DIMS", (64, 128, 256))
+    assert sm90_decode.coverage_problem(q, k, v, 1, False) is None
+    assert sm90_decode.launch_maxnreg(256) == sm90_decode.MAXNREG_D256 > sm90_decode.MAXNREG
+    assert sm90_decode.launch_maxnreg(128) == sm90_decode.launch_maxnreg(64) == sm90_decode.MAXNREG
+    monkeypatch.setattr(sm90_decode, "MMA16", True)  # (the mma.sync consumer: d <= 128 only)
+    assert not sm90_decode.launch_constexprs(256, 16, 4, False, True)["MMA16_"]
+    assert sm90_decode.launch_constexprs(128, 16, 4, False, True)["MMA16_"]
+
+
 def test_fp8_coverage(monkeypatch):
     """fp8 caches (e4m3 / e5m2) with fp16 / bf16 queries are covered while IOATTN_SM90_DECODE_FP8
     is on; an fp8 q or mixed k / v dtypes still are not."""
@@ -281,6 +297,29 @@ def test_sm90_decode_repeats_per_layer(c, merge, monkeypatch):
     # step 1's three launches were repeats; step 2's stepped aside for the hook
     assert repeats == [True] * 3 + [False] * 3, repeats
     assert seen.count("_decode_sm90") == 3, seen
+
+
+D256_CASES = [dict(batch=4, h=8, h_k=4, d=256, page=16, layout="NHD", max_len=700),
+              dict(batch=3, h=16, h_k=8, d=256, page=8, layout="HND", dtype=FP16, split=64,
+                   max_len=500),
+              dict(batch=2, h=8, h_k=4, d=256, page=64, layout="NHD", max_len=3000)]
+
+
+@needs_sm90
+@pytest.mark.parametrize("merge", [False, True, "balanced"],
+                         ids=["combine", "merge-in-kernel", "balanced"])
+@pytest.mark.parametrize("c", D256_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_sm90_decode_d256(c, merge, monkeypatch):
+    """Head dim 256 on the sm90 decode kernel (IOATTN_SM90_DECODE_D256; one CTA an SM, 232
+    registers a thread): outputs and base-2 LSE against per-request references, NaN in stale
+    slots, split requests combined, merged in the kernel or through the balanced columns."""
+    monkeypatch.setattr(sm90_decode, "SUPPORTED_HEAD_DIMS", (64, 128, 256))
+    calls = _sm90_decode_on(monkeypatch, bool(merge), merge == "balanced")
+    c, dtype, wrapper, (lens, indptr, indices, last, cache) = _planned(c)
+    q = torch.randn(c["batch"], c["h"], c["d"], device="cuda", dtype=dtype)
+    out, lse = wrapper.run(q, cache, return_lse=True)
+    assert calls, "the sm90 decode kernel did not run"
+    _check_requests(out, lse, q, cache, c["layout"], lens, indices, indptr)
 
 
 # (long requests, so each CTA streams many 64-key tiles and the producer's wait for the tile two

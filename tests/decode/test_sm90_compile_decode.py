@@ -83,6 +83,14 @@ for d, page, merge, kv, bal, cap, pdl in (
     assert (" early" in r.name) == (not bal), r  # (EARLY: one item a CTA only)
     assert r.tma and r.warp_specialized and r.registers <= 128, r  # two CTAs per SM
     out.append(r.__dict__)
+for merge, kv, bal, cap in ((True, None, False, False), (False, "fp8e4nv", False, True),
+                           (True, None, True, False)):
+    # d=256 (IOATTN_SM90_DECODE_D256): compiled for 232 registers a thread, one CTA an SM
+    r = decode_gluon_report(256, 16, merge=merge, kv_dtype=kv, balanced=bal, softcap=cap,
+                            pdl=True, heads_first=True, prefetch=True)
+    assert r.tma and r.warp_specialized and r.registers <= sd.MAXNREG_D256, r
+    assert r.shared_bytes <= 232448 and all(st == ld == 0 for _, st, ld in r.loops), r
+    out.append(r.__dict__)
 sd.MMA16 = True  # the mma.sync consumer for groups <= 16 (IOATTN_SM90_DECODE_MMA16), its forms
 for d, page, merge, kv, bal, cap in (
         (128, 16, True, None, False, False), (64, 8, False, None, False, False),
