@@ -216,6 +216,23 @@ class Launcher:
         return bound_launch(compiled, grid, list(args) + tail, slots, _current_device())
 
 
+    def bind_kept(self, cache: dict, key, grid, args, kwargs, slots) -> None:
+        """Launch as ``self[grid](*args, **kwargs)`` and keep its ``Bound`` (``bind``) in
+        ``cache`` under ``key``, for ``repeat`` to find: the caller's key holds everything the
+        arguments derive from but the ``slots``' values."""
+        bound = self.bind(grid, args, kwargs, slots)
+        if bound is not None:
+            keep(cache, key, bound)
+
+
+def repeat(cache: dict, key, *values) -> bool:
+    """Launch ``cache``'s kept ``Bound`` under ``key`` (``Launcher.bind_kept``) with these slot
+    values; False (nothing launched) when there is none or it steps aside (``Bound``): the
+    caller then builds its arguments and launches through ``bind_kept``."""
+    bound = cache.get(key)
+    return bound is not None and bound(*values)
+
+
 def bound_launch(compiled, grid, params: list, slots, device: int) -> Optional["Bound"]:
     """(``Launcher.bind``) The ``Bound`` of a launch of ``compiled`` on ``grid`` with every
     parameter's value in order (``params``, constexprs included) and ``slots`` (indices into

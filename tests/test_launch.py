@@ -335,3 +335,32 @@ def test_bound_launch_passes_what_tritons_launch_passes(monkeypatch):
     assert flat(calls[0]) == flat(calls[1]) and flat(calls[2]) == flat(calls[3]), calls
     assert flat(calls[2]) != flat(calls[0])  # (X_desc's base moved)
     assert len(calls[0]) == 13 + (1 + 2 + 2 + 1 + 2 + 2) * 2 + 4  # (two decomposed descriptors)
+
+
+def test_kept_launches_repeat_by_key(fast, monkeypatch):
+    """``Launcher.bind_kept`` launches through the launcher and keeps the ``Bound`` under the
+    caller's key; ``launch.repeat`` calls it with the slot values and says whether it launched
+    (no entry, or a Bound that steps aside: False, the caller launches the plain way); a launch
+    that cannot be bound keeps nothing."""
+    kernel, lau = fast
+    calls = []
+
+    class Recorder:
+        def __init__(self, answer):
+            self.answer = answer
+
+        def __call__(self, *values):
+            calls.append(values)
+            return self.answer
+
+    made = iter([Recorder(True), Recorder(False), None])
+    monkeypatch.setattr(launch, "bound_launch", lambda *a: next(made))
+    cache, x = {}, torch.randn(4, 8)
+    assert not launch.repeat(cache, "a", 1) and not calls
+    lau.bind_kept(cache, "a", (2,), (x, 3, 8), dict(BLOCK=16), (0,))
+    assert len(kernel.plain) == 1 and list(cache) == ["a"]
+    assert launch.repeat(cache, "a", 99) and calls == [(99,)]
+    lau.bind_kept(cache, "b", (2,), (x, 3, 8), dict(BLOCK=16), (0,))
+    assert not launch.repeat(cache, "b", 7) and calls[-1] == (7,)  # (stepped aside)
+    lau.bind_kept(cache, "c", (2,), (x, 3, 8), dict(BLOCK=16), (0,))
+    assert "c" not in cache and not launch.repeat(cache, "c", 5)

@@ -44,7 +44,7 @@ from ioattn.dense.sm90_common import (OPERAND_DTYPES, barriers, grid_dependency_
                                       zero_last_key_tile, zero_tail_rows)
 from ioattn.dispatch import sm_count
 from ioattn.decode.triton_decode import CLAIM_WORDS
-from ioattn.launch import Desc, keep, launcher
+from ioattn.launch import Desc, launcher, repeat
 
 ROWS = gl.constexpr(64)  # wgmma's M: the GQA group's query heads, zero-padded
 BLOCK_N = 64  # keys per tile
@@ -1154,15 +1154,14 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
            None if merge is None else (merge[0].data_ptr(), merge[1].data_ptr()),
            None if columns is None else (columns.data_ptr(), columns.numel()), softcap, pdl,
            None if claims is None else claims.data_ptr(), _switches())
-    bound = _BOUND.get(key)
-    if bound is not None and bound(q.data_ptr(), out.data_ptr(), lse.data_ptr()):
+    if repeat(_BOUND, key, q.data_ptr(), out.data_ptr(), lse.data_ptr()):
         return
     box = min(page, BLOCK_N)
     # one descriptor per view, each from its own base (interleaved pages or separate pools,
     # the same layout: ``coverage_problem``)
-    view = _row_view(k)
+    view, v_view = _row_view(k), _row_view(v)
     k_desc = _descriptor(k, view, box)
-    v_desc = _descriptor(v, _row_view(v), box)
+    v_desc = _descriptor(v, v_view, box)
     page_rows, head_rows, head_cols = view[:3]
     group = h // h_k
     fp8 = k.dtype != q.dtype  # (an fp8 cache: ``coverage_problem``)
@@ -1176,9 +1175,9 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     claim = CLAIM and claims is not None and columns is None
     consts = launch_constexprs(d, page, group, fp8, merge is not None, columns is not None, pdl,
                                heads_first, PREFETCH, claim)
-    bound = launcher(_decode_sm90).bind(grid, (
+    launcher(_decode_sm90).bind_kept(_BOUND, key, grid, (
         k_desc, v_desc, q, out, lse, o_part, lse_part, seqlens_indptr, indices, work, n_work,
-        counts, slot_start, k, v, view[4], _row_view(v)[4],
+        counts, slot_start, k, v, view[4], v_view[4],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), batch, h, group,
         indices.shape[0] * page, page_rows, head_rows, head_cols, qk_scale_log2), dict(
         LSE_BASE2=lse_base2, softcap_scale=softcap_scale,
@@ -1186,8 +1185,6 @@ def paged_decode_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
         CLAIMS=claims if claim else None,
         n_sms=sm_count(q.device) if claim or consts["SHALLOW_"] or consts["EARLY_"] else 0,
         num_warps=4, maxnreg=launch_maxnreg(d), launch_pdl=pdl), slots=(2, 3, 4))  # (q, out, lse)
-    if bound is not None:
-        keep(_BOUND, key, bound)
 
 
 # ``paged_decode_sm90``'s launches kept for repeats (``launch.Bound``: the flattened arguments,

@@ -48,7 +48,7 @@ from ioattn.dense.sm90_common import (OPERAND_DTYPES, PADDED_HEAD_DIMS, barriers
                                       mma_over_cols, narrow_dv,
                                       wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile)
 from ioattn.dispatch import sm_count
-from ioattn.launch import keep, launcher
+from ioattn.launch import launcher, repeat
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M)
 BLOCK_M = gl.constexpr(128)  # two consumer warpgroups
@@ -1291,11 +1291,10 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                tuple(t.data_ptr() % 16 == 0 for t in (q, k, v, out, lse, cu_q, cu_k)),
                p.is_varlen, p.max_seqlen_q, p.max_seqlen_k, p.batch, p.softmax_scale,
                p.softcap, p.window_left, p.window_right, PRODUCER_REGS)
-        bound = _BOUND.get(key)
-        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), out.data_ptr(),
-                lse.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(), dummy.data_ptr())
-        if bound is not None and bound(*ptrs, *((counter.data_ptr(),) if form["DYNAMIC"]
-                                                else ())):
+        if key in _BOUND and repeat(
+                _BOUND, key, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                out.data_ptr(), lse.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(),
+                dummy.data_ptr(), *((counter.data_ptr(),) if form["DYNAMIC"] else ())):
             return
     qk_scale_log2, softcap_scale = score_scales(p.softmax_scale, p.softcap)
     args = (rows_descriptor(q, p.is_varlen, HALF_M.value, pad_to=d_pad),
@@ -1318,9 +1317,7 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         return
     # (slots: the four descriptors' bases, O, LSE, CU_Q, CU_K, BT; the counter if dynamic)
     slots = tuple(range(9)) + ((lch.names.index("COUNTER"),) if form["DYNAMIC"] else ())
-    bound = lch.bind(grid, args, kwargs, slots)
-    if bound is not None:
-        keep(_BOUND, key, bound)
+    lch.bind_kept(_BOUND, key, grid, args, kwargs, slots)
 
 
 _BOUND: dict = {}  # ``attn_fwd_sm90``'s kept launches (``BIND``), by the call's form
