@@ -70,6 +70,26 @@ def main(argv=None):
         res[f"fwd_sm90_bind{int(bind)}"] = _per_call_us(
             lambda: ioattn.flash_attn_func(q, k, v, backend="sm90"))
     sm90_fwd.BIND = saved
+    # the portable kernels' kept launches (IOATTN_BIND), off / on: the forward (causal too)
+    # and the backward alone (autograd from a kept graph, the leaves' grads dropped each call)
+    saved = dense_op.BIND
+    for bind in (False, True):
+        dense_op.BIND = bind
+        dense_op.clear_memos()
+        res[f"fwd_triton_bind{int(bind)}"] = _per_call_us(
+            lambda: ioattn.flash_attn_func(q, k, v, backend="triton"))
+        res[f"fwd_causal_triton_bind{int(bind)}"] = _per_call_us(
+            lambda: ioattn.flash_attn_func(q, k, v, causal=True, backend="triton"))
+        out_g = ioattn.flash_attn_func(qg, kg, vg, backend="triton")
+        dout = torch.randn_like(out_g)
+
+        def bwd_only():
+            qg.grad = kg.grad = vg.grad = None
+            out_g.backward(dout, retain_graph=True)
+        res[f"bwd_triton_bind{int(bind)}"] = _per_call_us(bwd_only)
+    qg.grad = kg.grad = vg.grad = None
+    dense_op.BIND = saved
+    dense_op.clear_memos()
     res["sdpa_fwd"] = _per_call_us(lambda: torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)))
     # planned decode, 4 requests of 256 keys, pages of 16, GQA 32/8

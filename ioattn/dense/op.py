@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -19,6 +20,13 @@ from ioattn.launch import keep
 
 # Tests turn this on: outputs are filled with NaN before launch so unwritten elements show.
 POISON_OUTPUTS = False
+# (opt-in until its GPU tests have run; IOATTN_BIND=1) the portable kernels' launches kept
+# for repeats of a call's signature (``triton_fwd.attn_fwd``'s and ``triton_bwd.attn_bwd``'s
+# ``key``): one C call a kernel with the call's addresses, past the config, the argument list
+# and the launcher's per-call signature (~40-57 us of an eager forward's host time on the GPU
+# machines, "launch_only" in results/tune/host_*.json; the backward launches three kernels).
+# Batched calls without ALiBi or dropout only
+BIND = os.environ.get("IOATTN_BIND", "0").lower() in ("1", "true", "on")
 
 
 def _new_output(like: Tensor, shape, dtype=None) -> Tensor:
@@ -51,20 +59,24 @@ def _on_device(t: Tensor):
 _MEMO: dict = {}
 
 
-def _memo(scalars: tuple, tensors: tuple, build):
+def _memo(scalars: tuple, tensors: tuple, build, with_key: bool = False):
+    """The memoized ``build()`` for this signature (and, ``with_key``, the signature)."""
     key = (scalars, tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
     got = _MEMO.get(key)
-    return keep(_MEMO, key, build()) if got is None else got
+    got = keep(_MEMO, key, build()) if got is None else got
+    return (got, key) if with_key else got
 
 
 def clear_memos() -> None:
     """Forget the memoized per-signature decisions of the dense entry points (``_MEMO`` here,
-    ``api._PLANS``): for code that changes a module-level switch (sm90_fwd.WG3, a preference
-    rule...) between calls of one shape."""
-    from ioattn.dense import api
+    ``api._PLANS``, the portable kernels' kept launches): for code that changes a module-level
+    switch (sm90_fwd.WG3, a preference rule...) between calls of one shape."""
+    from ioattn.dense import api, triton_bwd, triton_fwd
 
     _MEMO.clear()
     api._PLANS.clear()
+    triton_fwd._BOUND.clear()  # (kept launches keyed by _MEMO's signatures)
+    triton_bwd._BOUND.clear()
 
 
 def draw_rng_state(device: torch.device) -> Tensor:
@@ -120,13 +132,19 @@ def fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
         check_int32_rows(p.max_seqlen_k, k=k, v=v)
         return p
 
+    bind_key = None
     if varlen or alibi_slopes is not None or rng_state is not None:
         p = params()  # params holding tensors: built each call
     else:
-        p = _memo(("fwd", impl, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                   window_right, softcap, dropout_p), (q, k, v), params)
+        p, key = _memo(("fwd", impl, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+                        window_right, softcap, dropout_p), (q, k, v), params, with_key=True)
+        if BIND and impl == "triton":  # (out and lse are new, contiguous: q and v's shapes)
+            bind_key = (key, tuple(t.data_ptr() % 16 == 0 for t in (q, k, v, out, lse)))
     with _on_device(q):
-        launch(p, q, k, v, out, lse)
+        if bind_key is None:
+            launch(p, q, k, v, out, lse)
+        else:
+            launch(p, q, k, v, out, lse, bind_key)
     if d_pad is not None:
         out = out[..., :d_v].contiguous()
     return out, lse
@@ -194,13 +212,24 @@ def bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
         check_int32_rows(p.max_seqlen_k, k=k, v=v, dk=dk, dv=dv)
         return p
 
+    bind_key = None
     if cu_seqlens_q is not None or alibi_slopes is not None or rng_state is not None:
         p = params()
     else:
-        p = _memo(("bwd", impl, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                   window_right, softcap, dropout_p), (dout, q, k, v, out), params)
+        p, key = _memo(("bwd", impl, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+                        window_right, softcap, dropout_p), (dout, q, k, v, out), params,
+                       with_key=True)
+        if BIND and impl == "triton":  # (dq / dk / dv are new, contiguous: q, k and v's shapes)
+            tensors = (dout, q, k, v, out, lse, dq, dk, dv, delta) + ((dlse,) if dlse is not None
+                                                                       else ())
+            bind_key = (key, deterministic, lse.shape, lse.stride(), lse.dtype, delta.stride(),
+                        None if dlse is None else (dlse.shape, dlse.stride(), dlse.dtype),
+                        tuple(t.data_ptr() % 16 == 0 for t in tensors))
     with _on_device(q):
-        launch(p, dout, q, k, v, out, lse, dlse, dq, dk, dv, delta)
+        if bind_key is None:
+            launch(p, dout, q, k, v, out, lse, dlse, dq, dk, dv, delta)
+        else:
+            launch(p, dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, bind_key)
     if d_pad is not None:
         dq, dk, dv = dq[..., :d].contiguous(), dk[..., :d].contiguous(), dv[..., :d_v].contiguous()
     return dq, dk, dv

@@ -20,7 +20,7 @@ from ioattn.dense.common import (LOG2E, cdiv, dropout_keep, ensure_tma_allocator
                                  kv_sources, load_kv_block, q_block_range, scores_log2, seq_bounds, tma_compatible,
                                  visible)
 from ioattn.dense.params import AttnParams
-from ioattn.launch import launcher
+from ioattn.launch import launcher, repeat
 
 
 @triton.jit
@@ -340,27 +340,54 @@ def _bwd_dq_kernel(
 
 
 def bwd_preprocess(p: AttnParams, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-                   dlse: Optional[torch.Tensor], delta: torch.Tensor) -> None:
-    """delta = rowsum(dO * O) - dLSE into ``delta`` (LSE's layout); shared by every backward."""
+                   dlse: Optional[torch.Tensor], delta: torch.Tensor, key=None) -> None:
+    """delta = rowsum(dO * O) - dLSE into ``delta`` (LSE's layout); shared by every backward.
+    ``key``: as ``attn_bwd``'s (the launch kept under it, slots O, dO, dLSE, delta)."""
     n_heads = out.shape[-2]
     sb = p.batch_strides
     pre_block = 64
     grid = (cdiv(p.max_seqlen_q, pre_block), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
-    launcher(_bwd_preprocess)[grid](
-        out, dout, dlse if dlse is not None else delta, delta,
-        sb(out), out.stride(-3), out.stride(-2), sb(dout), dout.stride(-3), dout.stride(-2),
-        *p.lse_strides(lse), p.cu_q_arg(out), n_heads, p.max_seqlen_q,
-        HEAD_DIM_V=p.head_dim_v, BLOCK_DV=configs.pad_dim(p.head_dim_v), BLOCK_M=pre_block,
-        IS_VARLEN=p.is_varlen, HAS_DLSE=dlse is not None,
-    )
+    args = (out, dout, dlse if dlse is not None else delta, delta,
+            sb(out), out.stride(-3), out.stride(-2), sb(dout), dout.stride(-3), dout.stride(-2),
+            *p.lse_strides(lse), p.cu_q_arg(out), n_heads, p.max_seqlen_q)
+    kwargs = dict(HEAD_DIM_V=p.head_dim_v, BLOCK_DV=configs.pad_dim(p.head_dim_v),
+                  BLOCK_M=pre_block, IS_VARLEN=p.is_varlen, HAS_DLSE=dlse is not None)
+    if key is None:
+        launcher(_bwd_preprocess)[grid](*args, **kwargs)
+    else:
+        launcher(_bwd_preprocess).bind_kept(_BOUND, key, grid, args, kwargs, (0, 1, 2, 3))
+
+
+# (``attn_bwd``'s ``key``) its three launches kept for repeats, under (key, 0 / 1 / 2)
+_BOUND: dict = {}
 
 
 def attn_bwd(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
-             dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, delta: torch.Tensor) -> None:
-    """Launch the backward into preallocated dq/dk/dv (layouts of q/k/v) and ``delta`` (LSE's layout)."""
+             dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, delta: torch.Tensor,
+             key=None) -> None:
+    """Launch the backward into preallocated dq/dk/dv (layouts of q/k/v) and ``delta`` (LSE's
+    layout).
+
+    ``key`` (the op's ``BIND``; params that hold no tensor): everything the three launches'
+    arguments derive from but the addresses of the tensors passed here (shapes, strides,
+    dtypes, device, the params' scalars, each pointer's 16-byte alignment, whether dLSE is
+    given). The first call keeps its launches (``launch.Bound``: preprocess, dK/dV, dQ); a
+    repeat is three C calls with this call's addresses. The stand-in pointers for absent
+    ALiBi slopes, cu_seqlens and RNG state keep the first call's q (or O) address, never read."""
+    if key is not None and (key, 2) in _BOUND:
+        pre = (out.data_ptr(), dout.data_ptr(),
+               (dlse if dlse is not None else delta).data_ptr(), delta.data_ptr())
+        common = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr(),
+                  delta.data_ptr())
+        # (a Bound steps aside for all three alike: launch hooks, Triton's switches or the
+        # device changed; the plain path below then runs them all again, delta's too)
+        if repeat(_BOUND, (key, 0), *pre) and repeat(_BOUND, (key, 1), *common, dk.data_ptr(),
+                                                     dv.data_ptr()) \
+                and repeat(_BOUND, (key, 2), *common, dq.data_ptr()):
+            return
     cfg = configs.bwd_config(q.device, p.head_dim, p.head_dim_v, q.dtype, p.causal_like)
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
     sb = p.batch_strides
@@ -386,8 +413,10 @@ def attn_bwd(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         dk.zero_()
         dv.zero_()
         return
-    bwd_preprocess(p, out, dout, lse, dlse, delta)
-    launcher(_bwd_dkdv_kernel)[grid_kv](
+    if use_tma or p.alibi_slopes is not None or p.is_varlen or p.rng_state is not None:
+        key = None  # (device-side TMA takes scratch: never bound)
+    bwd_preprocess(p, out, dout, lse, dlse, delta, None if key is None else (key, 0))
+    dkdv_args = (
         q, k, v, dout, lse, delta, dk, dv, p.alibi_arg(q), p.cu_q_arg(q), p.cu_k_arg(q),
         p.rng_arg(q),
         sb(q), q.stride(-3), q.stride(-2),
@@ -398,13 +427,13 @@ def attn_bwd(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         sb(dv), dv.stride(-3), dv.stride(-2),
         *lse_strides, p.alibi_batch_stride,
         n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, p.rng_rows, p.max_seqlen_k,
-        *scalars,
+        *scalars)
+    dkdv_kwargs = dict(
         HEAD_DIM=p.head_dim, HEAD_DIM_V=p.head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KEYS_AS_B=cfg.keys_as_b, USE_TMA=use_tma,
         **flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    launcher(_bwd_dq_kernel)[grid_dq](
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    dq_args = (
         q, k, v, dout, lse, delta, dq, p.alibi_arg(q), p.cu_q_arg(q), p.cu_k_arg(q), p.rng_arg(q),
         sb(q), q.stride(-3), q.stride(-2),
         sb(k), k.stride(-3), k.stride(-2),
@@ -413,8 +442,16 @@ def attn_bwd(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         sb(dq), dq.stride(-3), dq.stride(-2),
         *lse_strides, p.alibi_batch_stride,
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, p.rng_rows, p.max_seqlen_k,
-        *scalars,
+        *scalars)
+    dq_kwargs = dict(
         HEAD_DIM=p.head_dim, HEAD_DIM_V=p.head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, USE_TMA=use_tma, **flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if key is None:
+        launcher(_bwd_dkdv_kernel)[grid_kv](*dkdv_args, **dkdv_kwargs)
+        launcher(_bwd_dq_kernel)[grid_dq](*dq_args, **dq_kwargs)
+    else:  # (slots: the tensors passed here; the stand-ins keep the first call's)
+        launcher(_bwd_dkdv_kernel).bind_kept(_BOUND, (key, 1), grid_kv, dkdv_args, dkdv_kwargs,
+                                             tuple(range(8)))
+        launcher(_bwd_dq_kernel).bind_kept(_BOUND, (key, 2), grid_dq, dq_args, dq_kwargs,
+                                           tuple(range(7)))

@@ -1,0 +1,151 @@
+"""The portable kernels' kept launches (``IOATTN_BIND``, ``op.BIND``): the op keys a batched
+call by its memo signature and pointer alignments; ``triton_fwd.attn_fwd`` keeps its launch
+under the key and repeats it with the call's five addresses, ``triton_bwd.attn_bwd`` its three
+(preprocess, dK/dV, dQ). The wiring is checked on any machine with a recording launcher; the
+kept launches themselves on the GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ioattn
+from ioattn import launch
+from ioattn.dense import op, triton_bwd, triton_fwd
+from ioattn.reference import attention_ref
+from ioattn.testing import alibi_slopes, assert_close_rule
+from tests.conftest import ON_GPU
+from tests.dense.test_attention import _check_grads
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+def _qkv(device, b=2, s_q=37, s_k=53, h=4, h_k=2, d=64, dtype=BF16, grad=False):
+    return tuple(t.requires_grad_(grad) for t in (
+        torch.randn(b, s_q, h, d, device=device, dtype=dtype),
+        torch.randn(b, s_k, h_k, d, device=device, dtype=dtype),
+        torch.randn(b, s_k, h_k, d, device=device, dtype=dtype)))
+
+
+class _RecordingLauncher:
+    """Stands in for ``launch.launcher(kernel)``: records plain launches and kept ones, and
+    keeps a recorder as the Bound (which says it launched)."""
+
+    def __init__(self):
+        self.plain, self.kept, self.repeats = [], [], []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.plain.append((grid, args, kwargs))
+
+    def bind_kept(self, cache, key, grid, args, kwargs, slots):
+        self.kept.append((key, grid, args, kwargs, slots))
+        launch.keep(cache, key, lambda *values: self.repeats.append((key, values)) or True)
+
+
+def test_kept_forward_wiring(monkeypatch):
+    """With BIND: the first batched call of a signature binds (slots q, k, v, out, lse: the
+    first five arguments, the call's own tensors), a repeat with fresh tensors launches the
+    kept one with their five addresses, a new shape or a misaligned q binds anew, and calls
+    with ALiBi, varlen rows or the switch off launch the plain way."""
+    rec = _RecordingLauncher()
+    monkeypatch.setattr(triton_fwd, "launcher", lambda kernel: rec)
+    monkeypatch.setattr(op, "BIND", True)
+    op.clear_memos()
+    q, k, v = _qkv("cpu")
+    out, lse, _ = ioattn.flash_attn_func(q, k, v, causal=True, backend="triton",
+                                         return_attn_probs=True)
+    assert not rec.plain and len(rec.kept) == 1 and not rec.repeats
+    key, grid, args, kwargs, slots = rec.kept[0]
+    assert slots == (0, 1, 2, 3, 4)
+    assert [a.data_ptr() for a in args[:5]] == [t.data_ptr() for t in (q, k, v, out, lse)]
+    assert kwargs["HAS_RIGHT"] and not kwargs["HAS_ALIBI"]
+    q2, k2, v2 = _qkv("cpu")
+    out2, lse2, _ = ioattn.flash_attn_func(q2, k2, v2, causal=True, backend="triton",
+                                           return_attn_probs=True)
+    assert len(rec.kept) == 1 and rec.repeats == [
+        (key, tuple(t.data_ptr() for t in (q2, k2, v2, out2, lse2)))]
+    ioattn.flash_attn_func(q2, k2, v2, causal=False, backend="triton")  # (another signature)
+    assert len(rec.kept) == 2 and rec.kept[1][0] != key
+    big = torch.randn(q.numel() + 1, dtype=BF16)
+    q_odd = big[1:].view_as(q)  # (2-byte aligned: its own Bound)
+    q_odd.copy_(q)
+    ioattn.flash_attn_func(q_odd, k, v, causal=True, backend="triton")
+    assert len(rec.kept) == 3 and rec.kept[2][0] != key and len(rec.repeats) == 1
+    ioattn.flash_attn_func(q, k, v, causal=True, backend="triton",
+                           alibi_slopes=alibi_slopes(None, 4, "cpu"))
+    cu = torch.tensor([0, 37, 74], dtype=torch.int32)
+    ioattn.flash_attn_varlen_func(q.view(-1, 4, 64), q.view(-1, 4, 64)[:, :2],
+                                  q.view(-1, 4, 64)[:, 2:], cu, cu, 37, 37, backend="triton")
+    monkeypatch.setattr(op, "BIND", False)
+    op.clear_memos()
+    ioattn.flash_attn_func(q, k, v, causal=True, backend="triton")
+    assert len(rec.plain) == 3 and len(rec.kept) == 3 and len(rec.repeats) == 1
+
+
+def test_kept_backward_wiring(monkeypatch):
+    """With BIND: the first backward of a signature binds its three launches under (key, 0 / 1
+    / 2) with the call's tensors in their slots (preprocess: O, dO, dLSE-or-delta, delta;
+    dK/dV: q, k, v, dO, LSE, delta, dK, dV; dQ: the same six, dQ); a repeat with fresh tensors
+    launches the three with their addresses; a dLSE (the LSE's gradient) is another signature;
+    with the switch off all four launch plainly."""
+    rec = _RecordingLauncher()
+    monkeypatch.setattr(triton_bwd, "launcher", lambda kernel: rec)
+    monkeypatch.setattr(triton_fwd, "launcher", lambda kernel: rec)
+    monkeypatch.setattr(op, "BIND", True)
+    op.clear_memos()
+
+    def step(lse_grad=False):
+        q, k, v = _qkv("cpu", grad=True)
+        out, lse, _ = ioattn.flash_attn_func(q, k, v, causal=True, backend="triton",
+                                             return_attn_probs=True)
+        # (the stand-in launched no kernel: the sums' gradients are ones whatever the values)
+        loss = out.float().sum() + (lse.sum() if lse_grad else 0)
+        rec.kept.clear(), rec.repeats.clear()
+        loss.backward()
+        return q, k, v, out, lse
+
+    step()
+    keys = [kept[0] for kept in rec.kept]
+    assert [k[1] for k in keys] == [0, 1, 2] and len({k[0] for k in keys}) == 1, keys
+    assert [kept[4] for kept in rec.kept] == [(0, 1, 2, 3), tuple(range(8)), tuple(range(7))]
+    pre, dkdv, dq = (kept[2] for kept in rec.kept)
+    assert pre[2] is pre[3] and all(a is b for a, b in zip(dkdv[:6], dq[:6]))  # (delta as dLSE)
+    q, k, v, out, lse = step()
+    assert not rec.kept and [r[0] for r in rec.repeats] == keys
+    (_, pre_v), (_, dkdv_v), (_, dq_v) = rec.repeats
+    assert pre_v[0] == out.data_ptr() and dkdv_v[:3] == dq_v[:3] == tuple(
+        t.data_ptr() for t in (q, k, v))
+    assert len(dkdv_v) == 8 and len(dq_v) == 7 and dkdv_v[3:6] == dq_v[3:6] and pre_v[1] == dq_v[3]
+    step(lse_grad=True)  # (dLSE given: its own launches)
+    assert len(rec.kept) == 3 and rec.kept[0][0][0] != keys[0][0] and rec.kept[0][2][2] is not \
+        rec.kept[0][2][3]
+    monkeypatch.setattr(op, "BIND", False)
+    op.clear_memos()
+    rec.plain.clear()
+    step()
+    assert not rec.kept and not rec.repeats and len(rec.plain) == 4  # (forward + three)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="kept launches are Triton's compiled kernels (GPU)")
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window_size=(17, 3), softcap=5.0)],
+                         ids=["full", "causal", "window-softcap"])
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_kept_launches_on_the_gpu(kw, dtype, monkeypatch):
+    """With BIND on the GPU: three rounds of fresh inputs of one signature (odd lengths, GQA,
+    head dim 96), forward and backward on the portable kernels, each output and gradient
+    against the reference; the first round binds, the next two repeat (one C call a kernel:
+    1 forward + 3 backward each), none steps aside."""
+    monkeypatch.setattr(op, "BIND", True)
+    op.clear_memos()
+    repeats = []
+    orig_call = launch.Bound.__call__
+    monkeypatch.setattr(launch.Bound, "__call__",
+                        lambda self, *v: repeats.append(orig_call(self, *v)) or repeats[-1])
+    for _ in range(3):
+        q, k, v = _qkv("cuda", b=3, s_q=113, s_k=203, h=6, h_k=2, d=96, dtype=dtype, grad=True)
+        out = ioattn.flash_attn_func(q, k, v, backend="triton", **kw)
+        ref, _ = attention_ref(q, k, v, **kw)
+        pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+        assert_close_rule("out", out, ref, pt)
+        _check_grads("kept", out, ref, pt, torch.randn_like(out), (q, k, v))
+    assert len(triton_fwd._BOUND) == 1 and len(triton_bwd._BOUND) == 3
+    assert repeats == [True] * 8, repeats
