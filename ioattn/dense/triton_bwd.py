@@ -377,6 +377,8 @@ def attn_bwd(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     given). The first call keeps its launches (``launch.Bound``: preprocess, dK/dV, dQ); a
     repeat is three C calls with this call's addresses. The stand-in pointers for absent
     ALiBi slopes, cu_seqlens and RNG state keep the first call's q (or O) address, never read."""
+    if key is not None:  # (the config table too: tuning swaps it between calls of one form)
+        key = (key, configs.bwd_config)
     if key is not None and (key, 2) in _BOUND:
         pre = (out.data_ptr(), dout.data_ptr(),
                (dlse if dlse is not None else delta).data_ptr(), delta.data_ptr())

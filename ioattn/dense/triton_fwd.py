@@ -169,10 +169,13 @@ def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``key`` (the op's ``BIND``; for params that hold no tensor): everything this launch's
     arguments derive from but the addresses of q, k, v, out and lse (shapes, strides, dtypes,
     device, the params' scalars and each pointer's 16-byte alignment). The first launch under a
-    key is kept (``launch.Bound``); a repeat is one C call with this call's five addresses,
-    past the config, the argument list and the launcher's per-call signature. The pointer
+    key (and config table, ``configs.fwd_config``) is kept (``launch.Bound``); a repeat is one
+    C call with this call's five addresses, past the config, the argument list and the
+    launcher's per-call signature. The pointer
     arguments that stand in for absent ALiBi slopes, cu_seqlens and RNG state keep the first
     call's q address (never read: their flags are off)."""
+    if key is not None:  # (the config table too: tuning swaps it between calls of one form)
+        key = (key, configs.fwd_config)
     if key is not None and key in _BOUND and repeat(
             _BOUND, key, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()):
         return

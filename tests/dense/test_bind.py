@@ -10,7 +10,7 @@ import torch
 
 import ioattn
 from ioattn import launch
-from ioattn.dense import op, triton_bwd, triton_fwd
+from ioattn.dense import configs, op, triton_bwd, triton_fwd
 from ioattn.reference import attention_ref
 from ioattn.testing import alibi_slopes, assert_close_rule
 from tests.conftest import ON_GPU
@@ -44,8 +44,9 @@ class _RecordingLauncher:
 def test_kept_forward_wiring(monkeypatch):
     """With BIND: the first batched call of a signature binds (slots q, k, v, out, lse: the
     first five arguments, the call's own tensors), a repeat with fresh tensors launches the
-    kept one with their five addresses, a new shape or a misaligned q binds anew, and calls
-    with ALiBi, varlen rows or the switch off launch the plain way."""
+    kept one with their five addresses, another mask, a new shape, a misaligned q or a swapped
+    config table binds anew, and calls with ALiBi, varlen rows or the switch off launch the
+    plain way."""
     rec = _RecordingLauncher()
     monkeypatch.setattr(triton_fwd, "launcher", lambda kernel: rec)
     monkeypatch.setattr(op, "BIND", True)
@@ -65,11 +66,17 @@ def test_kept_forward_wiring(monkeypatch):
         (key, tuple(t.data_ptr() for t in (q2, k2, v2, out2, lse2)))]
     ioattn.flash_attn_func(q2, k2, v2, causal=False, backend="triton")  # (another signature)
     assert len(rec.kept) == 2 and rec.kept[1][0] != key
+    ioattn.flash_attn_func(*_qkv("cpu", s_q=41), causal=True, backend="triton")  # (a new shape)
+    assert len(rec.kept) == 3 and rec.kept[2][0] != key
     big = torch.randn(q.numel() + 1, dtype=BF16)
     q_odd = big[1:].view_as(q)  # (2-byte aligned: its own Bound)
     q_odd.copy_(q)
     ioattn.flash_attn_func(q_odd, k, v, causal=True, backend="triton")
-    assert len(rec.kept) == 3 and rec.kept[2][0] != key and len(rec.repeats) == 1
+    assert len(rec.kept) == 4 and rec.kept[3][0] != key and len(rec.repeats) == 1
+    swapped = configs.fwd_config  # (a swapped config table, as benchmarks/tune.py does)
+    monkeypatch.setattr(configs, "fwd_config", lambda *a: swapped(*a))
+    ioattn.flash_attn_func(q2, k2, v2, causal=True, backend="triton")
+    assert len(rec.kept) == 5 and len(rec.repeats) == 1
     ioattn.flash_attn_func(q, k, v, causal=True, backend="triton",
                            alibi_slopes=alibi_slopes(None, 4, "cpu"))
     cu = torch.tensor([0, 37, 74], dtype=torch.int32)
@@ -78,7 +85,7 @@ def test_kept_forward_wiring(monkeypatch):
     monkeypatch.setattr(op, "BIND", False)
     op.clear_memos()
     ioattn.flash_attn_func(q, k, v, causal=True, backend="triton")
-    assert len(rec.plain) == 3 and len(rec.kept) == 3 and len(rec.repeats) == 1
+    assert len(rec.plain) == 3 and len(rec.kept) == 5 and len(rec.repeats) == 1
 
 
 def test_kept_backward_wiring(monkeypatch):
@@ -92,6 +99,9 @@ def test_kept_backward_wiring(monkeypatch):
     monkeypatch.setattr(triton_fwd, "launcher", lambda kernel: rec)
     monkeypatch.setattr(op, "BIND", True)
     op.clear_memos()
+    grads = []  # (each backward's dq, dk, dv)
+    orig_bwd = op.bwd_impl
+    monkeypatch.setattr(op, "bwd_impl", lambda *a: grads.append(orig_bwd(*a)) or grads[-1])
 
     def step(lse_grad=False):
         q, k, v = _qkv("cpu", grad=True)
@@ -103,21 +113,27 @@ def test_kept_backward_wiring(monkeypatch):
         loss.backward()
         return q, k, v, out, lse
 
-    step()
+    q, k, v, out, lse = step()
     keys = [kept[0] for kept in rec.kept]
     assert [k[1] for k in keys] == [0, 1, 2] and len({k[0] for k in keys}) == 1, keys
     assert [kept[4] for kept in rec.kept] == [(0, 1, 2, 3), tuple(range(8)), tuple(range(7))]
-    pre, dkdv, dq = (kept[2] for kept in rec.kept)
-    assert pre[2] is pre[3] and all(a is b for a, b in zip(dkdv[:6], dq[:6]))  # (delta as dLSE)
-    q, k, v, out, lse = step()
+    pre, dkdv, dq = ([a.data_ptr() for a in kept[2][:n]] for kept, n in zip(rec.kept, (4, 8, 7)))
+    dout, delta = pre[1], pre[3]
+    assert pre[0] == out.data_ptr() and pre[2] == delta  # (delta stands in for the absent dLSE)
+    want = [t.data_ptr() for t in (q, k, v)] + [dout, lse.data_ptr(), delta]
+    assert dkdv == want + [t.data_ptr() for t in grads[-1][1:]] and len(set(dkdv)) == 8
+    assert dq == want + [grads[-1][0].data_ptr()]
+    q, k, v, out, lse = step()  # (fresh tensors: the kept launches with their addresses)
     assert not rec.kept and [r[0] for r in rec.repeats] == keys
     (_, pre_v), (_, dkdv_v), (_, dq_v) = rec.repeats
-    assert pre_v[0] == out.data_ptr() and dkdv_v[:3] == dq_v[:3] == tuple(
-        t.data_ptr() for t in (q, k, v))
-    assert len(dkdv_v) == 8 and len(dq_v) == 7 and dkdv_v[3:6] == dq_v[3:6] and pre_v[1] == dq_v[3]
+    dout_p, delta_p = pre_v[1], pre_v[3]
+    assert pre_v[0] == out.data_ptr() and pre_v[2] == delta_p
+    ptrs = tuple(t.data_ptr() for t in (q, k, v)) + (dout_p, lse.data_ptr(), delta_p)
+    dq_t, dk_t, dv_t = grads[-1]
+    assert dkdv_v == ptrs + (dk_t.data_ptr(), dv_t.data_ptr()) and dq_v == ptrs + (dq_t.data_ptr(),)
     step(lse_grad=True)  # (dLSE given: its own launches)
-    assert len(rec.kept) == 3 and rec.kept[0][0][0] != keys[0][0] and rec.kept[0][2][2] is not \
-        rec.kept[0][2][3]
+    assert len(rec.kept) == 3 and rec.kept[0][0][0] != keys[0][0]
+    assert rec.kept[0][2][2].data_ptr() != rec.kept[0][2][3].data_ptr()  # (dLSE, delta)
     monkeypatch.setattr(op, "BIND", False)
     op.clear_memos()
     rec.plain.clear()
@@ -133,19 +149,31 @@ def test_kept_launches_on_the_gpu(kw, dtype, monkeypatch):
     """With BIND on the GPU: three rounds of fresh inputs of one signature (odd lengths, GQA,
     head dim 96), forward and backward on the portable kernels, each output and gradient
     against the reference; the first round binds, the next two repeat (one C call a kernel:
-    1 forward + 3 backward each), none steps aside."""
+    1 forward + 3 backward each, at addresses the other round does not use), none steps
+    aside."""
     monkeypatch.setattr(op, "BIND", True)
     op.clear_memos()
-    repeats = []
+    repeats, values = [], []
     orig_call = launch.Bound.__call__
-    monkeypatch.setattr(launch.Bound, "__call__",
-                        lambda self, *v: repeats.append(orig_call(self, *v)) or repeats[-1])
+
+    def call(self, *v):
+        values.append(v)
+        repeats.append(orig_call(self, *v))
+        return repeats[-1]
+    monkeypatch.setattr(launch.Bound, "__call__", call)
+    alive = []  # (every round's tensors stay allocated, so no round reuses another's addresses)
     for _ in range(3):
         q, k, v = _qkv("cuda", b=3, s_q=113, s_k=203, h=6, h_k=2, d=96, dtype=dtype, grad=True)
-        out = ioattn.flash_attn_func(q, k, v, backend="triton", **kw)
+        out, lse, _ = ioattn.flash_attn_func(q, k, v, backend="triton", return_attn_probs=True,
+                                             **kw)
         ref, _ = attention_ref(q, k, v, **kw)
         pt, _ = attention_ref(q, k, v, upcast=False, **kw)
         assert_close_rule("out", out, ref, pt)
-        _check_grads("kept", out, ref, pt, torch.randn_like(out), (q, k, v))
+        g = torch.randn_like(out)
+        got = _check_grads("kept", out, ref, pt, g, (q, k, v))
+        # (and the backward's delta: a block of its size held, so the next round's is another)
+        alive.append((q, k, v, out, lse, g, got, torch.empty_like(lse), torch.empty_like(lse)))
     assert len(triton_fwd._BOUND) == 1 and len(triton_bwd._BOUND) == 3
     assert repeats == [True] * 8, repeats
+    for a, b in zip(values[:4], values[4:]):  # (rounds 2 and 3: no address in common)
+        assert not set(a) & set(b), (a, b)
