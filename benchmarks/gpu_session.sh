@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early] [short] [d256-decode] [pending]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early] [short] [d256-decode] [short-bench] [pending]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -178,10 +178,7 @@ for step in $steps; do
            # never timed there, but the d=256 backward): the sm90 backend forced beside auto and
            # cuDNN, then eager vs graph-replayed (host share), then the stamped d=128 forward at
            # 512 (tile, Q-wait, first-block and store times) (~6 min)
-           timeout 240 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --seqlens 512,1024 \
-             --dtypes bf16 --impls ioattn,ioattn_sm90,sdpa_cudnn --no-plots \
-             --out "$OUT/short_${GPU_TAG}_$(date +%F).json" > "$OUT/short_bench.log" 2>&1
-           grep -E "^(fwd|bwd)" "$OUT/short_bench.log"
+           bash "$0" short-bench
            timeout 300 python benchmarks/host_overhead.py --graph --graph-seqlens 512,1024 \
              --json "$OUT/host_graph_short_${GPU_TAG}.json" > "$OUT/host_graph_short.log" 2>&1
            grep -E "^(fwd|bwd) d" "$OUT/host_graph_short.log"
@@ -755,26 +752,21 @@ for step in $steps; do
            timeout 200 python -m pytest -q -n 8 -p no:cacheprovider tests/decode/test_decode_sm90.py \
              -k "early" > "$OUT/tests_decode_early.log" 2>&1; echo "tests: $(tail -1 "$OUT/tests_decode_early.log")"
            decode_onoff IOATTN_SM90_DECODE_EARLY early ;;
-    pending) # the decisions sessions 34-35 could not measure (no device came), in one call of
-           # ~560 s: the kept-launch and d=256 decode GPU tests, the d=256 decode on / off with
-           # cuDNN beside both, the host times (fwd_sm90_bind0/1, fwd_triton_bind0/1,
-           # bwd_triton_bind0/1: kept launches, IOATTN_SM90_FWD_BIND / IOATTN_BIND) and the short-cell bench
-           # (sm90 forced beside auto and cuDNN at 512 / 1k); then `tests-rest`, `tests-sm90file`
-           timeout 120 python -m pytest -q -n 8 -p no:cacheprovider -rf tests/dense/test_sm90.py \
-             tests/decode/test_decode_sm90.py tests/dense/test_bind.py \
-             -k "bind or kept or decode_d256 or d256_coverage or repeats" \
-             > "$OUT/tests_pending.log" 2>&1
-           grep -E "FAILED|ERROR" "$OUT/tests_pending.log" | head; tail -1 "$OUT/tests_pending.log"
-           for v in 1 0; do IOATTN_SM90_DECODE_D256=$v timeout 80 python -m ioattn bench --suite decode \
-               --dim 256 --heads 16,8 --cells 64x4096x16,16x8192x16,1x32768x16,128x2048x16 \
-               --prefill-cells "" --out "$OUT/decode_d256_sm90$v.json" > "/tmp/decode_d256_$v.log" 2>&1
-             echo "== d256 sm90=$v"; grep -E "ioattn_paged |sdpa_cudnn |_graphloop" "/tmp/decode_d256_$v.log"; done
-           timeout 60 python benchmarks/host_overhead.py --json "$OUT/host_overhead_${GPU_TAG}.json" \
-             > "$OUT/host.log" 2>&1; head -30 "$OUT/host.log"
-           timeout 200 python -m ioattn bench --modes fwd,bwd --dims 128,64,256 --seqlens 512,1024 \
+    short-bench) # (`short`'s first part) the sm90 backend forced beside auto and cuDNN at 512 / 1k
+           timeout 240 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --seqlens 512,1024 \
              --dtypes bf16 --impls ioattn,ioattn_sm90,sdpa_cudnn --no-plots \
              --out "$OUT/short_${GPU_TAG}_$(date +%F).json" > "$OUT/short_bench.log" 2>&1
            grep -E "^(fwd|bwd)" "$OUT/short_bench.log" ;;
+    pending) # the decisions sessions 34-35 could not measure (no device came), in one call of
+           # ~500 s: the kept launches' GPU tests (IOATTN_SM90_FWD_BIND, IOATTN_BIND, the
+           # decode's per-layer repeats), then the steps `d256-decode`, `host` (fwd_sm90_bind0/1,
+           # fwd_triton_bind0/1, bwd_triton_bind0/1) and `short-bench`; then `tests-rest`,
+           # `tests-sm90file`
+           timeout 120 python -m pytest -q -n 8 -p no:cacheprovider -rf tests/dense/test_sm90.py \
+             tests/decode/test_decode_sm90.py tests/dense/test_bind.py -k "bind or kept or repeats" \
+             > "$OUT/tests_pending.log" 2>&1
+           grep -E "FAILED|ERROR" "$OUT/tests_pending.log" | head; tail -1 "$OUT/tests_pending.log"
+           bash "$0" d256-decode host short-bench ;;
     *) echo "unknown step $step" ;;
   esac
 done

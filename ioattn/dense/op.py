@@ -138,8 +138,9 @@ def fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
     else:
         p, key = _memo(("fwd", impl, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
                         window_right, softcap, dropout_p), (q, k, v), params, with_key=True)
-        if BIND and impl == "triton":  # (out and lse are new, contiguous: q and v's shapes)
-            bind_key = (key, tuple(t.data_ptr() % 16 == 0 for t in (q, k, v, out, lse)))
+        if BIND and impl == "triton":  # (out and lse are new allocations: their shapes,
+            # strides and alignment follow from q's and v's)
+            bind_key = (key, tuple(t.data_ptr() % 16 == 0 for t in (q, k, v)))
     with _on_device(q):
         if bind_key is None:
             launch(p, q, k, v, out, lse)
@@ -219,12 +220,12 @@ def bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
         p, key = _memo(("bwd", impl, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
                         window_right, softcap, dropout_p), (dout, q, k, v, out), params,
                        with_key=True)
-        if BIND and impl == "triton":  # (dq / dk / dv are new, contiguous: q, k and v's shapes)
-            tensors = (dout, q, k, v, out, lse, dq, dk, dv, delta) + ((dlse,) if dlse is not None
-                                                                       else ())
-            bind_key = (key, deterministic, lse.shape, lse.stride(), lse.dtype, delta.stride(),
+        if BIND and impl == "triton":  # (dq / dk / dv and delta are new allocations: they
+            # follow from q, k, v and LSE)
+            given = (dout, q, k, v, out, lse) if dlse is None else (dout, q, k, v, out, lse, dlse)
+            bind_key = (key, lse.shape, lse.stride(), lse.dtype,
                         None if dlse is None else (dlse.shape, dlse.stride(), dlse.dtype),
-                        tuple(t.data_ptr() % 16 == 0 for t in tensors))
+                        tuple(t.data_ptr() % 16 == 0 for t in given))
     with _on_device(q):
         if bind_key is None:
             launch(p, dout, q, k, v, out, lse, dlse, dq, dk, dv, delta)

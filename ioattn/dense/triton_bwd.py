@@ -415,8 +415,8 @@ def attn_bwd(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         dk.zero_()
         dv.zero_()
         return
-    if use_tma or p.alibi_slopes is not None or p.is_varlen or p.rng_state is not None:
-        key = None  # (device-side TMA takes scratch: never bound)
+    if use_tma:
+        key = None  # (device-side TMA takes scratch memory: never bound)
     bwd_preprocess(p, out, dout, lse, dlse, delta, None if key is None else (key, 0))
     dkdv_args = (
         q, k, v, dout, lse, delta, dk, dv, p.alibi_arg(q), p.cu_q_arg(q), p.cu_k_arg(q),

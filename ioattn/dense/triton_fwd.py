@@ -171,14 +171,14 @@ def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     device, the params' scalars and each pointer's 16-byte alignment). The first launch under a
     key (and config table, ``configs.fwd_config``) is kept (``launch.Bound``); a repeat is one
     C call with this call's five addresses, past the config, the argument list and the
-    launcher's per-call signature. The pointer
-    arguments that stand in for absent ALiBi slopes, cu_seqlens and RNG state keep the first
-    call's q address (never read: their flags are off)."""
+    launcher's per-call signature. The pointer arguments that stand in for absent ALiBi
+    slopes, cu_seqlens and RNG state keep the first call's q address (never read: their
+    flags are off)."""
     if key is not None:  # (the config table too: tuning swaps it between calls of one form)
         key = (key, configs.fwd_config)
-    if key is not None and key in _BOUND and repeat(
-            _BOUND, key, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()):
-        return
+        if key in _BOUND and repeat(_BOUND, key, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                    out.data_ptr(), lse.data_ptr()):
+            return
     cfg = configs.fwd_config(q.device, p.head_dim, p.head_dim_v, q.dtype, p.causal_like,
                              p.max_seqlen_q)
     n_heads = q.shape[-2]
@@ -210,8 +210,7 @@ def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         USE_TMA=use_tma, WARP_SPEC=use_tma and cfg.warp_specialize and cfg.num_warps == 8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     lch = launcher(_attn_fwd_kernel)
-    if key is None or use_tma or p.alibi_slopes is not None or p.is_varlen \
-            or p.rng_state is not None:  # (device-side TMA takes scratch: never bound)
+    if key is None or use_tma:  # (device-side TMA takes scratch memory: never bound)
         lch[grid](*args, **kwargs)
     else:  # (slots: q, k, v, out, lse)
         lch.bind_kept(_BOUND, key, grid, args, kwargs, (0, 1, 2, 3, 4))
