@@ -757,17 +757,17 @@ for step in $steps; do
              --dtypes bf16 --impls ioattn,ioattn_sm90,sdpa_cudnn --no-plots \
              --out "$OUT/short_${GPU_TAG}_$(date +%F).json" > "$OUT/short_bench.log" 2>&1
            grep -E "^(fwd|bwd)" "$OUT/short_bench.log" ;;
-    pending) # the decisions sessions 34-35 could not measure (no device came), in one call of
-           # ~500 s: the kept launches' GPU tests (IOATTN_SM90_FWD_BIND, IOATTN_BIND, the
-           # decode's per-layer repeats), then the steps `host` (fwd_sm90_bind0/1,
-           # fwd_triton_bind0/1, bwd_triton_bind0/1), `d256-decode` and `short-bench`, the
-           # shortest decisions first should the call's limit cut it; then `tests-rest`,
-           # `tests-sm90file`
+    bind-tests) # (`pending`'s first part) the kept launches' GPU tests (IOATTN_SM90_FWD_BIND,
+           # IOATTN_BIND, the decode's per-layer repeats) (~1-2 min)
            timeout 120 python -m pytest -q -n 8 -p no:cacheprovider -rf tests/dense/test_sm90.py \
              tests/decode/test_decode_sm90.py tests/dense/test_bind.py -k "bind or kept or repeats" \
              > "$OUT/tests_pending.log" 2>&1
-           grep -E "FAILED|ERROR" "$OUT/tests_pending.log" | head; tail -1 "$OUT/tests_pending.log"
-           bash "$0" host d256-decode short-bench ;;
+           grep -E "FAILED|ERROR" "$OUT/tests_pending.log" | head; tail -1 "$OUT/tests_pending.log" ;;
+    pending) # the decisions sessions 34-35 could not measure (no device came), in one call of
+           # ~500 s: `bind-tests`, then the steps `host` (fwd_sm90_bind0/1, fwd_triton_bind0/1,
+           # bwd_triton_bind0/1), `d256-decode` and `short-bench`, the shortest decisions first
+           # should the call's limit cut it; then `tests-rest`, `tests-sm90file`
+           bash "$0" bind-tests host d256-decode short-bench ;;
     *) echo "unknown step $step" ;;
   esac
 done
