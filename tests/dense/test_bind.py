@@ -1,7 +1,8 @@
 """The portable kernels' kept launches (``IOATTN_BIND``, ``op.BIND``): the op keys a batched
 call by its memo signature and pointer alignments; ``triton_fwd.attn_fwd`` keeps its launch
 under the key and repeats it with the call's five addresses, ``triton_bwd.attn_bwd`` its three
-(preprocess, dK/dV, dQ). The wiring is checked on any machine with a recording launcher; the
+(preprocess, dK/dV, dQ). The wiring is checked on any machine with a recording launcher (on the
+GPU machine over CUDA tensors: nothing launches, and CPU ones would need the interpreter); the
 kept launches themselves on the GPU."""
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from ioattn import launch
 from ioattn.dense import configs, op, triton_bwd, triton_fwd
 from ioattn.reference import attention_ref
 from ioattn.testing import alibi_slopes, assert_close_rule
-from tests.conftest import ON_GPU
+from tests.conftest import DEVICE, ON_GPU
 from tests.dense.test_attention import _check_grads
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -51,7 +52,7 @@ def test_kept_forward_wiring(monkeypatch):
     monkeypatch.setattr(triton_fwd, "launcher", lambda kernel: rec)
     monkeypatch.setattr(op, "BIND", True)
     op.clear_memos()
-    q, k, v = _qkv("cpu")
+    q, k, v = _qkv(DEVICE)
     out, lse, _ = ioattn.flash_attn_func(q, k, v, causal=True, backend="triton",
                                          return_attn_probs=True)
     assert not rec.plain and len(rec.kept) == 1 and not rec.repeats
@@ -59,14 +60,14 @@ def test_kept_forward_wiring(monkeypatch):
     assert slots == (0, 1, 2, 3, 4)
     assert [a.data_ptr() for a in args[:5]] == [t.data_ptr() for t in (q, k, v, out, lse)]
     assert kwargs["HAS_RIGHT"] and not kwargs["HAS_ALIBI"]
-    q2, k2, v2 = _qkv("cpu")
+    q2, k2, v2 = _qkv(DEVICE)
     out2, lse2, _ = ioattn.flash_attn_func(q2, k2, v2, causal=True, backend="triton",
                                            return_attn_probs=True)
     assert len(rec.kept) == 1 and rec.repeats == [
         (key, tuple(t.data_ptr() for t in (q2, k2, v2, out2, lse2)))]
     ioattn.flash_attn_func(q2, k2, v2, causal=False, backend="triton")  # (another signature)
     assert len(rec.kept) == 2 and rec.kept[1][0] != key
-    ioattn.flash_attn_func(*_qkv("cpu", s_q=41), causal=True, backend="triton")  # (a new shape)
+    ioattn.flash_attn_func(*_qkv(DEVICE, s_q=41), causal=True, backend="triton")  # (a new shape)
     assert len(rec.kept) == 3 and rec.kept[2][0] != key
     big = torch.randn(q.numel() + 1, dtype=BF16)
     q_odd = big[1:].view_as(q)  # (2-byte aligned: its own Bound)
@@ -78,7 +79,7 @@ def test_kept_forward_wiring(monkeypatch):
     ioattn.flash_attn_func(q2, k2, v2, causal=True, backend="triton")
     assert len(rec.kept) == 5 and len(rec.repeats) == 1
     ioattn.flash_attn_func(q, k, v, causal=True, backend="triton",
-                           alibi_slopes=alibi_slopes(None, 4, "cpu"))
+                           alibi_slopes=alibi_slopes(None, 4, DEVICE))
     cu = torch.tensor([0, 37, 74], dtype=torch.int32)
     ioattn.flash_attn_varlen_func(q.view(-1, 4, 64), q.view(-1, 4, 64)[:, :2],
                                   q.view(-1, 4, 64)[:, 2:], cu, cu, 37, 37, backend="triton")
@@ -104,7 +105,7 @@ def test_kept_backward_wiring(monkeypatch):
     monkeypatch.setattr(op, "bwd_impl", lambda *a: grads.append(orig_bwd(*a)) or grads[-1])
 
     def step(lse_grad=False):
-        q, k, v = _qkv("cpu", grad=True)
+        q, k, v = _qkv(DEVICE, grad=True)
         out, lse, _ = ioattn.flash_attn_func(q, k, v, causal=True, backend="triton",
                                              return_attn_probs=True)
         # (the stand-in launched no kernel: the sums' gradients are ones whatever the values)
