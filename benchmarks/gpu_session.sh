@@ -164,7 +164,7 @@ for step in $steps; do
            timeout 300 python benchmarks/host_overhead.py --graph \
              --json "$OUT/host_graph_${GPU_TAG}.json" > "$OUT/host_graph.log" 2>&1
            grep -E "^(fwd|bwd) d" "$OUT/host_graph.log" ;;
-    d256-decode) # head dim 256 on the sm90 decode kernel (IOATTN_SM90_DECODE_D256, opt-in):
+    d256-decode) # head dim 256 on the sm90 decode kernel (IOATTN_SM90_DECODE_D256, the default):
            # its GPU tests, then GQA 16 / 8 heads at d=256 (the hidden size of the d=128 cells),
            # the sm90 kernel (1) against the portable one (0), cuDNN beside both (~4 min)
            timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/decode/test_decode_sm90.py \

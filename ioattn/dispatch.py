@@ -188,11 +188,11 @@ ENV_SWITCHES = (
      "mma.sync (16 rows, each consumer warp on its own keys) instead of a 64-row wgmma tile"),
     ("IOATTN_SM90_DECODE_EARLY", "1", "sm90 decode (one item a CTA): the item read before PDL's "
      "wait, L2 prefetches from the first wave of CTAs only (fewer dependent loads at a CTA's start)"),
-    ("IOATTN_BIND", "0", "portable forward and backward (batched, no ALiBi / dropout): a "
+    ("IOATTN_BIND", "1", "portable forward and backward (batched, no ALiBi / dropout): a "
      "repeat of a call's signature launched in one C call a kernel, past the launcher's signature"),
-    ("IOATTN_SM90_FWD_BIND", "0", "sm90 forward: a repeat of a call's form launched in one C "
+    ("IOATTN_SM90_FWD_BIND", "1", "sm90 forward: a repeat of a call's form launched in one C "
      "call (descriptors encoded at the call's addresses), past the launcher's signature"),
-    ("IOATTN_SM90_DECODE_D256", "0", "sm90 decode at head dim 256 too (one CTA an SM, 232 "
+    ("IOATTN_SM90_DECODE_D256", "1", "sm90 decode at head dim 256 too (one CTA an SM, 232 "
      "registers a thread); off: the portable kernel serves it"),
     ("IOATTN_SM90_DECODE_MERGE", "1", "sm90 decode: split requests merged in the kernel by "
      "their last item (no combine launch)"),

@@ -20,13 +20,15 @@ from ioattn.launch import keep
 
 # Tests turn this on: outputs are filled with NaN before launch so unwritten elements show.
 POISON_OUTPUTS = False
-# (opt-in until its GPU tests have run; IOATTN_BIND=1) the portable kernels' launches kept
-# for repeats of a call's signature (``triton_fwd.attn_fwd``'s and ``triton_bwd.attn_bwd``'s
-# ``key``): one C call a kernel with the call's addresses, past the config, the argument list
-# and the launcher's per-call signature (~40-57 us of an eager forward's host time on the GPU
-# machines, "launch_only" in results/tune/host_*.json; the backward launches three kernels).
-# Batched calls without ALiBi or dropout only
-BIND = os.environ.get("IOATTN_BIND", "0").lower() in ("1", "true", "on")
+# The portable kernels' launches kept for repeats of a call's signature (``triton_fwd.attn_fwd``'s
+# and ``triton_bwd.attn_bwd``'s ``key``): one C call a kernel with the call's addresses, past the
+# config, the argument list and the launcher's per-call signature (~40-57 us of an eager
+# forward's host time on the GPU machines, "launch_only" in results/tune/host_*.json; the
+# backward launches three kernels). Batched calls without ALiBi or dropout only. On by default
+# since its GPU tests passed on the H200 and an eager forward's host time fell from 113 to 32 us
+# there (the backward alone 243 -> 225 us: autograd's share dominates it;
+# results/tune/host_overhead_4528809_nvidia-h200_2026-12-07.json); IOATTN_BIND=0 turns it off
+BIND = os.environ.get("IOATTN_BIND", "1").lower() not in ("0", "false", "off")
 
 
 def _new_output(like: Tensor, shape, dtype=None) -> Tensor:

@@ -97,14 +97,15 @@ O_TMA = os.environ.get("IOATTN_SM90_FWD_O_TMA", "1").lower() in ("1", "true", "o
 # with cuDNN in both runs, d=128 causal 2k +6%, the other d = 64 / 128 cells within the runs'
 # ~2-4% (results/fwd_o_defer{1,0}_e33e22c_*.json). IOATTN_SM90_FWD_O_DEFER=0 turns it off
 O_DEFER = os.environ.get("IOATTN_SM90_FWD_O_DEFER", "1").lower() in ("1", "true", "on")
-# (opt-in until timed on a GPU) the batched / varlen forward's launches kept for repeats
-# (``launch.Bound``, ``_BOUND``): a repeat of a call's form (shapes, strides, alignments,
-# dtypes, scalars and the launch form) is one C call with its q / k / v / o descriptors
-# encoded at the call's addresses, past ``launch_form``'s rules but not the launcher's
-# per-call signature, the descriptors' building and Triton's wrapper. Expected: ~30-40 us of
-# the forward's ~130 us of host time a call (results/tune/host_bound_e287008_*: the sm90
-# decode's run() fell from 199 to 79 us so). IOATTN_SM90_FWD_BIND=1 turns it on
-BIND = os.environ.get("IOATTN_SM90_FWD_BIND", "0").lower() in ("1", "true", "on")
+# The batched / varlen forward's launches kept for repeats (``launch.Bound``, ``_BOUND``): a
+# repeat of a call's form (shapes, strides, alignments, dtypes, scalars and the launch form) is
+# one C call with its q / k / v / o descriptors encoded at the call's addresses, past
+# ``launch_form``'s rules but not the launcher's per-call signature, the descriptors' building
+# and Triton's wrapper. On by default since its GPU tests passed on the H200 and an eager
+# call's host time fell from 181 to 125 us there, off / on in one process
+# (results/tune/host_overhead_4528809_nvidia-h200_2026-12-07.json; the sm90 decode's run() fell
+# from 199 to 79 us so, results/tune/host_bound_e287008_*). IOATTN_SM90_FWD_BIND=0 turns it off
+BIND = os.environ.get("IOATTN_SM90_FWD_BIND", "1").lower() not in ("0", "false", "off")
 # (the persistent forward at d = 64 / 128) Q in two buffers, taken by the tiles in turn. With
 # one, the producer, having issued a tile's last K/V loads, waits until that tile's last QKᵀ
 # has retired before it loads the next tile's Q, and the next tile's first K/V loads queue

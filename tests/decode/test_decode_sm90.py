@@ -87,8 +87,9 @@ def test_coverage_rules(kw, match, monkeypatch):
 
 
 def test_d256_coverage(monkeypatch):
-    """Head dim 256 is covered only with IOATTN_SM90_DECODE_D256 (``SUPPORTED_HEAD_DIMS``), and
-    compiles for ``MAXNREG_D256`` registers a thread; the others for ``MAXNREG``."""
+    """Head dim 256 is covered only with IOATTN_SM90_DECODE_D256 on (the default;
+    ``SUPPORTED_HEAD_DIMS``), and compiles for ``MAXNREG_D256`` registers a thread; the others
+    for ``MAXNREG``."""
     k, v = _views(d=256)
     q = torch.randn(3, 4 * k.shape[2], 256, dtype=k.dtype)
     monkeypatch.setattr(sm90_decode, "SUPPORTED_HEAD_DIMS", (64, 128))
