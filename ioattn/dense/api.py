@@ -180,7 +180,7 @@ def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
             reason = sm90_bwd.unsupported_reason(q.shape[-1], v.shape[-1], softcap,
                                                  alibi_slopes is not None, dropout_p)
             backward.append((reason, reason is None and sm90_bwd.preferred(
-                q.shape[-1], masked, max_seqlen_k, softcap, v.shape[-1])))
+                q.shape[-1], masked, max_seqlen_k, softcap, v.shape[-1], varlen)))
         return backward[0]
 
     def sm90_preferred():

@@ -1315,7 +1315,7 @@ def segments(head_dim: int, masked: bool) -> bool:
 
 
 def preferred(head_dim: int, masked: bool, max_seqlen_k: int, softcap: float = 0.0,
-              head_dim_v: int | None = None) -> bool:
+              head_dim_v: int | None = None, varlen: bool = False) -> bool:
     """Whether 'auto' should take the sm90 backward over the portable one: where it measured
     faster on the H200. With the row stats in shared memory (results/sm90_bwd_rowstats1_ef679d0_*)
     it runs from 2k keys at every head dim: d=64 387 / 311 TFLOP/s non-causal / causal at 2k
@@ -1332,7 +1332,14 @@ def preferred(head_dim: int, masked: bool, max_seqlen_k: int, softcap: float = 0
     results/pad_tma_ae73752_*.json): (192, 192) and (192, 128) from 1k keys (283 / 206 and
     249 / 171 TFLOP/s non-causal / causal at 1k against the portable 99 / 83 and 103 / 90),
     (96, 96) from 1k too (310 / 215 against 261 / 180, results/bwd96_short_3b476a9_*.json;
-    the first run's causal 1k cell tied, 162 / 162). Shorter ones were not timed."""
+    the first run's causal 1k cell tied, 162 / 162). Shorter ones were not timed.
+
+    The FA grid's short cells (batched, queries = keys, bf16; the sm90 backend forced beside
+    auto's portable kernel in one run, results/short_4528809_nvidia-h200_2026-12-07.json),
+    TFLOP/s sm90 / portable: d=64 non-causal 512 284 / 265, 1k 369 / 330, causal 167 / 172 and
+    255 / 230; d=128 non-causal 297 / 271 and 417 / 345, causal 96 / 171 and 172 / 246. So
+    batched calls without softcap take it from 512 keys at d=64 (causal from 1k) and at d=128
+    without a mask; d=128 causal keeps 2k; varlen keeps the rules above (not timed there)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if (head_dim, head_dim_v) in PADDED_HEAD_DIMS:
         if softcap > 0:
@@ -1344,6 +1351,9 @@ def preferred(head_dim: int, masked: bool, max_seqlen_k: int, softcap: float = 0
         return False
     if head_dim == 256:
         return softcap == 0 and max_seqlen_k >= 512
+    if softcap == 0 and not varlen and (head_dim == 64 or not masked) \
+            and max_seqlen_k >= (1024 if masked else 512):
+        return True  # batched: d=64 from 512 keys (causal 1k), d=128 non-causal from 512
     return max_seqlen_k >= 2048 and (softcap == 0 or head_dim in (64, 128))
 
 

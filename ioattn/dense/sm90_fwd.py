@@ -1151,7 +1151,15 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     1536, 1k-8k): (192, 192) and (192, 128) from 1k queries (448 / 331 and 376 / 283 TFLOP/s
     non-causal / causal at 1k against the portable 319 / 233 and 304 / 222), (96, 96) from 1k
     too (415 / 284 against 297 / 231, results/fwd96_short_3b476a9_*.json; that run's first
-    causal 1k / 2k cells, 214 / 197, did not repeat). Shorter ones were not timed."""
+    causal 1k / 2k cells, 214 / 197, did not repeat). Shorter ones were not timed.
+
+    The FA grid's short cells (batched, queries = keys, bf16; the sm90 backend forced beside
+    auto's portable kernel and cuDNN in one run, results/short_4528809_nvidia-h200_2026-12-07.json),
+    TFLOP/s sm90 / portable: d=256 512 non-causal 453 / 340, causal 300 / 221, 1k 464 / 413 and
+    425 / 298; d=128 1k 542 / 393 and 417 / 304, but 512 278 / 312 and 148 / 220; d=64
+    non-causal 512 334 / 308, 1k 381 / 365, causal 155 / 216 and 267 / 286. So batched calls
+    take it from 512 queries and keys at d=256, from 1k at d=128, and from 512 at d=64 without
+    a mask; varlen keeps the rules above (its one-CTA-a-tile form was not timed there)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if (head_dim, head_dim_v) in PADDED_HEAD_DIMS:
         if softcap > 0:
@@ -1164,9 +1172,13 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     if softcap > 0:
         return head_dim in (64, 128) and max_seqlen_q >= 2048
     if head_dim == 64:
-        if _persistent(64, varlen) and (not masked or _two_q(64, masked, max_seqlen_k)):
-            return max_seqlen_q >= 2048  # batched: the persistent form (masked: two Q buffers)
+        if _persistent(64, varlen) and not masked:  # batched: the persistent form
+            return min(max_seqlen_q, max_seqlen_k) >= 512 or max_seqlen_q >= 2048
+        if _persistent(64, varlen) and _two_q(64, masked, max_seqlen_k):
+            return max_seqlen_q >= 2048  # (masked: two Q buffers)
         return max_seqlen_q >= (4096 if WG3 or _persistent(64, varlen) else 8192)
+    if not varlen and min(max_seqlen_q, max_seqlen_k) >= (1024 if head_dim == 128 else 512):
+        return True  # batched, from 1k at d=128 and 512 at d=256 (the FA grid's short cells)
     return max_seqlen_q >= 2048 or (max_seqlen_q >= 512 and max_seqlen_k >= 2048)
 
 

@@ -1033,8 +1033,9 @@ def test_sm90_dispatch_check_traces_under_compile(device):
 
 
 def test_sm90_forward_preference_rule():
-    """'auto' takes the sm90 forward where it measured faster: long queries, or a chunk of >= 512
-    queries over long keys (chunked prefill: 1.3x the portable kernel); short problems stay
+    """'auto' takes the sm90 forward where it measured faster: long queries, a chunk of >= 512
+    queries over long keys (chunked prefill: 1.3x the portable kernel), and batched problems
+    from 1k (d=128) / 512 (d=256, d=64 without a mask) queries and keys; shorter ones stay
     portable. Pingpong is on by default at d=256 only."""
     from ioattn.dense import sm90_fwd
 
@@ -1047,14 +1048,21 @@ def test_sm90_forward_preference_rule():
     assert not sm90_fwd.preferred(256, True, 8192, 8192, False, 30.0)  # not timed
     assert sm90_fwd.preferred(128, True, 512, 4608)
     assert not sm90_fwd.preferred(128, True, 256, 4608)
-    assert not sm90_fwd.preferred(128, False, 1024, 1024)
-    assert not sm90_fwd.preferred(64, False, 512, 4608)
-    assert not sm90_fwd.preferred(64, False, 512, 8192)
+    # batched: from 1k queries and keys at d=128, 512 at d=256 (the FA grid's short cells);
+    # varlen from 2k
+    assert sm90_fwd.preferred(128, False, 1024, 1024) and sm90_fwd.preferred(128, True, 1024, 1024)
+    assert not sm90_fwd.preferred(128, False, 1024, 1024, varlen=True)
+    assert not sm90_fwd.preferred(128, False, 512, 512)
+    assert not sm90_fwd.preferred(128, False, 1024, 256)
+    assert sm90_fwd.preferred(256, True, 512, 512)
+    assert not sm90_fwd.preferred(256, True, 512, 512, varlen=True)
+    assert not sm90_fwd.preferred(256, False, 256, 256)
     assert sm90_fwd.preferred(64, False, 8192, 8192)
-    if sm90_fwd._persistent(64, False):  # batched d=64 from 2k (persistent form)
-        assert sm90_fwd.preferred(64, False, 2048, 2048)
+    if sm90_fwd._persistent(64, False):  # batched non-causal d=64 from 512 (persistent form)
+        assert sm90_fwd.preferred(64, False, 512, 512)
+        assert sm90_fwd.preferred(64, False, 512, 4608)
+        assert not sm90_fwd.preferred(64, False, 256, 4608)
         assert not sm90_fwd.preferred(64, False, 2048, 2048, varlen=True)
-        assert not sm90_fwd.preferred(64, False, 1024, 1024)
         # causal: with two Q buffers (up to Q_BUFS_MAX_SEQLEN_K keys by default)
         assert sm90_fwd.preferred(64, True, 2048, 2048) == sm90_fwd._two_q(64, True, 2048)
         assert not sm90_fwd.preferred(64, True, 1024, 1024)
@@ -1091,8 +1099,9 @@ def test_auto_keeps_softcap_directions_in_one_family(monkeypatch):
 
 def test_sm90_backward_preference_rule(monkeypatch):
     """'auto' takes the sm90 backward where it measured faster (from 2k keys at every head dim
-    and mask, from 512 at d=256), and the fused backward's dQ order by head dim and mask; a bad
-    IOATTN_SM90_BWD_DQ_ORDER is refused by name."""
+    and mask, from 512 at d=256; batched problems without softcap from 512 keys at d=64 (causal:
+    1k) and at d=128 without a mask, the FA grid's short cells), and the fused backward's dQ
+    order by head dim and mask; a bad IOATTN_SM90_BWD_DQ_ORDER is refused by name."""
     from ioattn.dense import sm90_bwd
 
     if os.environ.get("IOATTN_TEST_SM90") == "always":
@@ -1100,10 +1109,16 @@ def test_sm90_backward_preference_rule(monkeypatch):
     for d in (64, 128, 256):
         for masked in (False, True):
             short = 512 if d == 256 else 2048  # d=256 timed faster from 512 keys
-            assert sm90_bwd.preferred(d, masked, short)
-            assert not sm90_bwd.preferred(d, masked, short // 2)
-            # softcap: d in {64, 128} (d=256's column-split backward has none)
+            assert sm90_bwd.preferred(d, masked, short, varlen=True)
+            assert not sm90_bwd.preferred(d, masked, short // 2, varlen=True)
+            # softcap: d in {64, 128} (d=256's column-split backward has none), from 2k
             assert sm90_bwd.preferred(d, masked, 2048, 30.0) == (d != 256)
+            assert not sm90_bwd.preferred(d, masked, 1024, 30.0)
+            # batched
+            batched_from = {(64, False): 512, (64, True): 1024, (128, False): 512,
+                            (128, True): 2048, (256, False): 512, (256, True): 512}[d, masked]
+            assert sm90_bwd.preferred(d, masked, batched_from)
+            assert not sm90_bwd.preferred(d, masked, batched_from // 2)
     monkeypatch.setattr(sm90_bwd, "DQ_ORDER", "auto")
     assert [sm90_bwd.dq_order(d, m) for d, m in ((64, False), (64, True), (128, False),
                                                   (128, True))] == ["alt", "alt", "lag", "after"]
