@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early] [short] [d256-decode] [short-bench] [bind-tests] [pending]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early] [short] [d256-decode] [short-bench] [bind-tests] [pending] [short-timeline]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -187,6 +187,20 @@ for step in $steps; do
                > /tmp/timeline_short.log 2>&1
              echo "== timeline d=128 512 $c"
              grep -E '^note:|"tile_us"|"kernel_us"|"q_wait"|"first"|"store"' /tmp/timeline_short.log | head -10
+           done ;;
+    short-timeline) # (session 36's short-cell findings) the stamped sm90 forward at d=128 512
+           # (278 / 148 TFLOP/s non-causal / causal against cuDNN's 490 / 327: tile, Q-wait,
+           # first-block and store times) and the stamped d=128 backward at 1k, non-causal and
+           # causal (417 against 172: CTA phases, gaps between CTAs) (~3 min)
+           for c in "" --causal; do timeout 60 python benchmarks/timeline.py --kernel fwd --d 128 \
+               --seqlen 512 $c --json "$OUT/fwd_timeline_short_d128_512${c:+_causal}.json" \
+               > /tmp/timeline_short.log 2>&1
+             echo "== fwd timeline d=128 512 $c"
+             grep -E '^note:|"tile_us"|"kernel_us"|"q_wait"|"first"|"store"' /tmp/timeline_short.log | head -10
+             timeout 60 python benchmarks/timeline.py --kernel bwd --d 128 --seqlen 1024 $c \
+               --json "$OUT/bwd_timeline_short_d128_1024${c:+_causal}.json" > /tmp/timeline.log 2>&1
+             echo "== bwd timeline d=128 1k $c"; grep -A6 '"wg0_us"' /tmp/timeline.log | head -7
+             grep -E '"cta_us"|"kernel_us"' /tmp/timeline.log | head -2
            done ;;
     profile-decode) # ncu: the planned decode's kernels and cuDNN's on the same cells (time, DRAM)
            for cell in 64x4096x16 1x32768x16; do
