@@ -169,10 +169,11 @@ for step in $steps; do
            # the sm90 kernel (1) against the portable one (0), cuDNN beside both (~4 min)
            timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/decode/test_decode_sm90.py \
              -k "d256" > "$OUT/tests_decode_d256.log" 2>&1; echo "tests: $(tail -1 "$OUT/tests_decode_d256.log")"
-           for v in 1 0; do IOATTN_SM90_DECODE_D256=$v timeout 150 python -m ioattn bench --suite decode \
+           # (240 s each: session 36's first try, at 150, was cut while compiling cold)
+           for v in 1 0; do IOATTN_SM90_DECODE_D256=$v timeout 240 python -m ioattn bench --suite decode \
                --dim 256 --heads 16,8 --cells 64x4096x16,16x8192x16,1x32768x16,128x2048x16 \
-               --prefill-cells "" --out "$OUT/decode_d256_sm90$v.json" > "/tmp/decode_d256_$v.log" 2>&1
-             echo "== d256 sm90=$v"; grep -E "ioattn_paged |sdpa_cudnn |_graphloop" "/tmp/decode_d256_$v.log"; done ;;
+               --prefill-cells "" --out "$OUT/decode_d256_sm90$v.json" > "$OUT/decode_d256_$v.log" 2>&1
+             echo "== d256 sm90=$v"; grep -E "ioattn_paged |sdpa_cudnn |_graphloop" "$OUT/decode_d256_$v.log"; done ;;
     short) # the FA grid's short cells (s = 512 / 1k: forward 0.63-0.87x cuDNN, d=128 backward
            # 0.80x in dense_f341af4), where `auto` keeps the portable kernels (the sm90 ones were
            # never timed there, but the d=256 backward): the sm90 backend forced beside auto and

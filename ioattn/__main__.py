@@ -34,8 +34,8 @@ def _info() -> int:
     reason = triton_unavailable_reason(device)
     print(f"backend triton: {'available' if reason is None else 'unavailable: ' + reason}")
     reason = sm90_unavailable_reason(device)
-    print("backend sm90: " + ("available (Gluon FA3-design forward, d 64/128/256, and backward, d "
-                              "64/128; auto picks each where it measured faster)"
+    print("backend sm90: " + ("available (Gluon FA3-design forward and backward, d 64/128/256 "
+                              "(96/192 padded); auto picks each where it measured faster)"
                               if reason is None else "unavailable: " + reason))
     print("backend reference: available (plain PyTorch)")
     from ioattn.dispatch import ENV_SWITCHES

@@ -119,7 +119,8 @@ def _gathered_attn(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens_k: Tenso
     q_packed = q.reshape(b * s_q, h, d)
     impl, _ = _pick("triton" if portable_only else "auto", q_packed, k_packed, v_packed, softcap,
                     alibi_slopes, 0.0, varlen=True, masked=window_left >= 0 or window_right >= 0,
-                    max_seqlen_q=s_q, max_seqlen_k=capacity)
+                    max_seqlen_q=s_q, max_seqlen_k=capacity,
+                    windowed=window_left >= 0 or window_right > 0)
     with torch.no_grad():  # like the split kernel's, these outputs carry no autograd graph
         out, lse = fwd_impl(q_packed, k_packed, v_packed, cu_q, cu_k, s_q, capacity,
                             softmax_scale, window_left, window_right, softcap, alibi_slopes, 0.0,

@@ -71,10 +71,10 @@ MAXNREG = 128
 # registers (128) ... 158 or higher"); 3 stages of 64 keys (64 KB each) and Q take 229,612 B of
 # shared memory: one CTA an SM, 192 KB in flight (128 KB where its units outnumber the SMs,
 # ``SHALLOW``). sm90 compile: spill-free (merge, GQA 2, balanced page 64). On by default since
-# it measured 1.9-3.5x the portable kernel and 1.16-1.28x cuDNN on the H200 (GQA 16 / 8 heads,
-# page 16: 64 x 4k 4.32 TB/s against 1.94 and cuDNN's 3.39; 16 x 8k 4.17 / 1.19 / 3.34; 1 x 32k
-# 3.05 / 1.70 / 2.60; 128 x 2k 4.26 / 2.27 / 3.41; results/decode_d256_sm90{1,0}_4528809_*.json)
-# with its GPU tests passed; IOATTN_SM90_DECODE_D256=0 sends d=256 to the portable kernel
+# it measured 1.8-3.5x the portable kernel and 1.17-1.27x cuDNN on the H200 (eager; GQA 16 / 8
+# heads, page 16: 64 x 4k 4.32 TB/s against 1.94 and cuDNN's 3.39; 16 x 8k 4.17 / 1.19 / 3.34;
+# 1 x 32k 3.05 / 1.70 / 2.60; 128 x 2k 4.26 / 2.27 / 3.41; results/decode_d256_sm90{1,0}_4528809_*
+# .json) with its GPU tests passed; IOATTN_SM90_DECODE_D256=0 sends d=256 to the portable kernel
 D256 = os.environ.get("IOATTN_SM90_DECODE_D256", "1").lower() not in ("0", "false", "off")
 MAXNREG_D256 = 232
 SUPPORTED_HEAD_DIMS = (64, 128, 256) if D256 else (64, 128)

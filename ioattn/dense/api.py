@@ -157,7 +157,7 @@ def _window(causal: bool, window_size: Sequence[int]) -> tuple[int, int]:
 
 def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
           alibi_slopes: Optional[Tensor], dropout_p: float, varlen: bool, masked: bool,
-          max_seqlen_q: int, max_seqlen_k: int) -> tuple[str, str]:
+          max_seqlen_q: int, max_seqlen_k: int, windowed: bool = False) -> tuple[str, str]:
     """The kernel families of this call's forward and backward: 'sm90', 'triton' or 'reference'
     (ioattn.dispatch). 'auto' picks each direction where it measured faster; an explicit 'sm90'
     raises when either direction it would have to run is not covered."""
@@ -180,7 +180,8 @@ def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
             reason = sm90_bwd.unsupported_reason(q.shape[-1], v.shape[-1], softcap,
                                                  alibi_slopes is not None, dropout_p)
             backward.append((reason, reason is None and sm90_bwd.preferred(
-                q.shape[-1], masked, max_seqlen_k, softcap, v.shape[-1], varlen)))
+                q.shape[-1], masked, max_seqlen_k, softcap, v.shape[-1], varlen, max_seqlen_q,
+                windowed)))
         return backward[0]
 
     def sm90_preferred():
@@ -190,7 +191,7 @@ def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
         # one) and a backward recomputes P against the forward's LSE, so 'auto' runs both
         # directions in one family: the sm90 forward only where the sm90 backward is taken too
         return (sm90_fwd.preferred(q.shape[-1], masked, max_seqlen_q, max_seqlen_k, varlen,
-                                   softcap, v.shape[-1])
+                                   softcap, v.shape[-1], windowed)
                 and (softcap == 0 or sm90_backward()[1]))
 
     fwd = resolve_backend(backend, q.device, sm90_problem, sm90_preferred)
@@ -331,7 +332,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     left, right = _window(causal, window_size)
     impl, bwd_impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=False,
-                           masked=left >= 0 or right >= 0, max_seqlen_q=s_q, max_seqlen_k=k.shape[1])
+                           masked=left >= 0 or right >= 0, max_seqlen_q=s_q,
+                           max_seqlen_k=k.shape[1], windowed=left >= 0 or right > 0)
     if impl == "reference":
         mask = None
         if dropout_p > 0:
@@ -410,7 +412,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     left, right = _window(causal, window_size)
     impl, bwd_impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=True,
                            masked=left >= 0 or right >= 0, max_seqlen_q=int(max_seqlen_q),
-                           max_seqlen_k=int(max_seqlen_k))
+                           max_seqlen_k=int(max_seqlen_k), windowed=left >= 0 or right > 0)
     if impl == "reference":
         masks = None
         if dropout_p > 0:

@@ -25,8 +25,8 @@ POISON_OUTPUTS = False
 # config, the argument list and the launcher's per-call signature (~40-57 us of an eager
 # forward's host time on the GPU machines, "launch_only" in results/tune/host_*.json; the
 # backward launches three kernels). Batched calls without ALiBi or dropout only. On by default
-# since its GPU tests passed on the H200 and an eager forward's host time fell from 113 to 32 us
-# there (the backward alone 243 -> 225 us: autograd's share dominates it;
+# since its GPU tests passed on the H200 and an eager forward's host time fell from 73-113 to 32
+# us there (the backward alone 243 -> 225 us: autograd's share dominates it;
 # results/tune/host_overhead_4528809_nvidia-h200_2026-12-07.json); IOATTN_BIND=0 turns it off
 BIND = os.environ.get("IOATTN_BIND", "1").lower() not in ("0", "false", "off")
 

@@ -12,11 +12,11 @@ so the backward stays deterministic, as the portable one is:
   K and V streamed; per key block S = Q·Kᵀ, dP = dO·Vᵀ, dS = P(dP - delta), dQ += dS·K. (Queueing
   the next block's S and dP behind dQ, with one more K/V stage, measured 0.87-0.96x: removed,
   benchmarks/NOTES.md.)
-- d = 256 (opt-in, ``D256``): dK/dV of 64 keys per CTA split by columns between the two
+- d = 256 (``D256``, on by default): dK/dV of 64 keys per CTA split by columns between the two
   warpgroups (``_dkdv_cols_consumer``), then the dQ kernel on 32-key K/V tiles.
 
 Layouts and coverage are the forward's (``sm90_fwd``): [rows, heads * d] views through host TMA
-descriptors, d = d_v in {64, 128} (256 opt-in) here, causal/window, GQA, batched and varlen,
+descriptors, d = d_v in {64, 128, 256} here, causal/window, GQA, batched and varlen,
 fp16/bf16. As there, varlen tiles that run past the last sequence get those rows zeroed by the
 producer (Q and dO in dK/dV, K and V in dQ and in the fused form) before the consumers read them.
 (The d = 256 dK/dV kernel leaves K/V rows past a sequence as they are: they reach only their own
@@ -1315,7 +1315,8 @@ def segments(head_dim: int, masked: bool) -> bool:
 
 
 def preferred(head_dim: int, masked: bool, max_seqlen_k: int, softcap: float = 0.0,
-              head_dim_v: int | None = None, varlen: bool = False) -> bool:
+              head_dim_v: int | None = None, varlen: bool = False,
+              max_seqlen_q: int | None = None, window: bool = False) -> bool:
     """Whether 'auto' should take the sm90 backward over the portable one: where it measured
     faster on the H200. With the row stats in shared memory (results/sm90_bwd_rowstats1_ef679d0_*)
     it runs from 2k keys at every head dim: d=64 387 / 311 TFLOP/s non-causal / causal at 2k
@@ -1338,8 +1339,11 @@ def preferred(head_dim: int, masked: bool, max_seqlen_k: int, softcap: float = 0
     auto's portable kernel in one run, results/short_4528809_nvidia-h200_2026-12-07.json),
     TFLOP/s sm90 / portable: d=64 non-causal 512 284 / 265, 1k 369 / 330, causal 167 / 172 and
     255 / 230; d=128 non-causal 297 / 271 and 417 / 345, causal 96 / 171 and 172 / 246. So
-    batched calls without softcap take it from 512 keys at d=64 (causal from 1k) and at d=128
-    without a mask; d=128 causal keeps 2k; varlen keeps the rules above (not timed there)."""
+    batched calls without softcap take it from 512 queries and keys at d=64 (causal from 1k)
+    and at d=128 without a mask (``max_seqlen_q`` given: few queries over many keys leave each
+    key block's CTA a step or two, the short loop where the causal cells lost); d=128 causal
+    keeps 2k. Only these were timed: 16k tokens a call, queries = keys, no GQA, bf16. Varlen
+    and sliding windows (``window``) keep the rules above (not timed there)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if (head_dim, head_dim_v) in PADDED_HEAD_DIMS:
         if softcap > 0:
@@ -1351,9 +1355,10 @@ def preferred(head_dim: int, masked: bool, max_seqlen_k: int, softcap: float = 0
         return False
     if head_dim == 256:
         return softcap == 0 and max_seqlen_k >= 512
-    if softcap == 0 and not varlen and (head_dim == 64 or not masked) \
-            and max_seqlen_k >= (1024 if masked else 512):
-        return True  # batched: d=64 from 512 keys (causal 1k), d=128 non-causal from 512
+    if softcap == 0 and not (varlen or window) and max_seqlen_q is not None \
+            and (head_dim == 64 or not masked) \
+            and min(max_seqlen_q, max_seqlen_k) >= (1024 if masked else 512):
+        return True  # batched: d=64 from 512 (causal 1k), d=128 non-causal from 512
     return max_seqlen_k >= 2048 and (softcap == 0 or head_dim in (64, 128))
 
 

@@ -102,7 +102,7 @@ O_DEFER = os.environ.get("IOATTN_SM90_FWD_O_DEFER", "1").lower() in ("1", "true"
 # one C call with its q / k / v / o descriptors encoded at the call's addresses, past
 # ``launch_form``'s rules but not the launcher's per-call signature, the descriptors' building
 # and Triton's wrapper. On by default since its GPU tests passed on the H200 and an eager
-# call's host time fell from 181 to 125 us there, off / on in one process
+# call's host time fell from 145-181 to 125 us there (off / on in one process)
 # (results/tune/host_overhead_4528809_nvidia-h200_2026-12-07.json; the sm90 decode's run() fell
 # from 199 to 79 us so, results/tune/host_bound_e287008_*). IOATTN_SM90_FWD_BIND=0 turns it off
 BIND = os.environ.get("IOATTN_SM90_FWD_BIND", "1").lower() not in ("0", "false", "off")
@@ -1120,7 +1120,8 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_d
 
 
 def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
-              varlen: bool = False, softcap: float = 0.0, head_dim_v: int | None = None) -> bool:
+              varlen: bool = False, softcap: float = 0.0, head_dim_v: int | None = None,
+              window: bool = False) -> bool:
     """Whether 'auto' should take this kernel over the portable one: where it measured faster on
     the H200 (benchmarks/NOTES.md, results/sm90_fwd_*quick_*.json): d=128 from s=2k (1.01-1.32x
     the portable kernel), d=256 from 2k (1.32-1.42x); d=64 from 4k with three consumer
@@ -1128,9 +1129,10 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     against 390 / 339 for the portable kernel in the run of record; at 2k non-causal they tie;
     the dynamic persistent form, the default for batched problems since, ran 435 / 386 there,
     results/tune/sm90_fwd_persdynamic_*.log), else from 8k (1.06x); batched non-causal d=64 from
-    2k, where the persistent form ran 0.95x cuDNN against the portable kernel's 0.88x
-    (results/tune/sm90_fwd_persdynamic_c34f85c_*.log and results/tune/sm90_fwd_wg3p_a0cfad4_*.log
-    against results/dense_7c5cc50_*.json and dense_76fc236_*.json); causal d=64 from 2k too with
+    2k (now from 512, below), where the persistent form ran 0.95x cuDNN against the portable
+    kernel's 0.88x (results/tune/sm90_fwd_persdynamic_c34f85c_*.log and
+    results/tune/sm90_fwd_wg3p_a0cfad4_*.log against results/dense_7c5cc50_*.json and
+    dense_76fc236_*.json); causal d=64 from 2k too with
     two Q buffers (``Q_BUFS``): 366 / 357 TFLOP/s with two / one (results/fwd_q_bufs{2,1}_
     be5d13b_*.json) against the portable kernel's 332 (results/dense_1248a25_*.json, where auto
     still took it: 0.90x cuDNN; 0.97x with the sm90 form in results/dense_d27c47a_*.json);
@@ -1138,7 +1140,7 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     pipelined key loop, so a shorter query block over as many keys gains too: 512 queries over 4608 keys (chunked prefill, d=128 causal GQA)
     ran at 590 TFLOP/s through the paged form of this kernel against 454 through the portable
     one (results/chunked_sm90_paged_nvidia-h200_2026-11-29.json); that rule is kept to d >= 128,
-    where it was measured. Shorter problems were not measured: the portable kernel keeps them.
+    where it was measured (batched non-causal d=64 meets the short-cell rule below instead).
 
     Softcap (tanh.approx, the default): d in {64, 128} from 2k queries, where it ran 1.24-1.96x
     the portable kernel at cap 30 in every FA-grid cell measured (2k and 8k, causal and not,
@@ -1158,8 +1160,12 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     TFLOP/s sm90 / portable: d=256 512 non-causal 453 / 340, causal 300 / 221, 1k 464 / 413 and
     425 / 298; d=128 1k 542 / 393 and 417 / 304, but 512 278 / 312 and 148 / 220; d=64
     non-causal 512 334 / 308, 1k 381 / 365, causal 155 / 216 and 267 / 286. So batched calls
-    take it from 512 queries and keys at d=256, from 1k at d=128, and from 512 at d=64 without
-    a mask; varlen keeps the rules above (its one-CTA-a-tile form was not timed there)."""
+    take it from 512 queries and keys at d=256, from 1k at d=128 (its persistent form, the one
+    timed), and from 512 at d=64 without a mask. Only these were timed: 16k tokens a call (32 /
+    16 sequences of 16 heads at d=128), queries = keys, no GQA, bf16; the d=64 margins (1.04 /
+    1.08) are within a run's spread. Varlen (not timed there; its max_seqlen only bounds the
+    sequences) and sliding windows (``window``: a window of a few key blocks is the 512 cell's
+    short loop whatever the length) keep the rules above."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if (head_dim, head_dim_v) in PADDED_HEAD_DIMS:
         if softcap > 0:
@@ -1177,7 +1183,8 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
         if _persistent(64, varlen) and _two_q(64, masked, max_seqlen_k):
             return max_seqlen_q >= 2048  # (masked: two Q buffers)
         return max_seqlen_q >= (4096 if WG3 or _persistent(64, varlen) else 8192)
-    if not varlen and min(max_seqlen_q, max_seqlen_k) >= (1024 if head_dim == 128 else 512):
+    if not (varlen or window) and (head_dim == 256 or _persistent(head_dim, varlen)) \
+            and min(max_seqlen_q, max_seqlen_k) >= (1024 if head_dim == 128 else 512):
         return True  # batched, from 1k at d=128 and 512 at d=256 (the FA grid's short cells)
     return max_seqlen_q >= 2048 or (max_seqlen_q >= 512 and max_seqlen_k >= 2048)
 

@@ -353,7 +353,9 @@ def test_sm90_decode_ring_depth(c, shallow, ahead, monkeypatch):
     _check_requests(out, lse, q, cache, c["layout"], lens, indices, indptr)
 
 
-FP8_CASES = [dict(CASES[0], big_q=True), CASES[1], CASES[2], CASES[4], CASES[6], CASES[7]]
+# (d=256: the sm90 kernel's default since session 36, compile-checked in these forms)
+FP8_CASES = [dict(CASES[0], big_q=True), CASES[1], CASES[2], CASES[4], CASES[6], CASES[7],
+             D256_CASES[0]]
 
 
 @needs_sm90
@@ -391,7 +393,9 @@ def test_sm90_decode_fp8(c, fp8, merge, monkeypatch):
 
 
 SOFTCAP_CASES = [dict(CASES[0], cap=5.0), dict(CASES[1], cap=30.0),
-                 dict(CASES[0], cap=2.0, fp8=torch.float8_e4m3fn, big_q=True)]
+                 dict(CASES[0], cap=2.0, fp8=torch.float8_e4m3fn, big_q=True),
+                 dict(D256_CASES[1], cap=30.0), dict(D256_CASES[0], cap=5.0,
+                                                     fp8=torch.float8_e4m3fn)]
 
 
 @needs_sm90

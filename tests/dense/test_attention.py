@@ -116,12 +116,25 @@ def _check_grads(name, outs, refs, pts, grad_out, inputs):
 
 @pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
 def test_fwd_bwd(c: Case, device):
+    _fwd_bwd(c, device, "auto")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the GPU's long cases; CPU runs the portable kernels above")
+@pytest.mark.parametrize("c", [c for c in CASES if c.s_q >= 1000 and c.window == (-1, -1)],
+                         ids=lambda c: c.id)
+def test_fwd_bwd_portable_long(c: Case, device):
+    """The long batched cases on the portable kernels, which 'auto' now sends to the sm90 ones
+    on Hopper (from 512 / 1k, ``sm90_fwd.preferred``)."""
+    _fwd_bwd(c, device, "triton")
+
+
+def _fwd_bwd(c: Case, device, backend: str):
     # scores large enough that softcap and the softmax shape matter
     q, k, v = _inputs(c, device, scale=1.5 if c.softcap else 1.0)
     slopes = _slopes(c, device)
     kw = dict(causal=c.causal, window_size=c.window, softcap=c.softcap, alibi_slopes=slopes)
     out, lse, none = ioattn.flash_attn_func(q, k, v, deterministic=c.deterministic,
-                                            return_attn_probs=True, **kw)
+                                            return_attn_probs=True, backend=backend, **kw)
     assert none is None and lse.dtype == torch.float32 and lse.shape == (c.b, c.h, c.s_q)
     ref, lse_ref = attention_ref(q, k, v, **kw)
     pt, _ = attention_ref(q, k, v, upcast=False, **kw)

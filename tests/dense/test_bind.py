@@ -69,7 +69,7 @@ def test_kept_forward_wiring(monkeypatch):
     assert len(rec.kept) == 2 and rec.kept[1][0] != key
     ioattn.flash_attn_func(*_qkv(DEVICE, s_q=41), causal=True, backend="triton")  # (a new shape)
     assert len(rec.kept) == 3 and rec.kept[2][0] != key
-    big = torch.randn(q.numel() + 1, dtype=BF16)
+    big = torch.randn(q.numel() + 1, dtype=BF16, device=DEVICE)
     q_odd = big[1:].view_as(q)  # (2-byte aligned: its own Bound)
     q_odd.copy_(q)
     ioattn.flash_attn_func(q_odd, k, v, causal=True, backend="triton")
@@ -80,7 +80,7 @@ def test_kept_forward_wiring(monkeypatch):
     assert len(rec.kept) == 5 and len(rec.repeats) == 1
     ioattn.flash_attn_func(q, k, v, causal=True, backend="triton",
                            alibi_slopes=alibi_slopes(None, 4, DEVICE))
-    cu = torch.tensor([0, 37, 74], dtype=torch.int32)
+    cu = torch.tensor([0, 37, 74], dtype=torch.int32, device=DEVICE)
     ioattn.flash_attn_varlen_func(q.view(-1, 4, 64), q.view(-1, 4, 64)[:, :2],
                                   q.view(-1, 4, 64)[:, 2:], cu, cu, 37, 37, backend="triton")
     monkeypatch.setattr(op, "BIND", False)

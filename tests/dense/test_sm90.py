@@ -1049,9 +1049,13 @@ def test_sm90_forward_preference_rule():
     assert sm90_fwd.preferred(128, True, 512, 4608)
     assert not sm90_fwd.preferred(128, True, 256, 4608)
     # batched: from 1k queries and keys at d=128, 512 at d=256 (the FA grid's short cells);
-    # varlen from 2k
-    assert sm90_fwd.preferred(128, False, 1024, 1024) and sm90_fwd.preferred(128, True, 1024, 1024)
+    # varlen and sliding windows from 2k
+    if sm90_fwd._persistent(128, False):  # (the d=128 form timed there)
+        assert sm90_fwd.preferred(128, False, 1024, 1024)
+        assert sm90_fwd.preferred(128, True, 1024, 1024)
     assert not sm90_fwd.preferred(128, False, 1024, 1024, varlen=True)
+    assert not sm90_fwd.preferred(128, True, 1024, 1024, window=True)
+    assert not sm90_fwd.preferred(256, True, 512, 512, window=True)
     assert not sm90_fwd.preferred(128, False, 512, 512)
     assert not sm90_fwd.preferred(128, False, 1024, 256)
     assert sm90_fwd.preferred(256, True, 512, 512)
@@ -1097,6 +1101,35 @@ def test_auto_keeps_softcap_directions_in_one_family(monkeypatch):
     assert pick(0.0, 4096, 1024) == ("sm90", "triton")  # no softcap: each on its own
 
 
+def test_auto_short_batched_rules_see_the_call(monkeypatch):
+    """The short-cell rules (batched, from 512 / 1k) get what ``_pick`` knows of the call:
+    varlen, a sliding window and the query length keep the earlier rules. Host-side, the
+    platform check stubbed as if on Hopper."""
+    from ioattn.dense import api, sm90_fwd
+
+    if os.environ.get("IOATTN_TEST_SM90") == "always":
+        pytest.skip("the forced-sm90 suite replaces the rules (tests/conftest.py)")
+    monkeypatch.setattr(api, "sm90_unavailable_reason", lambda device: None)
+    monkeypatch.setattr("ioattn.dispatch.sm90_unavailable_reason", lambda device: None)
+    monkeypatch.setattr("ioattn.dispatch.triton_unavailable_reason", lambda device: None)
+
+    def pick(d, s_q, s_k, masked=False, varlen=False, windowed=False):
+        q, k, v = (torch.empty(2, 64, 4, d, dtype=torch.bfloat16) for _ in range(3))
+        return api._pick("auto", q, k, v, 0.0, None, 0.0, varlen, masked, s_q, s_k,
+                         windowed=windowed)
+
+    assert pick(128, 1024, 1024) == ("sm90", "sm90")
+    assert pick(128, 1024, 1024, varlen=True) == ("triton", "triton")
+    assert pick(128, 1024, 1024, masked=True) == ("sm90", "triton")  # causal d=128 bwd: 2k
+    assert pick(128, 1024, 1024, masked=True, windowed=True) == ("triton", "triton")
+    assert pick(64, 1024, 1024, masked=True) == ("triton", "sm90")  # causal d=64 fwd: 2k
+    assert pick(64, 1024, 1024, masked=True, windowed=True) == ("triton", "triton")
+    assert pick(128, 64, 1024) == ("triton", "triton")  # few queries: the backward's short loop
+    assert pick(256, 512, 512, masked=True) == ("sm90", "sm90")
+    if sm90_fwd._persistent(64, False):
+        assert pick(64, 512, 512) == ("sm90", "sm90")
+
+
 def test_sm90_backward_preference_rule(monkeypatch):
     """'auto' takes the sm90 backward where it measured faster (from 2k keys at every head dim
     and mask, from 512 at d=256; batched problems without softcap from 512 keys at d=64 (causal:
@@ -1114,11 +1147,15 @@ def test_sm90_backward_preference_rule(monkeypatch):
             # softcap: d in {64, 128} (d=256's column-split backward has none), from 2k
             assert sm90_bwd.preferred(d, masked, 2048, 30.0) == (d != 256)
             assert not sm90_bwd.preferred(d, masked, 1024, 30.0)
-            # batched
+            # batched (the queries' length given), not under a sliding window
             batched_from = {(64, False): 512, (64, True): 1024, (128, False): 512,
                             (128, True): 2048, (256, False): 512, (256, True): 512}[d, masked]
-            assert sm90_bwd.preferred(d, masked, batched_from)
-            assert not sm90_bwd.preferred(d, masked, batched_from // 2)
+            n = batched_from
+            assert sm90_bwd.preferred(d, masked, n, max_seqlen_q=n)
+            assert not sm90_bwd.preferred(d, masked, n // 2, max_seqlen_q=n // 2)
+            assert sm90_bwd.preferred(d, masked, n, max_seqlen_q=n // 2) == (n >= 2048 or d == 256)
+            assert sm90_bwd.preferred(d, masked, n, max_seqlen_q=n, window=True) == \
+                (n >= 2048 or d == 256)
     monkeypatch.setattr(sm90_bwd, "DQ_ORDER", "auto")
     assert [sm90_bwd.dq_order(d, m) for d, m in ((64, False), (64, True), (128, False),
                                                   (128, True))] == ["alt", "alt", "lag", "after"]
