@@ -175,20 +175,14 @@ for step in $steps; do
                --prefill-cells "" --out "$OUT/decode_d256_sm90$v.json" > "$OUT/decode_d256_$v.log" 2>&1
              echo "== d256 sm90=$v"; grep -E "ioattn_paged |sdpa_cudnn |_graphloop" "$OUT/decode_d256_$v.log"; done ;;
     short) # the FA grid's short cells (s = 512 / 1k: forward 0.63-0.87x cuDNN, d=128 backward
-           # 0.80x in dense_f341af4), where `auto` keeps the portable kernels (the sm90 ones were
-           # never timed there, but the d=256 backward): the sm90 backend forced beside auto and
-           # cuDNN, then eager vs graph-replayed (host share), then the stamped d=128 forward at
-           # 512 (tile, Q-wait, first-block and store times) (~6 min)
+           # 0.80x in dense_f341af4): the sm90 backend forced beside auto and cuDNN
+           # (`short-bench`), then eager vs graph-replayed (host share), then the stamped d=128
+           # forward at 512 and backward at 1k (`short-timeline`) (~8 min)
            bash "$0" short-bench
            timeout 300 python benchmarks/host_overhead.py --graph --graph-seqlens 512,1024 \
              --json "$OUT/host_graph_short_${GPU_TAG}.json" > "$OUT/host_graph_short.log" 2>&1
            grep -E "^(fwd|bwd) d" "$OUT/host_graph_short.log"
-           for c in "" --causal; do timeout 60 python benchmarks/timeline.py --kernel fwd --d 128 \
-               --seqlen 512 $c --json "$OUT/fwd_timeline_short_d128_512${c:+_causal}.json" \
-               > /tmp/timeline_short.log 2>&1
-             echo "== timeline d=128 512 $c"
-             grep -E '^note:|"tile_us"|"kernel_us"|"q_wait"|"first"|"store"' /tmp/timeline_short.log | head -10
-           done ;;
+           bash "$0" short-timeline ;;
     short-timeline) # (session 36's short-cell findings) the stamped sm90 forward at d=128 512
            # (278 / 148 TFLOP/s non-causal / causal against cuDNN's 490 / 327: tile, Q-wait,
            # first-block and store times) and the stamped d=128 backward at 1k, non-causal and
