@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early] [short] [d256-decode] [short-bench] [bind-tests] [pending] [short-timeline]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early] [short] [d256-decode] [short-bench] [bind-tests] [pending] [short-timeline] [short-forms]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -183,6 +183,20 @@ for step in $steps; do
              --json "$OUT/host_graph_short_${GPU_TAG}.json" > "$OUT/host_graph_short.log" 2>&1
            grep -E "^(fwd|bwd) d" "$OUT/host_graph_short.log"
            bash "$0" short-timeline ;;
+    short-forms) # (session 37) the sm90 forward's short-cell collapse: at d=128 512 a tile took
+           # ~16 us with 4 key blocks (non-causal) and 2.5 (causal), as much as 8 blocks at 1k,
+           # while d=64 non-causal (one Q buffer) and d=256 (one CTA a tile) kept their rate;
+           # each suspect form switched off in turn, the sm90 backend forced, cuDNN beside the
+           # default row only (~5 min)
+           for e in "" IOATTN_SM90_FWD_Q_BUFS=1 IOATTN_SM90_FWD_O_TMA=0 IOATTN_SM90_FWD_O_DEFER=0 \
+               IOATTN_SM90_FWD_LPT=0 IOATTN_SM90_PERSISTENT=static IOATTN_SM90_PERSISTENT=0; do
+             impls=ioattn_sm90; [ -z "$e" ] && impls=ioattn_sm90,sdpa_cudnn
+             name=${e#IOATTN_SM90_}; name=${name//=/}; name=${name:-default}
+             env $e timeout 150 python -m ioattn bench --modes fwd --dims 64,128 --seqlens 512,1024 \
+               --dtypes bf16 --impls $impls --no-plots --rounds 3 \
+               --out "$OUT/short_forms_${name}_${GPU_TAG}.json" > "$OUT/short_forms_$name.log" 2>&1
+             echo "== $name"; grep -E "^fwd" "$OUT/short_forms_$name.log"
+           done ;;
     short-timeline) # (session 36's short-cell findings) the stamped sm90 forward at d=128 512
            # (278 / 148 TFLOP/s non-causal / causal against cuDNN's 490 / 327: tile, Q-wait,
            # first-block and store times) and the stamped d=128 backward at 1k, non-causal and
