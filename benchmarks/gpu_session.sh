@@ -187,7 +187,7 @@ for step in $steps; do
            # ~16 us with 4 key blocks (non-causal) and 2.5 (causal), as much as 8 blocks at 1k,
            # while d=64 non-causal (one Q buffer) and d=256 (one CTA a tile) kept their rate;
            # each suspect form switched off in turn, the sm90 backend forced, cuDNN beside the
-           # default row only (~5 min)
+           # default row only; then eager against graph-replayed (~7 min)
            for e in "" IOATTN_SM90_FWD_Q_BUFS=1 IOATTN_SM90_FWD_O_TMA=0 IOATTN_SM90_FWD_O_DEFER=0 \
                IOATTN_SM90_FWD_LPT=0 IOATTN_SM90_PERSISTENT=static IOATTN_SM90_PERSISTENT=0; do
              impls=ioattn_sm90; [ -z "$e" ] && impls=ioattn_sm90,sdpa_cudnn
@@ -196,7 +196,13 @@ for step in $steps; do
                --dtypes bf16 --impls $impls --no-plots --rounds 3 \
                --out "$OUT/short_forms_${name}_${GPU_TAG}.json" > "$OUT/short_forms_$name.log" 2>&1
              echo "== $name"; grep -E "^fwd" "$OUT/short_forms_$name.log"
-           done ;;
+           done
+           # the sm90 forward's default form eager (the benchmark's timer, host time included
+           # where the GPU waits for it) against graph replays (kernel time only)
+           timeout 240 python benchmarks/host_overhead.py --graph --graph-seqlens 512,1024 \
+             --graph-backend sm90 --graph-dims 64,128 \
+             --json "$OUT/host_graph_short_sm90_${GPU_TAG}.json" > "$OUT/host_graph_short_sm90.log" 2>&1
+           grep -E "^fwd d" "$OUT/host_graph_short_sm90.log" ;;
     short-timeline) # (session 36's short-cell findings) the stamped sm90 forward at d=128 512
            # (278 / 148 TFLOP/s non-causal / causal against cuDNN's 490 / 327: tile, Q-wait,
            # first-block and store times) and the stamped d=128 backward at 1k, non-causal and

@@ -37,6 +37,10 @@ def main(argv=None):
     p.add_argument("--graph", action="store_true", help="the 2k cells eager vs graph-replayed")
     p.add_argument("--graph-seqlens", default="2048",
                    help="with --graph: the FA-grid sequence lengths (comma-separated)")
+    p.add_argument("--graph-backend", default="auto",
+                   help="with --graph: ioattn's backend (auto, triton, sm90)")
+    p.add_argument("--graph-dims", default="64,128,256",
+                   help="with --graph: the head dims (comma-separated)")
     a = p.parse_args(argv)
     dev, dt = "cuda", torch.bfloat16
     q, k, v = (torch.randn(1, 128, 16, 128, device=dev, dtype=dt) for _ in range(3))
@@ -159,7 +163,8 @@ def main(argv=None):
             pstats.Stats(pr, stream=s).sort_stats(order).print_stats(30)
             print(f"== cProfile {name} ({n} calls, by {order})\n" + s.getvalue())
     if a.graph:
-        res["graph_vs_eager_ms"] = {s: graph_vs_eager(s) for s in
+        dims = tuple(int(x) for x in a.graph_dims.split(","))
+        res["graph_vs_eager_ms"] = {s: graph_vs_eager(s, a.graph_backend, dims) for s in
                                     (int(x) for x in a.graph_seqlens.split(","))}
     if a.json:
         env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
@@ -169,16 +174,17 @@ def main(argv=None):
             json.dump({"env": env, "host_us_per_call": res}, f, indent=1)
 
 
-def graph_vs_eager(s: int = 2048) -> dict:
+def graph_vs_eager(s: int = 2048, backend: str = "auto", dims=(64, 128, 256)) -> dict:
     """FA-grid cells at seqlen s (16k tokens, hidden 2048), bf16, forward (no grad) and backward
     (autograd.grad on a kept graph): median ms under do_bench (the benchmark's timer: a cache
     flush, then the call, host time included wherever the GPU waits for it) and under
-    CUDA-graph replays (kernel time only: ``_replay_ms``), for ioattn (auto) and SDPA-cuDNN."""
+    CUDA-graph replays (kernel time only: ``_replay_ms``), for ioattn (``backend``) and
+    SDPA-cuDNN, at head dims ``dims``."""
     import torch.nn.functional as F
     from triton.testing import do_bench
 
     out = {}
-    for d in (64, 128, 256):
+    for d in dims:
         b, h = 16384 // s, 2048 // d
         for causal in (False, True):
             q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16,
@@ -186,7 +192,9 @@ def graph_vs_eager(s: int = 2048) -> dict:
             dout = torch.randn_like(q)
             qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
             impls = {
-                "ioattn": (lambda: ioattn.flash_attn_func(q, k, v, causal=causal), (q, k, v), dout),
+                ("ioattn" if backend == "auto" else f"ioattn_{backend}"): (
+                    lambda: ioattn.flash_attn_func(q, k, v, causal=causal, backend=backend),
+                    (q, k, v), dout),
                 "cudnn": (lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
                           (qt, kt, vt), dout.transpose(1, 2)),
             }
