@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early] [short] [d256-decode] [short-bench] [bind-tests] [pending] [short-timeline] [short-forms]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early] [short] [d256-decode] [short-bench] [bind-tests] [pending] [short-timeline] [short-forms] [counters]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -160,6 +160,22 @@ for step in $steps; do
     host)  # host time per call (eager): public calls, op layers, decode run()
            timeout 120 python benchmarks/host_overhead.py --json "$OUT/host_overhead_${GPU_TAG}.json" \
              > "$OUT/host.log" 2>&1; head -38 "$OUT/host.log" ;;
+    counters) # (session 38) the sm90 forward's host time: its GPU tests (kept launches keyed
+           # by the op's signature, the stream counters), the host rows (fwd_sm90_opkey0/1,
+           # _counters1), then the 512 / 1k cells with IOATTN_SM90_FWD_STREAM_COUNTERS=0 / 1
+           # (cuDNN beside both) and the d=128 512 cells eager against graph replays (~5 min)
+           timeout 150 python -m pytest -q -n 8 -p no:cacheprovider -rf tests/dense/test_sm90.py \
+             tests/dense/test_bind.py -k "bind or stream_counters or wiring" > "$OUT/tests_counters.log" 2>&1
+           grep -E "FAILED|ERROR" "$OUT/tests_counters.log" | head; tail -1 "$OUT/tests_counters.log"
+           timeout 120 python benchmarks/host_overhead.py --json "$OUT/host_overhead_${GPU_TAG}.json" \
+             > "$OUT/host.log" 2>&1; grep -E "sm90|triton_bind1|sdpa" "$OUT/host.log" | head -16
+           onoff IOATTN_SM90_FWD_STREAM_COUNTERS "0 1" counters --modes fwd --dims 64,128 \
+             --seqlens 512,1024 --dtypes bf16 --rounds 3
+           for c in 0 1; do IOATTN_SM90_FWD_STREAM_COUNTERS=$c timeout 90 python \
+             benchmarks/host_overhead.py --graph --graph-seqlens 512 --graph-backend sm90 \
+             --graph-dims 128 --graph-modes fwd --json "$OUT/host_graph_counters$c.json" \
+             > "/tmp/host_graph_counters$c.log" 2>&1; echo "== counters $c"
+             grep -E "^fwd d" "/tmp/host_graph_counters$c.log"; done ;;
     host-graph) # the FA-grid 2k cells under the benchmark's timer and as graph replays (host share)
            timeout 300 python benchmarks/host_overhead.py --graph \
              --json "$OUT/host_graph_${GPU_TAG}.json" > "$OUT/host_graph.log" 2>&1
@@ -200,7 +216,7 @@ for step in $steps; do
            # the sm90 forward's default form eager (the benchmark's timer, host time included
            # where the GPU waits for it) against graph replays (kernel time only)
            timeout 240 python benchmarks/host_overhead.py --graph --graph-seqlens 512,1024 \
-             --graph-backend sm90 --graph-dims 64,128 \
+             --graph-backend sm90 --graph-dims 64,128 --graph-modes fwd \
              --json "$OUT/host_graph_short_sm90_${GPU_TAG}.json" > "$OUT/host_graph_short_sm90.log" 2>&1
            grep -E "^fwd d" "$OUT/host_graph_short_sm90.log" ;;
     short-timeline) # (session 36's short-cell findings) the stamped sm90 forward at d=128 512

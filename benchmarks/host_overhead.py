@@ -41,6 +41,8 @@ def main(argv=None):
                    help="with --graph: ioattn's backend (auto, triton, sm90)")
     p.add_argument("--graph-dims", default="64,128,256",
                    help="with --graph: the head dims (comma-separated)")
+    p.add_argument("--graph-modes", default="fwd,bwd",
+                   help="with --graph: fwd, bwd or both (comma-separated)")
     a = p.parse_args(argv)
     dev, dt = "cuda", torch.bfloat16
     q, k, v = (torch.randn(1, 128, 16, 128, device=dev, dtype=dt) for _ in range(3))
@@ -74,6 +76,19 @@ def main(argv=None):
         res[f"fwd_sm90_bind{int(bind)}"] = _per_call_us(
             lambda: ioattn.flash_attn_func(q, k, v, backend="sm90"))
     sm90_fwd.BIND = saved
+    # (session 38) the sm90 forward's kept launch keyed by the op's signature (IOATTN_BIND) or by
+    # its own key (off), and its tile counter kept per stream (IOATTN_SM90_FWD_STREAM_COUNTERS)
+    saved = dense_op.BIND, sm90_fwd.STREAM_COUNTERS
+    for name, op_key, counters in (("opkey0", False, False), ("opkey1", True, False),
+                                   ("opkey1_counters1", True, True)):
+        dense_op.BIND, sm90_fwd.STREAM_COUNTERS = op_key, counters
+        dense_op.clear_memos()
+        res[f"fwd_sm90_{name}"] = _per_call_us(
+            lambda: ioattn.flash_attn_func(q, k, v, backend="sm90"))
+        res[f"fwd_causal_sm90_{name}"] = _per_call_us(
+            lambda: ioattn.flash_attn_func(q, k, v, causal=True, backend="sm90"))
+    dense_op.BIND, sm90_fwd.STREAM_COUNTERS = saved
+    dense_op.clear_memos()
     # the portable kernels' kept launches (IOATTN_BIND), off / on: the forward (causal too)
     # and the backward alone (autograd from a kept graph, the leaves' grads dropped each call)
     saved = dense_op.BIND
@@ -164,7 +179,8 @@ def main(argv=None):
             print(f"== cProfile {name} ({n} calls, by {order})\n" + s.getvalue())
     if a.graph:
         dims = tuple(int(x) for x in a.graph_dims.split(","))
-        res["graph_vs_eager_ms"] = {s: graph_vs_eager(s, a.graph_backend, dims) for s in
+        modes = tuple(a.graph_modes.split(","))
+        res["graph_vs_eager_ms"] = {s: graph_vs_eager(s, a.graph_backend, dims, modes) for s in
                                     (int(x) for x in a.graph_seqlens.split(","))}
     if a.json:
         env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
@@ -174,12 +190,15 @@ def main(argv=None):
             json.dump({"env": env, "host_us_per_call": res}, f, indent=1)
 
 
-def graph_vs_eager(s: int = 2048, backend: str = "auto", dims=(64, 128, 256)) -> dict:
+def graph_vs_eager(s: int = 2048, backend: str = "auto", dims=(64, 128, 256),
+                   modes=("fwd", "bwd")) -> dict:
     """FA-grid cells at seqlen s (16k tokens, hidden 2048), bf16, forward (no grad) and backward
     (autograd.grad on a kept graph): median ms under do_bench (the benchmark's timer: a cache
     flush, then the call, host time included wherever the GPU waits for it) and under
     CUDA-graph replays (kernel time only: ``_replay_ms``), for ioattn (``backend``) and
-    SDPA-cuDNN, at head dims ``dims``."""
+    SDPA-cuDNN, at head dims ``dims``, for ``modes`` ("fwd", "bwd"). The inputs are drawn on the
+    CPU: a capture that fails leaves the CUDA generator unusable (session 38: "Offset increment
+    outside graph capture" at the next cell's torch.randn after a backward capture failed)."""
     import torch.nn.functional as F
     from triton.testing import do_bench
 
@@ -187,9 +206,9 @@ def graph_vs_eager(s: int = 2048, backend: str = "auto", dims=(64, 128, 256)) ->
     for d in dims:
         b, h = 16384 // s, 2048 // d
         for causal in (False, True):
-            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16,
-                                   requires_grad=True) for _ in range(3))
-            dout = torch.randn_like(q)
+            q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16).cuda().requires_grad_()
+                       for _ in range(3))
+            dout = torch.randn(q.shape, dtype=q.dtype).cuda()
             qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
             impls = {
                 ("ioattn" if backend == "auto" else f"ioattn_{backend}"): (
@@ -212,6 +231,8 @@ def graph_vs_eager(s: int = 2048, backend: str = "auto", dims=(64, 128, 256)) ->
                             ("fwd", lambda: _no_grad(fwd), lambda: _no_grad(fwd)),
                             ("bwd", lambda: torch.autograd.grad(o, leaves, g, retain_graph=True),
                              lambda: torch.autograd.grad(o_side, leaves, g, retain_graph=True))):
+                        if mode not in modes:
+                            continue
                         row = {"eager": round(do_bench(fn, return_mode="median"), 4)}
                         try:
                             row["graph"] = round(_replay_ms(fn_side, side), 4)

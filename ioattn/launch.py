@@ -127,8 +127,12 @@ def _current_device() -> int:
     return driver.active.get_current_device()
 
 
-def _current_stream(device: int) -> int:
+def current_stream(device: int) -> int:
+    """The current CUDA stream's handle on ``device`` (an index), as Triton's launch reads it."""
     return driver.active.get_current_stream(device)
+
+
+_current_stream = current_stream
 
 
 def _is_jit_function(kernel) -> bool:
@@ -283,6 +287,10 @@ class _At:
         self.padding = desc.padding
 
 
+# a ``Bound``'s kept descriptor encodings (all slots together) before it forgets them
+ENCODED_PER_BOUND = 64
+
+
 class Bound:
     """One launch kept with its arguments flattened as Triton's C launcher takes them (TMA
     descriptors encoded, tensors as addresses), so a repeat is one C call: ``Launcher.bind``.
@@ -291,11 +299,15 @@ class Bound:
     on the current stream, or returns False (nothing launched) when Triton's launch hooks, its
     switches or the current device changed since: the caller then launches the plain way."""
 
-    __slots__ = ("raw", "head", "flat", "slots", "device", "knobs")
+    __slots__ = ("raw", "head", "flat", "slots", "device", "knobs", "encoded")
 
     def __init__(self, raw, head, flat, slots, device, knobs_) -> None:
         self.raw, self.head, self.flat, self.slots = raw, head, flat, slots
         self.device, self.knobs = device, knobs_
+        # (descriptor position, base address) -> its encoded arguments: a descriptor is its
+        # slot's fixed fields over the base, so a base seen before (the caching allocator hands
+        # the same blocks to a loop's fresh tensors) is not encoded again
+        self.encoded: dict = {}
 
     def __call__(self, *values) -> bool:
         if _hooks() != (None, None) or _knobs() != self.knobs \
@@ -305,7 +317,12 @@ class Bound:
         for slot, value in zip(self.slots, values):
             if type(slot) is tuple:  # a descriptor: encoded at this call's base address
                 at, width, fields, meta = slot
-                flat[at:at + width] = _encode(_At(fields, value), meta)
+                args = self.encoded.get((at, value))
+                if args is None:
+                    if len(self.encoded) >= ENCODED_PER_BOUND:
+                        self.encoded.clear()
+                    args = self.encoded[(at, value)] = _encode(_At(fields, value), meta)
+                flat[at:at + width] = args
             else:
                 flat[slot] = value
         gx, gy, gz, function, coop, pdl, packed = self.head

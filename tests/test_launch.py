@@ -335,6 +335,22 @@ def test_bound_launch_passes_what_tritons_launch_passes(monkeypatch):
     assert flat(calls[0]) == flat(calls[1]) and flat(calls[2]) == flat(calls[3]), calls
     assert flat(calls[2]) != flat(calls[0])  # (X_desc's base moved)
     assert len(calls[0]) == 13 + (1 + 2 + 2 + 1 + 2 + 2) * 2 + 4  # (two decomposed descriptors)
+    # a descriptor slot's encoding is kept by base address: a base seen before is not encoded
+    # again, and its launch passes what Triton's does
+    encoded = []
+    real_encode = launch._encode
+    monkeypatch.setattr(launch, "_encode", lambda d, m: encoded.append(d.base) or real_encode(d, m))
+    for x in (x1, x0, x1, x0):
+        assert both(x.data_ptr(), x.data_ptr(), z1.data_ptr())
+        Compiled.run(5, 2, 1, 1234, 77, ("packed",), None, None, None,
+                     desc(x), x, 300, 64, desc(y), z1)
+    assert encoded == [x0.data_ptr()], encoded  # (x1's from the call above)
+    assert all(flat(calls[i]) == flat(calls[i + 1]) for i in range(4, 12, 2)), calls[4:]
+    monkeypatch.setattr(launch, "ENCODED_PER_BOUND", 1)  # a full cache starts again
+    x2 = torch.randn(256, 128)
+    for x in (x2, x1):
+        assert both(x.data_ptr(), x.data_ptr(), z1.data_ptr())
+    assert encoded == [x0.data_ptr(), x2.data_ptr(), x1.data_ptr()], encoded
 
 
 def test_kept_launches_repeat_by_key(fast, monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -71,7 +72,7 @@ def _memo(scalars: tuple, tensors: tuple, build, with_key: bool = False):
 
 def clear_memos() -> None:
     """Forget the memoized per-signature decisions of the dense entry points (``_MEMO`` here,
-    ``api._PLANS``, the portable kernels' kept launches): for code that changes a module-level
+    ``api._PLANS``, the portable and sm90 forward kernels' kept launches): for code that changes a module-level
     switch (sm90_fwd.WG3, a preference rule...) between calls of one shape."""
     from ioattn.dense import api, triton_bwd, triton_fwd
 
@@ -79,6 +80,10 @@ def clear_memos() -> None:
     api._PLANS.clear()
     triton_fwd._BOUND.clear()  # (kept launches keyed by _MEMO's signatures)
     triton_bwd._BOUND.clear()
+    sm90 = sys.modules.get("ioattn.dense.sm90_fwd")  # (loaded with Gluon, when it was used)
+    if sm90 is not None:
+        sm90._BOUND.clear()
+        sm90._DYNAMIC.clear()
 
 
 def draw_rng_state(device: torch.device) -> Tensor:
@@ -140,8 +145,8 @@ def fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
     else:
         p, key = _memo(("fwd", impl, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
                         window_right, softcap, dropout_p), (q, k, v), params, with_key=True)
-        if BIND and impl == "triton":  # (out and lse are new allocations: their shapes,
-            # strides and alignment follow from q's and v's)
+        if BIND:  # (out and lse are new allocations: their shapes, strides and alignment
+            # follow from q's and v's; the sm90 forward adds its module's switches)
             bind_key = (key, tuple(t.data_ptr() % 16 == 0 for t in (q, k, v)))
     with _on_device(q):
         if bind_key is None:

@@ -48,7 +48,7 @@ from ioattn.dense.sm90_common import (OPERAND_DTYPES, PADDED_HEAD_DIMS, barriers
                                       mma_over_cols, narrow_dv,
                                       wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile)
 from ioattn.dispatch import sm_count
-from ioattn.launch import launcher, repeat
+from ioattn.launch import current_stream, keep, launcher, repeat
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M)
 BLOCK_M = gl.constexpr(128)  # two consumer warpgroups
@@ -106,6 +106,14 @@ O_DEFER = os.environ.get("IOATTN_SM90_FWD_O_DEFER", "1").lower() in ("1", "true"
 # (results/tune/host_overhead_4528809_nvidia-h200_2026-12-07.json; the sm90 decode's run() fell
 # from 199 to 79 us so, results/tune/host_bound_e287008_*). IOATTN_SM90_FWD_BIND=0 turns it off
 BIND = os.environ.get("IOATTN_SM90_FWD_BIND", "1").lower() not in ("0", "false", "off")
+# (opt-in, IOATTN_SM90_FWD_STREAM_COUNTERS=1; not yet run on a GPU) the dynamic scheduler's
+# tile counter kept per stream and zeroed by each launch's last CTA (``_tile_counter``,
+# ``_release_counter``), instead of a new one allocated and zeroed by the host per call:
+# torch.zeros took ~30 us of the eager call's host time under cProfile on the H100 machine
+# (results/tune/host_graph_short_sm90_113e7bd_nvidia-h100_2026-12-07.log), host time the 512
+# cells pay in full (benchmarks/NOTES.md, sessions 37-38)
+STREAM_COUNTERS = os.environ.get("IOATTN_SM90_FWD_STREAM_COUNTERS", "0").lower() in (
+    "1", "true", "on")
 # (the persistent forward at d = 64 / 128) Q in two buffers, taken by the tiles in turn. With
 # one, the producer, having issued a tile's last K/V loads, waits until that tile's last QKᵀ
 # has retired before it loads the next tile's Q, and the next tile's first K/V loads queue
@@ -389,6 +397,16 @@ def _producer_next_tile(k, total, COUNTER, tile_smem, tile_full, tile_empty,
     else:
         t = _static_tile(k, total)
     return t
+
+
+@gluon.jit
+def _release_counter(COUNTER):
+    """(dynamic scheduling, after the CTA's partitions have joined: its producer has drawn its
+    last id) COUNTER [2] int32, ids drawn and CTAs done, zero at the launch's start: the last
+    CTA to finish zeroes both for the next launch on the stream (``_tile_counter``)."""
+    if gl.atomic_add(COUNTER + 1, 1, sem="acq_rel", scope="gpu") == gl.num_programs(0) - 1:
+        gl.store(COUNTER, 0)
+        gl.store(COUNTER + 1, 0)
 
 
 @gluon.jit
@@ -914,7 +932,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    DYNAMIC: gl.constexpr = False, COUNTER=None, EXP_EARLY: gl.constexpr = False,
                    softcap_scale=None, O_COLS: gl.constexpr = 0, head_group=1,
                    QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = False,
-                   Q_BUFS: gl.constexpr = 1):
+                   Q_BUFS: gl.constexpr = 1, COUNTER_RESET: gl.constexpr = False):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # head_group: the tiles (the tile counter's ids, or the grid's CTAs) in grouped heaviest-
     # first order (``sm90_common.grouped_order``, ``LPT``); 1: one head after another
@@ -922,7 +940,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     # counts, BT the page table [batch, bt_width] (row stride stride_btb), k_desc / v_desc view
     # the cache as [pages * PAGE, heads * d] rows with boxes of min(PAGE, BLOCK_N) rows.
     # PERSISTENT (batched only): a grid of at most one CTA per SM, each walking query tiles
-    # (``_consumer_persistent``); n_bh = batch * heads. Otherwise one CTA per (query tile,
+    # (``_consumer_persistent``); n_bh = batch * heads; DYNAMIC: tiles past the first G drawn
+    # from COUNTER, which the last CTA zeroes when COUNTER_RESET (``_tile_counter``). Otherwise one CTA per (query tile,
     # batch * head) on a 2D grid. O_TMA (persistent): O by TMA from the tile's last V stage
     # (``_store_tile``).
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
@@ -1032,6 +1051,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
         invalidate(tile_full, 2)
         invalidate(tile_empty, 2)
         invalidate(o_bar, 1)
+        if DYNAMIC and COUNTER_RESET:
+            _release_counter(COUNTER)
     else:
         q_row = q_start + start_m
         o_base_off = q_start.to(gl.int64) * stride_om + off_h.to(gl.int64) * stride_oh
@@ -1272,11 +1293,25 @@ def _o_tma(form: dict, d_pad: int | None, max_seqlen_k: int) -> int:
 
 
 def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  out: torch.Tensor, lse: torch.Tensor) -> None:
+                  out: torch.Tensor, lse: torch.Tensor, bind_key=None) -> None:
     """Launch the sm90 forward into ``out`` / ``lse`` (layouts as ``triton_fwd.attn_fwd``).
     Head dims (d, d_v) in PADDED_HEAD_DIMS are read in place through [rows, heads, d] views
     whose boxes the TMA unit zero-fills past d (``IOATTN_SM90_PAD=tma``; the op copies them into
-    padded tensors otherwise), and O's columns past d_v are not written."""
+    padded tensors otherwise), and O's columns past d_v are not written. bind_key (batched
+    calls, from the op): the op's memo signature of this call with q / k / v's 16-byte
+    alignment, which fixes every argument but the addresses (out and LSE are new contiguous
+    tensors shaped from q and v; the unused pointers are LSE's): with this module's switches
+    (``_switches``) it keys the kept launch, so a repeat skips the launch rules and this
+    module's own key."""
+    if bind_key is not None and BIND:
+        bind_key = (bind_key, _switches())
+        dynamic = _DYNAMIC.get(bind_key)
+        if dynamic is not None:
+            lp = lse.data_ptr()
+            if repeat(_BOUND, bind_key, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                      out.data_ptr(), lp, lp, lp, lp,
+                      *((_tile_counter(q.device).data_ptr(),) if dynamic else ())):
+                return
     d, d_v = q.shape[-1], v.shape[-1]
     d_pad = PADDED_HEAD_DIMS.get((d, d_v))
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
@@ -1299,18 +1334,16 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dummy = lse  # unused pointer arguments (batched layout)
     cu_q = p.cu_seqlens_q if p.is_varlen else dummy
     cu_k = p.cu_seqlens_k if p.is_varlen else dummy
-    # tiles after the first G come from a counter of this launch's own (a shared one would let
-    # concurrent launches on other streams take each other's tiles); stream-ordered by the
-    # caching allocator, and in a captured graph's pool under capture
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if form["DYNAMIC"] else None
-    key = None
-    if BIND:  # (``BIND``) a repeat of this call's form: one C call at this call's addresses
+    counter = _tile_counter(q.device) if form["DYNAMIC"] else None
+    key = bind_key
+    if BIND and key is None:  # (``BIND``) a repeat of this call's form: one C call at this
+        # call's addresses
         key = (q.device, grid, group, qk_cols, dv_pad, o_tma, tuple(form.items()), q.dtype,
                q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.dtype,
                out.shape, out.stride(), lse.shape, lse.stride(),
                tuple(t.data_ptr() % 16 == 0 for t in (q, k, v, out, lse, cu_q, cu_k)),
                p.is_varlen, p.max_seqlen_q, p.max_seqlen_k, p.batch, p.softmax_scale,
-               p.softcap, p.window_left, p.window_right, PRODUCER_REGS)
+               p.softcap, p.window_left, p.window_right, PRODUCER_REGS, STREAM_COUNTERS)
         if key in _BOUND and repeat(
                 _BOUND, key, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                 out.data_ptr(), lse.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(),
@@ -1330,7 +1363,8 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                   HAS_RIGHT=p.window_right >= 0, PRODUCER_REGS_=PRODUCER_REGS, PAGED=False,
                   PAGE=1, **dict(form, O_TMA=o_tma), COUNTER=counter,
                   O_COLS=d_v if dv_pad and dv_pad != d_v else 0, head_group=group,
-                  QK_COLS=qk_cols, num_warps=4)
+                  QK_COLS=qk_cols, COUNTER_RESET=form["DYNAMIC"] and STREAM_COUNTERS,
+                  num_warps=4)
     lch = launcher(_attn_fwd_sm90)
     if key is None:
         lch[grid](*args, **kwargs)
@@ -1338,9 +1372,39 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # (slots: the four descriptors' bases, O, LSE, CU_Q, CU_K, BT; the counter if dynamic)
     slots = tuple(range(9)) + ((lch.names.index("COUNTER"),) if form["DYNAMIC"] else ())
     lch.bind_kept(_BOUND, key, grid, args, kwargs, slots)
+    if bind_key is not None and key in _BOUND:
+        keep(_DYNAMIC, key, form["DYNAMIC"])
+
+
+def _switches() -> tuple:
+    """The module settings the launch rules read (tests change some between calls of one
+    shape), for kept launches keyed by the op's signature."""
+    return (PINGPONG, PERSISTENT_MODE, LPT, O_TMA, O_DEFER, Q_BUFS, Q_BUFS_MAX_SEQLEN_K, WG3,
+            WG3_PERSISTENT, WG3_BLOCK_N, EXP_EARLY_MODE, PRODUCER_REGS, CONSUMER_REGS,
+            STREAM_COUNTERS, sm90_common.PAD_NARROW)
 
 
 _BOUND: dict = {}  # ``attn_fwd_sm90``'s kept launches (``BIND``), by the call's form
+_DYNAMIC: dict = {}  # (op-keyed kept launches) whether the launch takes the tile counter
+_COUNTERS: dict = {}  # (device index, stream) -> the dynamic scheduler's counter (``_tile_counter``)
+
+
+def _tile_counter(device: torch.device) -> torch.Tensor:
+    """The dynamic scheduler's counter ([2] int32: tile ids drawn past the first G, CTAs done)
+    for a launch on the current stream: zero when the launch starts, and zeroed again by its
+    last CTA (``_release_counter``). Eager launches share one a stream (stream order keeps
+    them apart; a counter shared across streams would let concurrent launches take each other's
+    tiles), kept from the first: a fresh ``torch.zeros`` a call cost ~15-30 us of host time
+    (results/tune/host_graph_short_sm90_113e7bd_*.log). Under stream capture a new one, in the
+    graph's pool: every replay then starts from zero as well. ``STREAM_COUNTERS`` off: a new
+    one each launch (the earlier form)."""
+    if not STREAM_COUNTERS or torch.cuda.is_current_stream_capturing():
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    key = (device.index, current_stream(device.index))
+    got = _COUNTERS.get(key)
+    if got is None:
+        got = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return got
 
 
 def paged_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -178,3 +178,62 @@ def test_kept_launches_on_the_gpu(kw, dtype, monkeypatch):
     assert repeats == [True] * 8, repeats
     for a, b in zip(values[:4], values[4:]):  # (rounds 2 and 3: no address in common)
         assert not set(a) & set(b), (a, b)
+
+
+def test_kept_sm90_forward_wiring(monkeypatch):
+    """The sm90 forward's kept launches keyed by the op's signature (``attn_fwd_sm90``'s
+    bind_key, with the module's switches): the first batched call binds (slots: the four
+    descriptors' bases, O, LSE, the three unused pointers, the tile counter), a repeat with
+    fresh tensors launches it with their addresses, a changed module switch or another mask
+    binds anew, and with the op's switch off the forward keys the call itself. Run through the
+    op's implementation with the kernel's launcher recorded (no GPU needed: nothing launches)."""
+    from ioattn.dense import sm90_fwd
+
+    rec = _RecordingLauncher()
+    rec.names = launch.launcher(sm90_fwd._attn_fwd_sm90).names
+    counter = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    monkeypatch.setattr(sm90_fwd, "launcher", lambda kernel: rec)
+    monkeypatch.setattr(sm90_fwd, "unsupported_reason", lambda *a: None)
+    monkeypatch.setattr(sm90_fwd, "_tile_counter", lambda device: counter)
+    monkeypatch.setattr(sm90_fwd, "BIND", True)
+    monkeypatch.setattr(sm90_fwd, "_BOUND", {})
+    monkeypatch.setattr(sm90_fwd, "_DYNAMIC", {})
+    monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", "auto")
+    monkeypatch.setattr(op, "BIND", True)
+    op.clear_memos()
+
+    def call(q, k, v, causal=True):
+        return op.fwd_impl(q, k, v, None, None, q.shape[1], k.shape[1], q.shape[-1] ** -0.5,
+                           -1, 0 if causal else -1, 0.0, None, 0.0, None, impl="sm90")
+
+    q, k, v = _qkv(DEVICE, d=128)
+    out, lse = call(q, k, v)
+    assert not rec.plain and len(rec.kept) == 1 and not rec.repeats
+    key, grid, args, kwargs, slots = rec.kept[0]
+    assert kwargs["DYNAMIC"] and kwargs["COUNTER"] is counter
+    assert slots == tuple(range(9)) + (rec.names.index("COUNTER"),)
+    assert [a.base.data_ptr() for a in args[:4]] == [t.data_ptr() for t in (q, k, v, out)]
+    assert [a.data_ptr() for a in args[4:9]] == [out.data_ptr()] + [lse.data_ptr()] * 4
+    q2, k2, v2 = _qkv(DEVICE, d=128)
+    out2, lse2 = call(q2, k2, v2)
+    assert len(rec.kept) == 1 and rec.repeats == [
+        (key, (q2.data_ptr(), k2.data_ptr(), v2.data_ptr(), out2.data_ptr(), out2.data_ptr())
+         + (lse2.data_ptr(),) * 4 + (counter.data_ptr(),))]
+    monkeypatch.setattr(sm90_fwd, "O_DEFER", not sm90_fwd.O_DEFER)  # (a switch: a new form)
+    call(q2, k2, v2)
+    assert len(rec.kept) == 2 and rec.kept[1][0] != key and len(rec.repeats) == 1
+    call(q2, k2, v2, causal=False)  # (another signature)
+    assert len(rec.kept) == 3 and len(rec.repeats) == 1
+    monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", "static")  # (no counter)
+    call(q2, k2, v2, causal=False)
+    call(q, k, v, causal=False)
+    assert len(rec.kept) == 4 and rec.kept[3][4] == tuple(range(9))
+    assert rec.kept[3][3]["COUNTER"] is None
+    assert rec.repeats[-1][1] == (q.data_ptr(), k.data_ptr(), v.data_ptr()) + rec.repeats[-1][1][3:]
+    assert len(rec.repeats[-1][1]) == 9
+    monkeypatch.setattr(op, "BIND", False)  # (the forward's own key: repeats all the same)
+    op.clear_memos()
+    call(q, k, v, causal=False)
+    call(q2, k2, v2, causal=False)
+    assert len(rec.kept) == 5 and len(rec.repeats) == 3
+    assert rec.kept[4][0] not in {kept[0] for kept in rec.kept[:4]}

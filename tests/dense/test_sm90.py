@@ -131,6 +131,56 @@ def test_sm90_fwd_bind(c: Case, monkeypatch):
     assert sm90_fwd._BOUND and len(repeats) >= 2 and all(repeats), repeats
 
 
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_fwd_stream_counters(causal, monkeypatch):
+    """IOATTN_SM90_FWD_STREAM_COUNTERS: the persistent forward's tile counter kept per stream and
+    zeroed by each launch's last CTA (``sm90_fwd._tile_counter``). Back-to-back launches on one
+    stream, launches on a second stream in between, and a captured graph replayed with new
+    inputs each give the reference's output, and every kept counter reads zero afterwards."""
+    from ioattn.dense import sm90_fwd
+
+    monkeypatch.setattr(sm90_fwd, "STREAM_COUNTERS", True)
+    monkeypatch.setattr(sm90_fwd, "_COUNTERS", {})
+    c = Case(1024, 1024, d=128, causal=causal, b=2, h=4, h_k=2)
+    assert sm90_fwd.launch_form(128, False, "causal" if causal else "none", 1024)["DYNAMIC"]
+    side = torch.cuda.Stream()
+    rounds = [_case_inputs(c) for _ in range(4)]
+    outs = []
+    for i, (q, k, v, kw) in enumerate(rounds):
+        stream = side if i == 2 else torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            outs.append(ioattn.flash_attn_func(q.detach(), k.detach(), v.detach(),
+                                               backend="sm90", **kw))
+        torch.cuda.current_stream().wait_stream(stream)
+    for (q, k, v, kw), out in zip(rounds, outs):
+        assert_close_rule("out", out, attention_ref(q, k, v, **kw)[0],
+                          attention_ref(q, k, v, upcast=False, **kw)[0])
+    torch.cuda.synchronize()
+    assert len(sm90_fwd._COUNTERS) == 2
+    assert all(t.tolist() == [0, 0] for t in sm90_fwd._COUNTERS.values())
+    # captured: the graph's own counter, zeroed by every replay's last CTA
+    q0, k0, v0, kw = (t.detach().clone() if torch.is_tensor(t) else t for t in rounds[0])
+    graph_stream = torch.cuda.Stream()
+    graph_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(graph_stream):
+        ioattn.flash_attn_func(q0, k0, v0, backend="sm90", **kw)  # (warm, outside capture)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=graph_stream):
+            g_out = ioattn.flash_attn_func(q0, k0, v0, backend="sm90", **kw)
+    torch.cuda.synchronize()
+    kept = len(sm90_fwd._COUNTERS)
+    for q, k, v, _ in rounds[1:]:
+        q0.copy_(q), k0.copy_(k), v0.copy_(v)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_rule("out", g_out, attention_ref(q, k, v, **kw)[0],
+                          attention_ref(q, k, v, upcast=False, **kw)[0])
+    assert len(sm90_fwd._COUNTERS) == kept  # (capture took no kept counter)
+    assert all(t.tolist() == [0, 0] for t in sm90_fwd._COUNTERS.values())
+
+
 WG3_CASES = [Case(113, 203, d=64), Case(203, 113, d=64, causal=True),
              Case(1023, 1024, d=64, causal=True, dtype=FP16, b=3, h=3),
              Case(777, 777, d=64, h=6, h_k=3, window=(100, -1)), Case(192, 192, d=64, h=2),
@@ -1217,8 +1267,10 @@ def test_sm90_kernel_compiles_for_hopper():
     # block into the next tile; and (the default at d = 64, IOATTN_SM90_BWD_ROWS) the fused
     # d=64 dK/dV kernel on 128-row steps (full: dQ after / first; causal; varlen causal); and
     # (the default up to 8k keys, IOATTN_SM90_FWD_Q_BUFS) the persistent forward with Q in two
-    # buffers (d=64 causal at 2k and from 4k, d=128 with and without a mask)
-    assert len(reports) == 96, names
+    # buffers (d=64 causal at 2k and from 4k, d=128 with and without a mask); and
+    # (IOATTN_SM90_FWD_STREAM_COUNTERS) the d=128 causal forward whose last CTA zeroes its
+    # tile counter
+    assert len(reports) == 97, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
     hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
     assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
