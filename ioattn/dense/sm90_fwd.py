@@ -1301,10 +1301,10 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     calls, from the op): the op's memo signature of this call with q / k / v's 16-byte
     alignment, which fixes every argument but the addresses (out and LSE are new contiguous
     tensors shaped from q and v; the unused pointers are LSE's): with this module's switches
-    (``_switches``) it keys the kept launch, so a repeat skips the launch rules and this
-    module's own key."""
-    if bind_key is not None and BIND:
-        bind_key = (bind_key, _switches())
+    (``_switches``) and the device's SM count it keys the kept launch, so a repeat skips the
+    launch rules and this module's own key."""
+    if bind_key is not None and BIND:  # (sm_count: the grid; tests patch it)
+        bind_key = (bind_key, _switches(), sm_count(q.device))
         dynamic = _DYNAMIC.get(bind_key)
         if dynamic is not None:
             lp = lse.data_ptr()
@@ -1335,7 +1335,7 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     cu_q = p.cu_seqlens_q if p.is_varlen else dummy
     cu_k = p.cu_seqlens_k if p.is_varlen else dummy
     counter = _tile_counter(q.device) if form["DYNAMIC"] else None
-    key = bind_key
+    key = bind_key if BIND else None
     if BIND and key is None:  # (``BIND``) a repeat of this call's form: one C call at this
         # call's addresses
         key = (q.device, grid, group, qk_cols, dv_pad, o_tma, tuple(form.items()), q.dtype,
@@ -1378,7 +1378,8 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 def _switches() -> tuple:
     """The module settings the launch rules read (tests change some between calls of one
-    shape), for kept launches keyed by the op's signature."""
+    shape), for kept launches keyed by the op's signature (with the SM count, which the grid
+    reads too)."""
     return (PINGPONG, PERSISTENT_MODE, LPT, O_TMA, O_DEFER, Q_BUFS, Q_BUFS_MAX_SEQLEN_K, WG3,
             WG3_PERSISTENT, WG3_BLOCK_N, EXP_EARLY_MODE, PRODUCER_REGS, CONSUMER_REGS,
             STREAM_COUNTERS, sm90_common.PAD_NARROW)
@@ -1394,10 +1395,10 @@ def _tile_counter(device: torch.device) -> torch.Tensor:
     for a launch on the current stream: zero when the launch starts, and zeroed again by its
     last CTA (``_release_counter``). Eager launches share one a stream (stream order keeps
     them apart; a counter shared across streams would let concurrent launches take each other's
-    tiles), kept from the first: a fresh ``torch.zeros`` a call cost ~15-30 us of host time
-    (results/tune/host_graph_short_sm90_113e7bd_*.log). Under stream capture a new one, in the
-    graph's pool: every replay then starts from zero as well. ``STREAM_COUNTERS`` off: a new
-    one each launch (the earlier form)."""
+    tiles), kept from the first: a fresh ``torch.zeros`` a call took 20-30 us under cProfile
+    (results/tune/host_graph_*_113e7bd_*.log). Under stream capture a new one, in the graph's
+    pool (its captured zeroing runs at every replay). ``STREAM_COUNTERS`` off: a new one each
+    launch (the earlier form)."""
     if not STREAM_COUNTERS or torch.cuda.is_current_stream_capturing():
         return torch.zeros(2, dtype=torch.int32, device=device)
     key = (device.index, current_stream(device.index))

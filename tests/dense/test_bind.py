@@ -237,3 +237,9 @@ def test_kept_sm90_forward_wiring(monkeypatch):
     call(q2, k2, v2, causal=False)
     assert len(rec.kept) == 5 and len(rec.repeats) == 3
     assert rec.kept[4][0] not in {kept[0] for kept in rec.kept[:4]}
+    monkeypatch.setattr(op, "BIND", True)  # (the forward's switch off: plain launches only,
+    monkeypatch.setattr(sm90_fwd, "BIND", False)  # whatever key the op passes)
+    op.clear_memos()
+    call(q, k, v)
+    call(q2, k2, v2)
+    assert len(rec.plain) == 2 and len(rec.kept) == 5 and len(rec.repeats) == 3

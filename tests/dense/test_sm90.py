@@ -135,17 +135,21 @@ def test_sm90_fwd_bind(c: Case, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sm90_fwd_stream_counters(causal, monkeypatch):
     """IOATTN_SM90_FWD_STREAM_COUNTERS: the persistent forward's tile counter kept per stream and
-    zeroed by each launch's last CTA (``sm90_fwd._tile_counter``). Back-to-back launches on one
-    stream, launches on a second stream in between, and a captured graph replayed with new
-    inputs each give the reference's output, and every kept counter reads zero afterwards."""
+    zeroed by each launch's last CTA (``sm90_fwd._tile_counter``). On a grid of 3 CTAs (64
+    tiles: nearly every tile drawn from the counter, so a counter left dirty skips tiles),
+    back-to-back launches on one stream and one on a second stream in between each give the
+    reference's output, and every kept counter reads zero afterwards; a captured graph (its
+    own counter, zeroed by the capture's torch.zeros at each replay) replayed with new inputs
+    gives the reference's too."""
     from ioattn.dense import sm90_fwd
 
     monkeypatch.setattr(sm90_fwd, "STREAM_COUNTERS", True)
     monkeypatch.setattr(sm90_fwd, "_COUNTERS", {})
+    monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: 3)
     c = Case(1024, 1024, d=128, causal=causal, b=2, h=4, h_k=2)
     assert sm90_fwd.launch_form(128, False, "causal" if causal else "none", 1024)["DYNAMIC"]
     side = torch.cuda.Stream()
-    rounds = [_case_inputs(c) for _ in range(4)]
+    rounds = [_case_inputs(c) for _ in range(5)]
     outs = []
     for i, (q, k, v, kw) in enumerate(rounds):
         stream = side if i == 2 else torch.cuda.current_stream()
@@ -160,7 +164,7 @@ def test_sm90_fwd_stream_counters(causal, monkeypatch):
     torch.cuda.synchronize()
     assert len(sm90_fwd._COUNTERS) == 2
     assert all(t.tolist() == [0, 0] for t in sm90_fwd._COUNTERS.values())
-    # captured: the graph's own counter, zeroed by every replay's last CTA
+    # captured: the graph's own counter (its zeroing captured with it)
     q0, k0, v0, kw = (t.detach().clone() if torch.is_tensor(t) else t for t in rounds[0])
     graph_stream = torch.cuda.Stream()
     graph_stream.wait_stream(torch.cuda.current_stream())
