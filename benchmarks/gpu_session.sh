@@ -163,7 +163,8 @@ for step in $steps; do
     counters) # (session 38) the sm90 forward's host time: its GPU tests (kept launches keyed
            # by the op's signature, the stream counters), the host rows (fwd_sm90_opkey0/1,
            # _counters1), then the 512 / 1k cells with IOATTN_SM90_FWD_STREAM_COUNTERS=0 / 1
-           # (cuDNN beside both) and the d=128 512 cells eager against graph replays (~5 min)
+           # (cuDNN beside both), d=128 512 through auto, and the d=128 512 cells eager against
+           # graph replays (~6 min)
            timeout 150 python -m pytest -q -n 8 -p no:cacheprovider -rf tests/dense/test_sm90.py \
              tests/dense/test_bind.py -k "bind or stream_counters or wiring" > "$OUT/tests_counters.log" 2>&1
            grep -E "FAILED|ERROR" "$OUT/tests_counters.log" | head; tail -1 "$OUT/tests_counters.log"
@@ -171,6 +172,11 @@ for step in $steps; do
              > "$OUT/host.log" 2>&1; grep -E "sm90|triton_bind1|sdpa" "$OUT/host.log" | head -16
            onoff IOATTN_SM90_FWD_STREAM_COUNTERS "0 1" counters --modes fwd --dims 64,128 \
              --seqlens 512,1024 --dtypes bf16 --rounds 3
+           # `auto` (the portable kernel at d=128 512) beside sm90 and cuDNN: the rule's question
+           timeout 120 python -m ioattn bench --modes fwd --dims 128 --seqlens 512 --dtypes bf16 \
+             --impls ioattn,ioattn_sm90,sdpa_cudnn --no-plots --rounds 3 \
+             --out "$OUT/short_auto_${GPU_TAG}.json" > /tmp/short_auto.log 2>&1
+           grep -E "^fwd" /tmp/short_auto.log
            for c in 0 1; do IOATTN_SM90_FWD_STREAM_COUNTERS=$c timeout 90 python \
              benchmarks/host_overhead.py --graph --graph-seqlens 512 --graph-backend sm90 \
              --graph-dims 128 --graph-modes fwd --json "$OUT/host_graph_counters$c.json" \
