@@ -72,8 +72,9 @@ def _memo(scalars: tuple, tensors: tuple, build, with_key: bool = False):
 
 def clear_memos() -> None:
     """Forget the memoized per-signature decisions of the dense entry points (``_MEMO`` here,
-    ``api._PLANS``, the portable and sm90 forward kernels' kept launches): for code that changes a module-level
-    switch (sm90_fwd.WG3, a preference rule...) between calls of one shape."""
+    ``api._PLANS``, the portable and sm90 forward kernels' kept launches): for code that
+    changes a module-level switch (sm90_fwd.WG3, a preference rule...) between calls of one
+    shape."""
     from ioattn.dense import api, triton_bwd, triton_fwd
 
     _MEMO.clear()
@@ -83,7 +84,6 @@ def clear_memos() -> None:
     sm90 = sys.modules.get("ioattn.dense.sm90_fwd")  # (loaded with Gluon, when it was used)
     if sm90 is not None:
         sm90._BOUND.clear()
-        sm90._DYNAMIC.clear()
 
 
 def draw_rng_state(device: torch.device) -> Tensor:

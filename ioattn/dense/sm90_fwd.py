@@ -48,7 +48,7 @@ from ioattn.dense.sm90_common import (OPERAND_DTYPES, PADDED_HEAD_DIMS, barriers
                                       mma_over_cols, narrow_dv,
                                       wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile)
 from ioattn.dispatch import sm_count
-from ioattn.launch import current_stream, keep, launcher, repeat
+from ioattn.launch import current_stream, launcher, repeat
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M)
 BLOCK_M = gl.constexpr(128)  # two consumer warpgroups
@@ -941,8 +941,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     # the cache as [pages * PAGE, heads * d] rows with boxes of min(PAGE, BLOCK_N) rows.
     # PERSISTENT (batched only): a grid of at most one CTA per SM, each walking query tiles
     # (``_consumer_persistent``); n_bh = batch * heads; DYNAMIC: tiles past the first G drawn
-    # from COUNTER, which the last CTA zeroes when COUNTER_RESET (``_tile_counter``). Otherwise one CTA per (query tile,
-    # batch * head) on a 2D grid. O_TMA (persistent): O by TMA from the tile's last V stage
+    # from COUNTER, which the last CTA zeroes when COUNTER_RESET (``_tile_counter``).
+    # Otherwise one CTA per (query tile, batch * head) on a 2D grid. O_TMA (persistent): O by TMA from the tile's last V stage
     # (``_store_tile``).
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
     HEAD_DV: gl.constexpr = box_cols(v_desc.block_type.shape)  # V's and O's tiles
@@ -1305,12 +1305,12 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     launch rules and this module's own key."""
     if bind_key is not None and BIND:  # (sm_count: the grid; tests patch it)
         bind_key = (bind_key, _switches(), sm_count(q.device))
-        dynamic = _DYNAMIC.get(bind_key)
-        if dynamic is not None:
+        bound = _BOUND.get(bind_key)
+        if bound is not None:  # (a tenth slot: the dynamic scheduler's counter)
             lp = lse.data_ptr()
-            if repeat(_BOUND, bind_key, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                      out.data_ptr(), lp, lp, lp, lp,
-                      *((_tile_counter(q.device).data_ptr(),) if dynamic else ())):
+            if bound(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), out.data_ptr(),
+                     lp, lp, lp, lp,
+                     *((_tile_counter(q.device).data_ptr(),) if len(bound.slots) > 9 else ())):
                 return
     d, d_v = q.shape[-1], v.shape[-1]
     d_pad = PADDED_HEAD_DIMS.get((d, d_v))
@@ -1372,8 +1372,6 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # (slots: the four descriptors' bases, O, LSE, CU_Q, CU_K, BT; the counter if dynamic)
     slots = tuple(range(9)) + ((lch.names.index("COUNTER"),) if form["DYNAMIC"] else ())
     lch.bind_kept(_BOUND, key, grid, args, kwargs, slots)
-    if bind_key is not None and key in _BOUND:
-        keep(_DYNAMIC, key, form["DYNAMIC"])
 
 
 def _switches() -> tuple:
@@ -1386,7 +1384,6 @@ def _switches() -> tuple:
 
 
 _BOUND: dict = {}  # ``attn_fwd_sm90``'s kept launches (``BIND``), by the call's form
-_DYNAMIC: dict = {}  # (op-keyed kept launches) whether the launch takes the tile counter
 _COUNTERS: dict = {}  # (device index, stream) -> the dynamic scheduler's counter (``_tile_counter``)
 
 

@@ -39,7 +39,19 @@ class _RecordingLauncher:
 
     def bind_kept(self, cache, key, grid, args, kwargs, slots):
         self.kept.append((key, grid, args, kwargs, slots))
-        launch.keep(cache, key, lambda *values: self.repeats.append((key, values)) or True)
+        launch.keep(cache, key, _RecordedBound(self, key, slots))
+
+
+class _RecordedBound:
+    """A kept launch of ``_RecordingLauncher``: records each repeat's values (the slots as
+    ``launch.Bound`` has them)."""
+
+    def __init__(self, rec, key, slots):
+        self.rec, self.key, self.slots = rec, key, slots
+
+    def __call__(self, *values):
+        self.rec.repeats.append((self.key, values))
+        return True
 
 
 def test_kept_forward_wiring(monkeypatch):
@@ -197,7 +209,6 @@ def test_kept_sm90_forward_wiring(monkeypatch):
     monkeypatch.setattr(sm90_fwd, "_tile_counter", lambda device: counter)
     monkeypatch.setattr(sm90_fwd, "BIND", True)
     monkeypatch.setattr(sm90_fwd, "_BOUND", {})
-    monkeypatch.setattr(sm90_fwd, "_DYNAMIC", {})
     monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", "auto")
     monkeypatch.setattr(op, "BIND", True)
     op.clear_memos()
