@@ -169,7 +169,7 @@ for step in $steps; do
              tests/dense/test_bind.py -k "bind or stream_counters or wiring" > "$OUT/tests_counters.log" 2>&1
            grep -E "FAILED|ERROR" "$OUT/tests_counters.log" | head; tail -1 "$OUT/tests_counters.log"
            timeout 120 python benchmarks/host_overhead.py --json "$OUT/host_overhead_${GPU_TAG}.json" \
-             > "$OUT/host.log" 2>&1; grep -E "sm90|triton_bind1|sdpa" "$OUT/host.log" | head -16
+             > "$OUT/host.log" 2>&1; grep -E "sm90|triton_bind1|sdpa" "$OUT/host.log" | head -30
            onoff IOATTN_SM90_FWD_STREAM_COUNTERS "0 1" counters --modes fwd --dims 64,128 \
              --seqlens 512,1024 --dtypes bf16 --rounds 3
            # `auto` (the portable kernel at d=128 512) beside sm90 and cuDNN: the rule's question

@@ -31,6 +31,22 @@ def _per_call_us(fn, n=300):
     return round(us, 1)
 
 
+def _bwd_only_us(leaves, **kw) -> float:
+    """Host us a call of the backward alone: autograd from one kept forward graph over the
+    leaves (``flash_attn_func`` with ``kw``), their grads dropped each call."""
+    out = ioattn.flash_attn_func(*leaves, **kw)
+    dout = torch.randn_like(out)
+
+    def bwd_only():
+        for t in leaves:
+            t.grad = None
+        out.backward(dout, retain_graph=True)
+    us = _per_call_us(bwd_only)
+    for t in leaves:
+        t.grad = None
+    return us
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
@@ -99,16 +115,20 @@ def main(argv=None):
             lambda: ioattn.flash_attn_func(q, k, v, backend="triton"))
         res[f"fwd_causal_triton_bind{int(bind)}"] = _per_call_us(
             lambda: ioattn.flash_attn_func(q, k, v, causal=True, backend="triton"))
-        out_g = ioattn.flash_attn_func(qg, kg, vg, backend="triton")
-        dout = torch.randn_like(out_g)
-
-        def bwd_only():
-            qg.grad = kg.grad = vg.grad = None
-            out_g.backward(dout, retain_graph=True)
-        res[f"bwd_triton_bind{int(bind)}"] = _per_call_us(bwd_only)
-    qg.grad = kg.grad = vg.grad = None
+        res[f"bwd_triton_bind{int(bind)}"] = _bwd_only_us((qg, kg, vg), backend="triton")
     dense_op.BIND = saved
     dense_op.clear_memos()
+    # (session 39) the sm90 backward's kept launches (IOATTN_SM90_BWD_BIND), off / on: the
+    # backward alone, fused (the default) and deterministic (two kernels)
+    from ioattn.dense import sm90_bwd
+
+    saved = sm90_bwd.BIND
+    for bind in (False, True):
+        sm90_bwd.BIND = bind
+        for det in (False, True):
+            res[f"bwd_sm90{'_det' if det else ''}_bind{int(bind)}"] = _bwd_only_us(
+                (qg, kg, vg), backend="sm90", deterministic=det)
+    sm90_bwd.BIND = saved
     res["sdpa_fwd"] = _per_call_us(lambda: torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)))
     # planned decode, 4 requests of 256 keys, pages of 16, GQA 32/8

@@ -29,6 +29,8 @@ POISON_OUTPUTS = False
 # since its GPU tests passed on the H200 and an eager forward's host time fell from 73-113 to 32
 # us there (the backward alone 243 -> 225 us: autograd's share dominates it;
 # results/tune/host_overhead_4528809_nvidia-h200_2026-12-07.json); IOATTN_BIND=0 turns it off
+# (and the op's keys for the sm90 forward's and backward's own kept launches, ``sm90_fwd.BIND``,
+# ``sm90_bwd.BIND``)
 BIND = os.environ.get("IOATTN_BIND", "1").lower() not in ("0", "false", "off")
 
 
@@ -72,7 +74,7 @@ def _memo(scalars: tuple, tensors: tuple, build, with_key: bool = False):
 
 def clear_memos() -> None:
     """Forget the memoized per-signature decisions of the dense entry points (``_MEMO`` here,
-    ``api._PLANS``, the portable and sm90 forward kernels' kept launches): for code that
+    ``api._PLANS``, the portable and sm90 kernels' kept launches): for code that
     changes a module-level switch (sm90_fwd.WG3, a preference rule...) between calls of one
     shape."""
     from ioattn.dense import api, triton_bwd, triton_fwd
@@ -81,9 +83,10 @@ def clear_memos() -> None:
     api._PLANS.clear()
     triton_fwd._BOUND.clear()  # (kept launches keyed by _MEMO's signatures)
     triton_bwd._BOUND.clear()
-    sm90 = sys.modules.get("ioattn.dense.sm90_fwd")  # (loaded with Gluon, when it was used)
-    if sm90 is not None:
-        sm90._BOUND.clear()
+    for name in ("sm90_fwd", "sm90_bwd"):  # (loaded with Gluon, when they were used)
+        sm90 = sys.modules.get(f"ioattn.dense.{name}")
+        if sm90 is not None:
+            sm90._BOUND.clear()
 
 
 def draw_rng_state(device: torch.device) -> Tensor:
@@ -227,8 +230,8 @@ def bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
         p, key = _memo(("bwd", impl, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
                         window_right, softcap, dropout_p), (dout, q, k, v, out), params,
                        with_key=True)
-        if BIND and impl == "triton":  # (dq / dk / dv and delta are new allocations: they
-            # follow from q, k, v and LSE)
+        if BIND:  # (dq / dk / dv and delta are new allocations: they follow from q, k, v and
+            # LSE; the sm90 backward adds the fused form, its module's switches and the SM count)
             given = (dout, q, k, v, out, lse) if dlse is None else (dout, q, k, v, out, lse, dlse)
             bind_key = (key, lse.shape, lse.stride(), lse.dtype,
                         None if dlse is None else (dlse.shape, dlse.stride(), dlse.dtype),

@@ -60,8 +60,9 @@ from ioattn.dense.sm90_common import (PADDED_HEAD_DIMS, barriers, box_cols, floo
                                       wgmma_acc_layout, zero_last_key_tile, zero_tail_rows,
                                       grouped_order, head_group_size, mma_over_cols)
 from ioattn.dispatch import sm_count
+from ioattn.dense import triton_bwd
 from ioattn.dense.triton_bwd import bwd_preprocess
-from ioattn.launch import launcher
+from ioattn.launch import keep, launcher
 
 HALF = gl.constexpr(64)  # rows of one consumer warpgroup's wgmma (keys in dK/dV, queries in dQ)
 # d = 256 (the column-split dK/dV kernel and the dQ kernel on 32-key tiles): on by default since
@@ -155,6 +156,14 @@ TMA_STORE = os.environ.get("IOATTN_SM90_BWD_TMA_STORE", "1").lower() in ("1", "t
 # IOATTN_SM90_BWD_EXP_EARLY=1 turns it on (off by default until measured on the H200)
 EXP_EARLY = gl.constexpr(os.environ.get("IOATTN_SM90_BWD_EXP_EARLY", "0").lower()
                          in ("1", "true", "on"))
+# Batched backward calls' launches kept for repeats (``launch.Bound``, ``_BOUND``), keyed by the
+# op's signature as the forward's (``attn_bwd_sm90``'s bind_key): a repeat skips the launch
+# rules, the descriptors' building and the launcher's per-call signature, and launches the
+# preprocess, the dK/dV kernel and the dQ kernel (or the fused form's dQ conversion) with the
+# call's addresses. The eager sm90 backward took ~480 us of host time a call on the H100 machine
+# (results/tune/host_graph_*_113e7bd_nvidia-h100_*.log). Opt-in (IOATTN_SM90_BWD_BIND=1) until
+# its GPU test (tests/dense/test_sm90.py -k bwd_bind) has run
+BIND = os.environ.get("IOATTN_SM90_BWD_BIND", "0").lower() in ("1", "true", "on")
 
 
 @gluon.jit
@@ -1365,12 +1374,18 @@ def preferred(head_dim: int, masked: bool, max_seqlen_k: int, softcap: float = 0
 def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   dlse: Optional[torch.Tensor], dq: torch.Tensor, dk: torch.Tensor,
-                  dv: torch.Tensor, delta: torch.Tensor, fused: Optional[bool] = None) -> None:
+                  dv: torch.Tensor, delta: torch.Tensor, bind_key=None,
+                  fused: Optional[bool] = None) -> None:
     """The backward into preallocated dq/dk/dv (arguments as ``triton_bwd.attn_bwd``).
 
-    fused (default ``FUSED``): one kernel, dQ's partials added to an fp32 buffer by TMA
+    fused (default ``FUSED``; a keyword, as the op passes it): one kernel, dQ's partials added to an fp32 buffer by TMA
     reductions (5 GEMMs per tile; the order of the additions varies, so not bitwise
-    reproducible). Otherwise dK/dV and dQ in two kernels without atomics (7 GEMMs)."""
+    reproducible). Otherwise dK/dV and dQ in two kernels without atomics (7 GEMMs).
+    bind_key (batched calls, from the op): the op's memo signature of this call with dLSE's
+    form and every given tensor's 16-byte alignment, which fixes every argument but the
+    addresses (dq / dk / dv, delta and the fused form's buffer are new allocations shaped from
+    q, k, v and LSE; the unused pointers are LSE's): with ``fused``, this module's switches
+    (``_switches``) and the SM count it keys the kept launches (``_Kept``, ``BIND``)."""
     fused = FUSED if fused is None else fused
     if p.batch * q.shape[-2] == 0:
         return
@@ -1381,7 +1396,23 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         dk.zero_()
         dv.zero_()
         return
-    bwd_preprocess(p, out, dout, lse, dlse, delta)
+    if bind_key is not None and BIND:  # (sm_count: the grids' head groups; tests patch it)
+        bind_key = (bind_key, fused, _switches(), sm_count(q.device))
+        kept = _BOUND.get(bind_key)
+        if kept is not None and kept(dout, q, k, v, out, lse, dlse, dq, dk, dv, delta):
+            return
+    else:
+        bind_key = None
+    pre_key = None if bind_key is None else (bind_key, "sm90 preprocess")
+    bwd_preprocess(p, out, dout, lse, dlse, delta, pre_key)
+    bounds = []  # (bind_key) the dK/dV and dQ kernels' Bounds, in launch order
+
+    def run(kernel, grid, args, kwargs, n_slots):
+        if bind_key is None:
+            launcher(kernel)[grid](*args, **kwargs)
+        else:  # (slots: the descriptors' bases and the pointers, the first n_slots arguments)
+            bounds.append(launcher(kernel).bind(grid, args, kwargs, tuple(range(n_slots))))
+
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
     half = HALF.value
     # head dims in PADDED_HEAD_DIMS read in place (IOATTN_SM90_PAD=tma): the kernels run at d_pad
@@ -1404,20 +1435,22 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
     scalars = (p.softmax_scale, qk_scale_log2, p.window_left, p.window_right)
     lse_strides = p.lse_strides(lse)
     d = d_pad or q.shape[-1]
+    acc_cols, tma_store = 0, False  # (the fused form's fp32 dQ buffer's columns; dK/dV by TMA)
     if d == 256:  # the column-split dK/dV kernel, then the dQ kernel on 32-key tiles
         if softcap_scale is not None:  # (unsupported_reason refuses it: never a silent no-op)
             raise ValueError("softcap is not covered by the sm90 backward at d=256 yet")
         grid = (-(-p.max_seqlen_k // half), p.batch * n_heads_k)
-        launcher(_bwd_dkdv_cols_sm90)[grid](
+        run(_bwd_dkdv_cols_sm90, grid, (
             q_desc, do_desc, rows_descriptor(k, p.is_varlen, half, pad_to=d_pad),
             rows_descriptor(v, p.is_varlen, half, pad_to=d_pad), dk, dv, lse, delta, cu_q, cu_k,
             dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
-            n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-            STAGES=DKDV_STAGES, ROW_STATS=ROW_STATS, head_group=_order(grid, p, q.device), **cols,
-            **narrow, **flags)
+            n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars),
+            dict(STAGES=DKDV_STAGES, ROW_STATS=ROW_STATS, head_group=_order(grid, p, q.device),
+                 **cols, **narrow, **flags), 10)
     else:
         # fused: rows no key block reaches get no partial, so the buffer starts at 0
         # (a padded head dim: the buffer at d columns a head, as the kernel's tiles)
+        acc_cols = d if fused else 0
         dq_acc = (torch.zeros(q.shape[:-1] + (d,), dtype=torch.float32, device=q.device)
                   if fused else None)
         rows = step_rows(d, fused)
@@ -1430,7 +1463,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         if rows != half:  # Q / dO by 128-row boxes (``step_rows``; d = 64, no padded views)
             q_desc = rows_descriptor(q, p.is_varlen, rows)
             do_desc = rows_descriptor(dout, p.is_varlen, rows)
-        launcher(_bwd_dkdv_sm90)[grid](
+        run(_bwd_dkdv_sm90, grid, (
             # (fused, 3D views: K in one 128-row box, ``_dkdv_producer``)
             q_desc, do_desc,
             rows_descriptor(k, p.is_varlen, 2 * half if fused and d_pad else half, pad_to=d_pad),
@@ -1441,23 +1474,75 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             rows_descriptor(dv, p.is_varlen, half) if tma_store else q_desc,
             dk, dv, lse, delta, cu_q, cu_k,
             dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *lse_strides,
-            n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-            STAGES=dkdv_stages(d, rows), FUSED_DQ=fused, DQ_LAG=order == "lag", DQ_ALT=order == "alt",
-            DQ_FIRST=order == "first", SEGMENTS=segments(d, p.causal_like), ROW_STATS=ROW_STATS,
-            softcap_scale=softcap_scale, TMA_STORE=tma_store,
-            head_group=_order(grid, p, q.device), **cols, **flags)
-        if fused:
-            dq.copy_(dq_acc[..., :q.shape[-1]] if d_pad else dq_acc)
-            return
-    block_n = _dq_block_n(d)
-    grid = (-(-p.max_seqlen_q // (2 * half)), p.batch * n_heads)
-    launcher(_bwd_dq_sm90)[grid](
-        q_desc, do_desc, rows_descriptor(k, p.is_varlen, block_n, pad_to=d_pad),
-        rows_descriptor(v, p.is_varlen, block_n, pad_to=d_pad), dq, lse, delta, cu_q, cu_k,
-        dq.stride(-3), dq.stride(-2), *lse_strides,
-        n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars,
-        STAGES=DQ_STAGES, softcap_scale=softcap_scale, K_COLS=cols.get("K_COLS", 0),
-        head_group=_order(grid, p, q.device), **narrow, **flags)
+            n_heads_k, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars), dict(
+            STAGES=dkdv_stages(d, rows), FUSED_DQ=fused, DQ_LAG=order == "lag",
+            DQ_ALT=order == "alt", DQ_FIRST=order == "first", SEGMENTS=segments(d, p.causal_like),
+            ROW_STATS=ROW_STATS, softcap_scale=softcap_scale, TMA_STORE=tma_store,
+            head_group=_order(grid, p, q.device), **cols, **flags), 13)
+    if acc_cols:
+        dq.copy_(dq_acc[..., :q.shape[-1]] if d_pad else dq_acc)
+    else:
+        block_n = _dq_block_n(d)
+        grid = (-(-p.max_seqlen_q // (2 * half)), p.batch * n_heads)
+        run(_bwd_dq_sm90, grid, (
+            q_desc, do_desc, rows_descriptor(k, p.is_varlen, block_n, pad_to=d_pad),
+            rows_descriptor(v, p.is_varlen, block_n, pad_to=d_pad), dq, lse, delta, cu_q, cu_k,
+            dq.stride(-3), dq.stride(-2), *lse_strides,
+            n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars), dict(
+            STAGES=DQ_STAGES, softcap_scale=softcap_scale, K_COLS=cols.get("K_COLS", 0),
+            head_group=_order(grid, p, q.device), **narrow, **flags), 9)
+    pre = None if bind_key is None else triton_bwd._BOUND.get(pre_key)
+    if pre is not None and all(b is not None for b in bounds):
+        form = "cols" if d == 256 else ("fused" if acc_cols else "two")
+        keep(_BOUND, bind_key, _Kept(pre, bounds, form, acc_cols, tma_store))
+
+
+class _Kept:
+    """The launches of one batched backward signature kept for repeats (``attn_bwd_sm90``'s
+    bind_key): the preprocess, then the dK/dV kernel and either the dQ kernel or (``acc_cols``,
+    the fused form) the conversion of a new fp32 dQ buffer of that many columns a head (form
+    "cols": d = 256's column-split dK/dV kernel, "two": the d <= 128 dK/dV kernel without dQ,
+    "fused": with it; dK / dV by TMA or not, ``tma_store``). Called
+    with a call's tensors, it launches them at their addresses in the slots' order of the first
+    call (descriptor bases, then the pointers; the unused cu_seqlens pointers are LSE's); False
+    when a Bound steps aside (launch hooks, Triton's switches, another device): the caller then
+    launches everything the plain way (the preprocess again: it only writes delta)."""
+
+    __slots__ = ("pre", "bounds", "form", "acc_cols", "tma_store")
+
+    def __init__(self, pre, bounds, form: str, acc_cols: int, tma_store: bool) -> None:
+        self.pre, self.bounds, self.form = pre, bounds, form
+        self.acc_cols, self.tma_store = acc_cols, tma_store
+
+    def __call__(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, delta) -> bool:
+        lp, dp, qp, dop = lse.data_ptr(), delta.data_ptr(), q.data_ptr(), dout.data_ptr()
+        if not self.pre(out.data_ptr(), dop, (dlse if dlse is not None else delta).data_ptr(), dp):
+            return False
+        kv = (qp, dop, k.data_ptr(), v.data_ptr())
+        grads = (dk.data_ptr(), dv.data_ptr())
+        tail = (lp, dp, lp, lp)  # (LSE, delta, the unused cu_seqlens pointers)
+        if self.form == "cols":  # (d = 256: the column-split dK/dV kernel, then the dQ kernel)
+            ok = self.bounds[0](*kv, *grads, *tail)
+        else:
+            acc = (torch.zeros(q.shape[:-1] + (self.acc_cols,), dtype=torch.float32,
+                               device=q.device) if self.form == "fused" else q)
+            stored = grads if self.tma_store else (qp, qp)  # (dK / dV descriptors, or q's)
+            ok = self.bounds[0](*kv, acc.data_ptr(), *stored, *grads, *tail)
+            if ok and self.form == "fused":
+                dq.copy_(acc[..., :q.shape[-1]] if self.acc_cols != q.shape[-1] else acc)
+                return True
+        return ok and self.bounds[1](*kv, dq.data_ptr(), *tail)
+
+
+def _switches() -> tuple:
+    """The module settings the backward's launch rules read (tests change some between calls of
+    one shape), for kept launches keyed by the op's signature."""
+    return (HALF.value, CONSUMER_REGS, PRODUCER_REGS, DKDV_STAGES, STAGES_MODE, DQ_BLOCK_N,
+            DQ_STAGES, ROWS_MODE, SEGMENTS, ROW_STATS, LPT, DQ_ORDER, TMA_STORE, EXP_EARLY.value,
+            sm90_common.PAD_NARROW, sm90_common.PAD_MODE)
+
+
+_BOUND: dict = {}  # ``attn_bwd_sm90``'s kept launches (``BIND``), by the op's signature
 
 
 def _tma_writable(t: torch.Tensor, varlen: bool) -> bool:

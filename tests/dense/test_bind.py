@@ -41,6 +41,14 @@ class _RecordingLauncher:
         self.kept.append((key, grid, args, kwargs, slots))
         launch.keep(cache, key, _RecordedBound(self, key, slots))
 
+    def bind(self, grid, args, kwargs, slots):  # (keyed by the kernel's name, ``named``)
+        self.kept.append((self.kernel, grid, args, kwargs, slots))
+        return _RecordedBound(self, self.kernel, slots)
+
+    def named(self, kernel):
+        self.kernel = kernel.__name__
+        return self
+
 
 class _RecordedBound:
     """A kept launch of ``_RecordingLauncher``: records each repeat's values (the slots as
@@ -254,3 +262,89 @@ def test_kept_sm90_forward_wiring(monkeypatch):
     call(q, k, v)
     call(q2, k2, v2)
     assert len(rec.plain) == 2 and len(rec.kept) == 5 and len(rec.repeats) == 3
+
+
+def test_kept_sm90_backward_wiring(monkeypatch):
+    """The sm90 backward's kept launches keyed by the op's signature (``attn_bwd_sm90``'s
+    bind_key, with the fused form, the module's switches and the SM count): the first batched
+    call keeps the preprocess (slots O, dO, dLSE-or-delta, delta) and the dK/dV kernel (slots:
+    Q, dO, K, V descriptors, the fused dQ buffer's, dK's and dV's (TMA stores), dK, dV, LSE,
+    delta, the two unused pointers); a repeat with fresh tensors launches them at their
+    addresses with a new dQ buffer; ``deterministic`` (two kernels: the dQ kernel's slots Q, dO,
+    K, V, dQ, LSE, delta, two unused), d = 256 (the column-split kernel, then dQ), a changed
+    switch or a dLSE bind anew; with the module's switch off every launch is plain. Run
+    through the op's implementation with the launchers recorded (nothing launches)."""
+    from ioattn.dense import sm90_bwd
+
+    rec = _RecordingLauncher()
+    monkeypatch.setattr(sm90_bwd, "launcher", rec.named)
+    monkeypatch.setattr(triton_bwd, "launcher", rec.named)
+    monkeypatch.setattr(sm90_bwd, "BIND", True)
+    monkeypatch.setattr(sm90_bwd, "_BOUND", {})
+    monkeypatch.setattr(op, "BIND", True)
+    op.clear_memos()
+
+    def call(d=128, deterministic=False, dlse=False):
+        q, k, v = _qkv(DEVICE, d=d)
+        out = torch.randn_like(q)
+        lse = torch.randn(q.shape[0], q.shape[2], q.shape[1], device=DEVICE)
+        dout = torch.randn_like(out)
+        rec.kept.clear(), rec.repeats.clear()
+        grads = op.bwd_impl(dout, q, k, v, out, lse, torch.randn_like(lse) if dlse else None,
+                            None, None, q.shape[1], k.shape[1], d ** -0.5, -1, 0, 0.0, None, 0.0,
+                            None, impl="sm90", deterministic=deterministic)
+        return (q, k, v, out, lse, dout) + tuple(grads)
+
+    def ptrs(*ts):
+        return tuple(t.data_ptr() for t in ts)
+
+    q, k, v, out, lse, dout, dq, dk, dv = call()
+    assert [kept[0] for kept in rec.kept[1:]] == ["_bwd_dkdv_sm90"] and not rec.plain
+    pre_key, _, pre_args, _, pre_slots = rec.kept[0]
+    assert pre_slots == (0, 1, 2, 3) and pre_key in triton_bwd._BOUND
+    delta = pre_args[3]
+    assert ptrs(*pre_args[:4]) == ptrs(out, dout, delta, delta)
+    _, _, args, kwargs, slots = rec.kept[1]
+    assert slots == tuple(range(13)) and kwargs["FUSED_DQ"] and kwargs["TMA_STORE"]
+    acc = args[4].base
+    assert acc.dtype == torch.float32 and acc.shape == q.shape
+    assert [a.base.data_ptr() for a in args[:7]] == list(ptrs(q, dout, k, v, acc, dk, dv))
+    assert ptrs(*args[7:13]) == ptrs(dk, dv, lse, delta, lse, lse)
+    assert len(sm90_bwd._BOUND) == 1
+    q, k, v, out, lse, dout, dq, dk, dv = call()  # (fresh tensors: the kept launches)
+    assert not rec.kept and [r[0] for r in rec.repeats] == [pre_key, "_bwd_dkdv_sm90"]
+    (_, pre_v), (_, main_v) = rec.repeats
+    assert pre_v[:2] == ptrs(out, dout) and pre_v[2] == pre_v[3]
+    assert main_v[:4] == ptrs(q, dout, k, v) and main_v[5:] == ptrs(dk, dv, dk, dv, lse) + (
+        pre_v[3], lse.data_ptr(), lse.data_ptr())
+    assert main_v[4] not in main_v[:4] + main_v[5:]  # (a new dQ buffer)
+    call(deterministic=True)  # (the two-kernel form: another key)
+    assert [kept[0] for kept in rec.kept[1:]] == ["_bwd_dkdv_sm90", "_bwd_dq_sm90"]
+    assert not rec.kept[1][3]["FUSED_DQ"] and rec.kept[2][4] == tuple(range(9))
+    q, k, v, out, lse, dout, dq, dk, dv = call(deterministic=True)
+    (_, pre_v), (_, main_v), (_, dq_v) = rec.repeats
+    assert main_v[4] == q.data_ptr()  # (q's descriptor stands in for the dQ buffer's)
+    assert dq_v == ptrs(q, dout, k, v, dq, lse) + (pre_v[3], lse.data_ptr(), lse.data_ptr())
+    call(d=256)  # (the column-split kernel, then dQ)
+    assert [kept[0] for kept in rec.kept[1:]] == ["_bwd_dkdv_cols_sm90", "_bwd_dq_sm90"]
+    assert rec.kept[1][4] == tuple(range(10))
+    q, k, v, out, lse, dout, dq, dk, dv = call(d=256)
+    (_, pre_v), (_, cols_v), (_, dq_v) = rec.repeats
+    assert cols_v == ptrs(q, dout, k, v, dk, dv, lse) + (pre_v[3], lse.data_ptr(), lse.data_ptr())
+    assert dq_v == ptrs(q, dout, k, v, dq, lse) + (pre_v[3], lse.data_ptr(), lse.data_ptr())
+    call(dlse=True)  # (dLSE given: its own launches)
+    assert len(rec.kept) == 2 and not rec.repeats
+    assert rec.kept[0][2][2].data_ptr() != rec.kept[0][2][3].data_ptr()  # (dLSE, delta)
+    monkeypatch.setattr(sm90_bwd, "TMA_STORE", False)  # (a switch: a new form)
+    call()
+    assert len(rec.kept) == 2 and not rec.repeats and not rec.kept[1][3]["TMA_STORE"]
+    q, k, v, out, lse, dout, dq, dk, dv = call()
+    (_, pre_v), (_, main_v) = rec.repeats
+    assert main_v[5:7] == (q.data_ptr(),) * 2  # (q's descriptor stands in for dK's and dV's)
+    monkeypatch.setattr(sm90_bwd, "BIND", False)  # (the backward's switch off: plain launches)
+    n_bound = len(sm90_bwd._BOUND)
+    rec.plain.clear()
+    call()
+    call()
+    assert not rec.kept and not rec.repeats and len(rec.plain) == 4
+    assert len(sm90_bwd._BOUND) == n_bound

@@ -108,6 +108,15 @@ def _matches_varlen(c: Case, q, k, v, kw, out) -> None:
         torch.testing.assert_close(out_v.view_as(out).float(), out.float(), atol=1e-2, rtol=0)
 
 
+def _recorded_calls(monkeypatch, cls) -> list:
+    """What each call of ``cls``'s instances (a kept launch) returns, recorded in order."""
+    results = []
+    orig_call = cls.__call__
+    monkeypatch.setattr(cls, "__call__",
+                        lambda self, *a: results.append(orig_call(self, *a)) or results[-1])
+    return results
+
+
 @needs_sm90
 @pytest.mark.parametrize("c", [CASES[2], CASES[8], CASES[12], CASES[16], CASES[9]],
                          ids=lambda c: "sm90-bind-" + c.id)
@@ -121,14 +130,39 @@ def test_sm90_fwd_bind(c: Case, monkeypatch):
 
     monkeypatch.setattr(sm90_fwd, "BIND", True)
     monkeypatch.setattr(sm90_fwd, "_BOUND", {})
-    repeats = []
-    orig_call = launch.Bound.__call__
-    monkeypatch.setattr(launch.Bound, "__call__",
-                        lambda self, *v: repeats.append(orig_call(self, *v)) or repeats[-1])
+    repeats = _recorded_calls(monkeypatch, launch.Bound)
     for _ in range(3):
         q, k, v, kw, out = _forward_only(c)
         _matches_varlen(c, q, k, v, kw, out)
     assert sm90_fwd._BOUND and len(repeats) >= 2 and all(repeats), repeats
+
+
+@needs_sm90
+@pytest.mark.parametrize("c, deterministic", [
+    (CASES[2], False), (CASES[2], True), (CASES[8], False), (CASES[5], False), (CASES[12], False),
+    (CASES[16], False)], ids=["d128-causal", "d128-causal-two-kernel", "d64-gqa", "d128-window",
+                              "d256", "d96-padded"])
+def test_sm90_bwd_bind(c: Case, deterministic, monkeypatch):
+    """IOATTN_SM90_BWD_BIND: the backward's launches kept by the op's signature
+    (``sm90_bwd._BOUND``: preprocess, dK/dV, dQ or the fused form's conversion) and repeated with
+    each call's tensors: three rounds of a case with fresh inputs (each round's tensors kept
+    alive, so no round reuses another's addresses), every gradient against the reference; the
+    second and third rounds are repeats and none steps aside."""
+    from ioattn.dense import op, sm90_bwd
+
+    monkeypatch.setattr(op, "BIND", True)
+    monkeypatch.setattr(sm90_bwd, "BIND", True)
+    monkeypatch.setattr(sm90_bwd, "_BOUND", {})
+    kept = _recorded_calls(monkeypatch, sm90_bwd._Kept)
+    alive = []
+    for _ in range(3):
+        q, k, v, kw = _case_inputs(c)
+        out = ioattn.flash_attn_func(q, k, v, backend="sm90", deterministic=deterministic, **kw)
+        ref, _ = attention_ref(q, k, v, **kw)
+        pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+        g = torch.randn_like(out)
+        alive.append((q, k, v, out, g, _check_grads(c.id, out, ref, pt, g, (q, k, v))))
+    assert len(sm90_bwd._BOUND) == 1 and kept == [True, True], kept
 
 
 @needs_sm90
