@@ -1374,11 +1374,11 @@ def preferred(head_dim: int, masked: bool, max_seqlen_k: int, softcap: float = 0
 def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   dlse: Optional[torch.Tensor], dq: torch.Tensor, dk: torch.Tensor,
-                  dv: torch.Tensor, delta: torch.Tensor, bind_key=None,
+                  dv: torch.Tensor, delta: torch.Tensor, bind_key: Optional[tuple] = None, *,
                   fused: Optional[bool] = None) -> None:
     """The backward into preallocated dq/dk/dv (arguments as ``triton_bwd.attn_bwd``).
 
-    fused (default ``FUSED``; a keyword, as the op passes it): one kernel, dQ's partials added to an fp32 buffer by TMA
+    fused (default ``FUSED``; keyword only): one kernel, dQ's partials added to an fp32 buffer by TMA
     reductions (5 GEMMs per tile; the order of the additions varies, so not bitwise
     reproducible). Otherwise dK/dV and dQ in two kernels without atomics (7 GEMMs).
     bind_key (batched calls, from the op): the op's memo signature of this call with dLSE's
@@ -1539,7 +1539,7 @@ def _switches() -> tuple:
     one shape), for kept launches keyed by the op's signature."""
     return (HALF.value, CONSUMER_REGS, PRODUCER_REGS, DKDV_STAGES, STAGES_MODE, DQ_BLOCK_N,
             DQ_STAGES, ROWS_MODE, SEGMENTS, ROW_STATS, LPT, DQ_ORDER, TMA_STORE, EXP_EARLY.value,
-            sm90_common.PAD_NARROW, sm90_common.PAD_MODE)
+            sm90_common.PAD_NARROW, sm90_common.PAD_MODE, sm90_common.SOFTCAP_APPROX.value)
 
 
 _BOUND: dict = {}  # ``attn_bwd_sm90``'s kept launches (``BIND``), by the op's signature

@@ -1380,7 +1380,7 @@ def _switches() -> tuple:
     reads too)."""
     return (PINGPONG, PERSISTENT_MODE, LPT, O_TMA, O_DEFER, Q_BUFS, Q_BUFS_MAX_SEQLEN_K, WG3,
             WG3_PERSISTENT, WG3_BLOCK_N, EXP_EARLY_MODE, PRODUCER_REGS, CONSUMER_REGS,
-            STREAM_COUNTERS, sm90_common.PAD_NARROW)
+            STREAM_COUNTERS, sm90_common.PAD_NARROW, sm90_common.SOFTCAP_APPROX.value)
 
 
 _BOUND: dict = {}  # ``attn_fwd_sm90``'s kept launches (``BIND``), by the call's form

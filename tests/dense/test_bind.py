@@ -58,6 +58,7 @@ class _RecordedBound:
         self.rec, self.key, self.slots = rec, key, slots
 
     def __call__(self, *values):
+        assert len(values) == len(self.slots), (self.key, values, self.slots)
         self.rec.repeats.append((self.key, values))
         return True
 
@@ -270,10 +271,13 @@ def test_kept_sm90_backward_wiring(monkeypatch):
     call keeps the preprocess (slots O, dO, dLSE-or-delta, delta) and the dK/dV kernel (slots:
     Q, dO, K, V descriptors, the fused dQ buffer's, dK's and dV's (TMA stores), dK, dV, LSE,
     delta, the two unused pointers); a repeat with fresh tensors launches them at their
-    addresses with a new dQ buffer; ``deterministic`` (two kernels: the dQ kernel's slots Q, dO,
-    K, V, dQ, LSE, delta, two unused), d = 256 (the column-split kernel, then dQ), a changed
-    switch or a dLSE bind anew; with the module's switch off every launch is plain. Run
-    through the op's implementation with the launchers recorded (nothing launches)."""
+    addresses with a new dQ buffer, whose (zero) values it copies into dQ; ``deterministic``
+    (two kernels: the dQ kernel's slots Q, dO, K, V, dQ, LSE, delta, two unused), d = 256 (the
+    column-split kernel, then dQ), a changed switch or a dLSE (its own slot) bind anew; with the
+    module's switch off every launch is plain. Run through the op's implementation with the
+    launchers recorded (nothing launches; outputs poisoned)."""
+    from types import SimpleNamespace
+
     from ioattn.dense import sm90_bwd
 
     rec = _RecordingLauncher()
@@ -282,65 +286,82 @@ def test_kept_sm90_backward_wiring(monkeypatch):
     monkeypatch.setattr(sm90_bwd, "BIND", True)
     monkeypatch.setattr(sm90_bwd, "_BOUND", {})
     monkeypatch.setattr(op, "BIND", True)
+    monkeypatch.setattr(op, "POISON_OUTPUTS", True)
     op.clear_memos()
 
     def call(d=128, deterministic=False, dlse=False):
         q, k, v = _qkv(DEVICE, d=d)
-        out = torch.randn_like(q)
-        lse = torch.randn(q.shape[0], q.shape[2], q.shape[1], device=DEVICE)
-        dout = torch.randn_like(out)
+        t = SimpleNamespace(q=q, k=k, v=v, out=torch.randn_like(q), dout=torch.randn_like(q),
+                            lse=torch.randn(q.shape[0], q.shape[2], q.shape[1], device=DEVICE))
+        t.dlse = torch.randn_like(t.lse) if dlse else None
         rec.kept.clear(), rec.repeats.clear()
-        grads = op.bwd_impl(dout, q, k, v, out, lse, torch.randn_like(lse) if dlse else None,
-                            None, None, q.shape[1], k.shape[1], d ** -0.5, -1, 0, 0.0, None, 0.0,
-                            None, impl="sm90", deterministic=deterministic)
-        return (q, k, v, out, lse, dout) + tuple(grads)
+        t.dq, t.dk, t.dv = op.bwd_impl(
+            t.dout, q, k, v, t.out, t.lse, t.dlse, None, None, q.shape[1], k.shape[1], d ** -0.5,
+            -1, 0, 0.0, None, 0.0, None, impl="sm90", deterministic=deterministic)
+        return t
 
     def ptrs(*ts):
         return tuple(t.data_ptr() for t in ts)
 
-    q, k, v, out, lse, dout, dq, dk, dv = call()
+    def delta_of(t, pre_values):  # (delta: the backward's own, no other tensor's address)
+        delta = pre_values[3]
+        assert delta not in ptrs(t.q, t.k, t.v, t.out, t.dout, t.lse, t.dq, t.dk, t.dv)
+        assert pre_values[:3] == ptrs(t.out, t.dout) + (
+            delta if t.dlse is None else t.dlse.data_ptr(),)
+        return delta
+
+    t = call()
     assert [kept[0] for kept in rec.kept[1:]] == ["_bwd_dkdv_sm90"] and not rec.plain
     pre_key, _, pre_args, _, pre_slots = rec.kept[0]
     assert pre_slots == (0, 1, 2, 3) and pre_key in triton_bwd._BOUND
     delta = pre_args[3]
-    assert ptrs(*pre_args[:4]) == ptrs(out, dout, delta, delta)
+    assert ptrs(*pre_args[:4]) == ptrs(t.out, t.dout, delta, delta)
     _, _, args, kwargs, slots = rec.kept[1]
     assert slots == tuple(range(13)) and kwargs["FUSED_DQ"] and kwargs["TMA_STORE"]
     acc = args[4].base
-    assert acc.dtype == torch.float32 and acc.shape == q.shape
-    assert [a.base.data_ptr() for a in args[:7]] == list(ptrs(q, dout, k, v, acc, dk, dv))
-    assert ptrs(*args[7:13]) == ptrs(dk, dv, lse, delta, lse, lse)
+    assert acc.dtype == torch.float32 and acc.shape == t.q.shape
+    assert [a.base.data_ptr() for a in args[:7]] == list(ptrs(t.q, t.dout, t.k, t.v, acc, t.dk,
+                                                              t.dv))
+    assert ptrs(*args[7:13]) == ptrs(t.dk, t.dv, t.lse, delta, t.lse, t.lse)
     assert len(sm90_bwd._BOUND) == 1
-    q, k, v, out, lse, dout, dq, dk, dv = call()  # (fresh tensors: the kept launches)
+    t = call()  # (fresh tensors: the kept launches)
     assert not rec.kept and [r[0] for r in rec.repeats] == [pre_key, "_bwd_dkdv_sm90"]
     (_, pre_v), (_, main_v) = rec.repeats
-    assert pre_v[:2] == ptrs(out, dout) and pre_v[2] == pre_v[3]
-    assert main_v[:4] == ptrs(q, dout, k, v) and main_v[5:] == ptrs(dk, dv, dk, dv, lse) + (
-        pre_v[3], lse.data_ptr(), lse.data_ptr())
+    delta = delta_of(t, pre_v)
+    lp = t.lse.data_ptr()
+    assert main_v[:4] == ptrs(t.q, t.dout, t.k, t.v)
+    assert main_v[5:] == ptrs(t.dk, t.dv, t.dk, t.dv, t.lse) + (delta, lp, lp)
     assert main_v[4] not in main_v[:4] + main_v[5:]  # (a new dQ buffer)
+    assert torch.equal(t.dq, torch.zeros_like(t.dq))  # (the buffer's values copied into dQ)
     call(deterministic=True)  # (the two-kernel form: another key)
     assert [kept[0] for kept in rec.kept[1:]] == ["_bwd_dkdv_sm90", "_bwd_dq_sm90"]
     assert not rec.kept[1][3]["FUSED_DQ"] and rec.kept[2][4] == tuple(range(9))
-    q, k, v, out, lse, dout, dq, dk, dv = call(deterministic=True)
+    t = call(deterministic=True)
     (_, pre_v), (_, main_v), (_, dq_v) = rec.repeats
-    assert main_v[4] == q.data_ptr()  # (q's descriptor stands in for the dQ buffer's)
-    assert dq_v == ptrs(q, dout, k, v, dq, lse) + (pre_v[3], lse.data_ptr(), lse.data_ptr())
+    delta, lp = delta_of(t, pre_v), t.lse.data_ptr()
+    assert main_v[4] == t.q.data_ptr()  # (q's descriptor stands in for the dQ buffer's)
+    assert dq_v == ptrs(t.q, t.dout, t.k, t.v, t.dq, t.lse) + (delta, lp, lp)
+    assert torch.isnan(t.dq).all()  # (the dQ kernel writes it: nothing copied)
     call(d=256)  # (the column-split kernel, then dQ)
     assert [kept[0] for kept in rec.kept[1:]] == ["_bwd_dkdv_cols_sm90", "_bwd_dq_sm90"]
     assert rec.kept[1][4] == tuple(range(10))
-    q, k, v, out, lse, dout, dq, dk, dv = call(d=256)
+    t = call(d=256)
     (_, pre_v), (_, cols_v), (_, dq_v) = rec.repeats
-    assert cols_v == ptrs(q, dout, k, v, dk, dv, lse) + (pre_v[3], lse.data_ptr(), lse.data_ptr())
-    assert dq_v == ptrs(q, dout, k, v, dq, lse) + (pre_v[3], lse.data_ptr(), lse.data_ptr())
-    call(dlse=True)  # (dLSE given: its own launches)
+    delta, lp = delta_of(t, pre_v), t.lse.data_ptr()
+    assert cols_v == ptrs(t.q, t.dout, t.k, t.v, t.dk, t.dv, t.lse) + (delta, lp, lp)
+    assert dq_v == ptrs(t.q, t.dout, t.k, t.v, t.dq, t.lse) + (delta, lp, lp)
+    call(dlse=True)  # (dLSE given: its own launches, dLSE in the preprocess's third slot)
     assert len(rec.kept) == 2 and not rec.repeats
     assert rec.kept[0][2][2].data_ptr() != rec.kept[0][2][3].data_ptr()  # (dLSE, delta)
+    t = call(dlse=True)
+    assert not rec.kept and len(rec.repeats) == 2
+    delta_of(t, rec.repeats[0][1])
     monkeypatch.setattr(sm90_bwd, "TMA_STORE", False)  # (a switch: a new form)
     call()
     assert len(rec.kept) == 2 and not rec.repeats and not rec.kept[1][3]["TMA_STORE"]
-    q, k, v, out, lse, dout, dq, dk, dv = call()
+    t = call()
     (_, pre_v), (_, main_v) = rec.repeats
-    assert main_v[5:7] == (q.data_ptr(),) * 2  # (q's descriptor stands in for dK's and dV's)
+    assert main_v[5:7] == (t.q.data_ptr(),) * 2  # (q's descriptor stands in for dK's and dV's)
     monkeypatch.setattr(sm90_bwd, "BIND", False)  # (the backward's switch off: plain launches)
     n_bound = len(sm90_bwd._BOUND)
     rec.plain.clear()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 import ioattn
 from ioattn.dispatch import sm90_unavailable_reason
@@ -139,15 +140,17 @@ def test_sm90_fwd_bind(c: Case, monkeypatch):
 
 @needs_sm90
 @pytest.mark.parametrize("c, deterministic", [
-    (CASES[2], False), (CASES[2], True), (CASES[8], False), (CASES[5], False), (CASES[12], False),
-    (CASES[16], False)], ids=["d128-causal", "d128-causal-two-kernel", "d64-gqa", "d128-window",
-                              "d256", "d96-padded"])
+    (CASES[2], False), (CASES[2], True), (CASES[8], False), (CASES[8], True), (CASES[5], False),
+    (CASES[12], False), (CASES[16], False)],
+    ids=["d128-causal", "d128-causal-two-kernel", "d64-gqa", "d64-gqa-two-kernel", "d128-window",
+         "d256", "d96-padded"])
 def test_sm90_bwd_bind(c: Case, deterministic, monkeypatch):
     """IOATTN_SM90_BWD_BIND: the backward's launches kept by the op's signature
     (``sm90_bwd._BOUND``: preprocess, dK/dV, dQ or the fused form's conversion) and repeated with
-    each call's tensors: three rounds of a case with fresh inputs (each round's tensors kept
-    alive, so no round reuses another's addresses), every gradient against the reference; the
-    second and third rounds are repeats and none steps aside."""
+    each call's tensors: four rounds of a case with fresh inputs, every gradient against the
+    reference. Each round's tensors stay alive, and blocks of the backward's own delta and fp32
+    dQ buffer are taken after it, so no round reuses another's addresses. The second and third
+    rounds are repeats; the fourth, with a launch hook set, steps aside (the plain launches)."""
     from ioattn.dense import op, sm90_bwd
 
     monkeypatch.setattr(op, "BIND", True)
@@ -155,14 +158,20 @@ def test_sm90_bwd_bind(c: Case, deterministic, monkeypatch):
     monkeypatch.setattr(sm90_bwd, "_BOUND", {})
     kept = _recorded_calls(monkeypatch, sm90_bwd._Kept)
     alive = []
-    for _ in range(3):
+    for i in range(4):
+        if i == 3:
+            monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda meta: None)
         q, k, v, kw = _case_inputs(c)
-        out = ioattn.flash_attn_func(q, k, v, backend="sm90", deterministic=deterministic, **kw)
+        out, lse, _ = ioattn.flash_attn_func(q, k, v, backend="sm90", deterministic=deterministic,
+                                             return_attn_probs=True, **kw)
         ref, _ = attention_ref(q, k, v, **kw)
         pt, _ = attention_ref(q, k, v, upcast=False, **kw)
         g = torch.randn_like(out)
-        alive.append((q, k, v, out, g, _check_grads(c.id, out, ref, pt, g, (q, k, v))))
-    assert len(sm90_bwd._BOUND) == 1 and kept == [True, True], kept
+        got = _check_grads(c.id, out, ref, pt, g, (q, k, v))
+        d = sm90_bwd.PADDED_HEAD_DIMS.get((c.d, c.d), c.d)
+        alive.append((q, k, v, out, g, got, torch.empty_like(lse),
+                      q.new_empty(q.shape[:-1] + (d,), dtype=torch.float32)))
+    assert len(sm90_bwd._BOUND) == 1 and kept == [True, True, False], kept
 
 
 @needs_sm90
@@ -987,8 +996,9 @@ def test_sm90_padded_head_dims_host_side(d, d_v, device, monkeypatch):
     seen = []
     monkeypatch.setattr(sm90_fwd, "attn_fwd_sm90",
                         lambda p, q, *a: seen.append(q.shape[-1]) or attn_fwd(p, q, *a))
-    monkeypatch.setattr(sm90_bwd, "attn_bwd_sm90",
-                        lambda p, dout, *a, fused: seen.append(dout.shape[-1]) or attn_bwd(p, dout, *a))
+    monkeypatch.setattr(sm90_bwd, "attn_bwd_sm90",  # (the portable kernel: not the sm90 key)
+                        lambda p, dout, *a, fused: seen.append(dout.shape[-1])
+                        or attn_bwd(p, dout, *a[:10]))
     c = Case(33, 47, d=d, d_v=d_v, b=1, h=2, causal=True)
     q, k, v = _inputs(c, device)
     scale = 1.0 / math.sqrt(d)
@@ -1030,8 +1040,9 @@ def test_sm90_padded_in_place_host_side(d, d_v, device, monkeypatch):
         return attn_fwd(p, q, k, v, *a)
 
     monkeypatch.setattr(sm90_fwd, "attn_fwd_sm90", fwd)
-    monkeypatch.setattr(sm90_bwd, "attn_bwd_sm90",
-                        lambda p, dout, *a, fused: seen.append(dout.shape[-1]) or attn_bwd(p, dout, *a))
+    monkeypatch.setattr(sm90_bwd, "attn_bwd_sm90",  # (the portable kernel: not the sm90 key)
+                        lambda p, dout, *a, fused: seen.append(dout.shape[-1])
+                        or attn_bwd(p, dout, *a[:10]))
     c = Case(33, 47, d=d, d_v=d_v, b=2, h=2, causal=True)
     q, k, v = _inputs(c, device)
     kt = k.detach().transpose(1, 2).contiguous().transpose(1, 2)  # heads not packed in a row
