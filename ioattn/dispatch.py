@@ -192,12 +192,12 @@ ENV_SWITCHES = (
      "repeat of a call's signature launched in one C call a kernel, past the launcher's signature"),
     ("IOATTN_SM90_FWD_BIND", "1", "sm90 forward: a repeat of a call's form launched in one C "
      "call (descriptors encoded at the call's addresses), past the launcher's signature"),
-    ("IOATTN_SM90_BWD_BIND", "0", "sm90 backward (batched): a repeat of the op's signature "
+    ("IOATTN_SM90_BWD_BIND", "1", "sm90 backward (batched): a repeat of the op's signature "
      "launched in one C call a kernel (descriptors encoded at the call's addresses), past the "
-     "launch rules (opt-in: not yet run on a GPU)"),
-    ("IOATTN_SM90_FWD_STREAM_COUNTERS", "0", "sm90 persistent forward: the dynamic scheduler's "
+     "launch rules"),
+    ("IOATTN_SM90_FWD_STREAM_COUNTERS", "1", "sm90 persistent forward: the dynamic scheduler's "
      "tile counter kept per stream and zeroed by each launch's last CTA, not allocated and "
-     "zeroed by the host per call (opt-in: not yet run on a GPU)"),
+     "zeroed by the host per call"),
     ("IOATTN_SM90_DECODE_D256", "1", "sm90 decode at head dim 256 too (one CTA an SM, 232 "
      "registers a thread); off: the portable kernel serves it"),
     ("IOATTN_SM90_DECODE_MERGE", "1", "sm90 decode: split requests merged in the kernel by "

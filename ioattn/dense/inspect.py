@@ -441,7 +441,7 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
             # one CTA per tile, the grid's), the causal dK/dV kernel as launched, the dQ kernel
             if d == 128:
                 jobs.append(_batched_causal_job(d, "lpt ", 1 << 12, head_group="i32"))
-                # (opt-in, IOATTN_SM90_FWD_STREAM_COUNTERS) the last CTA zeroes the counter
+                # (the default, IOATTN_SM90_FWD_STREAM_COUNTERS) the last CTA zeroes the counter
                 jobs.append(_batched_causal_job(d, "lpt counter-reset ", 1 << 12,
                                                 head_group="i32", COUNTER_RESET=True))
             launched = [f"sm90 bwd dkdv-cols d{d} causal 64 keys ws" if d == 256 else

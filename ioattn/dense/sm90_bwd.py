@@ -161,9 +161,12 @@ EXP_EARLY = gl.constexpr(os.environ.get("IOATTN_SM90_BWD_EXP_EARLY", "0").lower(
 # rules, the descriptors' building and the launcher's per-call signature, and launches the
 # preprocess, the dK/dV kernel and the dQ kernel (or the fused form's dQ conversion) with the
 # call's addresses. The eager sm90 backward took ~480 us of host time a call on the H100 machine
-# (results/tune/host_graph_*_113e7bd_nvidia-h100_*.log). Opt-in (IOATTN_SM90_BWD_BIND=1) until
-# its GPU test (tests/dense/test_sm90.py -k bwd_bind) has run
-BIND = os.environ.get("IOATTN_SM90_BWD_BIND", "0").lower() in ("1", "true", "on")
+# (results/tune/host_graph_*_113e7bd_nvidia-h100_*.log). On by default since its GPU test and
+# the whole GPU suite with it on passed on the H100 (results/tune/tests_counters_c0cc029_*.log,
+# tests_gpu_counters1_bwdbind1_c0cc029_*.log) and the backward alone's host time fell from 274 to
+# 172 us (fused) and 289 to 154 (two kernels) there (results/tune/host_overhead_c0cc029_*.json).
+# IOATTN_SM90_BWD_BIND=0 turns it off
+BIND = os.environ.get("IOATTN_SM90_BWD_BIND", "1").lower() not in ("0", "false", "off")
 
 
 @gluon.jit

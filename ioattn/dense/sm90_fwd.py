@@ -106,13 +106,18 @@ O_DEFER = os.environ.get("IOATTN_SM90_FWD_O_DEFER", "1").lower() in ("1", "true"
 # (results/tune/host_overhead_4528809_nvidia-h200_2026-12-07.json; the sm90 decode's run() fell
 # from 199 to 79 us so, results/tune/host_bound_e287008_*). IOATTN_SM90_FWD_BIND=0 turns it off
 BIND = os.environ.get("IOATTN_SM90_FWD_BIND", "1").lower() not in ("0", "false", "off")
-# (opt-in, IOATTN_SM90_FWD_STREAM_COUNTERS=1; not yet run on a GPU) the dynamic scheduler's
-# tile counter kept per stream and zeroed by each launch's last CTA (``_tile_counter``,
-# ``_release_counter``), instead of a new one allocated and zeroed by the host per call:
-# torch.zeros took ~30 us of the eager call's host time under cProfile on the H100 machine
-# (results/tune/host_graph_short_sm90_113e7bd_nvidia-h100_2026-12-07.log), host time the 512
-# cells pay in full (benchmarks/NOTES.md, sessions 37-38)
-STREAM_COUNTERS = os.environ.get("IOATTN_SM90_FWD_STREAM_COUNTERS", "0").lower() in (
+# The dynamic scheduler's tile counter kept per stream and zeroed by each launch's last CTA
+# (``_tile_counter``, ``_release_counter``), instead of a new one allocated and zeroed by the
+# host per call: torch.zeros took ~30 us of the eager call's host time under cProfile on the
+# H100 machine (results/tune/host_graph_short_sm90_113e7bd_nvidia-h100_2026-12-07.log), host
+# time the 512 cells pay in full (benchmarks/NOTES.md, sessions 37-39). On by default since its
+# GPU test and the whole GPU suite with it on passed on the H100 (914 passed,
+# results/tune/tests_gpu_counters1_bwdbind1_c0cc029_*.log); the eager call's host time there
+# 49.9 / 70.0 us non-causal / causal against 57.9 / 59.1 off (one process, ~10 us of noise:
+# results/tune/host_overhead_c0cc029_*.json), its eager-to-replay gap at d=128 512 5.0-5.3 us
+# against 7.5-7.7 (results/tune/host_graph_counters{1,0}_c0cc029_*). IOATTN_SM90_FWD_STREAM_COUNTERS=0
+# takes a new counter a call
+STREAM_COUNTERS = os.environ.get("IOATTN_SM90_FWD_STREAM_COUNTERS", "1").lower() in (
     "1", "true", "on")
 # (the persistent forward at d = 64 / 128) Q in two buffers, taken by the tiles in turn. With
 # one, the producer, having issued a tile's last K/V loads, waits until that tile's last QKᵀ
@@ -1180,9 +1185,15 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     auto's portable kernel and cuDNN in one run, results/short_4528809_nvidia-h200_2026-12-07.json),
     TFLOP/s sm90 / portable: d=256 512 non-causal 453 / 340, causal 300 / 221, 1k 464 / 413 and
     425 / 298; d=128 1k 542 / 393 and 417 / 304, but 512 278 / 312 and 148 / 220; d=64
-    non-causal 512 334 / 308, 1k 381 / 365, causal 155 / 216 and 267 / 286. So batched calls
-    take it from 512 queries and keys at d=256, from 1k at d=128 (its persistent form, the one
-    timed), and from 512 at d=64 without a mask. Only these were timed: 16k tokens a call (32 /
+    non-causal 512 334 / 308, 1k 381 / 365, causal 155 / 216 and 267 / 286. The d=128 512
+    cells were the eager call's host time (~125 us a call with the kept launch on, 145-181 off,
+    session 36): with the launch kept by the op's signature, descriptor encodings kept by address
+    and the tile counter kept per stream, an eager call costs ~50-60 us of host time and runs
+    within ~5-8 us of its graph replay; on the H100 (results/short_auto_c0cc029_nvidia-h100_*.json,
+    results/tune/host_graph_counters1_c0cc029_*) sm90 / portable / cuDNN ran 473 / 297 / 487
+    non-causal and 284 / 215 / 317 causal there. So batched calls take it from 512 queries and
+    keys at d=256 and d=128 (its persistent form, the one timed), and from 512 at d=64 without a
+    mask. Only these were timed: 16k tokens a call (32 /
     16 sequences of 16 heads at d=128), queries = keys, no GQA, bf16; the d=64 margins (1.04 /
     1.08) are within a run's spread. Varlen (not timed there; its max_seqlen only bounds the
     sequences) and sliding windows (``window``: a window of a few key blocks is the 512 cell's
@@ -1205,8 +1216,8 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
             return max_seqlen_q >= 2048  # (masked: two Q buffers)
         return max_seqlen_q >= (4096 if WG3 or _persistent(64, varlen) else 8192)
     if not (varlen or window) and (head_dim == 256 or _persistent(head_dim, varlen)) \
-            and min(max_seqlen_q, max_seqlen_k) >= (1024 if head_dim == 128 else 512):
-        return True  # batched, from 1k at d=128 and 512 at d=256 (the FA grid's short cells)
+            and min(max_seqlen_q, max_seqlen_k) >= 512:
+        return True  # batched, from 512 at d=128 and d=256 (the FA grid's short cells)
     return max_seqlen_q >= 2048 or (max_seqlen_q >= 512 and max_seqlen_k >= 2048)
 
 

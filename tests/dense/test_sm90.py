@@ -1134,7 +1134,7 @@ def test_sm90_dispatch_check_traces_under_compile(device):
 def test_sm90_forward_preference_rule():
     """'auto' takes the sm90 forward where it measured faster: long queries, a chunk of >= 512
     queries over long keys (chunked prefill: 1.3x the portable kernel), and batched problems
-    from 1k (d=128) / 512 (d=256, d=64 without a mask) queries and keys; shorter ones stay
+    from 512 (d=128, d=256, d=64 without a mask) queries and keys; shorter ones stay
     portable. Pingpong is on by default at d=256 only."""
     from ioattn.dense import sm90_fwd
 
@@ -1147,15 +1147,17 @@ def test_sm90_forward_preference_rule():
     assert not sm90_fwd.preferred(256, True, 8192, 8192, False, 30.0)  # not timed
     assert sm90_fwd.preferred(128, True, 512, 4608)
     assert not sm90_fwd.preferred(128, True, 256, 4608)
-    # batched: from 1k queries and keys at d=128, 512 at d=256 (the FA grid's short cells);
+    # batched: from 512 queries and keys at d=128 and d=256 (the FA grid's short cells);
     # varlen and sliding windows from 2k
     if sm90_fwd._persistent(128, False):  # (the d=128 form timed there)
         assert sm90_fwd.preferred(128, False, 1024, 1024)
         assert sm90_fwd.preferred(128, True, 1024, 1024)
+        assert sm90_fwd.preferred(128, False, 512, 512)
+        assert sm90_fwd.preferred(128, True, 512, 512)
+        assert not sm90_fwd.preferred(128, False, 256, 256)
     assert not sm90_fwd.preferred(128, False, 1024, 1024, varlen=True)
     assert not sm90_fwd.preferred(128, True, 1024, 1024, window=True)
     assert not sm90_fwd.preferred(256, True, 512, 512, window=True)
-    assert not sm90_fwd.preferred(128, False, 512, 512)
     assert not sm90_fwd.preferred(128, False, 1024, 256)
     assert sm90_fwd.preferred(256, True, 512, 512)
     assert not sm90_fwd.preferred(256, True, 512, 512, varlen=True)
