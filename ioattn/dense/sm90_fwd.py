@@ -115,8 +115,8 @@ BIND = os.environ.get("IOATTN_SM90_FWD_BIND", "1").lower() not in ("0", "false",
 # results/tune/tests_gpu_counters1_bwdbind1_c0cc029_*.log); the eager call's host time there
 # 49.9 / 70.0 us non-causal / causal against 57.9 / 59.1 off (one process, ~10 us of noise:
 # results/tune/host_overhead_c0cc029_*.json), its eager-to-replay gap at d=128 512 5.0-5.3 us
-# against 7.5-7.7 (results/tune/host_graph_counters{1,0}_c0cc029_*). IOATTN_SM90_FWD_STREAM_COUNTERS=0
-# takes a new counter a call
+# against 7.5-7.7 (results/tune/host_graph_counters{1,0}_c0cc029_*).
+# IOATTN_SM90_FWD_STREAM_COUNTERS=0 takes a new counter a call
 STREAM_COUNTERS = os.environ.get("IOATTN_SM90_FWD_STREAM_COUNTERS", "1").lower() in (
     "1", "true", "on")
 # (the persistent forward at d = 64 / 128) Q in two buffers, taken by the tiles in turn. With
