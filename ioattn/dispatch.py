@@ -194,7 +194,7 @@ ENV_SWITCHES = (
      "call (descriptors encoded at the call's addresses), past the launcher's signature"),
     ("IOATTN_SM90_BWD_BIND", "1", "sm90 backward (batched): a repeat of the op's signature "
      "launched in one C call a kernel (descriptors encoded at the call's addresses), past the "
-     "launch rules"),
+     "launch rules (with IOATTN_BIND, which supplies the signature)"),
     ("IOATTN_SM90_FWD_STREAM_COUNTERS", "1", "sm90 persistent forward: the dynamic scheduler's "
      "tile counter kept per stream and zeroed by each launch's last CTA, not allocated and "
      "zeroed by the host per call"),

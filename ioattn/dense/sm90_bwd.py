@@ -160,7 +160,7 @@ EXP_EARLY = gl.constexpr(os.environ.get("IOATTN_SM90_BWD_EXP_EARLY", "0").lower(
 # op's signature as the forward's (``attn_bwd_sm90``'s bind_key): a repeat skips the launch
 # rules, the descriptors' building and the launcher's per-call signature, and launches the
 # preprocess, the dK/dV kernel and the dQ kernel (or the fused form's dQ conversion) with the
-# call's addresses. The eager sm90 backward took ~480 us of host time a call on the H100 machine
+# call's addresses. The eager sm90 backward took 480-610 us of host time a call on the H100 machine
 # (results/tune/host_graph_*_113e7bd_nvidia-h100_*.log). On by default since its GPU test and
 # the whole GPU suite with it on passed on the H100 (results/tune/tests_counters_c0cc029_*.log,
 # tests_gpu_counters1_bwdbind1_c0cc029_*.log) and the backward alone's host time fell from 274 to

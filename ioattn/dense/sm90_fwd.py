@@ -1187,13 +1187,15 @@ def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
     425 / 298; d=128 1k 542 / 393 and 417 / 304, but 512 278 / 312 and 148 / 220; d=64
     non-causal 512 334 / 308, 1k 381 / 365, causal 155 / 216 and 267 / 286. The d=128 512
     cells were the eager call's host time (~125 us a call with the kept launch on, 145-181 off,
-    session 36): with the launch kept by the op's signature, descriptor encodings kept by address
-    and the tile counter kept per stream, an eager call costs ~50-60 us of host time and runs
-    within ~5-8 us of its graph replay; on the H100 (results/short_auto_c0cc029_nvidia-h100_*.json,
-    results/tune/host_graph_counters1_c0cc029_*) sm90 / portable / cuDNN ran 473 / 297 / 487
-    non-causal and 284 / 215 / 317 causal there. So batched calls take it from 512 queries and
-    keys at d=256 and d=128 (its persistent form, the one timed), and from 512 at d=64 without a
-    mask. Only these were timed: 16k tokens a call (32 /
+    session 36): with the launch kept by the op's signature and descriptor encodings kept by
+    address, an eager call costs ~50-70 us of host time on the H100 machine and runs within
+    5-8 us of its graph replay (results/tune/host_overhead_c0cc029_*,
+    host_graph_counters{0,1}_c0cc029_*); there (H100, the tile counter then a new one a call,
+    results/short_auto_c0cc029_nvidia-h100_*.json) sm90 / portable / cuDNN ran 473 / 297 / 487
+    non-causal and 284 / 215 / 316 causal. So batched calls take it from 512 queries and keys at
+    d=256 and d=128 (its persistent form, the one timed; d=128 at 512 on H100 evidence, the H200
+    run is pending), and from 512 at d=64 without a mask. Only these were timed: 16k tokens a
+    call (32 /
     16 sequences of 16 heads at d=128), queries = keys, no GQA, bf16; the d=64 margins (1.04 /
     1.08) are within a run's spread. Varlen (not timed there; its max_seqlen only bounds the
     sequences) and sliding windows (``window``: a window of a few key blocks is the 512 cell's
