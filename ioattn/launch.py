@@ -220,13 +220,14 @@ class Launcher:
         return bound_launch(compiled, grid, list(args) + tail, slots, _current_device())
 
 
-    def bind_kept(self, cache: dict, key, grid, args, kwargs, slots) -> None:
+    def bind_kept(self, cache: dict, key, grid, args, kwargs, slots) -> Optional["Bound"]:
         """Launch as ``self[grid](*args, **kwargs)`` and keep its ``Bound`` (``bind``) in
         ``cache`` under ``key``, for ``repeat`` to find: the caller's key holds everything the
-        arguments derive from but the ``slots``' values."""
+        arguments derive from but the ``slots``' values. Returns the Bound (or None)."""
         bound = self.bind(grid, args, kwargs, slots)
         if bound is not None:
             keep(cache, key, bound)
+        return bound
 
 
 def repeat(cache: dict, key, *values) -> bool:
@@ -319,9 +320,8 @@ class Bound:
                 at, width, fields, meta = slot
                 args = self.encoded.get((at, value))
                 if args is None:
-                    if len(self.encoded) >= ENCODED_PER_BOUND:
-                        self.encoded.clear()
-                    args = self.encoded[(at, value)] = _encode(_At(fields, value), meta)
+                    args = keep(self.encoded, (at, value), _encode(_At(fields, value), meta),
+                                ENCODED_PER_BOUND)
                 flat[at:at + width] = args
             else:
                 flat[slot] = value

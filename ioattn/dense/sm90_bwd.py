@@ -60,7 +60,6 @@ from ioattn.dense.sm90_common import (PADDED_HEAD_DIMS, barriers, box_cols, floo
                                       wgmma_acc_layout, zero_last_key_tile, zero_tail_rows,
                                       grouped_order, head_group_size, mma_over_cols)
 from ioattn.dispatch import sm_count
-from ioattn.dense import triton_bwd
 from ioattn.dense.triton_bwd import bwd_preprocess
 from ioattn.launch import keep, launcher
 
@@ -1406,8 +1405,8 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             return
     else:
         bind_key = None
-    pre_key = None if bind_key is None else (bind_key, "sm90 preprocess")
-    bwd_preprocess(p, out, dout, lse, dlse, delta, pre_key)
+    pre = bwd_preprocess(p, out, dout, lse, dlse, delta,
+                         None if bind_key is None else (bind_key, "sm90 preprocess"))
     bounds = []  # (bind_key) the dK/dV and dQ kernels' Bounds, in launch order
 
     def run(kernel, grid, args, kwargs, n_slots):
@@ -1454,8 +1453,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         # fused: rows no key block reaches get no partial, so the buffer starts at 0
         # (a padded head dim: the buffer at d columns a head, as the kernel's tiles)
         acc_cols = d if fused else 0
-        dq_acc = (torch.zeros(q.shape[:-1] + (d,), dtype=torch.float32, device=q.device)
-                  if fused else None)
+        dq_acc = _dq_buffer(q, d) if fused else None
         rows = step_rows(d, fused)
         order = dq_order(d, p.causal_like, rows) if fused else "after"
         grid = (-(-p.max_seqlen_k // (2 * half)), p.batch * n_heads_k)
@@ -1483,7 +1481,7 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             ROW_STATS=ROW_STATS, softcap_scale=softcap_scale, TMA_STORE=tma_store,
             head_group=_order(grid, p, q.device), **cols, **flags), 13)
     if acc_cols:
-        dq.copy_(dq_acc[..., :q.shape[-1]] if d_pad else dq_acc)
+        dq.copy_(dq_acc[..., :dq.shape[-1]])  # (a padded head dim: its first d columns)
     else:
         block_n = _dq_block_n(d)
         grid = (-(-p.max_seqlen_q // (2 * half)), p.batch * n_heads)
@@ -1494,7 +1492,6 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, *scalars), dict(
             STAGES=DQ_STAGES, softcap_scale=softcap_scale, K_COLS=cols.get("K_COLS", 0),
             head_group=_order(grid, p, q.device), **narrow, **flags), 9)
-    pre = None if bind_key is None else triton_bwd._BOUND.get(pre_key)
     if pre is not None and all(b is not None for b in bounds):
         form = "cols" if d == 256 else ("fused" if acc_cols else "two")
         keep(_BOUND, bind_key, _Kept(pre, bounds, form, acc_cols, tma_store))
@@ -1527,14 +1524,19 @@ class _Kept:
         if self.form == "cols":  # (d = 256: the column-split dK/dV kernel, then the dQ kernel)
             ok = self.bounds[0](*kv, *grads, *tail)
         else:
-            acc = (torch.zeros(q.shape[:-1] + (self.acc_cols,), dtype=torch.float32,
-                               device=q.device) if self.form == "fused" else q)
+            acc = _dq_buffer(q, self.acc_cols) if self.form == "fused" else q
             stored = grads if self.tma_store else (qp, qp)  # (dK / dV descriptors, or q's)
             ok = self.bounds[0](*kv, acc.data_ptr(), *stored, *grads, *tail)
             if ok and self.form == "fused":
-                dq.copy_(acc[..., :q.shape[-1]] if self.acc_cols != q.shape[-1] else acc)
+                dq.copy_(acc[..., :dq.shape[-1]])
                 return True
         return ok and self.bounds[1](*kv, dq.data_ptr(), *tail)
+
+
+def _dq_buffer(q: torch.Tensor, cols: int) -> torch.Tensor:
+    """(fused) dQ's fp32 buffer at ``cols`` columns a head (the kernels' head dim), zeroed: rows
+    no key block reaches get no partial."""
+    return torch.zeros(q.shape[:-1] + (cols,), dtype=torch.float32, device=q.device)
 
 
 def _switches() -> tuple:

@@ -340,15 +340,16 @@ def _bwd_dq_kernel(
 
 
 def bwd_preprocess(p: AttnParams, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-                   dlse: Optional[torch.Tensor], delta: torch.Tensor, key=None) -> None:
+                   dlse: Optional[torch.Tensor], delta: torch.Tensor, key=None):
     """delta = rowsum(dO * O) - dLSE into ``delta`` (LSE's layout); shared by every backward.
-    ``key``: as ``attn_bwd``'s (the launch kept under it, slots O, dO, dLSE, delta)."""
+    ``key``: as ``attn_bwd``'s (the launch kept under it, slots O, dO, dLSE, delta; the kept
+    ``Bound`` is returned, None without a key or where it cannot be bound)."""
     n_heads = out.shape[-2]
     sb = p.batch_strides
     pre_block = 64
     grid = (cdiv(p.max_seqlen_q, pre_block), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
-        return
+        return None
     args = (out, dout, dlse if dlse is not None else delta, delta,
             sb(out), out.stride(-3), out.stride(-2), sb(dout), dout.stride(-3), dout.stride(-2),
             *p.lse_strides(lse), p.cu_q_arg(out), n_heads, p.max_seqlen_q)
@@ -356,8 +357,8 @@ def bwd_preprocess(p: AttnParams, out: torch.Tensor, dout: torch.Tensor, lse: to
                   BLOCK_M=pre_block, IS_VARLEN=p.is_varlen, HAS_DLSE=dlse is not None)
     if key is None:
         launcher(_bwd_preprocess)[grid](*args, **kwargs)
-    else:
-        launcher(_bwd_preprocess).bind_kept(_BOUND, key, grid, args, kwargs, (0, 1, 2, 3))
+        return None
+    return launcher(_bwd_preprocess).bind_kept(_BOUND, key, grid, args, kwargs, (0, 1, 2, 3))
 
 
 # (``attn_bwd``'s ``key``) its three launches kept for repeats, under (key, 0 / 1 / 2)

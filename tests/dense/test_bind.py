@@ -39,7 +39,7 @@ class _RecordingLauncher:
 
     def bind_kept(self, cache, key, grid, args, kwargs, slots):
         self.kept.append((key, grid, args, kwargs, slots))
-        launch.keep(cache, key, _RecordedBound(self, key, slots))
+        return launch.keep(cache, key, _RecordedBound(self, key, slots))
 
     def bind(self, grid, args, kwargs, slots):  # (keyed by the kernel's name, ``named``)
         self.kept.append((self.kernel, grid, args, kwargs, slots))
