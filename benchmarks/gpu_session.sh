@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early] [short] [d256-decode] [short-bench] [bind-tests] [pending] [short-timeline] [short-forms] [counters] [tma-l2]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early] [short] [d256-decode] [short-bench] [bind-tests] [pending] [short-timeline] [short-forms] [counters]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -803,17 +803,6 @@ for step in $steps; do
            timeout 200 python -m pytest -q -n 8 -p no:cacheprovider tests/decode/test_decode_sm90.py \
              -k "early" > "$OUT/tests_decode_early.log" 2>&1; echo "tests: $(tail -1 "$OUT/tests_decode_early.log")"
            decode_onoff IOATTN_SM90_DECODE_EARLY early ;;
-    tma-l2) # IOATTN_TMA_L2 (TMA descriptors' L2 promotion, Triton's 128 B against 256 B): its
-           # GPU tests, then the decode cells with cuDNN beside, 256 / 128 interleaved twice
-           # (ABBA), into $OUT/decode_l2_<v>_<round>.json (~4-5 min cold)
-           timeout 120 python -m pytest -q -p no:cacheprovider -rf tests/test_tma_l2.py \
-             > "$OUT/tests_tma_l2.log" 2>&1; tail -1 "$OUT/tests_tma_l2.log"
-           for r in 1 2; do order="256 128"; [ $r = 2 ] && order="128 256"; for v in $order; do
-             IOATTN_TMA_L2=$v timeout 150 python -m ioattn bench --suite decode \
-               --cells "${L2_CELLS:-64x4096x16,16x8192x16,1x32768x16,64x4096x1}" --prefill-cells "" \
-               --out "$OUT/decode_l2_${v}_$r.json" > "/tmp/decode_l2_${v}_$r.log" 2>&1
-             echo "== L2 $v round $r"; grep -E "^decode" "/tmp/decode_l2_${v}_$r.log" | grep -vi flash_sdpa
-           done; done ;;
     short-bench) # (`short`'s first part) the sm90 backend forced beside auto and cuDNN at 512 / 1k
            timeout 240 python -m ioattn bench --modes fwd,bwd --dims 64,128,256 --seqlens 512,1024 \
              --dtypes bf16 --impls ioattn,ioattn_sm90,sdpa_cudnn --no-plots \

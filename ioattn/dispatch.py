@@ -206,9 +206,6 @@ ENV_SWITCHES = (
      "while the previous kernel finishes, and wait for it before touching memory)"),
     ("IOATTN_SM90_DECODE_PREFETCH", "1", "sm90 decode (with PDL): L2 prefetches of each CTA's "
      "first key tiles before its wait for the previous kernel"),
-    ("IOATTN_TMA_L2", "128", "bytes an L2 miss through a TMA descriptor fetches (none, 64, 128, "
-     "256): other than Triton's 128, every Triton TMA descriptor in the process is encoded again "
-     "with that promotion (ioattn.tma_l2)"),
     ("IOATTN_SM90_DECODE_HEADS_FIRST", "1", "sm90 decode: the grid as (KV heads, items), one "
      "item's heads side by side (they read the same cache rows)"),
 )

@@ -35,8 +35,6 @@ import torch
 from triton import knobs
 from triton.runtime.driver import driver
 
-from . import tma_l2
-
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _MAX_ENTRIES = 256  # signatures kept per cache (a new one past this clears it)
 
@@ -159,8 +157,6 @@ class Launcher:
         self.pos_tables = [self.tables.get(n, _SIG) for n in self.names]
         # plain JIT functions only: an Autotuner / Heuristics wrapper runs its own hooks per call
         self.fast = not _INTERPRET and _is_jit_function(kernel) and bool(self.names)
-        if self.fast and not tma_l2._installed:  # (IOATTN_TMA_L2, before its first launch)
-            tma_l2.install()
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
