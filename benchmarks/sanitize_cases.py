@@ -23,20 +23,33 @@ from ioattn.dense import sm90_fwd  # noqa: E402
 _sms = sm90_fwd.sm_count
 sm90_fwd.sm_count = lambda device: 3
 for d, causal in ((64, True), (128, False), (128, True)):
-    q, k, v = (torch.randn(2, 331, 4, d, device=dev, dtype=dt) for _ in range(3))
-    ioattn.flash_attn_func(q, k, v, causal=causal, backend="sm90")
+    # twice at fresh addresses: the second call takes the kept launch and the stream's tile
+    # counter as the first call's last CTA left it (IOATTN_SM90_FWD_STREAM_COUNTERS)
+    for _ in range(2):
+        q, k, v = (torch.randn(2, 331, 4, d, device=dev, dtype=dt) for _ in range(3))
+        ioattn.flash_attn_func(q, k, v, causal=causal, backend="sm90")
 sm90_fwd.sm_count = _sms
-# the sm90 backward kernels (d=64: the fused form on 128-row steps, the last one partial)
+# the sm90 backward kernels (d=64: the fused form on 128-row steps, the last one partial),
+# twice each: the second through its kept launches (IOATTN_SM90_BWD_BIND)
 for d, causal in ((128, True), (64, False), (64, True)):
-    q, k, v = (torch.randn(1, 203, 4, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
-    out = ioattn.flash_attn_func(q, k, v, causal=causal, backend="sm90")
-    out.backward(torch.randn_like(out))
+    for _ in range(2):
+        q, k, v = (torch.randn(1, 203, 4, d, device=dev, dtype=dt, requires_grad=True)
+                   for _ in range(3))
+        out = ioattn.flash_attn_func(q, k, v, causal=causal, backend="sm90")
+        out.backward(torch.randn_like(out))
 # serving: decode wrapper, kv-cache call
 cache = torch.randn(40, 2, 16, 2, 128, device=dev, dtype=dt)
 w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=dev))
 w.plan(torch.tensor([0, 10, 30], dtype=torch.int32), torch.arange(30, dtype=torch.int32, device=dev),
        torch.tensor([5, 16], dtype=torch.int32), 8, 2, 128, 16, q_data_type=dt, fixed_split_size=64)
 w.run(torch.randn(2, 8, 128, device=dev, dtype=dt), cache)
+# head dim 256 on the sm90 decode kernel (IOATTN_SM90_DECODE_D256), run twice (kept launch)
+cache256 = torch.randn(40, 2, 16, 2, 256, device=dev, dtype=dt)
+w256 = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=dev))
+w256.plan(torch.tensor([0, 10, 30], dtype=torch.int32), torch.arange(30, dtype=torch.int32, device=dev),
+          torch.tensor([5, 16], dtype=torch.int32), 8, 2, 256, 16, q_data_type=dt)
+for _ in range(2):
+    w256.run(torch.randn(2, 8, 256, device=dev, dtype=dt), cache256)
 ioattn.flash_attn_with_kvcache(torch.randn(2, 3, 8, 128, device=dev, dtype=dt), cache[:, 0], cache[:, 1],
                                cache_seqlens=torch.tensor([100, 300], dtype=torch.int32, device=dev),
                                block_table=torch.arange(40, dtype=torch.int32, device=dev).view(2, 20),
