@@ -23,7 +23,7 @@ from ioattn.dense import sm90_fwd  # noqa: E402
 _sms = sm90_fwd.sm_count
 sm90_fwd.sm_count = lambda device: 3
 for d, causal in ((64, True), (128, False), (128, True)):
-    # twice at fresh addresses: the second call takes the kept launch and the stream's tile
+    # twice, new inputs: the second call takes the kept launch and the stream's tile
     # counter as the first call's last CTA left it (IOATTN_SM90_FWD_STREAM_COUNTERS)
     for _ in range(2):
         q, k, v = (torch.randn(2, 331, 4, d, device=dev, dtype=dt) for _ in range(3))
