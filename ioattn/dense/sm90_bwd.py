@@ -1493,25 +1493,23 @@ def attn_bwd_sm90(p: AttnParams, dout: torch.Tensor, q: torch.Tensor, k: torch.T
             STAGES=DQ_STAGES, softcap_scale=softcap_scale, K_COLS=cols.get("K_COLS", 0),
             head_group=_order(grid, p, q.device), **narrow, **flags), 9)
     if pre is not None and all(b is not None for b in bounds):
-        form = "cols" if d == 256 else ("fused" if acc_cols else "two")
-        keep(_BOUND, bind_key, _Kept(pre, bounds, form, acc_cols, tma_store))
+        keep(_BOUND, bind_key, _Kept(pre, bounds, d == 256, acc_cols, tma_store))
 
 
 class _Kept:
     """The launches of one batched backward signature kept for repeats (``attn_bwd_sm90``'s
-    bind_key): the preprocess, then the dK/dV kernel and either the dQ kernel or (``acc_cols``,
-    the fused form) the conversion of a new fp32 dQ buffer of that many columns a head (form
-    "cols": d = 256's column-split dK/dV kernel, "two": the d <= 128 dK/dV kernel without dQ,
-    "fused": with it; dK / dV by TMA or not, ``tma_store``). Called
+    bind_key): the preprocess, then the dK/dV kernel (``split_cols``: d = 256's column-split
+    one; dK / dV by TMA or not, ``tma_store``) and either the dQ kernel or (``acc_cols`` > 0,
+    the fused form) the conversion of a new fp32 dQ buffer of that many columns a head. Called
     with a call's tensors, it launches them at their addresses in the slots' order of the first
     call (descriptor bases, then the pointers; the unused cu_seqlens pointers are LSE's); False
     when a Bound steps aside (launch hooks, Triton's switches, another device): the caller then
     launches everything the plain way (the preprocess again: it only writes delta)."""
 
-    __slots__ = ("pre", "bounds", "form", "acc_cols", "tma_store")
+    __slots__ = ("pre", "bounds", "split_cols", "acc_cols", "tma_store")
 
-    def __init__(self, pre, bounds, form: str, acc_cols: int, tma_store: bool) -> None:
-        self.pre, self.bounds, self.form = pre, bounds, form
+    def __init__(self, pre, bounds, split_cols: bool, acc_cols: int, tma_store: bool) -> None:
+        self.pre, self.bounds, self.split_cols = pre, bounds, split_cols
         self.acc_cols, self.tma_store = acc_cols, tma_store
 
     def __call__(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, delta) -> bool:
@@ -1521,13 +1519,13 @@ class _Kept:
         kv = (qp, dop, k.data_ptr(), v.data_ptr())
         grads = (dk.data_ptr(), dv.data_ptr())
         tail = (lp, dp, lp, lp)  # (LSE, delta, the unused cu_seqlens pointers)
-        if self.form == "cols":  # (d = 256: the column-split dK/dV kernel, then the dQ kernel)
+        if self.split_cols:  # (d = 256: the column-split dK/dV kernel, then the dQ kernel)
             ok = self.bounds[0](*kv, *grads, *tail)
         else:
-            acc = _dq_buffer(q, self.acc_cols) if self.form == "fused" else q
+            acc = _dq_buffer(q, self.acc_cols) if self.acc_cols else q
             stored = grads if self.tma_store else (qp, qp)  # (dK / dV descriptors, or q's)
             ok = self.bounds[0](*kv, acc.data_ptr(), *stored, *grads, *tail)
-            if ok and self.form == "fused":
+            if ok and self.acc_cols:
                 dq.copy_(acc[..., :dq.shape[-1]])
                 return True
         return ok and self.bounds[1](*kv, dq.data_ptr(), *tail)
