@@ -31,7 +31,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
                   dropout_p: float = 0.0, dropout_mask: Optional[torch.Tensor] = None,
                   upcast: bool = True, compute_dtype: torch.dtype = torch.float32,
                   attn_mask: Optional[torch.Tensor] = None,
-                  learnable_sink: Optional[torch.Tensor] = None,
+                  learnable_sink: Optional[torch.Tensor] = None, fp8_p: bool = False,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention. Returns (out [b, s_q, h, d_v] in q's dtype, lse [b, h, s_q] fp32).
 
@@ -44,6 +44,11 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     upcast=True computes in ``compute_dtype`` (fp32, or fp64 to check the reference itself);
     upcast=False does the same math in the inputs' low precision (the baseline of the test rule).
     dropout_mask: bool keep-mask [b, h, s_q, s_k] (kept elements are scaled by 1 / (1 - p)).
+
+    fp8_p: the fp8 forward's arithmetic in plain PyTorch (the test rule's low-precision
+    baseline for fp8 inputs, given their dequantized values in fp32): the probabilities
+    relative to the row max, times 2^8, rounded to e4m3 before P·V, the row sums unrounded
+    (as the kernels); out in bf16. No dropout or sink.
     """
     dtype_out = q.dtype
     if upcast:
@@ -77,6 +82,17 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         sink = learnable_sink.to(scores.dtype).view(1, h, 1, 1).expand(b, h, s_q, 1)
         scores = torch.cat([scores, sink], dim=-1)
     lse = torch.logsumexp(scores, dim=-1)
+    if fp8_p:
+        assert dropout_p == 0 and learnable_sink is None, "fp8_p: no dropout, no sink"
+        if scores.shape[-1] == 0:  # no keys
+            return v.new_zeros(b, s_q, h, v.shape[-1], dtype=torch.bfloat16), lse.float()
+        m = scores.amax(-1, keepdim=True)
+        p = torch.exp(scores - torch.where(m == float("-inf"), 0.0, m))  # masked: exp(-inf) = 0
+        p8 = (p * 256.0).to(torch.float8_e4m3fn).to(v.dtype)
+        out = torch.einsum("bhts,bshd->bthd", p8, v)
+        l = (p.sum(-1) * 256.0).transpose(1, 2)[..., None]  # [b, s_q, h, 1]
+        out = torch.where(l > 0, out / torch.where(l > 0, l, 1.0), 0.0)
+        return out.to(torch.bfloat16), lse.float()
     attn = torch.softmax(scores, dim=-1)
     if learnable_sink is not None:
         attn = attn[..., :s_k]

@@ -63,9 +63,33 @@ def _patch_interpreter_bf16_rounding() -> None:
     interpreter.InterpreterBuilder.cast_impl = cast_impl
 
 
+def _patch_interpreter_fp8_rounding() -> None:
+    """Triton 3.6's interpreter converts fp32 to fp8 e4m3 (``x.to(tl.float8e4nv)``) without
+    carrying a rounded-up mantissa into the exponent (31.2 becomes 16, not 32). Tests convert
+    as the GPU's ``cvt.rn.satfinite.e4m3x2.f32`` does (nearest even, saturating at 448), through
+    torch; kernels are left untouched."""
+    from triton.runtime import interpreter
+
+    orig = interpreter.InterpreterBuilder.create_fp_to_fp
+    if getattr(orig, "_ioattn_patched", False):
+        return
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            x = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            x = torch.where(x.isnan(), x, x.clamp(-448.0, 448.0))
+            out = x.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(out, tl.float8e4nv)
+        return orig(self, src, dst_type, rounding_mode)
+
+    create_fp_to_fp._ioattn_patched = True
+    interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_bf16_dot()
     _patch_interpreter_bf16_rounding()
+    _patch_interpreter_fp8_rounding()
 
 from ioattn.dense import op as _dense_op  # noqa: E402
 

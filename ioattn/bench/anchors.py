@@ -92,6 +92,31 @@ class IoAttn(Impl):
         return Built(lambda: func(q, k, v, backend=backend, **kw), [q, k, v], inp.dout, bhsd=False)
 
 
+class IoAttnFp8(Impl):
+    """ioattn's fp8 forward (``flash_attn_func`` on e4m3 q, k, v with descales): the cell's
+    bf16 / fp16 inputs quantized once outside the timer (``ioattn.fp8.quantize_qkv``; block
+    descales per 128 rows, or per (batch, head) with ``block_size=None``), O in bf16. Forward
+    only."""
+
+    needs_cuda = True
+
+    def __init__(self, name: str, block_size: Optional[int]) -> None:
+        self.name, self.block_size = name, block_size
+
+    def build(self, inp: Inputs, shape: Shape) -> Built:
+        if shape.mode != "fwd":
+            raise ValueError("fp8 attention is forward only")
+        from ioattn.fp8 import quantize_qkv
+
+        func = get_ioattn_func()
+        q8, k8, v8, qd, kd, vd = quantize_qkv(inp.q.detach(), inp.k.detach(), inp.v.detach(),
+                                              block_size=self.block_size)
+        kw = dict(causal=shape.causal, q_descale=qd, k_descale=kd, v_descale=vd)
+        if shape.softcap:
+            kw["softcap"] = shape.softcap
+        return Built(lambda: func(q8, k8, v8, **kw), [], inp.dout, bhsd=False)
+
+
 class Sdpa(Impl):
     """torch's SDPA call on its own [b, h, s, d] tensors, through one of its backends
     (``backend_name``), or (None) through ioattn's ``scaled_dot_product_attention``: what a model
@@ -169,6 +194,8 @@ IMPLS: dict[str, Impl] = {
         IoAttn(),
         IoAttn("ioattn_triton", "triton"),
         IoAttn("ioattn_sm90", "sm90"),
+        IoAttnFp8("ioattn_fp8", 128),
+        IoAttnFp8("ioattn_fp8_head", None),
         Sdpa("ioattn_sdpa", None, needs_cuda=False),
         Sdpa("sdpa_cudnn", "CUDNN_ATTENTION", needs_cuda=True),
         Sdpa("sdpa_flash", "FLASH_ATTENTION", needs_cuda=True),

@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ioattn.dense.op import dense_attention, draw_rng_state
+from ioattn.dense.op import FP8_DTYPES, dense_attention, draw_rng_state
+from ioattn.dense.triton_fwd import FP8_BLOCK as QUANT_BLOCK
 from ioattn.dispatch import resolve_backend, sm90_unavailable_reason
 from ioattn.launch import keep
 from ioattn.reference import attention_ref, attention_varlen_ref
@@ -35,10 +36,12 @@ def _check_tensor(name: str, t, rank: int) -> None:
 
 
 def _check_common(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, window_size, softcap: float,
-                  softmax_scale) -> None:
-    if q.dtype not in _DTYPES:
+                  softmax_scale, fp8_ok: bool = False) -> None:
+    if q.dtype not in _DTYPES and not (fp8_ok and q.dtype in FP8_DTYPES):
         _fail(f"q has dtype {q.dtype}; ioattn supports torch.float16 and torch.bfloat16 "
-              f"(cast with q.to(torch.bfloat16))", TypeError)
+              f"(cast with q.to(torch.bfloat16))"
+              + ("; flash_attn_func / flash_attn_varlen_func also take torch.float8_e4m3fn"
+                 if not fp8_ok else ""), TypeError)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             _fail(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share a dtype",
@@ -275,12 +278,63 @@ def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool, sink: Optional[Te
     return (out, lse, None) if return_attn_probs else out
 
 
+def _check_fp8(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, descales: tuple,
+               backend: str, batch: int, seqlens: tuple[int, int]) -> None:
+    """An fp8 call's own rules (after ``_check_common``): forward only, no dropout, descales'
+    dtypes and shapes; inputs that are not fp8 take no descales."""
+    names = ("q_descale", "k_descale", "v_descale")
+    if q.dtype not in FP8_DTYPES:
+        for name, t in zip(names, descales):
+            if t is not None:
+                _fail(f"{name} applies to fp8 inputs (torch.float8_e4m3fn) only; q is {q.dtype}")
+        return
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        _fail("fp8 attention is forward only (as FlashAttention-3's fp8 path): no gradients flow "
+              "to fp8 q, k, v; run the training pass in bf16 or fp16")
+    if dropout_p:
+        _fail(f"dropout_p={dropout_p!r}: fp8 attention has no dropout (pass 0.0)")
+    if backend == "sm90":
+        _fail("backend='sm90' takes fp16 / bf16 only: fp8 inputs run on backend='triton' (or "
+              "'auto', 'reference')")
+    if q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
+        _fail(f"fp8 attention needs fp8 tensor cores (sm_89 or newer: Ada, Hopper); "
+              f"{torch.cuda.get_device_name(q.device)} has none: pass bf16 or fp16")
+    h, h_k = q.shape[-2], k.shape[-2]
+    for name, t, heads, s in zip(names, descales, ((h, h_k), (h_k,), (h_k,)),
+                                 (seqlens[0], seqlens[1], seqlens[1])):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            _fail(f"{name} must be a float32 tensor or None, got {type(t).__name__}", TypeError)
+        if t.dtype != torch.float32:
+            _fail(f"{name} must be float32, got {t.dtype} (use .float())", TypeError)
+        if t.device != q.device:
+            _fail(f"{name} is on {t.device} but q is on {q.device}")
+        blocks = max(1, -(-s // QUANT_BLOCK))
+        if not (t.dim() in (2, 3) and t.shape[0] == batch and t.shape[1] in heads
+                and (t.dim() == 2 or t.shape[2] in (1, blocks))):
+            _fail(f"{name} has shape {tuple(t.shape)}; expected (batch={batch}, heads) or "
+                  f"(batch, heads, {blocks}) (one descale per {QUANT_BLOCK} rows: "
+                  f"ioattn.fp8.quantize), heads in {heads}")
+
+
+def _dequantized(q: Tensor, k: Tensor, v: Tensor, descales: tuple, cu_seqlens_q=None,
+                 cu_seqlens_k=None) -> tuple[Tensor, Tensor, Tensor]:
+    """The 'reference' backend's fp8 inputs: q, k, v times their descales, in fp32."""
+    from ioattn.fp8 import dequantize
+
+    return tuple(dequantize(t, ds, cu_seqlens=cu, dtype=torch.float32)
+                 for t, ds, cu in zip((q, k, v), descales,
+                                      (cu_seqlens_q, cu_seqlens_k, cu_seqlens_k)))
+
+
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
                     softmax_scale: Optional[float] = None, causal: bool = False,
                     window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
                     return_attn_probs: bool = False, *, learnable_sink: Optional[Tensor] = None,
-                    backend: str = "auto"):
+                    q_descale: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
+                    v_descale: Optional[Tensor] = None, backend: str = "auto"):
     """Attention over batched sequences (FlashAttention-2 semantics).
 
     Args:
@@ -301,6 +355,13 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
         learnable_sink: [nheads] float, attention sinks (gpt-oss; FlashAttention's name): one
             extra logit per head in every row's softmax, with no value and no mask; the LSE
             includes it, and it gets a gradient when it requires one.
+        q_descale, k_descale, v_descale: fp8 inputs (q, k, v all torch.float8_e4m3fn,
+            FlashAttention-3's fp8 forward): fp32 descales, x = x_fp8 * descale; None (1),
+            [batch, nheads_k] (FlashAttention-3's form; q's may also be [batch, nheads]), or
+            [batch, heads, ceil(seqlen / 128)] (block quantization; ``ioattn.fp8.quantize``
+            makes them). The output is bf16, the LSE natural log over the descaled scores. Forward
+            only (no gradients, no dropout), on the portable kernels ('auto' / 'triton') or
+            'reference'; sm_89+ GPUs (Ada, Hopper).
         backend: 'auto' (default: 'sm90' on Hopper where it covers the call, else 'triton'),
             'sm90' (the Gluon FA3-design kernels, forward and backward, d = d_v in {64, 128,
             256}, and (d, d_v) = (96, 96), (192, 192), (192, 128) zero-padded; it raises for
@@ -313,7 +374,9 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
         out [batch, seqlen_q, nheads, headdim_v], or the tuple above.
     """
     key = None
-    if alibi_slopes is None and learnable_sink is None and dropout_p == 0:
+    descales = (q_descale, k_descale, v_descale)
+    if (alibi_slopes is None and learnable_sink is None and dropout_p == 0
+            and descales == (None, None, None)):
         plan, key = _plan(_plan_key(q, k, v, dropout_p, softmax_scale, causal, window_size,
                                     softcap, deterministic, backend))
         if plan is not None:  # a signature seen before: its checks passed, its pick holds
@@ -321,7 +384,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
             return (out, lse, None) if return_attn_probs else out
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 4)
-    _check_common(q, k, v, dropout_p, window_size, softcap, softmax_scale)
+    _check_common(q, k, v, dropout_p, window_size, softcap, softmax_scale, fp8_ok=True)
     b, s_q, h, d = q.shape
     if k.shape[0] != b or v.shape[0] != b:
         _fail(f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
@@ -329,18 +392,31 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
         _fail(f"k has seqlen {k.shape[1]} but v has {v.shape[1]}; they must match")
     _check_alibi(alibi_slopes, b, h, q.device)
     _check_sink(learnable_sink, h, q.device)
+    _check_fp8(q, k, v, dropout_p, descales, backend, b, (s_q, k.shape[1]))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     left, right = _window(causal, window_size)
-    impl, bwd_impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=False,
-                           masked=left >= 0 or right >= 0, max_seqlen_q=s_q,
-                           max_seqlen_k=k.shape[1], windowed=left >= 0 or right > 0)
+    fp8 = q.dtype in FP8_DTYPES
+    if fp8:  # (the portable forward; _check_fp8 refused 'sm90')
+        impl = resolve_backend("triton" if backend == "auto" else backend, q.device)
+    else:
+        impl, bwd_impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=False,
+                               masked=left >= 0 or right >= 0, max_seqlen_q=s_q,
+                               max_seqlen_k=k.shape[1], windowed=left >= 0 or right > 0)
     if impl == "reference":
         mask = None
         if dropout_p > 0:
             mask = torch.rand(b, h, s_q, k.shape[1], device=q.device) >= dropout_p
+        if fp8:
+            q, k, v = _dequantized(q, k, v, descales)
         out, lse = attention_ref(q, k, v, window_size=(left, right), softcap=softcap,
                                  alibi_slopes=alibi_slopes, softmax_scale=scale,
                                  dropout_p=dropout_p, dropout_mask=mask)
+        out = out.to(torch.bfloat16) if fp8 else out
+        return _finish(out, lse, return_attn_probs, learnable_sink)
+    if fp8:
+        out, lse = dense_attention(q, k, v, None, None, s_q, k.shape[1], float(scale), left,
+                                   right, float(softcap), alibi_slopes, 0.0, None, impl, impl,
+                                   False, descales)
         return _finish(out, lse, return_attn_probs, learnable_sink)
     rng = draw_rng_state(q.device) if dropout_p > 0 else None
     plan = (s_q, k.shape[1], float(scale), left, right, float(softcap), alibi_slopes,
@@ -359,7 +435,9 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            deterministic: bool = False, return_attn_probs: bool = False,
                            block_table: Optional[Tensor] = None, *,
                            seqused_k: Optional[Tensor] = None,
-                           learnable_sink: Optional[Tensor] = None, backend: str = "auto"):
+                           learnable_sink: Optional[Tensor] = None,
+                           q_descale: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
+                           v_descale: Optional[Tensor] = None, backend: str = "auto"):
     """Attention over packed variable-length sequences (FlashAttention-2 semantics).
 
     q [total_q, nheads, headdim], k [total_k, nheads_k, headdim], v [total_k, nheads_k, headdim_v];
@@ -381,8 +459,16 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     (FlashAttention-3's form of the paged call): sequence i's keys are the first seqused_k[i]
     slots of its pages. Read on the device (its prefix sum stands in for cu_seqlens_k); its
     values are checked on the host once per state of the tensor. FA3's other arguments (out,
-    seqused_q, num_splits, scheduler_metadata, descales) are not taken.
+    seqused_q, num_splits, scheduler_metadata) are not taken.
+
+    q_descale, k_descale, v_descale: fp8 q, k, v (torch.float8_e4m3fn), as ``flash_attn_func``;
+    batch is the number of sequences, block descales count max_seqlen's blocks from each
+    sequence's start (``ioattn.fp8.quantize(x, cu_seqlens=...)``). Not with block_table.
     """
+    descales = (q_descale, k_descale, v_descale)
+    if (descales != (None, None, None) or q.dtype in FP8_DTYPES) and block_table is not None:
+        _fail("fp8 inputs / descales are not taken with block_table (paged K/V): pass packed "
+              "K/V (cu_seqlens_k) or bf16 / fp16 pages")
     if seqused_k is not None:
         cu_seqlens_k = _cu_from_seqused(seqused_k, cu_seqlens_k, block_table, cu_seqlens_q,
                                         max_seqlen_k, q)
@@ -397,7 +483,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         k, v = packed
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 3)
-    _check_common(q, k, v, dropout_p, window_size, softcap, softmax_scale)
+    _check_common(q, k, v, dropout_p, window_size, softcap, softmax_scale, fp8_ok=True)
     if v.shape[0] != k.shape[0]:
         _fail(f"k has {k.shape[0]} rows but v has {v.shape[0]}; they must match")
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, None, q.device)
@@ -408,11 +494,18 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     h, d = q.shape[1], q.shape[2]
     _check_alibi(alibi_slopes, batch, h, q.device)
     _check_sink(learnable_sink, h, q.device)
+    _check_fp8(q, k, v, dropout_p, descales, backend, batch, (int(max_seqlen_q), int(max_seqlen_k)))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     left, right = _window(causal, window_size)
-    impl, bwd_impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=True,
-                           masked=left >= 0 or right >= 0, max_seqlen_q=int(max_seqlen_q),
-                           max_seqlen_k=int(max_seqlen_k), windowed=left >= 0 or right > 0)
+    fp8 = q.dtype in FP8_DTYPES
+    if fp8:  # (the portable forward; _check_fp8 refused 'sm90')
+        impl = resolve_backend("triton" if backend == "auto" else backend, q.device)
+        if impl == "reference":
+            q, k, v = _dequantized(q, k, v, descales, cu_seqlens_q, cu_seqlens_k)
+    else:
+        impl, bwd_impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=True,
+                               masked=left >= 0 or right >= 0, max_seqlen_q=int(max_seqlen_q),
+                               max_seqlen_k=int(max_seqlen_k), windowed=left >= 0 or right > 0)
     if impl == "reference":
         masks = None
         if dropout_p > 0:
@@ -425,6 +518,12 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         if out.shape[0] < q.shape[0]:  # rows past cu_seqlens_q[-1] are outside every sequence
             out = torch.cat([out, out.new_zeros((q.shape[0] - out.shape[0],) + out.shape[1:])])
             lse = torch.cat([lse, lse.new_full((h, q.shape[0] - lse.shape[1]), float("-inf"))], 1)
+        out = out.to(torch.bfloat16) if fp8 else out
+        return _finish(out, lse, return_attn_probs, learnable_sink, varlen=True)
+    if fp8:
+        out, lse = dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                   int(max_seqlen_k), float(scale), left, right, float(softcap),
+                                   alibi_slopes, 0.0, None, impl, impl, False, descales)
         return _finish(out, lse, return_attn_probs, learnable_sink, varlen=True)
     rng = draw_rng_state(q.device) if dropout_p > 0 else None
     out, lse = dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),

@@ -25,17 +25,21 @@ from triton.compiler import ASTSource
 from ioattn.dense import triton_bwd, triton_fwd
 
 _PTR_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "SLOPES": "*fp32",
-              "CU_Q": "*i32", "CU_K": "*i32", "RNG": "*i64"}
-_INT_PREFIXES = ("stride", "n_heads", "kv_group", "seqlen", "rng_rows", "max_seqlen", "window")
+              "CU_Q": "*i32", "CU_K": "*i32", "RNG": "*i64", "QD": "*fp32", "KD": "*fp32",
+              "VD": "*fp32", "VDM": "*fp32"}
+_INT_PREFIXES = ("stride", "n_heads", "kv_group", "seqlen", "rng_rows", "max_seqlen", "window",
+                 "qd_group")
 
 
 def _signature(fn, constexprs: dict, dtype: str) -> dict:
+    """dtype: the operands' ("fp8e4nv": fp8 q, k, v with a bf16 O, as the fp8 forward)."""
     sig = {}
-    for name in fn.arg_names:
-        if name in constexprs:
+    for prm, name in zip(fn.params, fn.arg_names):
+        if name in constexprs or prm.is_constexpr:  # (constexprs not given: their defaults)
             sig[name] = "constexpr"
         elif name.isupper():  # pointer arguments are the upper-case names
-            sig[name] = _PTR_TYPES.get(name, f"*{dtype}")
+            sig[name] = _PTR_TYPES.get(name, "*bf16" if name == "O" and dtype == "fp8e4nv"
+                                       else f"*{dtype}")
         elif name.startswith(_INT_PREFIXES):
             sig[name] = "i32"
         else:
@@ -87,6 +91,7 @@ class KernelReport:
     sass: dict | None = None  # SASS opcode counts of interest (Gluon kernels), from cuobjdump
     tma_reduce: bool = False  # cp.reduce.async.bulk.tensor (TMA reduce-add) in the PTX
     grid_dependency: bool = False  # griddepcontrol.wait (programmatic dependent launch) in the PTX
+    fp8_wgmma: bool = False  # wgmma.mma_async on e4m3 operands (the fp8 forward) in the PTX
     # (Gluon kernels) each innermost loop that issues wgmma (a step / key-block loop), in code
     # order: [instructions, spill stores (STL), spill loads (LDL)] an iteration (``loop_spills``)
     loops: list | None = None
@@ -174,6 +179,9 @@ def _sass_text(cubin: bytes) -> str:
 
 def compile_report(name: str, fn, constexprs: dict, num_warps: int, num_stages: int,
                    arch: int = 90, dtype: str = "bf16") -> KernelReport:
+    # constexprs not given take their defaults, as at a launch
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default},
+                  **constexprs}
     sig = _signature(fn, constexprs, dtype)
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=_launch_attrs(fn, sig))
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
@@ -181,7 +189,8 @@ def compile_report(name: str, fn, constexprs: dict, num_warps: int, num_stages: 
     ptx = k.asm["ptx"]
     regs, st, ld = _ptxas_usage(ptx, arch)
     return KernelReport(name, regs, st, ld, wgmma="wgmma.mma_async" in ptx,
-                        tma="cp.async.bulk.tensor" in ptx, warp_specialized="setmaxnreg" in ptx)
+                        tma="cp.async.bulk.tensor" in ptx, warp_specialized="setmaxnreg" in ptx,
+                        fp8_wgmma=bool(re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)))
 
 
 def kernel_report(name: str, fn, pointer_types: dict, constexprs: dict, num_warps: int,
@@ -231,6 +240,12 @@ def default_reports(arch: int = 90, head_dims=(64, 128, 256)) -> list[KernelRepo
             tag = f"fwd d{d} {'causal' if masked else 'full'} {fc.block_m}x{fc.block_n} w{fc.num_warps}"
             out.append(compile_report(tag + (" tma+ws" if ce["WARP_SPEC"] else ""),
                                       triton_fwd._attn_fwd_kernel, ce, fc.num_warps, fc.num_stages, arch))
+            # the fp8 forward (q, k, v e4m3, block descales read per key block), same config
+            ce8 = dict(ce, FP8=True, KD_BLOCKED=True, VD_BLOCKED=True,
+                       FP8_BLOCK=triton_fwd.FP8_BLOCK)
+            out.append(compile_report("fp8 " + tag + (" tma+ws" if ce["WARP_SPEC"] else ""),
+                                      triton_fwd._attn_fwd_kernel, ce8, fc.num_warps,
+                                      fc.num_stages, arch, dtype="fp8e4nv"))
         bc = bwd_config_for((arch // 10, arch % 10), d, d, False)
         ce = dict(_flags(d, bc.block_m, bc.block_n, False), KEYS_AS_B=bc.keys_as_b, USE_TMA=bc.tma)
         out.append(compile_report(f"bwd dkdv d{d} {bc.block_m}x{bc.block_n} w{bc.num_warps}",

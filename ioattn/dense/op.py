@@ -19,6 +19,8 @@ from ioattn.dense.triton_bwd import attn_bwd
 from ioattn.dense.triton_fwd import attn_fwd
 from ioattn.launch import keep
 
+# fp8 inputs the forward takes (FlashAttention-3's: e4m3)
+FP8_DTYPES = (torch.float8_e4m3fn,)
 # Tests turn this on: outputs are filled with NaN before launch so unwritten elements show.
 POISON_OUTPUTS = False
 # The portable kernels' launches kept for repeats of a call's signature (``triton_fwd.attn_fwd``'s
@@ -102,11 +104,18 @@ def fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
               softmax_scale: float, window_left: int, window_right: int, softcap: float,
               alibi_slopes: Optional[Tensor], dropout_p: float,
               rng_state: Optional[Tensor], impl: str = "triton", bwd_impl: str = "triton",
-              deterministic: bool = False) -> tuple[Tensor, Tensor]:
+              deterministic: bool = False, q_descale: Optional[Tensor] = None,
+              k_descale: Optional[Tensor] = None,
+              v_descale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     # impl: the kernel family, 'triton' (portable) or 'sm90' (Gluon, Hopper), from ioattn.dispatch
     # (not named "kernel": inductor's fallback lowering takes that keyword itself); bwd_impl: the
     # family the registered autograd's backward runs and whether it must be bitwise reproducible
-    # (both unused here)
+    # (both unused here). fp8 q, k, v (e4m3, forward only, the portable kernel): O in bf16,
+    # descales as ``ioattn.flash_attn_func`` takes them
+    fp8 = q.dtype in FP8_DTYPES
+    if fp8 and impl != "triton":
+        raise ValueError(f"impl={impl!r} cannot run fp8 inputs: only the portable kernels "
+                         f"('triton') take them")
     d, d_v = q.shape[-1], v.shape[-1]
     d_pad = None  # (sm90) the head dim the kernels run at, when (d, d_v) are zero-padded to it
     if impl == "sm90":
@@ -123,7 +132,7 @@ def fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
     else:
         raise ValueError(f"impl={impl!r} is not 'triton' or 'sm90'")
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    out = _new_output(q, q.shape[:-1] + (v.shape[-1],))
+    out = _new_output(q, q.shape[:-1] + (v.shape[-1],), torch.bfloat16 if fp8 else None)
     varlen = cu_seqlens_q is not None
     lse = _new_output(q, _lse_shape(q, varlen), dtype=torch.float32)
 
@@ -137,13 +146,14 @@ def fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
                 raise ValueError(f"impl='sm90' cannot run this call: {reason}")
         p = make_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                        dropout_p, rng_state)
+                        dropout_p, rng_state,
+                        (q_descale, k_descale, v_descale) if fp8 else None)
         check_int32_rows(p.max_seqlen_q, q=q, out=out)
         check_int32_rows(p.max_seqlen_k, k=k, v=v)
         return p
 
     bind_key = None
-    if varlen or alibi_slopes is not None or rng_state is not None:
+    if varlen or alibi_slopes is not None or rng_state is not None or fp8:
         p = params()  # params holding tensors: built each call
     else:
         p, key = _memo(("fwd", impl, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
@@ -170,8 +180,9 @@ dense_fwd = torch.library.custom_op("ioattn::dense_fwd", fwd_impl, mutates_args=
 @dense_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
       window_right, softcap, alibi_slopes, dropout_p, rng_state, impl="triton", bwd_impl="triton",
-      deterministic=False):
-    out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+      deterministic=False, q_descale=None, k_descale=None, v_descale=None):
+    out = q.new_empty(q.shape[:-1] + (v.shape[-1],),
+                      dtype=torch.bfloat16 if q.dtype in FP8_DTYPES else q.dtype)
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
     return out, lse
 
@@ -258,7 +269,8 @@ def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 
 _FWD_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
              "softmax_scale", "window_left", "window_right", "softcap", "alibi_slopes", "dropout_p",
-             "rng_state", "impl", "bwd_impl", "deterministic")
+             "rng_state", "impl", "bwd_impl", "deterministic", "q_descale", "k_descale",
+             "v_descale")
 
 
 def _setup_context(ctx, inputs, output):
@@ -330,12 +342,16 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tens
                     softmax_scale: float, window_left: int, window_right: int, softcap: float,
                     alibi_slopes: Optional[Tensor], dropout_p: float,
                     rng_state: Optional[Tensor], impl: str = "triton",
-                    bwd_impl: str = "triton", deterministic: bool = False) -> tuple[Tensor, Tensor]:
+                    bwd_impl: str = "triton", deterministic: bool = False,
+                    descales: Optional[tuple] = None) -> tuple[Tensor, Tensor]:
     """Differentiable (out, lse); arguments as ``ioattn::dense_fwd``. ``bwd_impl`` picks the
-    backward's kernels independently of the forward's (both keep the same LSE convention)."""
+    backward's kernels independently of the forward's (both keep the same LSE convention).
+    descales: an fp8 call's (q_descale, k_descale, v_descale) (forward only)."""
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
             window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, impl, bwd_impl,
             deterministic)
+    if descales is not None:
+        args = args + tuple(descales)
     # compiled graphs, dispatch modes and tracers use the registered op and its autograd (dynamo
     # traces it without a break; it cannot trace autograd.Function.apply with one tensor in two
     # inputs, e.g. cu_seqlens_q is cu_seqlens_k)

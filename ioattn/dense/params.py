@@ -24,6 +24,15 @@ class AttnParams:
     cu_seqlens_k: Optional[torch.Tensor]
     rng_state: Optional[torch.Tensor]
     rng_rows: int  # query rows of one head over the whole batch (dropout's Philox row index space)
+    # fp8 calls: fp32 descales as [batch, heads, blocks] views (heads: nheads or nheads_k for q,
+    # nheads_k for k and v; a per-head descale has blocks expanded with stride 0), else None
+    q_descale: Optional[torch.Tensor] = None
+    k_descale: Optional[torch.Tensor] = None
+    v_descale: Optional[torch.Tensor] = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.q_descale is not None
 
     @property
     def is_varlen(self) -> bool:
@@ -65,8 +74,10 @@ def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
                 window_left: int, window_right: int, softcap: float,
                 alibi_slopes: Optional[torch.Tensor], dropout_p: float,
-                rng_state: Optional[torch.Tensor]) -> AttnParams:
-    """Build params from op arguments (already validated by the public functions)."""
+                rng_state: Optional[torch.Tensor], descales=None) -> AttnParams:
+    """Build params from op arguments (already validated by the public functions); descales:
+    (q, k, v) descales of an fp8 call, each None (1) or fp32 [batch, heads] / [batch, heads,
+    blocks]."""
     # the kernels index slopes and cu_seqlens with unit inner stride
     alibi_slopes, cu_seqlens_q, cu_seqlens_k = (
         t.contiguous() if t is not None else None for t in (alibi_slopes, cu_seqlens_q, cu_seqlens_k))
@@ -84,7 +95,24 @@ def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         dropout_p=dropout_p if rng_state is not None else 0.0, alibi_slopes=alibi_slopes,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, rng_state=rng_state,
         rng_rows=rng_rows,
+        **({} if descales is None else fp8_descales(q, k, batch, *descales)),
     )
+
+
+def fp8_descales(q: torch.Tensor, k: torch.Tensor, batch: int, q_descale, k_descale,
+                 v_descale) -> dict:
+    """AttnParams' descale fields: each as a [batch, heads, blocks] fp32 view (None: ones)."""
+    out = {}
+    for name, t, heads in (("q_descale", q_descale, q.shape[-2]), ("k_descale", k_descale, k.shape[-2]),
+                           ("v_descale", v_descale, k.shape[-2])):
+        if t is None:
+            t = torch.ones((), dtype=torch.float32, device=q.device).expand(batch, heads, 1)
+        elif t.dim() == 2:
+            t = t[:, :, None]
+        if t.shape[2] == 1:  # one descale for every block: the kernels read block 0's
+            t = t.as_strided(t.shape, (t.stride(0), t.stride(1), 0))
+        out[name] = t
+    return out
 
 
 _INT32_MAX = 2**31 - 1

@@ -16,17 +16,28 @@ from ioattn.dense.common import (LOG2E, cdiv, dropout_keep, ensure_tma_allocator
 from ioattn.dense.params import AttnParams
 from ioattn.launch import launcher, repeat
 
+# (fp8) the probabilities P are multiplied by 2^FP8_P_SHIFT before their fp8 conversion (they are
+# <= 1, and e4m3 keeps ~3 significant bits down to 2^-6, subnormals to 2^-9): P then spans
+# e4m3's range up to 256 (< 448), as FlashAttention-3 does; the row sums carry the same factor,
+# so O is unchanged and the LSE subtracts it.
+FP8_P_SHIFT = tl.constexpr(8.0)
+# (fp8) the sequence rows that share one descale in block quantization (ioattn.fp8.quantize):
+# the kernels' query and key blocks divide it, so each block reads one descale
+FP8_BLOCK = 128
+
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
                start, end, offs_m, offs_n, offs_d, offs_dv, seqlen_k, off,
                window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2, slope_log2,
                seed, rng_row0, max_seqlen_k, dropout_p,
+               q_descale, kd_base, stride_kdk, vd_base, stride_vdk, v_descale,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, EVEN_D: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
-               WARP_SPEC: tl.constexpr):
+               WARP_SPEC: tl.constexpr, FP8: tl.constexpr, KD_BLOCKED: tl.constexpr,
+               VD_BLOCKED: tl.constexpr, FP8_BLOCK: tl.constexpr):
     # k_src / v_src: from kv_sources (TMA descriptors or pointer blocks)
     WS: tl.constexpr = WARP_SPEC and not MASKED
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WS):
@@ -36,7 +47,13 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
                           USE_TMA)
         # [BLOCK_M, BLOCK_N]
         qk = tl.dot(q, tl.trans(k))
-        s, _, c = scores_log2(qk, offs_m[:, None], cols[None, :], off, qk_scale_log2, softcap_scale,
+        scale_log2 = qk_scale_log2
+        cap_scale = softcap_scale
+        if KD_BLOCKED:  # (fp8) K's descale of this key block's quantization block, times Q's
+            kd = q_descale * tl.load(kd_base + (start_n // FP8_BLOCK) * stride_kdk)
+            scale_log2 = scale_log2 * kd
+            cap_scale = cap_scale * kd
+        s, _, c = scores_log2(qk, offs_m[:, None], cols[None, :], off, scale_log2, cap_scale,
                               softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
         if MASKED:
             s = tl.where(visible(offs_m[:, None], cols[None, :], seqlen_k, off, window_left, window_right,
@@ -47,7 +64,10 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1) * c)
             m_use = m_new
-        p = tl.exp2(s * c - m_use[:, None])
+        if FP8:  # P scaled by 2^8 (cancels in l) so that fp8's range keeps small probabilities
+            p = tl.exp2(s * c - (m_use - FP8_P_SHIFT)[:, None])
+        else:
+            p = tl.exp2(s * c - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -56,6 +76,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
             p = tl.where(keep, p, 0.0)
         v = load_kv_block(v_src, start_n, stride_vn, cols, offs_dv, seqlen_k, HEAD_DIM_V, MASKED,
                           EVEN_D, USE_TMA)
+        if VD_BLOCKED:  # (fp8) V's descale varies by key block: P takes this block's share of
+            # the largest one (<= 1, applied to O at the end), so one accumulator holds every block
+            p = p * (tl.load(vd_base + (start_n // FP8_BLOCK) * stride_vdk) / v_descale)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, l_i, m_i
@@ -71,12 +94,23 @@ def _attn_fwd_kernel(
     stride_lb, stride_lh, stride_sb,
     n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, rng_rows, max_seqlen_k,
     qk_scale_log2, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
+    QD, KD, VD, VDM, stride_qdb, stride_qdh, stride_qdk, stride_kdb, stride_kdh, stride_kdk,
+    stride_vdb, stride_vdh, stride_vdk, qd_group,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, FP8: tl.constexpr = False,
+    KD_BLOCKED: tl.constexpr = False, VD_BLOCKED: tl.constexpr = False,
+    FP8_BLOCK: tl.constexpr = 128,
 ):
+    # FP8: q, k, v in fp8 (e4m3), O in bf16. Descales QD / KD / VD (fp32, x = x_fp8 * descale)
+    # indexed [batch, head, block of FP8_BLOCK rows of the sequence] through their strides: a
+    # per-head descale has a block stride of 0. Q's head index is off_h // qd_group (per query
+    # head: 1; per KV head, FlashAttention-3's form: the GQA group). KD_BLOCKED / VD_BLOCKED: K's
+    # / V's descale varies along the keys (block quantization), read per key block; otherwise it
+    # is one number for the program, folded into the scales (K) or applied to O at the end (V).
+    # VDM: V's largest descale per (batch, KV head), [batch, nheads_k] contiguous (VD_BLOCKED).
     EVEN_D: tl.constexpr = (BLOCK_D == HEAD_DIM) and (BLOCK_DV == HEAD_DIM_V)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -107,6 +141,23 @@ def _attn_fwd_kernel(
     k_src, v_src = kv_sources(k_base, v_base, seqlen_k, stride_kn, stride_vn, offs_n, offs_d, offs_dv,
                               HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA)
 
+    q_descale = 1.0
+    v_descale = 1.0
+    kd_base = KD
+    vd_base = VD
+    if FP8:
+        q_descale = tl.load(QD + off_b64 * stride_qdb + (off_h // qd_group) * stride_qdh
+                            + (start_m // FP8_BLOCK) * stride_qdk)
+        kd_base = KD + off_b64 * stride_kdb + off_hk * stride_kdh
+        vd_base = VD + off_b64 * stride_vdb + off_hk * stride_vdh
+        if not KD_BLOCKED:
+            kd = q_descale * tl.load(kd_base)
+            qk_scale_log2 = qk_scale_log2 * kd
+            softcap_scale = softcap_scale * kd
+        if VD_BLOCKED:
+            v_descale = tl.load(VDM + off_b * (n_heads // kv_group) + off_hk)
+        else:
+            v_descale = tl.load(vd_base)
     slope_log2 = 0.0
     if HAS_ALIBI:
         slope_log2 = tl.load(SLOPES + off_b * stride_sb + off_h).to(tl.float32) * 1.4426950408889634
@@ -127,35 +178,59 @@ def _attn_fwd_kernel(
                                lo, full_lo, offs_m, offs_n, offs_d, offs_dv, seqlen_k, off,
                                window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2,
                                slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
+                               q_descale, kd_base, stride_kdk, vd_base, stride_vdk, v_descale,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, EVEN_D,
                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                               USE_TMA, WARP_SPEC)
+                               USE_TMA, WARP_SPEC, FP8, KD_BLOCKED, VD_BLOCKED, FP8_BLOCK)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
                                full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, seqlen_k, off,
                                window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2,
                                slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
+                               q_descale, kd_base, stride_kdk, vd_base, stride_vdk, v_descale,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, EVEN_D,
                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                               USE_TMA, WARP_SPEC)
+                               USE_TMA, WARP_SPEC, FP8, KD_BLOCKED, VD_BLOCKED, FP8_BLOCK)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
                                full_hi, hi, offs_m, offs_n, offs_d, offs_dv, seqlen_k, off,
                                window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2,
                                slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
+                               q_descale, kd_base, stride_kdk, vd_base, stride_vdk, v_descale,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, EVEN_D,
                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                               USE_TMA, WARP_SPEC)
+                               USE_TMA, WARP_SPEC, FP8, KD_BLOCKED, VD_BLOCKED, FP8_BLOCK)
 
     # rows that saw no key: l = 0 -> out 0, LSE -inf
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
     if HAS_DROPOUT:
         inv_l = inv_l / (1.0 - dropout_p)
+    lse_log2 = m_i + tl.log2(tl.where(empty, 1.0, l_i))
+    if FP8:
+        inv_l = inv_l * v_descale
+        lse_log2 = lse_log2 - FP8_P_SHIFT  # (l summed P scaled by 2^FP8_P_SHIFT)
     acc = acc * inv_l[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lse = tl.where(empty, float("-inf"), lse_log2 * 0.6931471805599453)
     tl.store(o_base + offs_m[:, None] * stride_om + offs_dv[None, :], acc.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
     lse_ptrs = LSE + off_b64 * stride_lb + off_h.to(tl.int64) * stride_lh + q_start + offs_m
     tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+def _descale_args(p: AttnParams, q: torch.Tensor, cfg) -> tuple:
+    """The kernel's QD, KD, VD, VDM pointers, QD / KD / VD's (batch, head, block) strides and
+    qd_group: q itself and zeros where the call is not fp8 (never read). VDM: V's largest
+    descale per (batch, KV head) where V's vary by block (floored at fp32's smallest normal, so
+    all-zero descales give 0, not 0 / 0), else V's own."""
+    if not p.fp8:
+        return (q, q, q, q) + (0,) * 9 + (1,)
+    if FP8_BLOCK % cfg.block_m or FP8_BLOCK % cfg.block_n:  # (every config's blocks divide it)
+        raise RuntimeError(f"fp8 block descales need tiles dividing {FP8_BLOCK} rows, the config "
+                           f"has {cfg.block_m} x {cfg.block_n}")
+    ds = (p.q_descale, p.k_descale, p.v_descale)
+    vd_max = (p.v_descale.amax(-1).clamp_min(torch.finfo(torch.float32).tiny).contiguous()
+              if p.v_descale.stride(2) else p.v_descale)
+    return (*ds, vd_max, *(st for t in ds for st in t.stride()),
+            q.shape[-2] // p.q_descale.shape[1])
 
 
 # (``attn_fwd``'s ``key``) launches kept for repeats of a call's form, by the caller's key
@@ -200,7 +275,8 @@ def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         *p.lse_strides(lse), p.alibi_batch_stride,
         n_heads, n_heads // k.shape[-2], p.max_seqlen_q, p.max_seqlen_k, p.rng_rows, p.max_seqlen_k,
         p.softmax_scale * LOG2E, p.softmax_scale / p.softcap if p.softcap > 0 else 0.0,
-        p.softcap * LOG2E, p.window_left, p.window_right, p.dropout_p)
+        p.softcap * LOG2E, p.window_left, p.window_right, p.dropout_p,
+        *_descale_args(p, q, cfg))
     kwargs = dict(
         HEAD_DIM=p.head_dim, HEAD_DIM_V=p.head_dim_v,
         BLOCK_D=configs.pad_dim(p.head_dim), BLOCK_DV=configs.pad_dim(p.head_dim_v),
@@ -209,6 +285,9 @@ def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         HAS_SOFTCAP=p.softcap > 0, HAS_ALIBI=p.alibi_slopes is not None, HAS_DROPOUT=p.dropout_p > 0,
         USE_TMA=use_tma, WARP_SPEC=use_tma and cfg.warp_specialize and cfg.num_warps == 8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if p.fp8:
+        kwargs.update(FP8=True, KD_BLOCKED=p.k_descale.stride(2) != 0,
+                      VD_BLOCKED=p.v_descale.stride(2) != 0, FP8_BLOCK=FP8_BLOCK)
     lch = launcher(_attn_fwd_kernel)
     if key is None or use_tma:  # (device-side TMA takes scratch memory: never bound)
         lch[grid](*args, **kwargs)

@@ -12,9 +12,12 @@ def test_kernels_compile_for_sm90():
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     reports = {r["name"]: r for r in json.loads(res.stdout)}
-    assert len(reports) == 12  # fwd full/causal + dkdv + dq for d = 64, 128, 256
+    # fwd full/causal (bf16 and fp8) + dkdv + dq for d = 64, 128, 256
+    assert len(reports) == 18
     for name, r in reports.items():
         assert r["wgmma"], f"{name}: no wgmma.mma_async in the PTX (slower mma path)"
         assert r["registers"] <= 255
+        # the fp8 forward's Q·Kᵀ and P·V run as e4m3 wgmma (not converted to 16-bit first)
+        assert r["fp8_wgmma"] == name.startswith("fp8"), name
     tma_fwd = [r for n, r in reports.items() if n.startswith("fwd d128")]
     assert tma_fwd and all(r["tma"] for r in tma_fwd), "d=128 forward should load K/V through TMA"

@@ -1,0 +1,275 @@
+"""FP8 forward (q, k, v in e4m3 with descales; O in bf16) against the reference, FlashAttention's
+rule: the reference is fp32 attention over the dequantized inputs, the low-precision baseline
+the same arithmetic in plain PyTorch with P rounded to e4m3 as the kernel does
+(``attention_ref(..., fp8_p=True)``). Also quantization, incoherent processing and bad input."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+
+import ioattn
+from ioattn.dense.op import dense_fwd
+from ioattn.fp8 import (FP8_DTYPE, QUANT_BLOCK, dequantize, hadamard_transform, quantize,
+                        quantize_qkv, random_signs)
+from ioattn.reference import attention_ref, attention_varlen_ref
+from ioattn.testing import alibi_slopes, assert_close_rule, cu_seqlens, rounding_atol
+from tests.conftest import ON_GPU
+
+pytestmark = pytest.mark.skipif(
+    ON_GPU and torch.cuda.get_device_capability() < (8, 9), reason="fp8 needs sm_89+")
+
+
+@dataclass(frozen=True)
+class Case:
+    s_q: int
+    s_k: int
+    d: int = 64
+    d_v: Optional[int] = None
+    b: int = 2
+    h: int = 4
+    h_k: Optional[int] = None
+    causal: bool = False
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi: bool = False
+    block: Optional[int] = QUANT_BLOCK  # descales per 128 rows, or per head (None)
+    q_per_kv_head: bool = False  # q's descale [batch, nheads_k] (FlashAttention-3's form)
+    no_descale: bool = False
+
+    @property
+    def id(self) -> str:
+        p = [f"B{self.b}-Q{self.s_q}-K{self.s_k}-H{self.h}/{self.h_k or self.h}-D{self.d}"]
+        p += [f"DV{self.d_v}"] if self.d_v else []
+        p += ["causal"] if self.causal else []
+        p += [f"win{self.window[0]}_{self.window[1]}"] if self.window != (-1, -1) else []
+        p += [f"cap{self.softcap}"] if self.softcap else []
+        p += ["alibi"] if self.alibi else []
+        p += ["perhead" if self.block is None else "block"]
+        p += ["qkv-head"] if self.q_per_kv_head else []
+        p += ["nodescale"] if self.no_descale else []
+        return "-".join(p)
+
+
+CASES = [
+    Case(1, 1),
+    Case(113, 203),
+    Case(113, 203, causal=True, block=None),
+    Case(203, 113, causal=True),  # s_q > s_k: the first 90 rows see no key
+    Case(300, 300, d=96, window=(40, 7)),  # three descale blocks
+    Case(113, 203, d=128, d_v=64, h=6, h_k=2, causal=True, q_per_kv_head=True),
+    Case(113, 203, softcap=2.0, alibi=True),
+    Case(97, 150, h=4, h_k=1, block=None, q_per_kv_head=True),
+    Case(64, 64, d=32, no_descale=True),
+]
+
+
+def _inputs(c: Case, device, scale=(1.0, 1.0, 1.0)):
+    h_k = c.h_k or c.h
+    q = torch.randn(c.b, c.s_q, c.h, c.d, device=device) * scale[0]
+    k = torch.randn(c.b, c.s_k, h_k, c.d, device=device) * scale[1]
+    v = torch.randn(c.b, c.s_k, h_k, c.d_v or c.d, device=device) * scale[2]
+    return q, k, v
+
+
+def _refs(q, k, v, **kw):
+    ref, lse = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, fp8_p=True, **kw)
+    return ref, lse, pt
+
+
+@pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
+def test_fp8_forward(c: Case, device):
+    # per-head descales differ by head and sequence: values scaled per (batch, head)
+    q, k, v = _inputs(c, device)
+    q = q * torch.rand(c.b, 1, c.h, 1, device=device).add(0.5) * 3
+    v = v * torch.rand(c.b, 1, c.h_k or c.h, 1, device=device).add(0.5)
+    if c.no_descale:  # values already in e4m3's range
+        q8, k8, v8 = (t.to(FP8_DTYPE) for t in (q, k, v))
+        qd = kd = vd = None
+    else:
+        q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, block_size=c.block)
+        if c.q_per_kv_head:  # one q descale per KV head: requantize q with the group's max
+            g = c.h // (c.h_k or c.h)
+            qd = qd.view(c.b, c.h // g, g, *qd.shape[2:]).amax(2)
+            rows = dequantize(torch.ones_like(q).to(FP8_DTYPE), qd)  # each row's descale
+            q8 = (q / rows).clamp(-448, 448).to(FP8_DTYPE)
+    slopes = alibi_slopes(c.b, c.h, device) if c.alibi else None
+    kw = dict(causal=c.causal, window_size=c.window, softcap=c.softcap, alibi_slopes=slopes)
+    out, lse, _ = ioattn.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                                         return_attn_probs=True, **kw)
+    assert out.dtype == torch.bfloat16 and out.shape == (c.b, c.s_q, c.h, c.d_v or c.d)
+    ref, lse_ref, pt = _refs(dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd), **kw)
+    assert_close_rule("out", out, ref, pt)
+    # the LSE comes from fp32 scores (P's rounding does not enter it)
+    fin = torch.isfinite(lse_ref)
+    assert torch.equal(fin, torch.isfinite(lse)), "rows without keys: LSE -inf"
+    assert (lse[fin] - lse_ref[fin]).abs().max().item() <= rounding_atol(lse_ref[fin], torch.float32) \
+        if fin.any() else True
+    assert (out[~fin.transpose(1, 2)] == 0).all()
+    # the 'reference' backend computes the same in fp32
+    out_r = ioattn.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                                   backend="reference", **kw)
+    assert out_r.dtype == torch.bfloat16
+    assert_close_rule("reference backend", out_r, ref, pt)
+
+
+def test_fp8_block_scales_far_apart(device):
+    """Blocks of K and V whose descales differ by 50x and 1/30x (V's are folded into P as
+    shares of the largest: the small blocks' P must keep their precision)."""
+    c = Case(300, 300, h=2)
+    q, k, v = _inputs(c, device)
+    k[:, 128:256] *= 50
+    v[:, 128:256] *= 50
+    v[:, 256:] /= 30
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q * 0.05, k, v)
+    assert vd[:, :, 1].min() > 20 * vd[:, :, 0].max()
+    out = ioattn.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    ref, _, pt = _refs(dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd))
+    assert_close_rule("out", out, ref, pt)
+
+
+@pytest.mark.parametrize("block", [QUANT_BLOCK, None], ids=["block", "perhead"])
+def test_fp8_varlen(block, device):
+    lens_q, lens_k = [5, 0, 130, 17], [200, 3, 140, 0]  # empty q / k sequences, 2 blocks
+    cu_q, cu_k = cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
+    h, h_k, d = 4, 2, 64
+    q = torch.randn(sum(lens_q), h, d, device=device) * 2
+    k = torch.randn(sum(lens_k), h_k, d, device=device)
+    v = torch.randn(sum(lens_k), h_k, d, device=device)
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, block_size=block, cu_seqlens_q=cu_q,
+                                          cu_seqlens_k=cu_k)
+    assert qd.shape[:2] == (4, h) and (block is None or qd.shape[2] == 2)
+    out, lse, _ = ioattn.flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                causal=True, q_descale=qd, k_descale=kd,
+                                                v_descale=vd, return_attn_probs=True)
+    dq, dk, dv = (dequantize(t, ds, cu_seqlens=cu) for t, ds, cu in
+                  ((q8, qd, cu_q), (k8, kd, cu_k), (v8, vd, cu_k)))
+    ref, lse_ref = attention_varlen_ref(dq, dk, dv, cu_q, cu_k, causal=True)
+    pt, _ = attention_varlen_ref(dq, dk, dv, cu_q, cu_k, causal=True, fp8_p=True)
+    assert_close_rule("out", out, ref, pt)
+    fin = torch.isfinite(lse_ref)
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert (lse[fin] - lse_ref[fin]).abs().max().item() <= rounding_atol(lse_ref[fin], torch.float32)
+
+
+def test_fp8_sink(device):
+    """learnable_sink composes with the fp8 forward as with bf16 (folded in from out and LSE)."""
+    q, k, v = _inputs(Case(33, 47), device)
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v)
+    sink = torch.randn(4, device=device)
+    kw = dict(q_descale=qd, k_descale=kd, v_descale=vd, learnable_sink=sink, causal=True,
+              return_attn_probs=True)
+    out, lse, _ = ioattn.flash_attn_func(q8, k8, v8, **kw)
+    ref, lse_ref = attention_ref(dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd),
+                                 causal=True, learnable_sink=sink)
+    _, _, pt = _refs(dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd), causal=True)
+    pt = pt.float() * torch.exp(attention_ref(dequantize(q8, qd), dequantize(k8, kd),
+                                              dequantize(v8, vd), causal=True)[1]
+                                - lse_ref).transpose(1, 2)[..., None]
+    assert_close_rule("out", out, ref, pt)
+    assert (lse - lse_ref).abs().max().item() <= rounding_atol(lse_ref, torch.float32)
+
+
+def test_quantize_roundtrip(device):
+    x = torch.randn(2, 300, 3, 64, device=device)
+    x[1, 130:256] *= 40  # one block with large values: its own descale
+    x[0, :, 1] = 0  # a zero head: descale 1
+    x8, ds = quantize(x)
+    assert x8.dtype == FP8_DTYPE and ds.shape == (2, 3, 3) and ds.dtype == torch.float32
+    assert (ds[0, 1] == 1).all()
+    assert ds[1, :, 1].min() > 10 * ds[1, :, 0].max()
+    back = dequantize(x8, ds)
+    # e4m3: 3 mantissa bits, relative rounding error <= 2^-4 (normal range)
+    big = x.abs() > ds.amax() * 2 ** -6 * 1.01
+    assert ((back - x).abs() <= x.abs() * 2 ** -4 + 1e-6)[big].all()
+    x8h, dsh = quantize(x, block_size=None)
+    assert dsh.shape == (2, 3)
+    assert torch.allclose(dsh, ds.amax(2))
+    with pytest.raises(ValueError, match="block_size"):
+        quantize(x, block_size=64)
+    with pytest.raises(TypeError, match="bf16"):
+        quantize(x8)
+
+
+def test_hadamard_keeps_scores(device):
+    d = 96  # not a power of two: 3 blocks of 32
+    q, k = torch.randn(2, 7, 3, d, device=device), torch.randn(2, 9, 3, d, device=device)
+    signs = random_signs(d, seed=3, device=device)
+    qh, kh = hadamard_transform(q, signs), hadamard_transform(k, signs)
+    s = torch.einsum("bthd,bshd->bhts", q, k)
+    sh = torch.einsum("bthd,bshd->bhts", qh, kh)
+    assert (s - sh).abs().max() < 1e-4 * s.abs().max()
+    assert not torch.allclose(q, qh)
+
+
+def test_hadamard_with_outliers(device):
+    """Incoherent processing: with an outlier channel in q and k (as LLM activations have), the
+    Hadamard-rotated fp8 inputs give attention closer to the unquantized one (FlashAttention-3
+    sec. 4.3 measures 2.9x lower RMSE)."""
+    b, s, h, d = 1, 128, 2, 64
+    q, k, v = (torch.randn(b, s, h, d, device=device) for _ in range(3))
+    q[..., 3] *= 30
+    k[..., 3] *= 30
+    q, k = q * 0.3, k * 0.3
+    ref, _ = attention_ref(q, k, v)
+    errs = []
+    for had in (False, True):
+        q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, hadamard=had)
+        out = ioattn.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+        errs.append((out.float() - ref).pow(2).mean().sqrt().item())
+    assert errs[1] < 0.7 * errs[0], errs
+
+
+def test_fp8_bad_input(device):
+    q, k, v = _inputs(Case(16, 16), device)
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v)
+    with pytest.raises(TypeError, match="share a dtype"):
+        ioattn.flash_attn_func(q8, k.bfloat16(), v8)
+    with pytest.raises(ValueError, match="fp8 inputs"):
+        ioattn.flash_attn_func(q.bfloat16(), k.bfloat16(), v.bfloat16(), q_descale=qd)
+    with pytest.raises(ValueError, match=r"q_descale has shape"):
+        ioattn.flash_attn_func(q8, k8, v8, q_descale=qd[:1])
+    with pytest.raises(ValueError, match=r"k_descale has shape"):
+        ioattn.flash_attn_func(q8, k8, v8, k_descale=torch.ones(2, 4, 2, device=device))
+    with pytest.raises(TypeError, match="float32"):
+        ioattn.flash_attn_func(q8, k8, v8, v_descale=vd.half())
+    with pytest.raises(ValueError, match="no dropout"):
+        ioattn.flash_attn_func(q8, k8, v8, dropout_p=0.1)
+    with pytest.raises(ValueError, match="forward only"):
+        ioattn.flash_attn_func(q8.requires_grad_(), k8, v8)
+    q8.requires_grad_(False)
+    with pytest.raises(ValueError, match="sm90"):
+        ioattn.flash_attn_func(q8, k8, v8, backend="sm90")
+    cu = cu_seqlens([16, 16], device)
+    with pytest.raises(ValueError, match="block_table"):
+        ioattn.flash_attn_varlen_func(q8.flatten(0, 1), k8, v8, cu, cu, 16, 16,
+                                      block_table=torch.zeros(2, 1, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="cannot run fp8"):
+        dense_fwd(q8, k8, v8, None, None, 16, 16, 0.1, -1, -1, 0.0, None, 0.0, None, "sm90")
+
+
+def test_opcheck_fp8(device):
+    q, k, v = _inputs(Case(19, 23, d=32, h=4, h_k=2), device)
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v)
+    torch.library.opcheck(dense_fwd, (q8, k8, v8, None, None, 19, 23, 0.2, -1, 0, 0.0, None, 0.0,
+                                      None, "triton", "triton", False, qd, kd, vd),
+                          test_utils=("test_faketensor",))  # (test_schema multiplies the
+    # fp8 inputs, which torch's CPU kernels do not)
+
+
+def test_compile_fp8(device):
+    """torch.compile(fullgraph=True) traces the fp8 call into the op (aot_eager under the
+    interpreter, inductor on the GPU)."""
+    q, k, v = _inputs(Case(19, 23, d=32, h=4, h_k=2), device)
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v)
+
+    def f(q8, k8, v8, qd, kd, vd):
+        return ioattn.flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd,
+                                      v_descale=vd)
+
+    out = torch.compile(f, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")(
+        q8, k8, v8, qd, kd, vd)
+    torch.testing.assert_close(out, f(q8, k8, v8, qd, kd, vd))
