@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early] [short] [d256-decode] [short-bench] [bind-tests] [pending] [short-timeline] [short-forms] [counters] [decode-accept]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early] [short] [d256-decode] [short-bench] [bind-tests] [pending] [short-timeline] [short-forms] [counters] [decode-accept] [fp8]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -110,6 +110,18 @@ for step in $steps; do
              --prefill-cells 8x4096x512x16 \
              --out "$OUT/decode_accept_${GPU_TAG}_$(date +%F).json" > "$OUT/decode_accept.log" 2>&1
            grep -vE "^/" "$OUT/decode_accept.log" | tail -40 ;;
+    fp8)   # the fp8 forward (portable kernel, e4m3 wgmma): its tests and the sm90 compile
+           # check, then the FA grid's forward from 2k with block and per-head descales beside
+           # ioattn's bf16 call, cuDNN, FA2 and Flex on the same (bf16) data (FP8_DIMS,
+           # FP8_SEQLENS, FP8_IMPLS narrow it)
+           timeout 200 python -m pytest -q -n 8 -p no:cacheprovider tests/dense/test_fp8.py \
+             tests/dense/test_sm90_compile.py > "$OUT/tests_fp8.log" 2>&1
+           grep -E "FAILED|ERROR" "$OUT/tests_fp8.log" | head; tail -1 "$OUT/tests_fp8.log"
+           timeout 380 python -m ioattn bench --modes fwd --dims "${FP8_DIMS:-64,128,256}" \
+             --seqlens "${FP8_SEQLENS:-2048,4096,8192,16384}" --rounds 3 --no-plots \
+             --impls "${FP8_IMPLS:-ioattn,ioattn_fp8,ioattn_fp8_head,sdpa_cudnn,sdpa_flash,flex}" \
+             --out "$OUT/fp8_${GPU_TAG}_$(date +%F).json" > "$OUT/fp8.log" 2>&1
+           grep -E "^fwd" "$OUT/fp8.log" | head -60; tail -3 "$OUT/fp8.log" ;;
     sm90-bwd-fused) # the fused backward (dQ writer warp): its tests, then fused / two-kernel timed
            IOATTN_SM90_FUSED_BWD=1 timeout 120 python -m pytest -q -n 8 -p no:cacheprovider \
              tests/dense/test_sm90.py > "$OUT/tests_fused_bwd.log" 2>&1; tail -1 "$OUT/tests_fused_bwd.log"

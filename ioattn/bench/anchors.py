@@ -95,13 +95,13 @@ class IoAttn(Impl):
 class IoAttnFp8(Impl):
     """ioattn's fp8 forward (``flash_attn_func`` on e4m3 q, k, v with descales): the cell's
     bf16 / fp16 inputs quantized once outside the timer (``ioattn.fp8.quantize_qkv``; block
-    descales per 128 rows, or per (batch, head) with ``block_size=None``), O in bf16. Forward
-    only."""
+    descales per 128 rows, or per (batch, head) with ``block_size=None``; V with its keys
+    innermost, or as the cell's layout: ``v_keys_contiguous``), O in bf16. Forward only."""
 
     needs_cuda = True
 
-    def __init__(self, name: str, block_size: Optional[int]) -> None:
-        self.name, self.block_size = name, block_size
+    def __init__(self, name: str, block_size: Optional[int], v_keys_contiguous: bool = True) -> None:
+        self.name, self.block_size, self.v_keys = name, block_size, v_keys_contiguous
 
     def build(self, inp: Inputs, shape: Shape) -> Built:
         if shape.mode != "fwd":
@@ -110,7 +110,8 @@ class IoAttnFp8(Impl):
 
         func = get_ioattn_func()
         q8, k8, v8, qd, kd, vd = quantize_qkv(inp.q.detach(), inp.k.detach(), inp.v.detach(),
-                                              block_size=self.block_size)
+                                              block_size=self.block_size,
+                                              v_keys_contiguous=self.v_keys)
         kw = dict(causal=shape.causal, q_descale=qd, k_descale=kd, v_descale=vd)
         if shape.softcap:
             kw["softcap"] = shape.softcap
@@ -196,6 +197,7 @@ IMPLS: dict[str, Impl] = {
         IoAttn("ioattn_sm90", "sm90"),
         IoAttnFp8("ioattn_fp8", 128),
         IoAttnFp8("ioattn_fp8_head", None),
+        IoAttnFp8("ioattn_fp8_vrows", 128, v_keys_contiguous=False),
         Sdpa("ioattn_sdpa", None, needs_cuda=False),
         Sdpa("sdpa_cudnn", "CUDNN_ATTENTION", needs_cuda=True),
         Sdpa("sdpa_flash", "FLASH_ATTENTION", needs_cuda=True),

@@ -25,7 +25,7 @@ from . import anchors
 from .shapes import DIMS, FLOPS_FORMULA, HIDDEN, QUICK_DIMS, QUICK_SEQLENS, SEQLENS, TOKENS, Shape, fa_grid
 
 CELL_KEYS = ("mode", "d", "h", "s", "b", "causal", "dtype", "d_v")
-ABBREV = {"ioattn": "io", "ioattn_triton": "io-tri", "ioattn_sm90": "io-sm90", "ioattn_fp8": "io-fp8", "ioattn_fp8_head": "io-fp8h", "ioattn_sdpa": "io-sdpa", "sdpa_cudnn": "cudnn", "sdpa_flash": "flash", "flex": "flex", "sdpa_math": "math"}
+ABBREV = {"ioattn": "io", "ioattn_triton": "io-tri", "ioattn_sm90": "io-sm90", "ioattn_fp8": "io-fp8", "ioattn_fp8_head": "io-fp8h", "ioattn_fp8_vrows": "io-fp8vr", "ioattn_sdpa": "io-sdpa", "sdpa_cudnn": "cudnn", "sdpa_flash": "flash", "flex": "flex", "sdpa_math": "math"}
 
 
 @dataclass

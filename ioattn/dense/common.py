@@ -46,14 +46,21 @@ def seq_bounds(CU_Q, CU_K, off_b, seqlen_q_fixed, seqlen_k_fixed, IS_VARLEN: tl.
 @triton.jit
 def kv_sources(k_base, v_base, seqlen_k, stride_kn, stride_vn, offs_n, offs_d, offs_dv,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, USE_TMA: tl.constexpr):
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, USE_TMA: tl.constexpr,
+               V_T: tl.constexpr = False):
     """K/V tiles' sources for loops over key blocks: TMA descriptors bounded by seqlen_k (rows past
-    it and head-dim padding read as 0) or [BLOCK_N, BLOCK_D] pointer blocks at key block 0."""
+    it and head-dim padding read as 0) or [BLOCK_N, BLOCK_D] pointer blocks at key block 0.
+    V_T: V's keys are contiguous (stride_vn is then its head dim's stride; the fp8 forward's
+    V, whose wgmma operand wants keys innermost): its descriptor is [HEAD_DIM_V, seqlen_k]."""
     if USE_TMA:
         k_src = tl.make_tensor_descriptor(k_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_src = tl.make_tensor_descriptor(v_base, shape=[seqlen_k, HEAD_DIM_V], strides=[stride_vn, 1],
-                                          block_shape=[BLOCK_N, BLOCK_DV])
+        if V_T:
+            v_src = tl.make_tensor_descriptor(v_base, shape=[HEAD_DIM_V, seqlen_k],
+                                              strides=[stride_vn, 1], block_shape=[BLOCK_DV, BLOCK_N])
+        else:
+            v_src = tl.make_tensor_descriptor(v_base, shape=[seqlen_k, HEAD_DIM_V],
+                                              strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_DV])
     else:
         # scalar bases: the tile addresses are formed at each load (a hoisted [BLOCK_N, BLOCK_D]
         # int64 pointer block would pin 2 registers per element across the loop and spill)
@@ -64,13 +71,20 @@ def kv_sources(k_base, v_base, seqlen_k, stride_kn, stride_vn, offs_n, offs_d, o
 
 @triton.jit
 def load_kv_block(src, start_n, stride_n, cols, offs_d, seqlen_k, HEAD_DIM: tl.constexpr,
-                  MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
+                  MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
+                  KEYS_CONTIG: tl.constexpr = False):
     """The [BLOCK_N, BLOCK_D] tile of K or V at key block ``start_n`` from a ``kv_sources`` source;
-    cols = start_n + arange(BLOCK_N). Masked blocks guard rows past seqlen_k (TMA zero-fills them)."""
-    if USE_TMA:
+    cols = start_n + arange(BLOCK_N). Masked blocks guard rows past seqlen_k (TMA zero-fills them).
+    KEYS_CONTIG: a ``V_T`` source (keys contiguous, stride_n the head dim's stride)."""
+    if USE_TMA and KEYS_CONTIG:
+        x = tl.trans(src.load([0, start_n]))
+    elif USE_TMA:
         x = src.load([start_n, 0])
     else:
-        ptrs = src + cols[:, None] * stride_n + offs_d[None, :]
+        if KEYS_CONTIG:
+            ptrs = src + cols[:, None] + offs_d[None, :] * stride_n
+        else:
+            ptrs = src + cols[:, None] * stride_n + offs_d[None, :]
         if MASKED:
             x = tl.load(ptrs, mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
         elif EVEN_D:

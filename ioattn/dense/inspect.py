@@ -240,9 +240,10 @@ def default_reports(arch: int = 90, head_dims=(64, 128, 256)) -> list[KernelRepo
             tag = f"fwd d{d} {'causal' if masked else 'full'} {fc.block_m}x{fc.block_n} w{fc.num_warps}"
             out.append(compile_report(tag + (" tma+ws" if ce["WARP_SPEC"] else ""),
                                       triton_fwd._attn_fwd_kernel, ce, fc.num_warps, fc.num_stages, arch))
-            # the fp8 forward (q, k, v e4m3, block descales read per key block), same config
+            # the fp8 forward (q, k, v e4m3, block descales read per key block, V with its
+            # keys innermost as ioattn.fp8.quantize_qkv returns it), same config
             ce8 = dict(ce, FP8=True, KD_BLOCKED=True, VD_BLOCKED=True,
-                       FP8_BLOCK=triton_fwd.FP8_BLOCK)
+                       FP8_BLOCK=triton_fwd.FP8_BLOCK, V_T=True)
             out.append(compile_report("fp8 " + tag + (" tma+ws" if ce["WARP_SPEC"] else ""),
                                       triton_fwd._attn_fwd_kernel, ce8, fc.num_warps,
                                       fc.num_stages, arch, dtype="fp8e4nv"))

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ioattn.dense.params import check_int32_rows, make_params
 from ioattn.dense.triton_bwd import attn_bwd
-from ioattn.dense.triton_fwd import attn_fwd
+from ioattn.dense.triton_fwd import attn_fwd, keys_contiguous_layout
 from ioattn.launch import keep
 
 # fp8 inputs the forward takes (FlashAttention-3's: e4m3)
@@ -131,7 +131,9 @@ def fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
         launch = attn_fwd
     else:
         raise ValueError(f"impl={impl!r} is not 'triton' or 'sm90'")
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
+    if not (fp8 and keys_contiguous_layout(v)):  # (fp8 V may have its keys innermost)
+        v = _last_dim_contiguous(v)
     out = _new_output(q, q.shape[:-1] + (v.shape[-1],), torch.bfloat16 if fp8 else None)
     varlen = cu_seqlens_q is not None
     lse = _new_output(q, _lse_shape(q, varlen), dtype=torch.float32)

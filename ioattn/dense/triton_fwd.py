@@ -37,7 +37,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
                WARP_SPEC: tl.constexpr, FP8: tl.constexpr, KD_BLOCKED: tl.constexpr,
-               VD_BLOCKED: tl.constexpr, FP8_BLOCK: tl.constexpr):
+               VD_BLOCKED: tl.constexpr, FP8_BLOCK: tl.constexpr, V_T: tl.constexpr):
     # k_src / v_src: from kv_sources (TMA descriptors or pointer blocks)
     WS: tl.constexpr = WARP_SPEC and not MASKED
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WS):
@@ -75,7 +75,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
             keep = dropout_keep(seed, rng_row0, offs_m[:, None], cols[None, :], max_seqlen_k, dropout_p)
             p = tl.where(keep, p, 0.0)
         v = load_kv_block(v_src, start_n, stride_vn, cols, offs_dv, seqlen_k, HEAD_DIM_V, MASKED,
-                          EVEN_D, USE_TMA)
+                          EVEN_D, USE_TMA, V_T)
         if VD_BLOCKED:  # (fp8) V's descale varies by key block: P takes this block's share of
             # the largest one (<= 1, applied to O at the end), so one accumulator holds every block
             p = p * (tl.load(vd_base + (start_n // FP8_BLOCK) * stride_vdk) / v_descale)
@@ -95,14 +95,14 @@ def _attn_fwd_kernel(
     n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, rng_rows, max_seqlen_k,
     qk_scale_log2, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
     QD, KD, VD, VDM, stride_qdb, stride_qdh, stride_qdk, stride_kdb, stride_kdh, stride_kdk,
-    stride_vdb, stride_vdh, stride_vdk, qd_group,
+    stride_vdb, stride_vdh, stride_vdk, qd_group, stride_vd,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, FP8: tl.constexpr = False,
     KD_BLOCKED: tl.constexpr = False, VD_BLOCKED: tl.constexpr = False,
-    FP8_BLOCK: tl.constexpr = 128,
+    FP8_BLOCK: tl.constexpr = 128, V_T: tl.constexpr = False,
 ):
     # FP8: q, k, v in fp8 (e4m3), O in bf16. Descales QD / KD / VD (fp32, x = x_fp8 * descale)
     # indexed [batch, head, block of FP8_BLOCK rows of the sequence] through their strides: a
@@ -111,6 +111,8 @@ def _attn_fwd_kernel(
     # / V's descale varies along the keys (block quantization), read per key block; otherwise it
     # is one number for the program, folded into the scales (K) or applied to O at the end (V).
     # VDM: V's largest descale per (batch, KV head), [batch, nheads_k] contiguous (VD_BLOCKED).
+    # V_T: V's keys are contiguous (stride_vn 1; its head dim's stride is stride_vd), the
+    # layout the fp8 P·V wgmma reads without a transpose (``ioattn.fp8.keys_contiguous``).
     EVEN_D: tl.constexpr = (BLOCK_D == HEAD_DIM) and (BLOCK_DV == HEAD_DIM_V)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -138,8 +140,10 @@ def _attn_fwd_kernel(
     # [BLOCK_M, BLOCK_D]
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if V_T:  # (the V tiles' loads take the head dim's stride)
+        stride_vn = stride_vd
     k_src, v_src = kv_sources(k_base, v_base, seqlen_k, stride_kn, stride_vn, offs_n, offs_d, offs_dv,
-                              HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA)
+                              HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, V_T)
 
     q_descale = 1.0
     v_descale = 1.0
@@ -181,7 +185,7 @@ def _attn_fwd_kernel(
                                q_descale, kd_base, stride_kdk, vd_base, stride_vdk, v_descale,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, EVEN_D,
                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                               USE_TMA, WARP_SPEC, FP8, KD_BLOCKED, VD_BLOCKED, FP8_BLOCK)
+                               USE_TMA, WARP_SPEC, FP8, KD_BLOCKED, VD_BLOCKED, FP8_BLOCK, V_T)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
                                full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, seqlen_k, off,
                                window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2,
@@ -189,7 +193,7 @@ def _attn_fwd_kernel(
                                q_descale, kd_base, stride_kdk, vd_base, stride_vdk, v_descale,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, EVEN_D,
                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                               USE_TMA, WARP_SPEC, FP8, KD_BLOCKED, VD_BLOCKED, FP8_BLOCK)
+                               USE_TMA, WARP_SPEC, FP8, KD_BLOCKED, VD_BLOCKED, FP8_BLOCK, V_T)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
                                full_hi, hi, offs_m, offs_n, offs_d, offs_dv, seqlen_k, off,
                                window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2,
@@ -197,7 +201,7 @@ def _attn_fwd_kernel(
                                q_descale, kd_base, stride_kdk, vd_base, stride_vdk, v_descale,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, EVEN_D,
                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                               USE_TMA, WARP_SPEC, FP8, KD_BLOCKED, VD_BLOCKED, FP8_BLOCK)
+                               USE_TMA, WARP_SPEC, FP8, KD_BLOCKED, VD_BLOCKED, FP8_BLOCK, V_T)
 
     # rows that saw no key: l = 0 -> out 0, LSE -inf
     empty = l_i == 0.0
@@ -214,6 +218,12 @@ def _attn_fwd_kernel(
              mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
     lse_ptrs = LSE + off_b64 * stride_lb + off_h.to(tl.int64) * stride_lh + q_start + offs_m
     tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+def keys_contiguous_layout(v: torch.Tensor) -> bool:
+    """Whether V's keys are its contiguous dim ([b, s, h, d] or [total, h, d] with stride 1 over
+    s): the fp8 forward's V_T layout (``ioattn.fp8.keys_contiguous`` makes it)."""
+    return v.stride(-3) == 1 and v.stride(-1) != 1 and v.shape[-3] > 1
 
 
 def _descale_args(p: AttnParams, q: torch.Tensor, cfg) -> tuple:
@@ -263,7 +273,11 @@ def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sb = p.batch_strides
     # ptxas (Triton 3.6's) crashes on the TMA variant at head dim 256 with num_stages >= 2 (also
     # reproduced on CPU: python -m ioattn.dense.inspect); warp specialization needs 8 warps
-    use_tma = cfg.tma and max(p.head_dim, p.head_dim_v) <= 128 and tma_compatible(q, k, v)
+    v_t = p.fp8 and keys_contiguous_layout(v)
+    use_tma = cfg.tma and max(p.head_dim, p.head_dim_v) <= 128 and (
+        tma_compatible(q, k, v) if not v_t else
+        tma_compatible(q, k) and not p.is_varlen and v.data_ptr() % 16 == 0
+        and all(st % 16 == 0 for st in (v.stride(0), v.stride(-2), v.stride(-1))))
     if use_tma:
         ensure_tma_allocator()
     args = (
@@ -276,7 +290,7 @@ def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         n_heads, n_heads // k.shape[-2], p.max_seqlen_q, p.max_seqlen_k, p.rng_rows, p.max_seqlen_k,
         p.softmax_scale * LOG2E, p.softmax_scale / p.softcap if p.softcap > 0 else 0.0,
         p.softcap * LOG2E, p.window_left, p.window_right, p.dropout_p,
-        *_descale_args(p, q, cfg))
+        *_descale_args(p, q, cfg), v.stride(-1))
     kwargs = dict(
         HEAD_DIM=p.head_dim, HEAD_DIM_V=p.head_dim_v,
         BLOCK_D=configs.pad_dim(p.head_dim), BLOCK_DV=configs.pad_dim(p.head_dim_v),
@@ -287,7 +301,7 @@ def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if p.fp8:
         kwargs.update(FP8=True, KD_BLOCKED=p.k_descale.stride(2) != 0,
-                      VD_BLOCKED=p.v_descale.stride(2) != 0, FP8_BLOCK=FP8_BLOCK)
+                      VD_BLOCKED=p.v_descale.stride(2) != 0, FP8_BLOCK=FP8_BLOCK, V_T=v_t)
     lch = launcher(_attn_fwd_kernel)
     if key is None or use_tma:  # (device-side TMA takes scratch memory: never bound)
         lch[grid](*args, **kwargs)

@@ -31,7 +31,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 _FP8_MAX = 448.0  # the largest finite e4m3 value
 
 __all__ = ["QUANT_BLOCK", "FP8_DTYPE", "quantize", "dequantize", "hadamard_transform",
-           "random_signs", "quantize_qkv"]
+           "random_signs", "keys_contiguous", "quantize_qkv"]
 
 
 def _seq_index(x: Tensor, cu_seqlens: Optional[Tensor]):
@@ -144,17 +144,31 @@ def hadamard_transform(x: Tensor, signs: Optional[Tensor] = None) -> Tensor:
     return y.reshape(x.shape).to(x.dtype)
 
 
+def keys_contiguous(v: Tensor) -> Tensor:
+    """V with the same shape ([b, s, h, d] or [total, h, d]) and values, stored with its keys
+    innermost ([b, h, d, s] / [h, d, total] in memory): the layout the fp8 forward's P·V reads
+    as Hopper's fp8 wgmma wants its operand (K-major), without a transpose per key block. Any
+    other layout is accepted too (transposed in the kernel)."""
+    if v.dim() == 4:
+        return v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    if v.dim() == 3:
+        return v.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+    raise ValueError(f"v must be [batch, seqlen, heads, headdim] or [total, heads, headdim], got "
+                     f"{tuple(v.shape)}")
+
+
 def quantize_qkv(q: Tensor, k: Tensor, v: Tensor, *, block_size: Optional[int] = QUANT_BLOCK,
                  hadamard: bool = False, seed: int = 0, cu_seqlens_q: Optional[Tensor] = None,
-                 cu_seqlens_k: Optional[Tensor] = None):
+                 cu_seqlens_k: Optional[Tensor] = None, v_keys_contiguous: bool = True):
     """(q8, k8, v8, q_descale, k_descale, v_descale) for ``flash_attn_func`` (or the varlen call
     with cu_seqlens_q / cu_seqlens_k). hadamard=True applies ``hadamard_transform`` with one
     ``random_signs(seed)`` vector to q and k first (incoherent processing: scores unchanged in
-    exact arithmetic, outlier channels spread before quantization); v is quantized as it is."""
+    exact arithmetic, outlier channels spread before quantization); v is quantized as it is,
+    and returned in ``keys_contiguous`` layout unless v_keys_contiguous=False."""
     if hadamard:
         signs = random_signs(q.shape[-1], seed=seed, device=q.device)
         q, k = hadamard_transform(q, signs), hadamard_transform(k, signs)
     q8, qd = quantize(q, block_size=block_size, cu_seqlens=cu_seqlens_q)
     k8, kd = quantize(k, block_size=block_size, cu_seqlens=cu_seqlens_k)
     v8, vd = quantize(v, block_size=block_size, cu_seqlens=cu_seqlens_k)
-    return q8, k8, v8, qd, kd, vd
+    return q8, k8, keys_contiguous(v8) if v_keys_contiguous else v8, qd, kd, vd
