@@ -312,10 +312,10 @@ def _check_fp8(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, descales: tupl
             _fail(f"{name} is on {t.device} but q is on {q.device}")
         blocks = max(1, -(-s // QUANT_BLOCK))
         if not (t.dim() in (2, 3) and t.shape[0] == batch and t.shape[1] in heads
-                and (t.dim() == 2 or t.shape[2] in (1, blocks))):
+                and (t.dim() == 2 or t.shape[2] == 1 or t.shape[2] >= blocks)):
             _fail(f"{name} has shape {tuple(t.shape)}; expected (batch={batch}, heads) or "
-                  f"(batch, heads, {blocks}) (one descale per {QUANT_BLOCK} rows: "
-                  f"ioattn.fp8.quantize), heads in {heads}")
+                  f"(batch, heads, >= {blocks}) (one descale per {QUANT_BLOCK} rows: "
+                  f"ioattn.fp8.quantize), heads {' or '.join(map(str, sorted(set(heads))))}")
 
 
 def _dequantized(q: Tensor, k: Tensor, v: Tensor, descales: tuple, cu_seqlens_q=None,

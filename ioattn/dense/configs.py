@@ -75,12 +75,21 @@ def fwd_config(device: torch.device, head_dim: int, head_dim_v: int, dtype: torc
     if interpreting() or device.type != "cuda":
         return _INTERP_FWD
     return fwd_config_for(capability(device), head_dim, head_dim_v, masked,
-                          seqlen_q)
+                          seqlen_q, fp8=dtype == torch.float8_e4m3fn)
 
 
 def fwd_config_for(arch: tuple[int, int], head_dim: int, head_dim_v: int, masked: bool,
-                   seqlen_q: int) -> FwdConfig:
+                   seqlen_q: int, fp8: bool = False) -> FwdConfig:
     d = max(pad_dim(head_dim), pad_dim(head_dim_v))
+    if arch[0] >= 9 and fp8:
+        # the fp8 forward (K / V tiles half bf16's bytes): benchmarks/tune_fp8.py on an H100,
+        # 2k and 16k (results/tune/tune_fp8_c718cc0_nvidia-h100_2026-12-07.json)
+        if d <= 64:
+            return FwdConfig(128, 64, 4, 3, tma=True) if masked else FwdConfig(128, 64, 4, 3)
+        if d <= 128:
+            return (FwdConfig(128, 128, 8, 3, tma=True, warp_specialize=True) if masked
+                    else FwdConfig(128, 128, 8, 3))
+        return FwdConfig(128, 64, 8, 3)
     if arch[0] >= 9:
         # H200 sweeps, FA grid bf16 (benchmarks/NOTES.md). Causal work is uneven per query block,
         # so short causal problems want small query blocks; long ones want the TMA+WS pipeline.

@@ -26,7 +26,7 @@ from ioattn.dense import triton_bwd, triton_fwd
 
 _PTR_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "SLOPES": "*fp32",
               "CU_Q": "*i32", "CU_K": "*i32", "RNG": "*i64", "QD": "*fp32", "KD": "*fp32",
-              "VD": "*fp32", "VDM": "*fp32"}
+              "VD": "*fp32"}
 _INT_PREFIXES = ("stride", "n_heads", "kv_group", "seqlen", "rng_rows", "max_seqlen", "window",
                  "qd_group")
 
@@ -241,12 +241,16 @@ def default_reports(arch: int = 90, head_dims=(64, 128, 256)) -> list[KernelRepo
             out.append(compile_report(tag + (" tma+ws" if ce["WARP_SPEC"] else ""),
                                       triton_fwd._attn_fwd_kernel, ce, fc.num_warps, fc.num_stages, arch))
             # the fp8 forward (q, k, v e4m3, block descales read per key block, V with its
-            # keys innermost as ioattn.fp8.quantize_qkv returns it), same config
-            ce8 = dict(ce, FP8=True, KD_BLOCKED=True, VD_BLOCKED=True,
-                       FP8_BLOCK=triton_fwd.FP8_BLOCK, V_T=True)
-            out.append(compile_report("fp8 " + tag + (" tma+ws" if ce["WARP_SPEC"] else ""),
-                                      triton_fwd._attn_fwd_kernel, ce8, fc.num_warps,
-                                      fc.num_stages, arch, dtype="fp8e4nv"))
+            # keys innermost as ioattn.fp8.quantize_qkv returns it), its own config
+            f8 = fwd_config_for((arch // 10, arch % 10), d, d, masked, 16384, fp8=True)
+            tma8 = f8.tma and d <= 128
+            ce8 = dict(_flags(d, f8.block_m, f8.block_n, masked), USE_TMA=tma8,
+                       WARP_SPEC=tma8 and f8.warp_specialize and f8.num_warps == 8, FP8=True,
+                       KD_BLOCKED=True, VD_BLOCKED=True, FP8_BLOCK=triton_fwd.FP8_BLOCK, V_T=True)
+            tag8 = (f"fp8 fwd d{d} {'causal' if masked else 'full'} {f8.block_m}x{f8.block_n} "
+                    f"w{f8.num_warps}" + (" tma+ws" if ce8["WARP_SPEC"] else " tma" if tma8 else ""))
+            out.append(compile_report(tag8, triton_fwd._attn_fwd_kernel, ce8, f8.num_warps,
+                                      f8.num_stages, arch, dtype="fp8e4nv"))
         bc = bwd_config_for((arch // 10, arch % 10), d, d, False)
         ce = dict(_flags(d, bc.block_m, bc.block_n, False), KEYS_AS_B=bc.keys_as_b, USE_TMA=bc.tma)
         out.append(compile_report(f"bwd dkdv d{d} {bc.block_m}x{bc.block_n} w{bc.num_warps}",

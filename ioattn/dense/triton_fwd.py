@@ -70,18 +70,25 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
             p = tl.exp2(s * c - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        if VD_BLOCKED:  # (fp8) V's descale varies by key block: acc holds O over the current
+            # block's descale (v_descale), rescaled with alpha as the block changes, so P stays
+            # as it is (rounded as without descales) and O takes the last one at the end. A
+            # descale of 0 zeroes the block's values (its keys still count in l).
+            vd = tl.load(vd_base + (start_n // FP8_BLOCK) * stride_vdk)
+            live = vd > 0
+            acc = acc * (alpha * tl.where(live, v_descale / tl.where(live, vd, 1.0), 1.0))[:, None]
+            v_descale = tl.where(live, vd, v_descale)
+            p = p * live.to(tl.float32)
+        else:
+            acc = acc * alpha[:, None]
         if HAS_DROPOUT:
             keep = dropout_keep(seed, rng_row0, offs_m[:, None], cols[None, :], max_seqlen_k, dropout_p)
             p = tl.where(keep, p, 0.0)
         v = load_kv_block(v_src, start_n, stride_vn, cols, offs_dv, seqlen_k, HEAD_DIM_V, MASKED,
                           EVEN_D, USE_TMA, V_T)
-        if VD_BLOCKED:  # (fp8) V's descale varies by key block: P takes this block's share of
-            # the largest one (<= 1, applied to O at the end), so one accumulator holds every block
-            p = p * (tl.load(vd_base + (start_n // FP8_BLOCK) * stride_vdk) / v_descale)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
-    return acc, l_i, m_i
+    return acc, l_i, m_i, v_descale
 
 
 @triton.jit
@@ -94,7 +101,7 @@ def _attn_fwd_kernel(
     stride_lb, stride_lh, stride_sb,
     n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, rng_rows, max_seqlen_k,
     qk_scale_log2, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
-    QD, KD, VD, VDM, stride_qdb, stride_qdh, stride_qdk, stride_kdb, stride_kdh, stride_kdk,
+    QD, KD, VD, stride_qdb, stride_qdh, stride_qdk, stride_kdb, stride_kdh, stride_kdk,
     stride_vdb, stride_vdh, stride_vdk, qd_group, stride_vd,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -110,7 +117,6 @@ def _attn_fwd_kernel(
     # head: 1; per KV head, FlashAttention-3's form: the GQA group). KD_BLOCKED / VD_BLOCKED: K's
     # / V's descale varies along the keys (block quantization), read per key block; otherwise it
     # is one number for the program, folded into the scales (K) or applied to O at the end (V).
-    # VDM: V's largest descale per (batch, KV head), [batch, nheads_k] contiguous (VD_BLOCKED).
     # V_T: V's keys are contiguous (stride_vn 1; its head dim's stride is stride_vd), the
     # layout the fp8 P·V wgmma reads without a transpose (``ioattn.fp8.keys_contiguous``).
     EVEN_D: tl.constexpr = (BLOCK_D == HEAD_DIM) and (BLOCK_DV == HEAD_DIM_V)
@@ -158,9 +164,7 @@ def _attn_fwd_kernel(
             kd = q_descale * tl.load(kd_base)
             qk_scale_log2 = qk_scale_log2 * kd
             softcap_scale = softcap_scale * kd
-        if VD_BLOCKED:
-            v_descale = tl.load(VDM + off_b * (n_heads // kv_group) + off_hk)
-        else:
+        if not VD_BLOCKED:  # (blocked: the current key block's, carried by _fwd_inner)
             v_descale = tl.load(vd_base)
     slope_log2 = 0.0
     if HAS_ALIBI:
@@ -178,7 +182,7 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     # masked edge blocks, then the unmasked interior, then the masked tail (diagonal, seqlen_k cut)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
+    acc, l_i, m_i, v_descale = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
                                lo, full_lo, offs_m, offs_n, offs_d, offs_dv, seqlen_k, off,
                                window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2,
                                slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
@@ -186,7 +190,7 @@ def _attn_fwd_kernel(
                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, EVEN_D,
                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
                                USE_TMA, WARP_SPEC, FP8, KD_BLOCKED, VD_BLOCKED, FP8_BLOCK, V_T)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
+    acc, l_i, m_i, v_descale = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
                                full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, seqlen_k, off,
                                window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2,
                                slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
@@ -194,7 +198,7 @@ def _attn_fwd_kernel(
                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, EVEN_D,
                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
                                USE_TMA, WARP_SPEC, FP8, KD_BLOCKED, VD_BLOCKED, FP8_BLOCK, V_T)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
+    acc, l_i, m_i, v_descale = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
                                full_hi, hi, offs_m, offs_n, offs_d, offs_dv, seqlen_k, off,
                                window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2,
                                slope_log2, seed, rng_row0, max_seqlen_k, dropout_p,
@@ -227,19 +231,15 @@ def keys_contiguous_layout(v: torch.Tensor) -> bool:
 
 
 def _descale_args(p: AttnParams, q: torch.Tensor, cfg) -> tuple:
-    """The kernel's QD, KD, VD, VDM pointers, QD / KD / VD's (batch, head, block) strides and
-    qd_group: q itself and zeros where the call is not fp8 (never read). VDM: V's largest
-    descale per (batch, KV head) where V's vary by block (floored at fp32's smallest normal, so
-    all-zero descales give 0, not 0 / 0), else V's own."""
+    """The kernel's QD, KD, VD pointers, their (batch, head, block) strides and qd_group: q
+    itself and zeros where the call is not fp8 (never read)."""
     if not p.fp8:
-        return (q, q, q, q) + (0,) * 9 + (1,)
+        return (q, q, q) + (0,) * 9 + (1,)
     if FP8_BLOCK % cfg.block_m or FP8_BLOCK % cfg.block_n:  # (every config's blocks divide it)
         raise RuntimeError(f"fp8 block descales need tiles dividing {FP8_BLOCK} rows, the config "
                            f"has {cfg.block_m} x {cfg.block_n}")
     ds = (p.q_descale, p.k_descale, p.v_descale)
-    vd_max = (p.v_descale.amax(-1).clamp_min(torch.finfo(torch.float32).tiny).contiguous()
-              if p.v_descale.stride(2) else p.v_descale)
-    return (*ds, vd_max, *(st for t in ds for st in t.stride()),
+    return (*ds, *(st for t in ds for st in t.stride()),
             q.shape[-2] // p.q_descale.shape[1])
 
 

@@ -59,24 +59,34 @@ def _seq_index(x: Tensor, cu_seqlens: Optional[Tensor]):
 
 
 def quantize(x: Tensor, *, block_size: Optional[int] = QUANT_BLOCK,
-             cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+             cu_seqlens: Optional[Tensor] = None,
+             max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """(x in fp8 e4m3, fp32 descale) with x ~= x_fp8 * descale, descale = amax / 448 per group.
 
     x: [batch, seqlen, heads, headdim], or [total, heads, headdim] with int32 ``cu_seqlens``.
     block_size: QUANT_BLOCK (128, default): descale [batch, heads, ceil(seqlen / 128)], one per
     128 rows of a sequence and head (block quantization); None: [batch, heads], one per sequence
-    and head (FlashAttention-3's descale form). A group of zeros gets descale 1. Rows past
-    cu_seqlens[-1] (varlen) are quantized with the last sequence's last block."""
+    and head (FlashAttention-3's descale form). A group of zeros gets descale 1. Varlen: the
+    blocks are counted up to ``max_seqlen`` (the value the attention call will get; default the
+    longest sequence), and rows past cu_seqlens[-1] are quantized with the last sequence's last
+    block without entering its descale."""
     if not isinstance(x, Tensor) or not x.is_floating_point() or x.dtype == FP8_DTYPE:
         raise TypeError("x must be a bf16 / fp16 / fp32 tensor")
     if block_size not in (None, QUANT_BLOCK):
         raise ValueError(f"block_size={block_size!r}: the kernels read descales per block of "
                          f"{QUANT_BLOCK} rows (QUANT_BLOCK) or per sequence (None)")
     b, seq, pos, s = _seq_index(x, cu_seqlens)
+    if seq is not None and max_seqlen is not None:
+        if max_seqlen < s:
+            raise ValueError(f"max_seqlen={max_seqlen} < the longest sequence ({s})")
+        s = max_seqlen
     h = x.shape[-2]
     nb = max(1, math.ceil(s / QUANT_BLOCK)) if block_size else 1
-    blk = pos // QUANT_BLOCK if block_size else torch.zeros_like(pos)
+    blk = (pos // QUANT_BLOCK).clamp(max=nb - 1) if block_size else torch.zeros_like(pos)
     row_amax = x.detach().abs().float().amax(-1)  # [b, s, h] or [total, h]
+    if seq is not None:  # rows past the last sequence: outside every group
+        row_amax = row_amax * (torch.arange(x.shape[0], device=x.device)
+                               < int(cu_seqlens[-1]))[:, None]
     if seq is None:
         amax = row_amax.new_zeros(b, nb, h)
         amax.scatter_reduce_(1, blk[None, :, None].expand_as(row_amax), row_amax, "amax")
@@ -159,16 +169,17 @@ def keys_contiguous(v: Tensor) -> Tensor:
 
 def quantize_qkv(q: Tensor, k: Tensor, v: Tensor, *, block_size: Optional[int] = QUANT_BLOCK,
                  hadamard: bool = False, seed: int = 0, cu_seqlens_q: Optional[Tensor] = None,
-                 cu_seqlens_k: Optional[Tensor] = None, v_keys_contiguous: bool = True):
+                 cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
+                 max_seqlen_k: Optional[int] = None, v_keys_contiguous: bool = True):
     """(q8, k8, v8, q_descale, k_descale, v_descale) for ``flash_attn_func`` (or the varlen call
-    with cu_seqlens_q / cu_seqlens_k). hadamard=True applies ``hadamard_transform`` with one
+    with cu_seqlens_q / cu_seqlens_k and the max_seqlen_q / max_seqlen_k it will get). hadamard=True applies ``hadamard_transform`` with one
     ``random_signs(seed)`` vector to q and k first (incoherent processing: scores unchanged in
     exact arithmetic, outlier channels spread before quantization); v is quantized as it is,
     and returned in ``keys_contiguous`` layout unless v_keys_contiguous=False."""
     if hadamard:
         signs = random_signs(q.shape[-1], seed=seed, device=q.device)
         q, k = hadamard_transform(q, signs), hadamard_transform(k, signs)
-    q8, qd = quantize(q, block_size=block_size, cu_seqlens=cu_seqlens_q)
-    k8, kd = quantize(k, block_size=block_size, cu_seqlens=cu_seqlens_k)
-    v8, vd = quantize(v, block_size=block_size, cu_seqlens=cu_seqlens_k)
+    q8, qd = quantize(q, block_size=block_size, cu_seqlens=cu_seqlens_q, max_seqlen=max_seqlen_q)
+    k8, kd = quantize(k, block_size=block_size, cu_seqlens=cu_seqlens_k, max_seqlen=max_seqlen_k)
+    v8, vd = quantize(v, block_size=block_size, cu_seqlens=cu_seqlens_k, max_seqlen=max_seqlen_k)
     return q8, k8, keys_contiguous(v8) if v_keys_contiguous else v8, qd, kd, vd

@@ -74,6 +74,25 @@ def _inputs(c: Case, device, scale=(1.0, 1.0, 1.0)):
     return q, k, v
 
 
+def _lse_atol(lse_ref, q, k, scale=None) -> float:
+    """The LSE's tolerance: fp32 rounding on CPU (the interpreter's fp8 products are summed in
+    fp32); on the GPU, Hopper's fp8 MMA keeps only ~14 bits of its fp32 accumulator
+    (DeepSeek-V3, sec. 3.3.2), so a score may be off by ~2^-14 of the sum of its products'
+    magnitudes: the bound used is 2^-12 x scale x max sum |q_i k_i| (an LSE moves by at most its
+    row's largest score error). q, k: dequantized, [.., s, h, d] (varlen: [total, h, d])."""
+    atol = rounding_atol(lse_ref, torch.float32)
+    if ON_GPU:
+        scale = scale or q.shape[-1] ** -0.5
+        qa, ka = q.abs().float(), k.abs().float()
+        if qa.dim() == 3:
+            qa, ka = qa[None], ka[None]
+        g = qa.shape[-2] // ka.shape[-2]
+        ka = ka.repeat_interleave(g, dim=-2)
+        sums = torch.einsum("bthd,bshd->bhts", qa, ka)
+        atol = max(atol, 2 ** -12 * scale * sums.max().item())
+    return atol
+
+
 def _refs(q, k, v, **kw):
     ref, lse = attention_ref(q, k, v, **kw)
     pt, _ = attention_ref(q, k, v, fp8_p=True, **kw)
@@ -106,8 +125,8 @@ def test_fp8_forward(c: Case, device):
     # the LSE comes from fp32 scores (P's rounding does not enter it)
     fin = torch.isfinite(lse_ref)
     assert torch.equal(fin, torch.isfinite(lse)), "rows without keys: LSE -inf"
-    assert (lse[fin] - lse_ref[fin]).abs().max().item() <= rounding_atol(lse_ref[fin], torch.float32) \
-        if fin.any() else True
+    assert (lse[fin] - lse_ref[fin]).abs().max().item() <= _lse_atol(
+        lse_ref[fin], dequantize(q8, qd), dequantize(k8, kd)) if fin.any() else True
     assert (out[~fin.transpose(1, 2)] == 0).all()
     # the 'reference' backend computes the same in fp32
     out_r = ioattn.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
@@ -140,19 +159,37 @@ def test_fp8_v_layouts_agree(varlen, device):
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
 
 
-def test_fp8_block_scales_far_apart(device):
-    """Blocks of K and V whose descales differ by 50x and 1/30x (V's are folded into P as
-    shares of the largest: the small blocks' P must keep their precision)."""
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_block_scales_far_apart(causal, device):
+    """Blocks of K and V whose descales differ by 50x and 1/30x: the accumulator is rescaled as
+    V's descale changes, so each block's P keeps its own precision. Causal: rows 0-127 see only
+    the small first block, checked on their own (the large block dominates a global max)."""
     c = Case(300, 300, h=2)
     q, k, v = _inputs(c, device)
     k[:, 128:256] *= 50
+    v[:, :128] /= 30
     v[:, 128:256] *= 50
-    v[:, 256:] /= 30
     q8, k8, v8, qd, kd, vd = quantize_qkv(q * 0.05, k, v)
-    assert vd[:, :, 1].min() > 20 * vd[:, :, 0].max()
-    out = ioattn.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
-    ref, _, pt = _refs(dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd))
+    assert vd[:, :, 1].min() > 1000 * vd[:, :, 0].max()
+    out = ioattn.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                                 causal=causal)
+    ref, _, pt = _refs(dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd), causal=causal)
     assert_close_rule("out", out, ref, pt)
+    if causal:
+        assert_close_rule("rows of the small block", out[:, :128], ref[:, :128], pt[:, :128])
+
+
+def test_quantize_varlen_bounds(device):
+    """Varlen quantization counts blocks up to the call's max_seqlen, and rows past the last
+    sequence neither fail nor enter a descale."""
+    cu = cu_seqlens([100, 30], device)
+    x = torch.randn(400, 2, 64, device=device)
+    x[130:] *= 1000  # padding rows past cu_seqlens[-1]
+    x8, ds = quantize(x, cu_seqlens=cu, max_seqlen=400)
+    assert ds.shape == (2, 2, 4)
+    assert ds[:, :, 0].max() < 1  # (the padding's 1000x stayed out)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        quantize(x, cu_seqlens=cu, max_seqlen=50)
 
 
 @pytest.mark.parametrize("block", [QUANT_BLOCK, None], ids=["block", "perhead"])
@@ -176,7 +213,7 @@ def test_fp8_varlen(block, device):
     assert_close_rule("out", out, ref, pt)
     fin = torch.isfinite(lse_ref)
     assert torch.equal(fin, torch.isfinite(lse))
-    assert (lse[fin] - lse_ref[fin]).abs().max().item() <= rounding_atol(lse_ref[fin], torch.float32)
+    assert (lse[fin] - lse_ref[fin]).abs().max().item() <= _lse_atol(lse_ref[fin], dq, dk)
 
 
 def test_fp8_sink(device):
@@ -194,7 +231,8 @@ def test_fp8_sink(device):
                                               dequantize(v8, vd), causal=True)[1]
                                 - lse_ref).transpose(1, 2)[..., None]
     assert_close_rule("out", out, ref, pt)
-    assert (lse - lse_ref).abs().max().item() <= rounding_atol(lse_ref, torch.float32)
+    assert (lse - lse_ref).abs().max().item() <= _lse_atol(lse_ref, dequantize(q8, qd),
+                                                            dequantize(k8, kd))
 
 
 def test_quantize_roundtrip(device):
@@ -232,8 +270,11 @@ def test_hadamard_keeps_scores(device):
 def test_hadamard_with_outliers(device):
     """Incoherent processing: with an outlier channel in q and k (as LLM activations have), the
     Hadamard-rotated fp8 inputs give attention closer to the unquantized one (FlashAttention-3
-    sec. 4.3 measures 2.9x lower RMSE)."""
-    b, s, h, d = 1, 128, 2, 64
+    sec. 4.3 measures 2.9x lower RMSE). The quantization's share of the error is measured on
+    the dequantized inputs (the 'reference' backend: the kernel's P rounding, the same either
+    way, would blur it; 30 draws on CPU gave ratios 0.16-0.59); the kernel's output on the
+    rotated inputs is checked by the rule."""
+    b, s, h, d = 2, 256, 4, 64
     q, k, v = (torch.randn(b, s, h, d, device=device) for _ in range(3))
     q[..., 3] *= 30
     k[..., 3] *= 30
@@ -242,9 +283,13 @@ def test_hadamard_with_outliers(device):
     errs = []
     for had in (False, True):
         q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, hadamard=had)
-        out = ioattn.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+        out = ioattn.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                                     backend="reference")
         errs.append((out.float() - ref).pow(2).mean().sqrt().item())
-    assert errs[1] < 0.7 * errs[0], errs
+    assert errs[1] < 0.75 * errs[0], errs
+    out = ioattn.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    ref8, _, pt = _refs(dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd))
+    assert_close_rule("out (Hadamard inputs)", out, ref8, pt)
 
 
 def test_fp8_bad_input(device):
@@ -257,7 +302,7 @@ def test_fp8_bad_input(device):
     with pytest.raises(ValueError, match=r"q_descale has shape"):
         ioattn.flash_attn_func(q8, k8, v8, q_descale=qd[:1])
     with pytest.raises(ValueError, match=r"k_descale has shape"):
-        ioattn.flash_attn_func(q8, k8, v8, k_descale=torch.ones(2, 4, 2, device=device))
+        ioattn.flash_attn_func(q8, k8, v8, k_descale=torch.ones(2, 3, 1, device=device))
     with pytest.raises(TypeError, match="float32"):
         ioattn.flash_attn_func(q8, k8, v8, v_descale=vd.half())
     with pytest.raises(ValueError, match="no dropout"):
