@@ -45,10 +45,10 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     upcast=False does the same math in the inputs' low precision (the baseline of the test rule).
     dropout_mask: bool keep-mask [b, h, s_q, s_k] (kept elements are scaled by 1 / (1 - p)).
 
-    fp8_p: the fp8 forward's arithmetic in plain PyTorch (the test rule's low-precision
+    fp8_p: the fp8 forward's roundings in plain PyTorch (the test rule's low-precision
     baseline for fp8 inputs, given their dequantized values in fp32): the probabilities
-    relative to the row max, times 2^8, rounded to e4m3 before P·V, the row sums unrounded
-    (as the kernels); out in bf16. No dropout or sink.
+    relative to the row max (the kernels: the running max), times 2^8, rounded to e4m3 before
+    P·V, the row sums unrounded; out in bf16. No dropout or sink.
     """
     dtype_out = q.dtype
     if upcast:

@@ -39,9 +39,8 @@ def _check_common(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, window_size
                   softmax_scale, fp8_ok: bool = False) -> None:
     if q.dtype not in _DTYPES and not (fp8_ok and q.dtype in FP8_DTYPES):
         _fail(f"q has dtype {q.dtype}; ioattn supports torch.float16 and torch.bfloat16 "
-              f"(cast with q.to(torch.bfloat16))"
-              + ("; flash_attn_func / flash_attn_varlen_func also take torch.float8_e4m3fn"
-                 if not fp8_ok else ""), TypeError)
+              f"(cast with q.to(torch.bfloat16)); flash_attn_func / flash_attn_varlen_func also "
+              f"take torch.float8_e4m3fn (with descales)", TypeError)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             _fail(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share a dtype",
@@ -296,9 +295,10 @@ def _check_fp8(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, descales: tupl
     if backend == "sm90":
         _fail("backend='sm90' takes fp16 / bf16 only: fp8 inputs run on backend='triton' (or "
               "'auto', 'reference')")
-    if q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
+    if q.is_cuda and backend != "reference" and torch.cuda.get_device_capability(q.device) < (8, 9):
         _fail(f"fp8 attention needs fp8 tensor cores (sm_89 or newer: Ada, Hopper); "
-              f"{torch.cuda.get_device_name(q.device)} has none: pass bf16 or fp16")
+              f"{torch.cuda.get_device_name(q.device)} has none: pass bf16 or fp16 (or "
+              f"backend='reference')")
     h, h_k = q.shape[-2], k.shape[-2]
     for name, t, heads, s in zip(names, descales, ((h, h_k), (h_k,), (h_k,)),
                                  (seqlens[0], seqlens[1], seqlens[1])):

@@ -190,7 +190,14 @@ def compile_report(name: str, fn, constexprs: dict, num_warps: int, num_stages: 
     regs, st, ld = _ptxas_usage(ptx, arch)
     return KernelReport(name, regs, st, ld, wgmma="wgmma.mma_async" in ptx,
                         tma="cp.async.bulk.tensor" in ptx, warp_specialized="setmaxnreg" in ptx,
-                        fp8_wgmma=bool(re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)))
+                        fp8_wgmma=_all_fp8_wgmma(ptx))
+
+
+def _all_fp8_wgmma(ptx: str) -> bool:
+    """Whether the PTX has wgmma and every one of them takes e4m3 operands (the fp8 forward's
+    Q·Kᵀ and P·V both on fp8 tensor cores, none converted to 16 bits first)."""
+    ops = re.findall(r"wgmma\.mma_async\S*", ptx)
+    return bool(ops) and all(".e4m3.e4m3" in op for op in ops)
 
 
 def kernel_report(name: str, fn, pointer_types: dict, constexprs: dict, num_warps: int,

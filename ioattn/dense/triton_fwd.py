@@ -274,6 +274,10 @@ def attn_fwd(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # ptxas (Triton 3.6's) crashes on the TMA variant at head dim 256 with num_stages >= 2 (also
     # reproduced on CPU: python -m ioattn.dense.inspect); warp specialization needs 8 warps
     v_t = p.fp8 and keys_contiguous_layout(v)
+    if v_t and v.stride(-1) * v.shape[-1] >= 2**31:  # (the kernel indexes d x its stride in int32)
+        raise ValueError(f"v: its keys-innermost layout spans {v.stride(-1)} x {v.shape[-1]} >= "
+                         f"2^31 elements per head; pass v as [.., heads, headdim] rows "
+                         f"(v.contiguous()) or fewer keys per call")
     use_tma = cfg.tma and max(p.head_dim, p.head_dim_v) <= 128 and (
         tma_compatible(q, k, v) if not v_t else
         tma_compatible(q, k) and not p.is_varlen and v.data_ptr() % 16 == 0
