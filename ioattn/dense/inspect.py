@@ -142,8 +142,8 @@ def _sass_counts(text: str) -> dict:
 
 
 def loop_spills(text: str) -> list[list[int]]:
-    """The innermost loops of a kernel's SASS that issue tensor-core MMAs (HGMMA, wgmma, or
-    HMMA, mma.sync: the step / key-block loops), each as [instructions, STL, LDL] an
+    """The innermost loops of a kernel's SASS that issue tensor-core MMAs (HGMMA / QGMMA, wgmma
+    on 16-bit / fp8 operands, or HMMA, mma.sync: the step / key-block loops), each as [instructions, STL, LDL] an
     iteration, in code order. A loop is a backward branch's span; innermost, one holding no
     other. Spills outside them (a prologue, an epilogue, a persistent kernel's per-tile code)
     cost once, these every iteration."""
@@ -159,7 +159,7 @@ def loop_spills(text: str) -> list[list[int]]:
         if any(o != (lo, hi) and lo <= o[0] and o[1] <= hi for o in spans):
             continue
         body = [op for addr, op in ins if lo <= addr <= hi]
-        if any(re.search(r"\bHG?MMA\b", op) for op in body):
+        if any(re.search(r"\b(?:HG?MMA|QGMMA)\b", op) for op in body):  # (QGMMA: fp8 operands)
             out.append([len(body), sum(bool(re.search(r"\bSTL\b", op)) for op in body),
                         sum(bool(re.search(r"\bLDL\b", op)) for op in body)])
     return out

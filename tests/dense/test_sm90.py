@@ -885,8 +885,8 @@ def test_rows_view_of_layouts():
 
 
 def test_loop_spills_reads_sass():
-    """inspect.loop_spills: the innermost backward-branch spans that issue HGMMA or HMMA, with
-    their instructions and spill stores / loads an iteration; outer loops and loops without
+    """inspect.loop_spills: the innermost backward-branch spans that issue HGMMA, QGMMA or HMMA,
+    with their instructions and spill stores / loads an iteration; outer loops and loops without
     tensor-core MMAs are not reported."""
     from ioattn.dense.inspect import loop_spills
 
@@ -902,8 +902,10 @@ def test_loop_spills_reads_sass():
         "        /*0080*/                   HMMA.16816.F32.BF16 R8, R4, R6, RZ ;",
         "        /*0090*/                   STL [R1], R8 ;",
         "        /*00a0*/              @P3   BRA 0x80 ;",  # an mma.sync loop
-        "        /*00b0*/                   EXIT ;"])
-    assert loop_spills(sass) == [[3, 0, 1], [3, 1, 0]]
+        "        /*00b0*/                   QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24 ;",
+        "        /*00c0*/              @P4   BRA 0xb0 ;",  # an fp8 wgmma loop
+        "        /*00d0*/                   EXIT ;"])
+    assert loop_spills(sass) == [[3, 0, 1], [3, 1, 0], [2, 0, 0]]
 
 
 def test_timeline_stamps_match_the_kernels():
