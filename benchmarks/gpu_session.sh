@@ -122,10 +122,11 @@ for step in $steps; do
              --impls "${FP8_IMPLS:-ioattn,ioattn_fp8,ioattn_fp8_head,sdpa_cudnn,sdpa_flash,flex}" \
              --out "$OUT/fp8_${GPU_TAG}_$(date +%F).json" > "$OUT/fp8.log" 2>&1
            grep -E "^fwd" "$OUT/fp8.log" | head -60; tail -3 "$OUT/fp8.log" ;;
-    tune-fp8) # the fp8 forward's tile configs (benchmarks/tune_fp8.py), cuDNN bf16 beside
-           timeout 400 python benchmarks/tune_fp8.py --dims "${FP8_DIMS:-64,128,256}" \
+    tune-fp8) # the fp8 forward's tile configs (tune.py --mode fwd-fp8), cuDNN / FA2 / Flex
+           # on the bf16 data beside
+           timeout 400 python benchmarks/tune.py --mode fwd-fp8 --dims "${FP8_DIMS:-64,128,256}" \
              --seqlens "${FP8_SEQLENS:-2048,16384}" --json "$OUT/tune_fp8.json" > "$OUT/tune_fp8.log" 2>&1
-           grep "^== best" "$OUT/tune_fp8.log"; tail -2 "$OUT/tune_fp8.log" ;;
+           cat "$OUT/tune_fp8.log" | tail -80 ;;
     sm90-bwd-fused) # the fused backward (dQ writer warp): its tests, then fused / two-kernel timed
            IOATTN_SM90_FUSED_BWD=1 timeout 120 python -m pytest -q -n 8 -p no:cacheprovider \
              tests/dense/test_sm90.py > "$OUT/tests_fused_bwd.log" 2>&1; tail -1 "$OUT/tests_fused_bwd.log"

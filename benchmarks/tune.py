@@ -1,4 +1,5 @@
 """Sweep tile configs of the portable Triton kernels on the GPU at hand (H200), FA-grid shapes.
+(--mode fwd-fp8: the fp8 forward's configs, configs.fwd_config_for(fp8=True).)
 
 Prints TFLOP/s per config next to SDPA cuDNN/FLASH for the same shape; the winners go into
 ioattn/dense/configs.py by hand, with the run logged in benchmarks/NOTES.md.
@@ -30,6 +31,20 @@ FWD_CANDIDATES = {
     256: [FwdConfig(128, 64, 8, 2), FwdConfig(128, 64, 8, 1, tma=True)],
 }
 
+# the fp8 forward (--mode fwd-fp8; K / V tiles half bf16's bytes, so larger key blocks and
+# TMA rings fit). Screened on CPU (sm90 compiles, keys-innermost V with block descales): these
+# compile spill-free but d=256 128x64 (220 B non-causal, as bf16's 84 B); dropped for spills of
+# 0.5-1.2 KB: d=64 128x128 w4, d=256 64x64 w4 and 128x128 w8.
+FWD_FP8_CANDIDATES = {
+    64: [FwdConfig(128, 64, 4, 3), FwdConfig(128, 64, 4, 3, tma=True),
+         FwdConfig(128, 128, 8, 3, tma=True, warp_specialize=True)],
+    128: [FwdConfig(128, 64, 8, 3), FwdConfig(128, 128, 8, 3),
+          FwdConfig(128, 128, 8, 3, tma=True, warp_specialize=True),
+          FwdConfig(128, 64, 8, 3, tma=True, warp_specialize=True),
+          FwdConfig(128, 128, 8, 4, tma=True, warp_specialize=True)],
+    256: [FwdConfig(128, 64, 8, 2), FwdConfig(128, 64, 8, 3)],
+}
+
 BWD_CANDIDATES = {
     64: [BwdConfig(64, 64, 64, 64, 4, 3), BwdConfig(64, 64, 64, 64, 4, 3, tma=True)],
     128: [BwdConfig(64, 128, 128, 64, 8, 3), BwdConfig(64, 128, 128, 64, 8, 3, tma=True),
@@ -46,11 +61,20 @@ def flops(b, h, s, d, causal, mode):
 
 
 def bench_case(mode, d, s, causal, tokens=16384, hidden=2048):
+    """mode 'fwd', 'bwd', or 'fwd-fp8' (the fp8 forward on the cell's bf16 data quantized by
+    ioattn.fp8.quantize_qkv: block descales, keys-innermost V; the anchors run the bf16 data)."""
     b, h = tokens // s, hidden // d
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     results = []
-    cands = FWD_CANDIDATES[d] if mode == "fwd" else BWD_CANDIDATES[d]
+    cands = {"fwd": FWD_CANDIDATES, "fwd-fp8": FWD_FP8_CANDIDATES, "bwd": BWD_CANDIDATES}[mode][d]
+    fwd_args, fwd_kw = (q, k, v), {}
+    if mode == "fwd-fp8":
+        from ioattn.fp8 import quantize_qkv
+
+        q8, k8, v8, qd, kd, vd = quantize_qkv(q.detach(), k.detach(), v.detach())
+        fwd_args, fwd_kw = (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
+        mode = "fwd"
     orig_f, orig_b = configs.fwd_config, configs.bwd_config
     for cfg in cands:
         if mode == "fwd":
@@ -59,7 +83,7 @@ def bench_case(mode, d, s, causal, tokens=16384, hidden=2048):
             configs.bwd_config = lambda *a, _c=cfg: _c
         try:
             if mode == "fwd":
-                ms = do_bench(lambda: ioattn.flash_attn_func(q, k, v, causal=causal),
+                ms = do_bench(lambda: ioattn.flash_attn_func(*fwd_args, causal=causal, **fwd_kw),
                               return_mode="median")
             else:
                 out = ioattn.flash_attn_func(q, k, v, causal=causal)
@@ -111,7 +135,7 @@ def _flex(mode, q, k, v, s, causal, nflops):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", default="fwd")
+    ap.add_argument("--mode", default="fwd", choices=["fwd", "bwd", "fwd-fp8"])
     ap.add_argument("--dims", default="64,128,256")
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--causal", default="both")

@@ -162,7 +162,11 @@ def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
           max_seqlen_q: int, max_seqlen_k: int, windowed: bool = False) -> tuple[str, str]:
     """The kernel families of this call's forward and backward: 'sm90', 'triton' or 'reference'
     (ioattn.dispatch). 'auto' picks each direction where it measured faster; an explicit 'sm90'
-    raises when either direction it would have to run is not covered."""
+    raises when either direction it would have to run is not covered. fp8 inputs (forward
+    only) run the portable kernels or the reference (``_check_fp8`` refused 'sm90')."""
+    if q.dtype in FP8_DTYPES:
+        impl = resolve_backend("triton" if backend == "auto" else backend, q.device)
+        return impl, impl
     problem = []  # sm90_problem's answer, asked at most once
 
     def sm90_problem():
@@ -396,12 +400,9 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     left, right = _window(causal, window_size)
     fp8 = q.dtype in FP8_DTYPES
-    if fp8:  # (the portable forward; _check_fp8 refused 'sm90')
-        impl = resolve_backend("triton" if backend == "auto" else backend, q.device)
-    else:
-        impl, bwd_impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=False,
-                               masked=left >= 0 or right >= 0, max_seqlen_q=s_q,
-                               max_seqlen_k=k.shape[1], windowed=left >= 0 or right > 0)
+    impl, bwd_impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=False,
+                           masked=left >= 0 or right >= 0, max_seqlen_q=s_q,
+                           max_seqlen_k=k.shape[1], windowed=left >= 0 or right > 0)
     if impl == "reference":
         mask = None
         if dropout_p > 0:
@@ -413,17 +414,12 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
                                  dropout_p=dropout_p, dropout_mask=mask)
         out = out.to(torch.bfloat16) if fp8 else out
         return _finish(out, lse, return_attn_probs, learnable_sink)
-    if fp8:
-        out, lse = dense_attention(q, k, v, None, None, s_q, k.shape[1], float(scale), left,
-                                   right, float(softcap), alibi_slopes, 0.0, None, impl, impl,
-                                   False, descales)
-        return _finish(out, lse, return_attn_probs, learnable_sink)
     rng = draw_rng_state(q.device) if dropout_p > 0 else None
     plan = (s_q, k.shape[1], float(scale), left, right, float(softcap), alibi_slopes,
             float(dropout_p), rng, impl, bwd_impl, bool(deterministic))
-    if key is not None:
+    if key is not None:  # (fp8 without descales too: its plan replays without them)
         keep(_PLANS, key, plan)
-    out, lse = dense_attention(q, k, v, None, None, *plan)
+    out, lse = dense_attention(q, k, v, None, None, *plan, descales=descales if fp8 else None)
     return _finish(out, lse, return_attn_probs, learnable_sink)
 
 
@@ -498,15 +494,12 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     left, right = _window(causal, window_size)
     fp8 = q.dtype in FP8_DTYPES
-    if fp8:  # (the portable forward; _check_fp8 refused 'sm90')
-        impl = resolve_backend("triton" if backend == "auto" else backend, q.device)
-        if impl == "reference":
-            q, k, v = _dequantized(q, k, v, descales, cu_seqlens_q, cu_seqlens_k)
-    else:
-        impl, bwd_impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=True,
-                               masked=left >= 0 or right >= 0, max_seqlen_q=int(max_seqlen_q),
-                               max_seqlen_k=int(max_seqlen_k), windowed=left >= 0 or right > 0)
+    impl, bwd_impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=True,
+                           masked=left >= 0 or right >= 0, max_seqlen_q=int(max_seqlen_q),
+                           max_seqlen_k=int(max_seqlen_k), windowed=left >= 0 or right > 0)
     if impl == "reference":
+        if fp8:
+            q, k, v = _dequantized(q, k, v, descales, cu_seqlens_q, cu_seqlens_k)
         masks = None
         if dropout_p > 0:
             cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -520,16 +513,11 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
             lse = torch.cat([lse, lse.new_full((h, q.shape[0] - lse.shape[1]), float("-inf"))], 1)
         out = out.to(torch.bfloat16) if fp8 else out
         return _finish(out, lse, return_attn_probs, learnable_sink, varlen=True)
-    if fp8:
-        out, lse = dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                   int(max_seqlen_k), float(scale), left, right, float(softcap),
-                                   alibi_slopes, 0.0, None, impl, impl, False, descales)
-        return _finish(out, lse, return_attn_probs, learnable_sink, varlen=True)
     rng = draw_rng_state(q.device) if dropout_p > 0 else None
     out, lse = dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                int(max_seqlen_k), float(scale), left, right, float(softcap),
                                alibi_slopes, float(dropout_p), rng, impl, bwd_impl,
-                               bool(deterministic))
+                               bool(deterministic), descales=descales if fp8 else None)
     return _finish(out, lse, return_attn_probs, learnable_sink, varlen=True)
 
 

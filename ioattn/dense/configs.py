@@ -82,8 +82,8 @@ def fwd_config_for(arch: tuple[int, int], head_dim: int, head_dim_v: int, masked
                    seqlen_q: int, fp8: bool = False) -> FwdConfig:
     d = max(pad_dim(head_dim), pad_dim(head_dim_v))
     if arch[0] >= 9 and fp8:
-        # the fp8 forward (K / V tiles half bf16's bytes): benchmarks/tune_fp8.py on an H100,
-        # 2k and 16k (results/tune/tune_fp8_c718cc0_nvidia-h100_2026-12-07.json)
+        # the fp8 forward (K / V tiles half bf16's bytes): the sweep of benchmarks/tune.py
+        # --mode fwd-fp8 on an H100, 2k and 16k (results/tune/tune_fp8_c718cc0_*.json)
         if d <= 64:
             return FwdConfig(128, 64, 4, 3, tma=True) if masked else FwdConfig(128, 64, 4, 3)
         if d <= 128:

@@ -239,25 +239,21 @@ def default_reports(arch: int = 90, head_dims=(64, 128, 256)) -> list[KernelRepo
 
     out = []
     for d in head_dims:
-        for masked in (False, True):
-            fc = fwd_config_for((arch // 10, arch % 10), d, d, masked, 16384)
+        # the forward in bf16, and in fp8 (q, k, v e4m3, block descales read per key block, V
+        # with its keys innermost as ioattn.fp8.quantize_qkv returns it), each its own config
+        for masked, fp8 in ((False, False), (False, True), (True, False), (True, True)):
+            fc = fwd_config_for((arch // 10, arch % 10), d, d, masked, 16384, fp8=fp8)
             tma = fc.tma and d <= 128
             ce = dict(_flags(d, fc.block_m, fc.block_n, masked), USE_TMA=tma,
                       WARP_SPEC=tma and fc.warp_specialize and fc.num_warps == 8)
-            tag = f"fwd d{d} {'causal' if masked else 'full'} {fc.block_m}x{fc.block_n} w{fc.num_warps}"
-            out.append(compile_report(tag + (" tma+ws" if ce["WARP_SPEC"] else ""),
-                                      triton_fwd._attn_fwd_kernel, ce, fc.num_warps, fc.num_stages, arch))
-            # the fp8 forward (q, k, v e4m3, block descales read per key block, V with its
-            # keys innermost as ioattn.fp8.quantize_qkv returns it), its own config
-            f8 = fwd_config_for((arch // 10, arch % 10), d, d, masked, 16384, fp8=True)
-            tma8 = f8.tma and d <= 128
-            ce8 = dict(_flags(d, f8.block_m, f8.block_n, masked), USE_TMA=tma8,
-                       WARP_SPEC=tma8 and f8.warp_specialize and f8.num_warps == 8, FP8=True,
-                       KD_BLOCKED=True, VD_BLOCKED=True, FP8_BLOCK=triton_fwd.FP8_BLOCK, V_T=True)
-            tag8 = (f"fp8 fwd d{d} {'causal' if masked else 'full'} {f8.block_m}x{f8.block_n} "
-                    f"w{f8.num_warps}" + (" tma+ws" if ce8["WARP_SPEC"] else " tma" if tma8 else ""))
-            out.append(compile_report(tag8, triton_fwd._attn_fwd_kernel, ce8, f8.num_warps,
-                                      f8.num_stages, arch, dtype="fp8e4nv"))
+            if fp8:
+                ce.update(FP8=True, KD_BLOCKED=True, VD_BLOCKED=True,
+                          FP8_BLOCK=triton_fwd.FP8_BLOCK, V_T=True)
+            tag = (f"{'fp8 ' if fp8 else ''}fwd d{d} {'causal' if masked else 'full'} "
+                   f"{fc.block_m}x{fc.block_n} w{fc.num_warps}"
+                   + (" tma+ws" if ce["WARP_SPEC"] else " tma" if tma else ""))
+            out.append(compile_report(tag, triton_fwd._attn_fwd_kernel, ce, fc.num_warps,
+                                      fc.num_stages, arch, dtype="fp8e4nv" if fp8 else "bf16"))
         bc = bwd_config_for((arch // 10, arch % 10), d, d, False)
         ce = dict(_flags(d, bc.block_m, bc.block_n, False), KEYS_AS_B=bc.keys_as_b, USE_TMA=bc.tma)
         out.append(compile_report(f"bwd dkdv d{d} {bc.block_m}x{bc.block_n} w{bc.num_warps}",

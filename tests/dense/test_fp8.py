@@ -17,36 +17,23 @@ from ioattn.fp8 import (FP8_DTYPE, QUANT_BLOCK, dequantize, hadamard_transform, 
 from ioattn.reference import attention_ref, attention_varlen_ref
 from ioattn.testing import alibi_slopes, assert_close_rule, cu_seqlens, rounding_atol
 from tests.conftest import ON_GPU
+from tests.dense.test_attention import Case as AttnCase
 
 pytestmark = pytest.mark.skipif(
     ON_GPU and torch.cuda.get_device_capability() < (8, 9), reason="fp8 needs sm_89+")
 
 
 @dataclass(frozen=True)
-class Case:
-    s_q: int
-    s_k: int
-    d: int = 64
-    d_v: Optional[int] = None
-    b: int = 2
-    h: int = 4
-    h_k: Optional[int] = None
-    causal: bool = False
-    window: tuple = (-1, -1)
-    softcap: float = 0.0
-    alibi: bool = False
+class Case(AttnCase):
+    """test_attention's case (its dtype stands for the unquantized inputs' and is not used)
+    with the descales' form."""
     block: Optional[int] = QUANT_BLOCK  # descales per 128 rows, or per head (None)
     q_per_kv_head: bool = False  # q's descale [batch, nheads_k] (FlashAttention-3's form)
     no_descale: bool = False
 
     @property
     def id(self) -> str:
-        p = [f"B{self.b}-Q{self.s_q}-K{self.s_k}-H{self.h}/{self.h_k or self.h}-D{self.d}"]
-        p += [f"DV{self.d_v}"] if self.d_v else []
-        p += ["causal"] if self.causal else []
-        p += [f"win{self.window[0]}_{self.window[1]}"] if self.window != (-1, -1) else []
-        p += [f"cap{self.softcap}"] if self.softcap else []
-        p += ["alibi"] if self.alibi else []
+        p = [super().id.replace("-bf16", "")]
         p += ["perhead" if self.block is None else "block"]
         p += ["qkv-head"] if self.q_per_kv_head else []
         p += ["nodescale"] if self.no_descale else []
@@ -60,7 +47,7 @@ CASES = [
     Case(203, 113, causal=True),  # s_q > s_k: the first 90 rows see no key
     Case(300, 300, d=96, window=(40, 7)),  # three descale blocks
     Case(113, 203, d=128, d_v=64, h=6, h_k=2, causal=True, q_per_kv_head=True),
-    Case(113, 203, softcap=2.0, alibi=True),
+    Case(113, 203, softcap=2.0, alibi="bh"),
     Case(97, 150, h=4, h_k=1, block=None, q_per_kv_head=True),
     Case(64, 64, d=32, no_descale=True),
 ]
