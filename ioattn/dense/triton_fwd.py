@@ -41,6 +41,12 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
     # k_src / v_src: from kv_sources (TMA descriptors or pointer blocks)
     WS: tl.constexpr = WARP_SPEC and not MASKED
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WS):
+        if V_T:  # every non-empty range starts at a multiple of BLOCK_N (kv_block_range);
+            # written so the compiler sees it (tl.multiple_of on the bounds does not reach the
+            # loop), the V tile's loads, contiguous along the keys, go 16 bytes at a time through
+            # cp.async instead of byte by byte in the loop (session 42: the d=256 fp8 forward's
+            # V was 64 LDG.U8 a thread an iteration, unpipelined)
+            start_n = (start_n // BLOCK_N) * BLOCK_N
         cols = start_n + offs_n
         # [BLOCK_N, BLOCK_D]
         k = load_kv_block(k_src, start_n, stride_kn, cols, offs_d, seqlen_k, HEAD_DIM, MASKED, EVEN_D,
