@@ -200,8 +200,8 @@ def kvcache_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                 pos = lens[i] - pads[i] + torch.arange(s_new, device=dev)
                 kn = rotary_ref(kn, rotary_cos, rotary_sin, pos, rotary_interleaved)
             pg, off = slots(i, lens[i] + torch.arange(s_new, device=dev))
-            k_cache[pg, off] = kn
-            v_cache[pg, off] = vn
+            k_cache[pg, off] = kn.to(k_cache.dtype)  # (converted as the kernels store them)
+            v_cache[pg, off] = vn.to(v_cache.dtype)
         keys = torch.arange(pads[i], lens[i] + s_new, device=dev)
         pg, off = slots(i, keys)
         ki, vi = k_cache[pg, off], v_cache[pg, off]

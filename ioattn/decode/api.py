@@ -56,6 +56,62 @@ def _check_values_now(cache_seqlens: Tensor, s_new: int, capacity: int, cache_le
             _fail(f"cache_batch_idx entries must index the cache's {b_cache} rows, got {lo}..{hi}")
 
 
+# fp8 KV caches: FlashAttention-3's (q, caches and new k / v all e4m3, fp32 descales per
+# sequence and KV head), or FlashInfer's kv_data_type (a 16-bit q over an e4m3 / e5m2 cache)
+_CACHE_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _cache_dtypes(q: Tensor) -> tuple:
+    """The caches' dtypes a q of this dtype reads."""
+    if q.dtype in (torch.float16, torch.bfloat16):
+        return (q.dtype,) + _CACHE_FP8
+    if q.dtype == torch.float8_e4m3fn:
+        return (q.dtype,)
+    _fail(f"q has dtype {q.dtype}; flash_attn_with_kvcache takes torch.float16 / torch.bfloat16 "
+          f"(caches in q's dtype or fp8), or torch.float8_e4m3fn over e4m3 caches", TypeError)
+
+
+def _fp8_operands(q: Tensor, k_cache: Tensor, descales: tuple) -> tuple[Tensor, Optional[Tensor]]:
+    """An fp8 call's q for the 16-bit kernels and the output's scale: q times its descale and
+    k's per (sequence, query head) in fp32, rounded to bf16 (an fp8 q) or q's dtype; v's descale
+    as [batch, 1, nheads, 1] fp32 for the output (None: 1). Validates the descales."""
+    b, _, h, _ = q.shape
+    h_k = k_cache.shape[-2]
+    names = ("q_descale", "k_descale", "v_descale")
+    fp8_q, fp8_cache = q.dtype in _CACHE_FP8, k_cache.dtype in _CACHE_FP8
+    if h_k == 0 or h % h_k:
+        _fail(f"q heads ({h}) must be a multiple of k/v heads ({h_k}) for GQA/MQA")
+    per_head = []
+    for name, t in zip(names, descales):
+        if t is None:
+            per_head.append(None)
+            continue
+        if (name == "q_descale" and not fp8_q) or (name != "q_descale" and not fp8_cache):
+            _fail(f"{name} applies to fp8 {'q' if name == 'q_descale' else 'caches'} only; "
+                  f"{'q' if name == 'q_descale' else 'k_cache'} is "
+                  f"{q.dtype if name == 'q_descale' else k_cache.dtype}")
+        if not isinstance(t, Tensor):
+            _fail(f"{name} must be a float32 tensor or None, got {type(t).__name__}", TypeError)
+        if t.dtype != torch.float32:
+            _fail(f"{name} must be float32, got {t.dtype} (use .float())", TypeError)
+        if t.device != q.device:
+            _fail(f"{name} is on {t.device} but q is on {q.device}")
+        heads = (h_k, h) if name == "q_descale" else (h_k,)
+        if t.dim() != 2 or t.shape[0] != b or t.shape[1] not in heads:
+            _fail(f"{name} has shape {tuple(t.shape)}; expected (batch={b}, "
+                  f"{' or '.join(map(str, sorted(set(heads))))}) (one descale per sequence and "
+                  f"head: a KV cache takes no block descales)")
+        per_head.append(t if t.shape[1] == h else t.repeat_interleave(h // h_k, dim=1))
+    qd, kd, vd = per_head
+    dtype = torch.bfloat16 if fp8_q else q.dtype
+    if qd is None and kd is None:
+        q = q.to(dtype)
+    else:
+        f = qd if kd is None else kd if qd is None else qd * kd
+        q = (q.float() * f[:, None, :, None]).to(dtype)
+    return q, None if vd is None else vd[:, None, :, None]
+
+
 def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
                             v: Optional[Tensor] = None, rotary_cos: Optional[Tensor] = None,
                             rotary_sin: Optional[Tensor] = None,
@@ -68,18 +124,24 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                             rotary_interleaved: bool = True,
                             alibi_slopes: Optional[Tensor] = None, num_splits: int = 0,
                             return_softmax_lse: bool = False, *,
-                            learnable_sink: Optional[Tensor] = None, backend: str = "auto"):
+                            learnable_sink: Optional[Tensor] = None,
+                            q_descale: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
+                            v_descale: Optional[Tensor] = None, backend: str = "auto"):
     """Attention of new query tokens over a KV cache (FlashAttention-2 semantics).
 
     If k and v are given, they are first written into the caches in place at cache_seqlens (k
     rotated when rotary_cos/rotary_sin are given), and attention runs over the updated caches.
 
     Args:
-        q: [batch, seqlen_q, nheads, headdim], fp16 or bf16; seqlen_q >= 1 (several tokens for
+        q: [batch, seqlen_q, nheads, headdim], fp16 or bf16, or torch.float8_e4m3fn over an
+            e4m3 cache (FlashAttention-3's fp8 KV cache); seqlen_q >= 1 (several tokens for
             speculative verification or chunked prefill; causal aligns them bottom-right).
         k_cache, v_cache: contiguous [batch_cache, seqlen_cache, nheads_k, headdim], or paged
             [num_pages, page_size, nheads_k, headdim] with ``block_table``; any page size >= 1.
-        k, v: new tokens [batch, seqlen_new, nheads_k, headdim] (need cache_seqlens).
+            In q's dtype, or fp8 (torch.float8_e4m3fn / float8_e5m2 under a 16-bit q, e4m3
+            under an fp8 q): keys and values are converted as they are read.
+        k, v: new tokens [batch, seqlen_new, nheads_k, headdim] in the caches' dtype (need
+            cache_seqlens); rotary on fp8 keys is computed in fp32 and rounded back to fp8.
         rotary_cos, rotary_sin: [seqlen_ro, rotary_dim / 2]; rotary_dim <= headdim, even. New k
             is rotated at positions cache_seqlens + t; q at cache_seqlens + i when causal or
             windowed, else all q tokens at cache_seqlens (positions count from cache_leftpad).
@@ -96,25 +158,36 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         return_softmax_lse: also return the LSE [batch, nheads, seqlen_q] fp32 (natural log).
         learnable_sink: [nheads] float, attention sinks as ``flash_attn_func`` (gpt-oss decode):
             one extra logit per head in each row's softmax, no value; the LSE includes it.
+        q_descale, k_descale, v_descale: fp8 only (FlashAttention-3's names): fp32 [batch,
+            nheads_k] (q_descale also [batch, nheads]), x = x_fp8 * descale per sequence and
+            head; None is 1. q_descale needs an fp8 q, k_descale / v_descale an fp8 cache. q's
+            and k's descales are folded into q (converted to bf16, or kept in its 16-bit dtype)
+            and v's into the output, so the kernels are the 16-bit ones reading fp8 K / V.
         backend: 'auto', 'triton' (portable Triton kernels only: the gathered path's dense
             forward then never takes the sm90 Gluon kernel), or 'reference'.
 
     Returns:
-        out [batch, seqlen_q, nheads, headdim], or (out, softmax_lse).
+        out [batch, seqlen_q, nheads, headdim] (bf16 for an fp8 q, else q's dtype), or
+        (out, softmax_lse); the LSE is over the descaled scores.
     """
     _check_tensor("q", q, 4)
     _check_tensor("k_cache", k_cache, 4)
     _check_tensor("v_cache", v_cache, 4)
+    cache_dtypes = _cache_dtypes(q)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):  # named here, not as k/v
-        if t.dtype != q.dtype:
-            _fail(f"{name} has dtype {t.dtype} but q has {q.dtype}; the caches must match q's dtype",
-                  TypeError)
+        if t.dtype not in cache_dtypes or t.dtype != k_cache.dtype:
+            _fail(f"{name} has dtype {t.dtype} with q {q.dtype}; the caches must share one of "
+                  f"{', '.join(map(str, cache_dtypes))}", TypeError)
         if t.device != q.device:
             _fail(f"{name} is on {t.device} but q is on {q.device}")
         if t.shape[-1] != q.shape[-1]:
             _fail(f"{name} head dim {t.shape[-1]} != q head dim {q.shape[-1]}")
-    _check_common(q, k_cache, v_cache, 0.0, window_size, softcap, softmax_scale)
     b, s_q, h, d = q.shape
+    v_scale = None
+    if k_cache.dtype != q.dtype or any(t is not None for t in (q_descale, k_descale, v_descale)):
+        q, v_scale = _fp8_operands(q, k_cache, (q_descale, k_descale, v_descale))
+    _check_common(q, k_cache, v_cache, 0.0, window_size, softcap, softmax_scale,
+                  kv_dtype=k_cache.dtype)
     if v_cache.shape[:3] != k_cache.shape[:3] or v_cache.shape[-1] != d:
         _fail(f"v_cache has shape {tuple(v_cache.shape)}; it must match k_cache "
               f"{tuple(k_cache.shape)} (same head dim as q)")
@@ -148,8 +221,9 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         _check_tensor("v", v, 4)
         want = (b, k.shape[1], h_k, d)
         for name, t in (("k", k), ("v", v)):
-            if tuple(t.shape) != want or t.dtype != q.dtype or t.device != q.device:
-                _fail(f"{name} must be {q.dtype} on {q.device} with shape {want}, got "
+            if tuple(t.shape) != want or t.dtype != k_cache.dtype or t.device != q.device:
+                _fail(f"{name} must be {k_cache.dtype} (the cache's dtype) on {q.device} with "
+                      f"shape {want}, got "
                       f"{t.dtype} on {t.device} with shape {tuple(t.shape)}")
         if cache_seqlens is None:
             _fail("appending k/v needs cache_seqlens (where the new tokens go)")
@@ -199,5 +273,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, float(scale),
                        left, right, float(softcap), bool(rotary_interleaved), int(num_splits),
                        backend == "triton")
+    if v_scale is not None:
+        out.mul_(v_scale)
     out, lse = _with_sink(out, lse, learnable_sink, False)
     return (out, lse) if return_softmax_lse else out

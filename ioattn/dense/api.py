@@ -36,13 +36,15 @@ def _check_tensor(name: str, t, rank: int) -> None:
 
 
 def _check_common(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, window_size, softcap: float,
-                  softmax_scale, fp8_ok: bool = False) -> None:
+                  softmax_scale, fp8_ok: bool = False, kv_dtype=None) -> None:
+    """kv_dtype: k's and v's dtype where it may differ from q's (an fp8 KV cache under a
+    16-bit q, checked by the caller); default q's."""
     if q.dtype not in _DTYPES and not (fp8_ok and q.dtype in FP8_DTYPES):
         _fail(f"q has dtype {q.dtype}; ioattn supports torch.float16 and torch.bfloat16 "
               f"(cast with q.to(torch.bfloat16)); flash_attn_func / flash_attn_varlen_func also "
               f"take torch.float8_e4m3fn (with descales)", TypeError)
     for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
+        if t.dtype != (kv_dtype or q.dtype):
             _fail(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share a dtype",
                   TypeError)
         if t.device != q.device:

@@ -251,3 +251,106 @@ def test_strided_indices_and_empty_caches(device):
     assert (out == 0).all() and torch.isinf(lse).all() and (lse < 0).all()
     assert ioattn.flash_attn_with_kvcache(q[:0], k_cache, v_cache, cache_seqlens=kw["cache_seqlens"][:0],
                                           block_table=bt[:0]).shape[0] == 0
+
+
+# fp8 caches: FlashAttention-3's form ("fa3": q, caches and new k / v e4m3 with fp32 descales
+# per sequence and KV head; "fa3-qheads": q's descale per query head) and a 16-bit q over an fp8
+# cache (FlashInfer's kv_data_type; "e5m2" with k / v descales, "e4m3" without)
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_CASES = [
+    ("fa3", KVCase()),  # decode, GQA 4, paged 16
+    ("fa3-qheads", KVCase(page=None, h=6, h_k=2, s_q=2, s_new=2, causal=True, splits=2)),
+    ("fa3", KVCase(page=3, h=2, h_k=2, s_q=3, causal=True, rotary="interleaved", splits=3)),
+    ("fa3", KVCase(page=5, h=4, h_k=1, s_q=2, causal=True, s_new=2, rotary="halves",
+                   empty_seq=True)),  # rotated fp8 keys appended, one sequence only new ones
+    ("e5m2", KVCase(page=1, h=5, h_k=1, splits=3, dtype=FP16)),
+    ("e4m3", KVCase(page=16, h=4, h_k=2, s_q=2, softcap=3.0, window=(40, 0), d=96)),
+]
+if ON_GPU:
+    FP8_CASES += [
+        ("fa3", KVCase(b=8, h=32, h_k=8, d=128, page=16, capacity=4096)),
+        # chunked prefill onto the cache (the gathered path: keys converted into packed K / V)
+        ("fa3", KVCase(b=2, h=32, h_k=8, d=128, page=16, capacity=2560, s_q=512, s_new=512,
+                       causal=True)),
+    ]
+
+
+def _fp8_build(form: str, c: KVCase, device):
+    """A fresh case in fp8 and its descales (fp32, in [0.5, 1.5))."""
+    q, k_cache, v_cache, kw, opts = _build(c, device)
+    cache = E5M2 if form == "e5m2" else E4M3
+    k_cache, v_cache = k_cache.to(cache), v_cache.to(cache)
+    if kw["k"] is not None:
+        kw["k"], kw["v"] = kw["k"].to(cache), kw["v"].to(cache)
+    h_k = c.h if form == "fa3-qheads" else c.h_k
+    ds = {}
+    if form.startswith("fa3"):
+        q = q.to(E4M3)
+        ds["q_descale"] = torch.rand(c.b, h_k, device=device) + 0.5
+    if form != "e4m3":
+        ds["k_descale"] = torch.rand(c.b, c.h_k, device=device) + 0.5
+        ds["v_descale"] = torch.rand(c.b, c.h_k, device=device) + 0.5
+    return q, k_cache, v_cache, kw, opts, ds
+
+
+@pytest.mark.parametrize("form, c", FP8_CASES, ids=[f"{f}-{c.id}" for f, c in FP8_CASES])
+def test_kvcache_fp8(form, c: KVCase, device):
+    """fp8 caches against the reference on the dequantized values: q times its and k's
+    descales in fp32 over the fp8 keys, times v's descale after; the baseline does the same in
+    16 bits (q's dtype, bf16 for an fp8 q) over the same keys (new ones rounded to fp8 as the
+    cache holds them). The caches' new contents match the reference's."""
+    q, k_cache, v_cache, kw, opts, ds = _fp8_build(form, c, device)
+    group = c.h // c.h_k
+    per_head = {n: t.repeat_interleave(c.h // t.shape[1], 1)[:, None, :, None]
+                for n, t in ds.items()}
+    one = torch.ones((), device=device)
+    q_ref = q.float() * per_head.get("q_descale", one) * per_head.get("k_descale", one)
+    vd = per_head.get("v_descale", one)
+    ref, lse_ref, kc_ref, vc_ref = kvcache_attention_ref(q_ref, k_cache, v_cache, **kw, **opts)
+    low = BF16 if q.dtype == E4M3 else q.dtype
+    pt, lse_pt, _, _ = kvcache_attention_ref(q_ref.to(low), k_cache.to(low), v_cache.to(low),
+                                             **kw, **opts, upcast=False)
+    out, lse = ioattn.flash_attn_with_kvcache(q, k_cache, v_cache, **kw, **opts, **ds,
+                                              num_splits=c.splits, return_softmax_lse=True)
+    assert out.dtype == low and group * c.h_k == c.h
+    assert_close_rule("out", out, ref * vd, (pt.float() * vd).to(low))
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), finite), "LSE -inf pattern differs"
+    base = (lse_pt[finite] - lse_ref[finite]).abs().max().item() if finite.any() else 0.0
+    torch.testing.assert_close(lse[finite], lse_ref[finite], atol=2 * base + 1e-3, rtol=0)
+    if c.s_new:  # rotated keys rounded to fp8 as the reference rounds them (fp32 rotation)
+        torch.testing.assert_close(k_cache.float(), kc_ref.float(), atol=0,
+                                   rtol=0 if not c.rotary else 0.125)
+        assert torch.equal(v_cache.view(torch.uint8), vc_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("q_descale_16bit_q", "q_descale applies to fp8 q"),
+    ("k_descale_16bit_cache", "k_descale applies to fp8 caches"),
+    ("block_descale", "no block descales"),
+    ("fp16_descale", "float32"),
+    ("fp8_q_16bit_cache", "caches must share"),
+    ("e5m2_under_fp8_q", "caches must share"),
+    ("new_k_16bit", "the cache's dtype"),
+])
+def test_kvcache_fp8_errors(bad, match, device):
+    c = KVCase(b=2, s_new=1)
+    q, k_cache, v_cache, kw, opts, ds = _fp8_build("fa3", c, device)
+    if bad == "q_descale_16bit_q":
+        q = q.to(BF16)
+    if bad in ("k_descale_16bit_cache", "fp8_q_16bit_cache"):
+        k_cache, v_cache = k_cache.to(BF16), v_cache.to(BF16)
+        kw["k"], kw["v"] = kw["k"].to(BF16), kw["v"].to(BF16)
+        if bad == "k_descale_16bit_cache":
+            q = q.to(BF16)
+            del ds["q_descale"]
+    if bad == "block_descale":
+        ds["k_descale"] = ds["k_descale"][:, :, None].expand(-1, -1, 2).contiguous()
+    if bad == "fp16_descale":
+        ds["v_descale"] = ds["v_descale"].half()
+    if bad == "e5m2_under_fp8_q":
+        k_cache, v_cache = k_cache.to(E5M2), v_cache.to(E5M2)
+    if bad == "new_k_16bit":
+        kw["k"], kw["v"] = kw["k"].to(BF16), kw["v"].to(BF16)
+    with pytest.raises((ValueError, TypeError), match=match):
+        ioattn.flash_attn_with_kvcache(q, k_cache, v_cache, **kw, **opts, **ds)
