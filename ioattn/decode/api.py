@@ -11,7 +11,7 @@ from torch import Tensor
 from ioattn.decode.op import eager as kvcache_eager
 from ioattn.decode.op import kvcache_fwd
 from ioattn.dense.api import (VALIDATED, _check_alibi, _check_common, _check_index, _check_sink,
-                              _check_tensor, _fail, _with_sink,
+                              _check_tensor, _fail, _with_sink, check_descale_tensor,
                               skip_value_checks)
 from ioattn.dispatch import resolve_backend
 from ioattn.reference import kvcache_attention_ref
@@ -90,12 +90,7 @@ def _fp8_operands(q: Tensor, k_cache: Tensor, descales: tuple) -> tuple[Tensor, 
             _fail(f"{name} applies to fp8 {'q' if name == 'q_descale' else 'caches'} only; "
                   f"{'q' if name == 'q_descale' else 'k_cache'} is "
                   f"{q.dtype if name == 'q_descale' else k_cache.dtype}")
-        if not isinstance(t, Tensor):
-            _fail(f"{name} must be a float32 tensor or None, got {type(t).__name__}", TypeError)
-        if t.dtype != torch.float32:
-            _fail(f"{name} must be float32, got {t.dtype} (use .float())", TypeError)
-        if t.device != q.device:
-            _fail(f"{name} is on {t.device} but q is on {q.device}")
+        check_descale_tensor(name, t, q.device)
         heads = (h_k, h) if name == "q_descale" else (h_k,)
         if t.dim() != 2 or t.shape[0] != b or t.shape[1] not in heads:
             _fail(f"{name} has shape {tuple(t.shape)}; expected (batch={b}, "

@@ -283,6 +283,16 @@ def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool, sink: Optional[Te
     return (out, lse, None) if return_attn_probs else out
 
 
+def check_descale_tensor(name: str, t, device: torch.device) -> None:
+    """A descale's type, dtype and device (its shape is the caller's)."""
+    if not isinstance(t, Tensor):
+        _fail(f"{name} must be a float32 tensor or None, got {type(t).__name__}", TypeError)
+    if t.dtype != torch.float32:
+        _fail(f"{name} must be float32, got {t.dtype} (use .float())", TypeError)
+    if t.device != device:
+        _fail(f"{name} is on {t.device} but q is on {device}")
+
+
 def _check_fp8(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, descales: tuple,
                backend: str, batch: int, seqlens: tuple[int, int]) -> None:
     """An fp8 call's own rules (after ``_check_common``): forward only, no dropout, descales'
@@ -310,12 +320,7 @@ def _check_fp8(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, descales: tupl
                                  (seqlens[0], seqlens[1], seqlens[1])):
         if t is None:
             continue
-        if not isinstance(t, Tensor):
-            _fail(f"{name} must be a float32 tensor or None, got {type(t).__name__}", TypeError)
-        if t.dtype != torch.float32:
-            _fail(f"{name} must be float32, got {t.dtype} (use .float())", TypeError)
-        if t.device != q.device:
-            _fail(f"{name} is on {t.device} but q is on {q.device}")
+        check_descale_tensor(name, t, q.device)
         blocks = max(1, -(-s // QUANT_BLOCK))
         if not (t.dim() in (2, 3) and t.shape[0] == batch and t.shape[1] in heads
                 and (t.dim() == 2 or t.shape[2] == 1 or t.shape[2] >= blocks)):
