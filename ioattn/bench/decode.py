@@ -60,11 +60,17 @@ def _impls_decode(q, k, v, page, g) -> dict[str, Callable[[], torch.Tensor]]:
     wrapper8.plan(indptr, indices, last, h, h_k, d, page, q_data_type=q.dtype,
                   kv_data_type=torch.float8_e4m3fn)
     cache8 = cache.to(torch.float8_e4m3fn)
+    q8 = q[:, None].to(torch.float8_e4m3fn)
+    ones = torch.ones(b, h_k, device=q.device)
     fns = {
         "ioattn_paged": lambda: wrapper.run(q, cache, out=out),
         "ioattn_paged_fp8": lambda: wrapper8.run(q, cache8, k_scale=1.0, v_scale=1.0, out=out),
         "ioattn_kvcache": lambda: ioattn.flash_attn_with_kvcache(q[:, None], kc, vc, cache_seqlens=lens,
                                                                  block_table=table)[:, 0],
+        # the fp8 pages under FlashAttention-3's fp8 call (q e4m3 too, per-head descales of 1)
+        "ioattn_kvcache_fp8": lambda: ioattn.flash_attn_with_kvcache(
+            q8, cache8[:, 0], cache8[:, 1], cache_seqlens=lens, block_table=table,
+            q_descale=ones, k_descale=ones, v_descale=ones)[:, 0],
     }
     for name, backend in (("sdpa_cudnn", "CUDNN_ATTENTION"), ("sdpa_flash", "FLASH_ATTENTION")):
         def sdpa(backend=backend):
@@ -145,7 +151,8 @@ def _time_row(fn, device, warmup, rep) -> float:
     return time_ms(fn, device, warmup, rep, [])
 
 
-_NAMES = ("ioattn_paged", "ioattn_paged_fp8", "ioattn_kvcache", "sdpa_cudnn", "sdpa_flash",
+_NAMES = ("ioattn_paged", "ioattn_paged_fp8", "ioattn_kvcache", "ioattn_kvcache_fp8",
+          "sdpa_cudnn", "sdpa_flash",
           "ioattn_paged_graph", "sdpa_cudnn_graph", "ioattn_paged_graphloop",
           "sdpa_cudnn_graphloop", "ioattn_paged_hnd_graph", "ioattn_paged_inorder_graph")
 
