@@ -161,14 +161,22 @@ def _window(causal: bool, window_size: Sequence[int]) -> tuple[int, int]:
 
 def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
           alibi_slopes: Optional[Tensor], dropout_p: float, varlen: bool, masked: bool,
-          max_seqlen_q: int, max_seqlen_k: int, windowed: bool = False) -> tuple[str, str]:
+          max_seqlen_q: int, max_seqlen_k: int, windowed: bool = False,
+          descales: tuple = (None, None, None)) -> tuple[str, str]:
     """The kernel families of this call's forward and backward: 'sm90', 'triton' or 'reference'
     (ioattn.dispatch). 'auto' picks each direction where it measured faster; an explicit 'sm90'
     raises when either direction it would have to run is not covered. fp8 inputs (forward
-    only) run the portable kernels or the reference (``_check_fp8`` refused 'sm90')."""
+    only; their descales) run the sm90 forward where it covers them
+    (``sm90_fwd.fp8_unsupported_reason``: opt-in for now), else the portable kernel."""
     if q.dtype in FP8_DTYPES:
-        impl = resolve_backend("triton" if backend == "auto" else backend, q.device)
-        return impl, impl
+        def fp8_problem():
+            from ioattn.dense.sm90_fwd import fp8_unsupported_reason
+
+            return fp8_unsupported_reason(q, k, v, descales, softcap, alibi_slopes is not None,
+                                          dropout_p, varlen)
+
+        impl = resolve_backend(backend, q.device, fp8_problem)
+        return impl, "triton" if impl == "sm90" else impl
     problem = []  # sm90_problem's answer, asked at most once
 
     def sm90_problem():
@@ -308,9 +316,6 @@ def _check_fp8(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, descales: tupl
               "to fp8 q, k, v; run the training pass in bf16 or fp16")
     if dropout_p:
         _fail(f"dropout_p={dropout_p!r}: fp8 attention has no dropout (pass 0.0)")
-    if backend == "sm90":
-        _fail("backend='sm90' takes fp16 / bf16 only: fp8 inputs run on backend='triton' (or "
-              "'auto', 'reference')")
     if q.is_cuda and backend != "reference" and torch.cuda.get_device_capability(q.device) < (8, 9):
         _fail(f"fp8 attention needs fp8 tensor cores (sm_89 or newer: Ada, Hopper); "
               f"{torch.cuda.get_device_name(q.device)} has none: pass bf16 or fp16 (or "
@@ -409,7 +414,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
     fp8 = q.dtype in FP8_DTYPES
     impl, bwd_impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=False,
                            masked=left >= 0 or right >= 0, max_seqlen_q=s_q,
-                           max_seqlen_k=k.shape[1], windowed=left >= 0 or right > 0)
+                           max_seqlen_k=k.shape[1], windowed=left >= 0 or right > 0,
+                           descales=descales)
     if impl == "reference":
         mask = None
         if dropout_p > 0:
@@ -503,7 +509,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     fp8 = q.dtype in FP8_DTYPES
     impl, bwd_impl = _pick(backend, q, k, v, softcap, alibi_slopes, dropout_p, varlen=True,
                            masked=left >= 0 or right >= 0, max_seqlen_q=int(max_seqlen_q),
-                           max_seqlen_k=int(max_seqlen_k), windowed=left >= 0 or right > 0)
+                           max_seqlen_k=int(max_seqlen_k), windowed=left >= 0 or right > 0,
+                           descales=descales)
     if impl == "reference":
         if fp8:
             q, k, v = _dequantized(q, k, v, descales, cu_seqlens_q, cu_seqlens_k)

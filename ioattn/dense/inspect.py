@@ -128,14 +128,15 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
             num(r"(\d+) bytes spill loads"))
 
 
-SASS_OPS = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "SYNCS", "WARPGROUP", "MUFU")
+SASS_OPS = ("HGMMA", "QGMMA", "HMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "SYNCS", "WARPGROUP",
+            "MUFU")
 
 
 def _sass_counts(text: str) -> dict:
     """Counts of the Hopper SASS opcodes in SASS_OPS in a kernel's SASS (``_sass_text``):
-    HGMMA (async warpgroup MMA), HMMA (mma.sync), UTMALDG/UTMASTG (TMA), USETMAXREG (register
-    reallocation), SYNCS (mbarrier ops); and MUFU.TANH (softcap's tanh.approx) among the MUFU
-    ops."""
+    HGMMA (async warpgroup MMA; QGMMA on fp8 operands), HMMA (mma.sync), UTMALDG/UTMASTG (TMA),
+    USETMAXREG (register reallocation), SYNCS (mbarrier ops); and MUFU.TANH (softcap's
+    tanh.approx) among the MUFU ops."""
     # (addresses grow past four hex digits in kernels over 64 KB of code)
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text)
     return {**{op: ops.count(op) for op in SASS_OPS}, "MUFU.TANH": text.count("MUFU.TANH")}
@@ -605,7 +606,53 @@ def gluon_report(name: str, fn, sig: dict, constexprs: dict, arch: int = 90,
         warp_specialized="setmaxnreg" in ptx, mbarrier_waits=ptx.count("mbarrier.try_wait"),
         shared_bytes=k.metadata.shared, sass=_sass_counts(sass), loops=loop_spills(sass),
         tma_reduce="cp.reduce.async.bulk.tensor" in ptx,
-        grid_dependency="griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx)
+        grid_dependency="griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx,
+        fp8_wgmma=_all_fp8_wgmma(ptx))
+
+
+def _desc_sig(dtype: str, rows: int, cols: int, bits: int) -> str:
+    """A 2D TMA descriptor's signature entry with the NVMMA layout the host builds for its box
+    (``sm90_common.shared_layout``: the swizzle of a box row's bytes, at most 128)."""
+    swizzle = min(128, cols * bits // 8)
+    lay = _TMA_LAYOUT.format(bits=bits).replace("swizzle_byte_width=128",
+                                                f"swizzle_byte_width={swizzle}")
+    return f"tensordesc<{dtype}[{rows}, {cols}],{lay}>"
+
+
+def fp8_fwd_gluon_reports(arch: int = 90, head_dims=(64, 128, 256)) -> list[KernelReport]:
+    """The sm90 forward on fp8 (e4m3) q, k, v as ``sm90_fwd._attn_fwd_sm90_fp8`` launches it
+    (batched, one CTA per tile, V's descriptor keys innermost, O in bf16, per-head descales),
+    without and with a causal mask, at each head dim."""
+    from ioattn.dense import sm90_fwd
+
+    fn = sm90_fwd._attn_fwd_sm90
+    out = []
+    for d in head_dims:
+        form = sm90_fwd._fp8_form(d)
+        bn = form["BLOCK_N"]
+        descs = dict(q_desc=_desc_sig("fp8e4nv", 64, d, 8), k_desc=_desc_sig("fp8e4nv", bn, d, 8),
+                     v_desc=_desc_sig("fp8e4nv", d, bn, 8), o_desc=_desc_sig("bf16", 64, d, 16))
+        ptrs = dict(O="*bf16", LSE="*fp32", QD="*fp32", KD="*fp32", VD="*fp32", CU_Q="*i32",
+                    CU_K="*i32", BT="*i32")
+        sig = {}
+        for n in fn.arg_names:
+            if n in descs or n in ptrs:
+                sig[n] = descs.get(n) or ptrs[n]
+            elif n == "qk_scale_log2":
+                sig[n] = "fp32"
+            elif n in ("softcap_scale", "head_group", "COUNTER") or n.isupper() or n.endswith("_"):
+                sig[n] = "constexpr"
+            else:
+                sig[n] = "i32"
+        sig["kv_group"] = "constexpr"  # (1 in the grid's launches, as ``gluon_jobs``)
+        for causal in (False, True):
+            ce = dict(form, IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=causal,
+                      PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1, COUNTER=None,
+                      softcap_scale=None, O_COLS=0, head_group=1, QK_COLS=0,
+                      COUNTER_RESET=False, kv_group=1)
+            out.append(gluon_report(f"sm90 fp8 fwd d{d} {'causal' if causal else 'full'} "
+                                    f"128x{bn} ws", fn, sig, ce, arch))
+    return out
 
 
 def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
@@ -673,12 +720,16 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", default="64,128,256")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--gluon", action="store_true", help="the sm90 Gluon kernels instead")
+    ap.add_argument("--gluon-fp8", action="store_true",
+                    help="the sm90 Gluon forward on fp8 q, k, v instead")
     ap.add_argument("--jobs", type=int, default=1,
                     help="processes compiling the Gluon kernels (--gluon; default 1)")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
-    if a.gluon:
+    if a.gluon_fp8:
+        reports = fp8_fwd_gluon_reports(a.arch, tuple(int(x) for x in a.dims.split(",")))
+    elif a.gluon:
         reports = gluon_reports(a.arch, jobs=a.jobs)
     else:
         reports = default_reports(a.arch, tuple(int(x) for x in a.dims.split(",")))

@@ -110,12 +110,10 @@ def fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
     # impl: the kernel family, 'triton' (portable) or 'sm90' (Gluon, Hopper), from ioattn.dispatch
     # (not named "kernel": inductor's fallback lowering takes that keyword itself); bwd_impl: the
     # family the registered autograd's backward runs and whether it must be bitwise reproducible
-    # (both unused here). fp8 q, k, v (e4m3, forward only, the portable kernel): O in bf16,
-    # descales as ``ioattn.flash_attn_func`` takes them
+    # (both unused here). fp8 q, k, v (e4m3, forward only; the portable kernel, or the sm90
+    # one where ``sm90_fwd.fp8_unsupported_reason`` allows): O in bf16, descales as
+    # ``ioattn.flash_attn_func`` takes them
     fp8 = q.dtype in FP8_DTYPES
-    if fp8 and impl != "triton":
-        raise ValueError(f"impl={impl!r} cannot run fp8 inputs: only the portable kernels "
-                         f"('triton') take them")
     d, d_v = q.shape[-1], v.shape[-1]
     d_pad = None  # (sm90) the head dim the kernels run at, when (d, d_v) are zero-padded to it
     if impl == "sm90":
@@ -140,10 +138,15 @@ def fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
 
     def params():
         if impl == "sm90":
-            from ioattn.dense.sm90_fwd import unsupported_reason
+            from ioattn.dense.sm90_fwd import fp8_unsupported_reason, unsupported_reason
 
-            reason = unsupported_reason(q, k, v, q.shape[-1], v.shape[-1], softcap,
-                                        alibi_slopes is not None, dropout_p, varlen)
+            if fp8:
+                reason = fp8_unsupported_reason(q, k, v, (q_descale, k_descale, v_descale),
+                                                softcap, alibi_slopes is not None, dropout_p,
+                                                varlen)
+            else:
+                reason = unsupported_reason(q, k, v, q.shape[-1], v.shape[-1], softcap,
+                                            alibi_slopes is not None, dropout_p, varlen)
             if reason is not None:
                 raise ValueError(f"impl='sm90' cannot run this call: {reason}")
         p = make_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -131,16 +131,19 @@ def store_cols(ptrs, x, rows_ok, cols, N: gl.constexpr):
 
 
 @gluon.constexpr_function
-def wgmma_acc_layout(n):
-    """Accumulator layout of one consumer warpgroup's wgmma: 64 rows (4 warps) by ``n`` columns."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+def wgmma_acc_layout(n, bits=16):
+    """Accumulator layout of one consumer warpgroup's wgmma: 64 rows (4 warps) by ``n`` columns,
+    on ``bits``-bit operands (the instruction's K: 16 for fp16/bf16, 32 for fp8)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, n, 256 // bits])
 
 
 @gluon.constexpr_function
-def wgmma_a_operand(acc_layout):
-    """Register A-operand layout (fp16/bf16) of a wgmma accumulating into ``acc_layout``: P or dS
-    kept in registers for the next product ("RS" wgmma)."""
-    return gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+def wgmma_a_operand(acc_layout, bits=16):
+    """Register A-operand layout of a wgmma accumulating into ``acc_layout`` on ``bits``-bit
+    operands (16: fp16/bf16; 8: fp8, four to a 32-bit register): P or dS kept in registers for
+    the next product ("RS" wgmma)."""
+    return gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=32 // bits)
 
 
 @gluon.constexpr_function

@@ -48,7 +48,7 @@ from ioattn.dense.sm90_common import (OPERAND_DTYPES, PADDED_HEAD_DIMS, barriers
                                       mma_over_cols, narrow_dv,
                                       wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile)
 from ioattn.dispatch import sm_count
-from ioattn.launch import current_stream, launcher, repeat
+from ioattn.launch import Desc, current_stream, launcher, repeat
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M)
 BLOCK_M = gl.constexpr(128)  # two consumer warpgroups
@@ -165,6 +165,13 @@ WG3_PERSISTENT = os.environ.get("IOATTN_SM90_WG3_PERSISTENT", "0").lower() in ("
 # before (results/dense_{7484f8a,700c91d}_*.json); "64" never takes it, "128" takes it for
 # every d=64 forward (three warpgroups then, persistent or not)
 WG3_BLOCK_N = os.environ.get("IOATTN_SM90_WG3_BLOCK_N", "auto").lower()
+# fp8 (e4m3) q, k, v on this kernel (FlashAttention-3's fp8 forward: QGMMA on e4m3 operands, V's
+# tiles keys innermost, P scaled by 2^8 and rounded to e4m3 in registers), for batched calls with
+# per-head descales (``fp8_unsupported_reason``); block descales and varlen stay on the portable
+# kernel. Opt-in (IOATTN_SM90_FP8=1: 'auto' takes it for fp8 calls it covers, and
+# backend='sm90' runs them) until its GPU tests have run; built and compile-checked on CPU only
+# (session 42)
+FP8_ON = os.environ.get("IOATTN_SM90_FP8", "0").lower() in ("1", "true", "on")
 if WG3_BLOCK_N not in ("auto", "64", "128"):
     raise ValueError(f"IOATTN_SM90_WG3_BLOCK_N={WG3_BLOCK_N!r}: expected auto, 64 or 128")
 
@@ -279,16 +286,19 @@ def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty
                   k_empty, v_empty, v_fixed, BT, bt_row, bt_width, q_row, q_col, k_row, kv_col,
                   n_tiles, n_keys, it0, tc, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
                   PAGED: gl.constexpr, PAGE: gl.constexpr, PERSISTENT: gl.constexpr,
-                  Q_BUFS: gl.constexpr = 1, q_base=0):
+                  Q_BUFS: gl.constexpr = 1, q_base=0, vt_row=0, vt_key0=0):
     """The loads of one query tile: its Q pieces (into q_smem's q_base.., of Q_BUFS buffers),
     then its n_tiles K and V tiles through the ring from ring position it0 (a persistent CTA's
     running count of key tiles); tc counts the CTA's earlier tiles with work that used this Q
-    buffer (q_empty's phase)."""
+    buffer (q_empty's phase). fp8: V's descriptor views it keys innermost, [batch * heads * d_v,
+    seqlen_k] (``ioattn.fp8.keys_contiguous``): its tiles are at row vt_row (the head's first),
+    keys from vt_key0 (within the sequence)."""
+    V_T: gl.constexpr = v_smem.dtype.is_fp8()
     # V's column: kv_col is K's (a head's first column at K's tile width)
-    if v_smem.shape[2] == k_smem.shape[2]:
+    if V_T or _v_cols(v_smem) == k_smem.shape[2]:
         v_col = kv_col
     else:
-        v_col = kv_col // k_smem.shape[2] * v_smem.shape[2]
+        v_col = kv_col // k_smem.shape[2] * _v_cols(v_smem)
     # no key block: the consumers never wait for Q (and, non-persistent, reuse its buffers to
     # stage O), so Q must not be in flight then
     has_work = n_tiles > 0
@@ -311,9 +321,13 @@ def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty
         _key_tile_load(k_desc, k_smem.index(st), k_full.index(st), BT, bt_row, bt_width,
                        k_row + j * BLOCK_N, kv_col, PAGED, PAGE)
         mbarrier.wait(v_empty.index(st), ph)
-        mbarrier.expect(v_full.index(st), (BLOCK_N // BOX) * v_desc.block_type.nbytes)
-        _key_tile_load(v_desc, v_smem.index(st), v_full.index(st), BT, bt_row, bt_width,
-                       k_row + j * BLOCK_N, v_col, PAGED, PAGE)
+        if V_T:
+            mbarrier.expect(v_full.index(st), v_desc.block_type.nbytes)
+            tma_load(v_desc, vt_row, vt_key0 + j * BLOCK_N, v_full.index(st), v_smem.index(st))
+        else:
+            mbarrier.expect(v_full.index(st), (BLOCK_N // BOX) * v_desc.block_type.nbytes)
+            _key_tile_load(v_desc, v_smem.index(st), v_full.index(st), BT, bt_row, bt_width,
+                           k_row + j * BLOCK_N, v_col, PAGED, PAGE)
     if IS_VARLEN or PAGED:
         # (one tile per CTA: these modes do not run persistent) the last V tile may run past the
         # last packed sequence into rows of no sequence (or, in a paged cache, into page slots
@@ -326,10 +340,11 @@ def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
               k_empty, v_empty, v_fixed, BT, bt_row, bt_width, q_row, q_col, k_row, kv_col, n_tiles,
               n_keys, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, PAGED: gl.constexpr,
-              PAGE: gl.constexpr):
+              PAGE: gl.constexpr, vt_row=0, vt_key0=0):
     _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
                   k_empty, v_empty, v_fixed, BT, bt_row, bt_width, q_row, q_col, k_row, kv_col,
-                  n_tiles, n_keys, 0, 0, STAGES, IS_VARLEN, PAGED, PAGE, False)
+                  n_tiles, n_keys, 0, 0, STAGES, IS_VARLEN, PAGED, PAGE, False, 1, 0, vt_row,
+                  vt_key0)
 
 
 @gluon.jit
@@ -477,8 +492,14 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, 
 
 @gluon.jit
 def _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE: gl.constexpr,
-              OP_LAYOUT: gl.constexpr):
-    p = gl.exp2(s * qk_scale_log2 - m_use[:, None])
+              OP_LAYOUT: gl.constexpr, P_SHIFT: gl.constexpr = 0):
+    # P_SHIFT (fp8): P scaled by 2^P_SHIFT before its e4m3 rounding, so that small
+    # probabilities keep their bits (FlashAttention-3's); l carries the factor, _finish's LSE
+    # takes it out
+    if P_SHIFT:
+        p = gl.exp2(s * qk_scale_log2 - (m_use - P_SHIFT)[:, None])
+    else:
+        p = gl.exp2(s * qk_scale_log2 - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     if OP_LAYOUT is not None:  # P as PV's register operand already (its fp32 form dies here)
@@ -489,7 +510,7 @@ def _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE: gl.constexpr,
 @gluon.jit
 def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_right, qk_scale_log2,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, OP_DTYPE: gl.constexpr = None,
-                  OP_LAYOUT: gl.constexpr = None):
+                  OP_LAYOUT: gl.constexpr = None, P_SHIFT: gl.constexpr = 0):
     """One key block's online-softmax update in the log2 domain (scores = s * qk_scale_log2).
 
     Returns (p, alpha, m_new, l_new); p unnormalized (with OP_LAYOUT: already PV's OP_DTYPE
@@ -519,15 +540,49 @@ def _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left, window_ri
         # a row that has seen no key keeps m = -inf: shift by 0 so exp2 sees -inf, not NaN
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         if OP_LAYOUT is not None:
-            p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE, OP_LAYOUT)
+            p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE, OP_LAYOUT,
+                                        P_SHIFT)
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
         m_use = m_new
         if OP_LAYOUT is not None:
-            p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE, OP_LAYOUT)
+            p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE, OP_LAYOUT,
+                                        P_SHIFT)
     if OP_LAYOUT is None:
-        p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE, OP_LAYOUT)
+        p, alpha, l_new = _exp_step(s, m_i, m_use, l_i, qk_scale_log2, OP_DTYPE, OP_LAYOUT,
+                                    P_SHIFT)
     return p, alpha, m_new, l_new
+
+
+FP8_P_SHIFT = gl.constexpr(8)  # (fp8) P's scale before its rounding, a power of two (``_exp_step``)
+
+
+@gluon.constexpr_function
+def _p_shift(dtype):
+    """P's scale exponent for operands of ``dtype`` (``_exp_step``'s P_SHIFT): fp8's, else 0."""
+    return FP8_P_SHIFT if dtype.is_fp8() else 0
+
+
+@gluon.constexpr_function
+def _operand_bits(dtype):
+    return dtype.primitive_bitwidth
+
+
+@gluon.constexpr_function
+def _v_cols(v_smem):
+    """V's (and O's) tile width from its ring: [stages, keys, d_v], or (fp8) keys innermost,
+    [stages, d_v, keys], the K-major operand fp8 wgmma takes (``_v_operand``)."""
+    return v_smem.shape[1] if v_smem.dtype.is_fp8() else v_smem.shape[2]
+
+
+@gluon.jit
+def _v_operand(v_smem, st):
+    """Stage st of the V ring as P·V's [keys, d_v] operand (fp8: the transposed view of its
+    keys-innermost tile)."""
+    if v_smem.dtype.is_fp8():
+        return v_smem.index(st).permute((1, 0))
+    else:
+        return v_smem.index(st)
 
 
 @gluon.jit
@@ -582,7 +637,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                   WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                   HAS_RIGHT: gl.constexpr, ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr,
                   PERSISTENT: gl.constexpr, EXP_EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0,
-                  KEEP_LAST_V: gl.constexpr = 0, q_base=0, q_bufs_empty=None):
+                  KEEP_LAST_V: gl.constexpr = 0, q_base=0, q_bufs_empty=None, o_scale=1.0):
     """One warpgroup's 64 query rows of a tile: key tiles from ring position it0, pingpong rounds
     from rnd0, Q (q_smem's piece q_base + WG) from its load completing phase q_phase of q_bar.
     Returns (out, lse): out normalized in the input dtype, lse in natural log; rows that saw no
@@ -591,13 +646,15 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
     2: and pend (V stage + 1, or 0) is the previous tile's, whose O store is released once this
     tile's first block is done, or at once without key blocks (``_release_o_stage``); 3: O goes
     to this tile's Q buffer instead (two Q buffers, q_bufs_empty their barriers), so Q's buffer,
-    not a V stage, is released late: pend is the previous tile's Q buffer + 1."""
-    HEAD_DV: gl.constexpr = v_smem.shape[2]  # V's and O's tile width (Q / K's may differ)
+    not a V stage, is released late: pend is the previous tile's Q buffer + 1.
+    fp8 operands (e4m3 Q, K and V, V's tiles keys innermost): out in bf16, times o_scale (V's
+    descale); the descales of Q and K are in qk_scale_log2 / softcap_scale."""
+    HEAD_DV: gl.constexpr = _v_cols(v_smem)  # V's and O's tile width (Q / K's may differ)
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N)
-    o_layout: gl.constexpr = wgmma_acc_layout(HEAD_DV)
-    p_layout: gl.constexpr = wgmma_a_operand(o_layout)
+    s_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, _operand_bits(dtype))
+    o_layout: gl.constexpr = wgmma_acc_layout(HEAD_DV, _operand_bits(dtype))
+    p_layout: gl.constexpr = wgmma_a_operand(o_layout, _operand_bits(dtype))
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     q = q_smem.index(q_base + WG)
@@ -640,14 +697,17 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                 mbarrier.wait(v_fixed, 0)
         p_op = _pv_operand(p, dtype, p_layout, EXP_EARLY)
         _take_turn(turn, WG, rnd0 + n_tiles, PINGPONG)
-        acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        acc_tok = warpgroup_mma(p_op, _v_operand(v_smem, last), acc, is_async=True)
         _pass_turn(turn, WG, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=[acc_tok])
         if not KEEP_LAST_V or KEEP_LAST_V == 3:
             mbarrier.arrive(v_empty.index(last), count=1)
     elif KEEP_LAST_V >= 2:  # no key block: the previous tile's O stage goes back now
         _release_o_stage(o_bars, pend)
-    return _finish(acc, m_i, l_i, dtype)
+    if dtype.is_fp8():
+        return _finish(acc, m_i, l_i, gl.bfloat16, o_scale, FP8_P_SHIFT)
+    else:
+        return _finish(acc, m_i, l_i, dtype)
 
 
 @gluon.jit
@@ -672,7 +732,8 @@ def _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, p,
     overlaps PV_{j-1}. Returns (p, acc, m_i, l_i): the last block's P, its PV not issued."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=wgmma_acc_layout(BLOCK_N))
+    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32,
+                      layout=wgmma_acc_layout(BLOCK_N, _operand_bits(q.dtype)))
     for j in range(1, n_tiles):
         p, alpha, m_i, l_i, acc = _block_step(q, k_smem, v_smem, k_full, v_full, k_empty,
                                               v_empty, turn, s_zero, p, acc, m_i, l_i, it0 + j, rnd0 + j,
@@ -694,7 +755,8 @@ def _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it, rnd, co
     its own, then its softmax from (m_i, l_i). Returns (p, m, l); with EARLY p is PV's register
     operand already (``_softmax_step``)."""
     dtype: gl.constexpr = q.dtype
-    p_layout: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(q.shape[1]))
+    p_layout: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(q.shape[1], _operand_bits(dtype)),
+                                             _operand_bits(dtype))
     st = it % STAGES
     mbarrier.wait(k_full.index(st), (it // STAGES) & 1)
     _take_turn(turn, WG, rnd, PINGPONG)
@@ -704,7 +766,8 @@ def _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it, rnd, co
     mbarrier.arrive(k_empty.index(st), count=1)
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left,
                                        window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT,
-                                       dtype if EARLY else None, p_layout if EARLY else None)
+                                       dtype if EARLY else None, p_layout if EARLY else None,
+                                       _p_shift(dtype))
     return p, m_i, l_i
 
 
@@ -720,7 +783,7 @@ def _block_step(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, s_zer
     block's softmax from (m_i, l_i) runs while PV is on the tensor cores. Returns (p, alpha, m,
     l, acc), acc not yet rescaled by alpha; s_zero: S's zero accumulator, made once."""
     dtype: gl.constexpr = q.dtype
-    p_layout: gl.constexpr = wgmma_a_operand(acc.type.layout)
+    p_layout: gl.constexpr = wgmma_a_operand(acc.type.layout, _operand_bits(dtype))
     st = it % STAGES
     prev = (it - 1) % STAGES
     mbarrier.wait(k_full.index(st), (it // STAGES) & 1)
@@ -728,27 +791,35 @@ def _block_step(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, s_zer
     p_op = _pv_operand(p, dtype, p_layout, EARLY)
     _take_turn(turn, WG, rnd, PINGPONG)
     s_tok = mma_over_cols(q, k_smem.index(st), s_zero, QK_COLS)  # (QK_COLS: two groups)
-    acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+    acc_tok = warpgroup_mma(p_op, _v_operand(v_smem, prev), acc, is_async=True)
     _pass_turn(turn, WG, PINGPONG)
     s = softcap_tanh(warpgroup_mma_wait(1, deps=[s_tok]), softcap_scale)
     mbarrier.arrive(k_empty.index(st), count=1)  # K is consumed: the producer refills it
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left,
                                        window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT,
-                                       dtype if EARLY else None, p_layout if EARLY else None)
+                                       dtype if EARLY else None, p_layout if EARLY else None,
+                                       _p_shift(dtype))
     acc = warpgroup_mma_wait(0, deps=[acc_tok])
     mbarrier.arrive(v_empty.index(prev), count=1)  # the previous block's V is consumed
     return p, alpha, m_i, l_i, acc
 
 
 @gluon.jit
-def _finish(acc, m_i, l_i, dtype: gl.constexpr):
+def _finish(acc, m_i, l_i, dtype: gl.constexpr, o_scale=None, P_SHIFT: gl.constexpr = 0):
     """(out, lse) of a warpgroup's rows: out = acc / l in dtype, lse in natural log; rows that
-    saw no key give out 0 and LSE -inf."""
+    saw no key give out 0 and LSE -inf. (fp8) o_scale: V's descale; P_SHIFT: P's scale
+    exponent, in l (``_exp_step``)."""
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    out = (acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]).to(dtype)
+    lse_log2 = m_i + gl.log2(l_safe)
+    if P_SHIFT:
+        lse_log2 = lse_log2 - P_SHIFT
+    lse = gl.where(empty, float("-inf"), lse_log2 * 0.6931471805599453)
+    inv_l = 1.0 / l_safe
+    if o_scale is not None:
+        inv_l = inv_l * o_scale
+    out = (acc * gl.convert_layout(inv_l, row_o)[:, None]).to(dtype)
     return out, lse
 
 
@@ -765,16 +836,18 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_
               softcap_scale,
               WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, EXP_EARLY: gl.constexpr,
-              O_COLS: gl.constexpr, QK_COLS: gl.constexpr = 0):
+              O_COLS: gl.constexpr, QK_COLS: gl.constexpr = 0, o_scale=1.0):
     _first_turn(turn, WG, PINGPONG)
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                              v_empty, v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                              window_left, window_right, qk_scale_log2,
                              softcap_scale, 0, 0, 0, 0, WG, STAGES,
-                             HAS_LEFT, HAS_RIGHT, ZERO_TAIL, PINGPONG, False, EXP_EARLY, QK_COLS)
+                             HAS_LEFT, HAS_RIGHT, ZERO_TAIL, PINGPONG, False, EXP_EARLY, QK_COLS,
+                             0, 0, None, o_scale)
     row0 = start_m + WG * HALF_M
     _store_lse(LSE, lse, lse_off, row0, seqlen_q)
-    if row0 + HALF_M <= seqlen_q:
+    # (fp8: the Q half, e4m3, holds half of a bf16 O: O goes from registers)
+    if row0 + HALF_M <= seqlen_q and not q_smem.dtype.is_fp8():
         o_smem = q_smem.index(WG)  # the Q half is dead: stage O there for the TMA store
         if out.shape[1] != q_smem.shape[2]:  # (V / O narrower than Q / K: O's own tile there)
             o_smem = o_smem._reinterpret(out.dtype, [HALF_M, out.shape[1]],
@@ -937,7 +1010,9 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    DYNAMIC: gl.constexpr = False, COUNTER=None, EXP_EARLY: gl.constexpr = False,
                    softcap_scale=None, O_COLS: gl.constexpr = 0, head_group=1,
                    QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = False,
-                   Q_BUFS: gl.constexpr = 1, COUNTER_RESET: gl.constexpr = False):
+                   Q_BUFS: gl.constexpr = 1, COUNTER_RESET: gl.constexpr = False,
+                   QD=None, KD=None, VD=None, stride_qdb=0, stride_qdh=0, stride_kdb=0,
+                   stride_kdh=0, stride_vdb=0, stride_vdh=0, qd_group=1):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # head_group: the tiles (the tile counter's ids, or the grid's CTAs) in grouped heaviest-
     # first order (``sm90_common.grouped_order``, ``LPT``); 1: one head after another
@@ -949,8 +1024,17 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     # from COUNTER, which the last CTA zeroes when COUNTER_RESET (``_tile_counter``).
     # Otherwise one CTA per (query tile, batch * head) on a 2D grid. O_TMA (persistent): O by TMA from the tile's last V stage
     # (``_store_tile``).
+    # fp8 (e4m3 q, k, v: FlashAttention-3's fp8 forward; one CTA per tile, batched): V's
+    # descriptor views it keys innermost ([batch * heads_k * d_v, seqlen_k] rows, boxes [d_v,
+    # BLOCK_N]: the K-major operand fp8 wgmma takes), O is bf16, and QD / KD / VD are fp32
+    # descales per (batch, head) (strides; Q's head is off_h // qd_group), folded into the
+    # score scale (Q's and K's) and O (V's)
+    FP8: gl.constexpr = q_desc.dtype.is_fp8()
+    gl.static_assert(not (FP8 and (PERSISTENT or PAGED or IS_VARLEN)),
+                     "the fp8 forward runs one CTA per tile of a batched problem")
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
-    HEAD_DV: gl.constexpr = box_cols(v_desc.block_type.shape)  # V's and O's tiles
+    # V's and O's tile width
+    HEAD_DV: gl.constexpr = v_desc.block_type.shape[0] if FP8 else box_cols(v_desc.block_type.shape)
     gl.static_assert(not (PERSISTENT and (IS_VARLEN or PAGED)),
                      "the persistent form covers batched (not varlen or paged) problems")
     gl.static_assert(WGS == 2 or WGS == 3, "two or three consumer warpgroups")
@@ -969,8 +1053,12 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                        tile_layout(q_desc.layout))
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D],
                                        tile_layout(k_desc.layout))
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DV],
-                                       tile_layout(v_desc.layout))
+    if FP8:  # (keys innermost)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, HEAD_DV, BLOCK_N],
+                                           tile_layout(v_desc.layout))
+    else:
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DV],
+                                           tile_layout(v_desc.layout))
     q_bar = barriers(Q_BUFS, 1)
     q_empty = barriers(Q_BUFS, WGS)  # persistent: one arrive per consumer warpgroup
     v_fixed = barriers(1, 1)
@@ -1062,6 +1150,17 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
         q_row = q_start + start_m
         o_base_off = q_start.to(gl.int64) * stride_om + off_h.to(gl.int64) * stride_oh
         lse_off = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + lse_start
+        o_scale = 1.0
+        vt_row = 0
+        if FP8:
+            d_qk = (gl.load(QD + off_b * stride_qdb + (off_h // qd_group) * stride_qdh)
+                    * gl.load(KD + off_b * stride_kdb + off_hk * stride_kdh))
+            if softcap_scale is None:
+                qk_scale_log2 = qk_scale_log2 * d_qk
+            else:
+                softcap_scale = softcap_scale * d_qk
+            o_scale = gl.load(VD + off_b * stride_vdb + off_hk * stride_vdh)
+            vt_row = (off_b * (n_heads // kv_group) + off_hk) * HEAD_DV
         if WGS == 3:
             gl.warp_specialize([
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
@@ -1070,26 +1169,26 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS)),
+                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_DV, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS)),
+                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_DV, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 2, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS)),
+                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
                              k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo, STAGES,
-                             IS_VARLEN, PAGED, PAGE)),
+                             IS_VARLEN, PAGED, PAGE, vt_row, lo)),
             ], [4, 4, 1], [CONSUMER_REGS_, CONSUMER_REGS_, PRODUCER_REGS_])
         else:
             gl.warp_specialize([
@@ -1099,19 +1198,19 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS)),
+                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_DV, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS)),
+                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
                              k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo, STAGES,
-                             IS_VARLEN, PAGED, PAGE)),
+                             IS_VARLEN, PAGED, PAGE, vt_row, lo)),
             ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
     invalidate(q_bar, Q_BUFS)
@@ -1143,6 +1242,72 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_d
         if problem is not None:
             return problem
     return None
+
+
+def fp8_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple,
+                           softcap: float, has_alibi: bool, dropout_p: float,
+                           varlen: bool) -> str | None:
+    """Why an fp8 call (e4m3 q, k, v; descales as ``flash_attn_func`` takes them) is outside
+    what the sm90 forward covers (None when inside): batched, d = d_v in SUPPORTED_HEAD_DIMS,
+    per-head descales (None, [batch, heads] or [batch, heads, 1]); V in any layout (copied keys
+    innermost where it is not, ``_keys_major``)."""
+    if not FP8_ON:
+        return ("the sm90 fp8 forward is opt-in until it has run on a GPU (IOATTN_SM90_FP8=1); "
+                "fp8 calls run on the portable kernel (backend='triton' or 'auto')")
+    d, d_v = q.shape[-1], v.shape[-1]
+    if d not in SUPPORTED_HEAD_DIMS or d_v != d:
+        return (f"head dims (d={d}, d_v={d_v}): the sm90 fp8 forward takes d = d_v in "
+                f"{SUPPORTED_HEAD_DIMS}")
+    if varlen:
+        return "varlen fp8 calls run on the portable kernel"
+    if has_alibi or dropout_p > 0:
+        return "ALiBi and dropout are not covered by the sm90 kernels yet"
+    for name, t in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if t is not None and t.dim() == 3 and t.shape[2] > 1:
+            return (f"{name} is a block descale (one per {t.shape[2]} blocks of rows): the sm90 "
+                    f"fp8 forward takes per-head descales ([batch, heads]), as FlashAttention-3")
+    for name, t in (("q", q), ("k", k)):
+        problem = tma_view_problem(name, t, varlen)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _keys_major(v: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(V, row stride) with V's keys innermost as the fp8 forward's descriptor views it: [batch *
+    heads * d, seqlen] rows of 16-byte aligned stride (``ioattn.fp8.keys_contiguous`` gives
+    that layout whenever seqlen is a multiple of 16); otherwise a copy laid out so, its rows
+    padded to a multiple of 16 keys (the descriptor's extent stays seqlen: TMA zero-fills)."""
+    b, s, h, d = v.shape
+    st = v.stride()
+    if (st[1] == 1 and st[2] == d * st[3] and (b == 1 or st[0] == h * d * st[3])
+            and st[3] % 16 == 0 and v.data_ptr() % 16 == 0):
+        return v, st[3]
+    s_pad = -(-s // 16) * 16
+    buf = torch.empty(b, h, d, s_pad, dtype=v.dtype, device=v.device)
+    buf[..., :s].copy_(v.permute(0, 2, 3, 1))
+    return buf[..., :s].permute(0, 3, 1, 2), s_pad
+
+
+def _fp8_descale_args(p: AttnParams, n_heads: int) -> dict:
+    """The kernel's descale arguments: QD, KD, VD (AttnParams' [batch, heads, blocks] fp32
+    views, per head: block 0's) with their batch and head strides, and Q's head group (1: per
+    query head; the GQA group: per KV head)."""
+    out = dict(qd_group=n_heads // p.q_descale.shape[1])
+    for name, t in (("qd", p.q_descale), ("kd", p.k_descale), ("vd", p.v_descale)):
+        out.update({name.upper(): t, f"stride_{name}b": t.stride(0), f"stride_{name}h": t.stride(1)})
+    return out
+
+
+def _fp8_form(head_dim: int) -> dict:
+    """The fp8 forward's launch form: one CTA per 128-row tile (two consumer warpgroups), keys
+    per tile as the 16-bit forward, and ring stages for fp8's half-size tiles (Q 2 x 64 x d plus
+    STAGES x (K + V) of BLOCK_N x d bytes: 104 / 176 / 192 KB at d = 64 / 128 / 256). Untuned."""
+    block_n = _block_n(head_dim)
+    stages = {64: 6, 128: 5, 256: 5}[head_dim]
+    return dict(WGS=2, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=CONSUMER_REGS, Q_BUFS=1,
+                PINGPONG=_pingpong(head_dim, 2), PERSISTENT=False, DYNAMIC=False,
+                EXP_EARLY=False, O_TMA=0)
 
 
 def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,
@@ -1328,6 +1493,9 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     d, d_v = q.shape[-1], v.shape[-1]
     d_pad = PADDED_HEAD_DIMS.get((d, d_v))
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
+    if p.fp8:  # (``fp8_unsupported_reason`` has accepted the call)
+        _attn_fwd_sm90_fp8(p, q, k, v, out, lse)
+        return
     form = launch_form(d_pad or d, p.is_varlen, mask_kind(p.window_left, p.window_right),
                        p.max_seqlen_q, p.max_seqlen_k)
     grid = (-(-p.max_seqlen_q // (form["WGS"] * HALF_M.value)), p.batch * n_heads)
@@ -1385,6 +1553,35 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # (slots: the four descriptors' bases, O, LSE, CU_Q, CU_K, BT; the counter if dynamic)
     slots = tuple(range(9)) + ((lch.names.index("COUNTER"),) if form["DYNAMIC"] else ())
     lch.bind_kept(_BOUND, key, grid, args, kwargs, slots)
+
+
+def _attn_fwd_sm90_fp8(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor) -> None:
+    """``attn_fwd_sm90`` for fp8 q, k, v (batched, per-head descales): one CTA per tile, V read
+    keys innermost (``_keys_major``), O in bf16."""
+    d = q.shape[-1]
+    n_heads, n_heads_k = q.shape[-2], k.shape[-2]
+    form = _fp8_form(d)
+    grid = (-(-p.max_seqlen_q // (form["WGS"] * HALF_M.value)), p.batch * n_heads)
+    if grid[0] * grid[1] == 0:
+        return
+    group = head_group_size(grid[1], grid[0], sm_count(q.device)) if LPT else 1
+    vt, vt_stride = _keys_major(v)
+    b, s_k = vt.shape[0], vt.shape[1]
+    v_desc = Desc(vt, (b * n_heads_k * d, s_k), (vt_stride, 1), (d, form["BLOCK_N"]),
+                  sm90_common.shared_layout(d, form["BLOCK_N"], v.dtype))
+    qk_scale_log2, softcap_scale = score_scales(p.softmax_scale, p.softcap)
+    dummy = lse
+    launcher(_attn_fwd_sm90)[grid](
+        rows_descriptor(q, False, HALF_M.value), rows_descriptor(k, False, form["BLOCK_N"]),
+        v_desc, rows_descriptor(out, False, HALF_M.value), out, lse, dummy, dummy, dummy,
+        out.stride(-3), out.stride(-2), *p.lse_strides(lse), 0, 0,
+        n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, p.batch * n_heads,
+        qk_scale_log2, p.window_left, p.window_right, **_fp8_descale_args(p, n_heads),
+        softcap_scale=softcap_scale, IS_VARLEN=False, HAS_LEFT=p.window_left >= 0,
+        HAS_RIGHT=p.window_right >= 0, PRODUCER_REGS_=PRODUCER_REGS, PAGED=False, PAGE=1,
+        **form, COUNTER=None, O_COLS=0, head_group=group, QK_COLS=0, COUNTER_RESET=False,
+        num_warps=4)
 
 
 def _switches() -> tuple:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ioattn
+from ioattn.dense import sm90_fwd
 from ioattn.dense.op import dense_fwd
 from ioattn.fp8 import (FP8_DTYPE, QUANT_BLOCK, dequantize, hadamard_transform, quantize,
                         quantize_qkv, random_signs)
@@ -88,6 +89,37 @@ def _refs(q, k, v, **kw):
 
 @pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
 def test_fp8_forward(c: Case, device):
+    check_fp8(c, device)
+
+
+# the sm90 (Gluon) fp8 forward: batched, per-head descales, d = d_v in (64, 128, 256); V keys
+# innermost or in rows (copied keys innermost), lengths that are no multiple of 16 (V's rows
+# then copied with padding), s_q > s_k, GQA with q descaled per KV head, softcap
+SM90_CASES = [
+    Case(1, 1, block=None),
+    Case(113, 203, block=None),
+    Case(113, 203, d=128, h=6, h_k=2, causal=True, block=None, q_per_kv_head=True),
+    Case(203, 113, d=256, causal=True, block=None),
+    Case(300, 300, d=128, window=(40, 7), block=None),
+    Case(97, 150, h=4, h_k=1, block=None, softcap=2.0),
+    Case(256, 512, d=128, no_descale=True),
+    Case(1024, 1024, b=2, d=128, h=4, causal=True, block=None),
+]
+
+
+@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the sm90 fp8 forward needs Hopper")
+@pytest.mark.parametrize("v_rows", [False, True], ids=["v-keys-innermost", "v-rows"])
+@pytest.mark.parametrize("c", SM90_CASES, ids=lambda c: c.id)
+def test_fp8_sm90(c: Case, v_rows, device, monkeypatch):
+    monkeypatch.setattr(sm90_fwd, "FP8_ON", True)
+    check_fp8(c, device, backend="sm90", v_rows=v_rows)
+
+
+def check_fp8(c: Case, device, backend: str = "auto", v_rows: bool = False) -> None:
+    """An fp8 forward on a fresh random case (descales as the case says) against the reference
+    by FlashAttention's rule, its LSE, rows without keys, and the 'reference' backend; v_rows:
+    V as [.., h, d] rows instead of quantize_qkv's keys-innermost layout."""
     # per-head descales differ by head and sequence: values scaled per (batch, head)
     q, k, v = _inputs(c, device)
     q = q * torch.rand(c.b, 1, c.h, 1, device=device).add(0.5) * 3
@@ -96,7 +128,8 @@ def test_fp8_forward(c: Case, device):
         q8, k8, v8 = (t.to(FP8_DTYPE) for t in (q, k, v))
         qd = kd = vd = None
     else:
-        q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, block_size=c.block)
+        q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, block_size=c.block,
+                                              v_keys_contiguous=not v_rows)
         if c.q_per_kv_head:  # one q descale per KV head: requantize q with the group's max
             g = c.h // (c.h_k or c.h)
             qd = qd.view(c.b, c.h // g, g, *qd.shape[2:]).amax(2)
@@ -105,7 +138,7 @@ def test_fp8_forward(c: Case, device):
     slopes = alibi_slopes(c.b, c.h, device) if c.alibi else None
     kw = dict(causal=c.causal, window_size=c.window, softcap=c.softcap, alibi_slopes=slopes)
     out, lse, _ = ioattn.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
-                                         return_attn_probs=True, **kw)
+                                         return_attn_probs=True, backend=backend, **kw)
     assert out.dtype == torch.bfloat16 and out.shape == (c.b, c.s_q, c.h, c.d_v or c.d)
     ref, lse_ref, pt = _refs(dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd), **kw)
     assert_close_rule("out", out, ref, pt)
@@ -305,8 +338,9 @@ def test_fp8_bad_input(device):
     with pytest.raises(ValueError, match="block_table"):
         ioattn.flash_attn_varlen_func(q8.flatten(0, 1), k8, v8, cu, cu, 16, 16,
                                       block_table=torch.zeros(2, 1, dtype=torch.int32, device=device))
-    with pytest.raises(ValueError, match="cannot run fp8"):
-        dense_fwd(q8, k8, v8, None, None, 16, 16, 0.1, -1, -1, 0.0, None, 0.0, None, "sm90")
+    if not sm90_fwd.FP8_ON:  # (the sm90 fp8 forward is opt-in)
+        with pytest.raises(ValueError, match="opt-in"):
+            dense_fwd(q8, k8, v8, None, None, 16, 16, 0.1, -1, -1, 0.0, None, 0.0, None, "sm90")
 
 
 def test_opcheck_fp8(device):
