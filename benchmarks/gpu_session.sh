@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early] [short] [d256-decode] [short-bench] [bind-tests] [pending] [short-timeline] [short-forms] [counters] [decode-accept] [fp8] [tune-fp8]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early] [short] [d256-decode] [short-bench] [bind-tests] [pending] [short-timeline] [short-forms] [counters] [decode-accept] [fp8] [fp8-sm90] [tune-fp8]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -122,6 +122,20 @@ for step in $steps; do
              --impls "${FP8_IMPLS:-ioattn,ioattn_fp8,ioattn_fp8_head,sdpa_cudnn,sdpa_flash,flex}" \
              --out "$OUT/fp8_${GPU_TAG}_$(date +%F).json" > "$OUT/fp8.log" 2>&1
            grep -E "^fwd" "$OUT/fp8.log" | head -60; tail -3 "$OUT/fp8.log" ;;
+    fp8-sm90) # the sm90 fp8 forward (IOATTN_SM90_FP8=1, opt-in): its GPU tests and the
+           # compile check, then the FA grid's forward with per-head descales (ioattn_fp8_head:
+           # the sm90 form) beside block descales (ioattn_fp8: the portable kernel), the bf16
+           # call, cuDNN and FA2 (FP8_DIMS / FP8_SEQLENS narrow it; ~1.5 + 6 min cold)
+           IOATTN_SM90_FP8=1 timeout 200 python -m pytest -q -n 12 -p no:cacheprovider -rf \
+             tests/dense/test_fp8.py tests/dense/test_sm90_compile.py -k "sm90" \
+             > "$OUT/tests_fp8_sm90.log" 2>&1
+           grep -E "^FAILED|^ERROR" "$OUT/tests_fp8_sm90.log" | head; tail -1 "$OUT/tests_fp8_sm90.log"
+           IOATTN_SM90_FP8=1 timeout 380 python -m ioattn bench --modes fwd \
+             --dims "${FP8_DIMS:-64,128,256}" --seqlens "${FP8_SEQLENS:-2048,4096,8192,16384}" \
+             --rounds 3 --no-plots \
+             --impls "${FP8_IMPLS:-ioattn,ioattn_fp8,ioattn_fp8_head,sdpa_cudnn,sdpa_flash}" \
+             --out "$OUT/fp8_sm90_${GPU_TAG}_$(date +%F).json" > "$OUT/fp8_sm90.log" 2>&1
+           grep -E "^fwd" "$OUT/fp8_sm90.log" | head -60; tail -3 "$OUT/fp8_sm90.log" ;;
     tune-fp8) # the fp8 forward's tile configs (tune.py --mode fwd-fp8), cuDNN / FA2 / Flex
            # on the bf16 data beside
            timeout 400 python benchmarks/tune.py --mode fwd-fp8 --dims "${FP8_DIMS:-64,128,256}" \
