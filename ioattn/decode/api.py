@@ -92,10 +92,13 @@ def _fp8_operands(q: Tensor, k_cache: Tensor, descales: tuple) -> tuple[Tensor, 
                   f"{q.dtype if name == 'q_descale' else k_cache.dtype}")
         check_descale_tensor(name, t, q.device)
         heads = (h_k, h) if name == "q_descale" else (h_k,)
+        if t.dim() == 3 and t.shape[2] == 1:  # (batch, heads, 1): per head too
+            t = t[:, :, 0]
         if t.dim() != 2 or t.shape[0] != b or t.shape[1] not in heads:
             _fail(f"{name} has shape {tuple(t.shape)}; expected (batch={b}, "
-                  f"{' or '.join(map(str, sorted(set(heads))))}) (one descale per sequence and "
-                  f"head: a KV cache takes no block descales)")
+                  f"{' or '.join(map(str, sorted(set(heads))))}) or that with a last dim of 1: "
+                  f"one descale per sequence and head (block descales, one per 128 rows, are "
+                  f"not taken with a KV cache)")
         per_head.append(t if t.shape[1] == h else t.repeat_interleave(h // h_k, dim=1))
     qd, kd, vd = per_head
     dtype = torch.bfloat16 if fp8_q else q.dtype
@@ -154,7 +157,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         learnable_sink: [nheads] float, attention sinks as ``flash_attn_func`` (gpt-oss decode):
             one extra logit per head in each row's softmax, no value; the LSE includes it.
         q_descale, k_descale, v_descale: fp8 only (FlashAttention-3's names): fp32 [batch,
-            nheads_k] (q_descale also [batch, nheads]), x = x_fp8 * descale per sequence and
+            nheads_k] (q_descale also [batch, nheads]; either with a last dim of 1 too),
+            x = x_fp8 * descale per sequence and
             head; None is 1. q_descale needs an fp8 q, k_descale / v_descale an fp8 cache. q's
             and k's descales are folded into q (converted to bf16, or kept in its 16-bit dtype)
             and v's into the output, so the kernels are the 16-bit ones reading fp8 K / V.
@@ -179,7 +183,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
             _fail(f"{name} head dim {t.shape[-1]} != q head dim {q.shape[-1]}")
     b, s_q, h, d = q.shape
     v_scale = None
-    if k_cache.dtype != q.dtype or any(t is not None for t in (q_descale, k_descale, v_descale)):
+    if (q.dtype in _CACHE_FP8 or k_cache.dtype != q.dtype
+            or any(t is not None for t in (q_descale, k_descale, v_descale))):
         q, v_scale = _fp8_operands(q, k_cache, (q_descale, k_descale, v_descale))
     _check_common(q, k_cache, v_cache, 0.0, window_size, softcap, softmax_scale,
                   kv_dtype=k_cache.dtype)

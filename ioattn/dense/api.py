@@ -377,7 +377,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
             [batch, heads, ceil(seqlen / 128)] (block quantization; ``ioattn.fp8.quantize``
             makes them). The output is bf16, the LSE natural log over the descaled scores. Forward
             only (no gradients, no dropout), on the portable kernels ('auto' / 'triton') or
-            'reference'; sm_89+ GPUs (Ada, Hopper).
+            'reference'; sm_89+ GPUs (Ada, Hopper). With IOATTN_SM90_FP8=1 (opt-in), batched
+            calls with per-head descales run the sm90 fp8 forward ('auto' / 'sm90').
         backend: 'auto' (default: 'sm90' on Hopper where it covers the call, else 'triton'),
             'sm90' (the Gluon FA3-design kernels, forward and backward, d = d_v in {64, 128,
             256}, and (d, d_v) = (96, 96), (192, 192), (192, 128) zero-padded; it raises for

@@ -99,29 +99,15 @@ def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     )
 
 
-_ONES: dict = {}  # a device's fp32 1.0 for fp8 calls without descales, made once
-
-
-def _one(device: torch.device) -> torch.Tensor:
-    """A one-element fp32 1.0 on ``device``, kept per device so that an fp8 call without
-    descales neither allocates nor launches a fill (made afresh while a CUDA graph is being
-    captured: one kept from there would live in the graph's memory pool)."""
-    one = _ONES.get(device)
-    if one is None:
-        one = torch.ones((), dtype=torch.float32, device=device)
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            _ONES[device] = one
-    return one
-
-
 def fp8_descales(q: torch.Tensor, k: torch.Tensor, batch: int, q_descale, k_descale,
                  v_descale) -> dict:
     """AttnParams' descale fields: each as a [batch, heads, blocks] fp32 view (None: ones)."""
     out = {}
     for name, t, heads in (("q_descale", q_descale, q.shape[-2]), ("k_descale", k_descale, k.shape[-2]),
                            ("v_descale", v_descale, k.shape[-2])):
-        if t is None:
-            t = _one(q.device).expand(batch, heads, 1)
+        if t is None:  # (a new 1.0 a call: one kept across calls could land in a CUDA graph
+            # tree's pool during its warm-up, where nothing tracks it, and be reused under it)
+            t = torch.ones((), dtype=torch.float32, device=q.device).expand(batch, heads, 1)
         elif t.dim() == 2:
             t = t[:, :, None]
         if t.shape[2] == 1:  # one descale for every block: the kernels read block 0's

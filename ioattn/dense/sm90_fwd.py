@@ -1302,7 +1302,8 @@ def _fp8_descale_args(p: AttnParams, n_heads: int) -> dict:
 def _fp8_form(head_dim: int) -> dict:
     """The fp8 forward's launch form: one CTA per 128-row tile (two consumer warpgroups), keys
     per tile as the 16-bit forward, and ring stages for fp8's half-size tiles (Q 2 x 64 x d plus
-    STAGES x (K + V) of BLOCK_N x d bytes: 104 / 176 / 192 KB at d = 64 / 128 / 256). Untuned."""
+    STAGES x (K + V) of BLOCK_N x d bytes: 104 / 176 / 192 KiB at d = 64 / 128 / 256, 107 / 181 /
+    197 KB compiled with the barriers). Untuned."""
     block_n = _block_n(head_dim)
     stages = {64: 6, 128: 5, 256: 5}[head_dim]
     return dict(WGS=2, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=CONSUMER_REGS, Q_BUFS=1,

@@ -264,6 +264,9 @@ FP8_CASES = [
     ("fa3", KVCase(page=5, h=4, h_k=1, s_q=2, causal=True, s_new=2, rotary="halves",
                    empty_seq=True)),  # rotated fp8 keys appended, one sequence only new ones
     ("e5m2", KVCase(page=1, h=5, h_k=1, splits=3, dtype=FP16)),
+    ("fa3-nodescale", KVCase(page=None, h=4, h_k=2, s_q=2, causal=True, splits=2)),
+    # descales as amax / 448 gives them (1e-3..1e-2), their (batch, heads, 1) form
+    ("fa3-small", KVCase(page=16, h=8, h_k=2, s_q=1, s_new=1, d=128)),
     ("e4m3", KVCase(page=16, h=4, h_k=2, s_q=2, softcap=3.0, window=(40, 0), d=96)),
 ]
 if ON_GPU:
@@ -283,13 +286,20 @@ def _fp8_build(form: str, c: KVCase, device):
     if kw["k"] is not None:
         kw["k"], kw["v"] = kw["k"].to(cache), kw["v"].to(cache)
     h_k = c.h if form == "fa3-qheads" else c.h_k
+
+    def descale(heads):
+        if form == "fa3-small":
+            return (torch.rand(c.b, heads, 1, device=device) * 9 + 1) * 1e-3
+        return torch.rand(c.b, heads, device=device) + 0.5
+
     ds = {}
     if form.startswith("fa3"):
         q = q.to(E4M3)
-        ds["q_descale"] = torch.rand(c.b, h_k, device=device) + 0.5
-    if form != "e4m3":
-        ds["k_descale"] = torch.rand(c.b, c.h_k, device=device) + 0.5
-        ds["v_descale"] = torch.rand(c.b, c.h_k, device=device) + 0.5
+    if form.startswith("fa3") and form != "fa3-nodescale":
+        ds["q_descale"] = descale(h_k)
+    if form not in ("e4m3", "fa3-nodescale"):
+        ds["k_descale"] = descale(c.h_k)
+        ds["v_descale"] = descale(c.h_k)
     return q, k_cache, v_cache, kw, opts, ds
 
 
@@ -301,7 +311,7 @@ def test_kvcache_fp8(form, c: KVCase, device):
     cache holds them). The caches' new contents match the reference's."""
     q, k_cache, v_cache, kw, opts, ds = _fp8_build(form, c, device)
     group = c.h // c.h_k
-    per_head = {n: t.repeat_interleave(c.h // t.shape[1], 1)[:, None, :, None]
+    per_head = {n: t.reshape(c.b, -1).repeat_interleave(c.h // t.shape[1], 1)[:, None, :, None]
                 for n, t in ds.items()}
     one = torch.ones((), device=device)
     q_ref = q.float() * per_head.get("q_descale", one) * per_head.get("k_descale", one)
@@ -327,7 +337,7 @@ def test_kvcache_fp8(form, c: KVCase, device):
 @pytest.mark.parametrize("bad, match", [
     ("q_descale_16bit_q", "q_descale applies to fp8 q"),
     ("k_descale_16bit_cache", "k_descale applies to fp8 caches"),
-    ("block_descale", "no block descales"),
+    ("block_descale", "block descales"),
     ("fp16_descale", "float32"),
     ("fp8_q_16bit_cache", "caches must share"),
     ("e5m2_under_fp8_q", "caches must share"),
