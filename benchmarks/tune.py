@@ -1,5 +1,6 @@
 """Sweep tile configs of the portable Triton kernels on the GPU at hand (H200), FA-grid shapes.
-(--mode fwd-fp8: the fp8 forward's configs, configs.fwd_config_for(fp8=True).)
+(--mode fwd-fp8: the fp8 forward's configs, configs.fwd_config_for(fp8=True); --mode
+fwd-fp8-sm90: the sm90 fp8 forward's launch forms, sm90_fwd._fp8_form, cuDNN's bf16 beside.)
 
 Prints TFLOP/s per config next to SDPA cuDNN/FLASH for the same shape; the winners go into
 ioattn/dense/configs.py by hand, with the run logged in benchmarks/NOTES.md.
@@ -45,6 +46,14 @@ FWD_FP8_CANDIDATES = {
     256: [FwdConfig(128, 64, 8, 2), FwdConfig(128, 64, 8, 3)],
 }
 
+# the sm90 fp8 forward (--mode fwd-fp8-sm90): overrides of ``sm90_fwd._fp8_form``, {} its
+# default (per-head descales, the form the sm90 fp8 forward covers)
+FWD_FP8_SM90_CANDIDATES = {
+    64: [{}, dict(PINGPONG=True)],
+    128: [{}, dict(PINGPONG=True)],
+    256: [{}, dict(PINGPONG=False)],
+}
+
 BWD_CANDIDATES = {
     64: [BwdConfig(64, 64, 64, 64, 4, 3), BwdConfig(64, 64, 64, 64, 4, 3, tma=True)],
     128: [BwdConfig(64, 128, 128, 64, 8, 3), BwdConfig(64, 128, 128, 64, 8, 3, tma=True),
@@ -67,6 +76,8 @@ def bench_case(mode, d, s, causal, tokens=16384, hidden=2048):
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     results = []
+    if mode == "fwd-fp8-sm90":
+        return _fp8_sm90_case(q.detach(), k.detach(), v.detach(), b, h, s, d, causal)
     cands = {"fwd": FWD_CANDIDATES, "fwd-fp8": FWD_FP8_CANDIDATES, "bwd": BWD_CANDIDATES}[mode][d]
     fwd_args, fwd_kw = (q, k, v), {}
     if mode == "fwd-fp8":
@@ -115,6 +126,38 @@ def bench_case(mode, d, s, causal, tokens=16384, hidden=2048):
     return results
 
 
+def _fp8_sm90_case(q, k, v, b, h, s, d, causal):
+    """The sm90 fp8 forward's candidate forms (per-head descales, keys-innermost V) on the
+    cell's data quantized, cuDNN's bf16 forward on the bf16 data beside (no Flex: each cell's
+    compile would take most of a device call)."""
+    from ioattn.dense import sm90_fwd
+    from ioattn.fp8 import quantize_qkv
+
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, block_size=None)
+    nflops = flops(b, h, s, d, causal, "fwd")
+    results = []
+    orig_form, orig_on = sm90_fwd._fp8_form, sm90_fwd.FP8_ON
+    sm90_fwd.FP8_ON = True
+    for over in FWD_FP8_SM90_CANDIDATES[d]:
+        sm90_fwd._fp8_form = lambda d_, _o=over: dict(orig_form(d_), **_o)
+        form = sm90_fwd._fp8_form(d)
+        try:
+            ms = do_bench(lambda: ioattn.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd,
+                                                         k_descale=kd, v_descale=vd,
+                                                         backend="sm90"), return_mode="median")
+            results.append(dict(form=form, ms=ms, tflops=nflops / ms * 1e-9))
+        except Exception as e:
+            results.append(dict(form=form, error=str(e).splitlines()[0][:120]))
+        finally:
+            sm90_fwd._fp8_form, sm90_fwd.FP8_ON = orig_form, orig_on
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        ms = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=causal), return_mode="median")
+    results.append(dict(anchor="cudnn", ms=ms, tflops=nflops / ms * 1e-9))
+    return results
+
+
 def _flex(mode, q, k, v, s, causal, nflops):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -135,7 +178,7 @@ def _flex(mode, q, k, v, s, causal, nflops):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", default="fwd", choices=["fwd", "bwd", "fwd-fp8"])
+    ap.add_argument("--mode", default="fwd", choices=["fwd", "bwd", "fwd-fp8", "fwd-fp8-sm90"])
     ap.add_argument("--dims", default="64,128,256")
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--causal", default="both")
@@ -150,6 +193,13 @@ def main(argv=None):
                 allres.append(dict(mode=a.mode, d=d, s=s, causal=causal, results=res))
                 print(f"== {a.mode} d={d} s={s} causal={causal}")
                 for r in res:
+                    if "form" in r:  # (fwd-fp8-sm90)
+                        f = r["form"]
+                        name = (f"128x{f['BLOCK_N']} stages {f['STAGES']} pingpong "
+                                f"{int(f['PINGPONG'])}")
+                        val = f"{r['tflops']:7.1f} TFLOP/s" if "tflops" in r else "ERR " + r["error"]
+                        print(f"   {name:45s} {val}")
+                        continue
                     name = r.get("anchor") or "{block_m}x{block_n} w{num_warps} s{num_stages}".format(**r["cfg"]) + \
                         (" tma" if r.get("cfg", {}).get("tma") else "") + \
                         (" ws" if r.get("cfg", {}).get("warp_specialize") else "") + \

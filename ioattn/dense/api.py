@@ -392,8 +392,9 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
     """
     key = None
     descales = (q_descale, k_descale, v_descale)
+    # (`is None` each: torch 2.11's dynamo cannot trace a tuple holding tensors compared by ==)
     if (alibi_slopes is None and learnable_sink is None and dropout_p == 0
-            and descales == (None, None, None)):
+            and all(t is None for t in descales)):
         plan, key = _plan(_plan_key(q, k, v, dropout_p, softmax_scale, causal, window_size,
                                     softcap, deterministic, backend))
         if plan is not None:  # a signature seen before: its checks passed, its pick holds
@@ -476,7 +477,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     sequence's start (``ioattn.fp8.quantize(x, cu_seqlens=...)``). Not with block_table.
     """
     descales = (q_descale, k_descale, v_descale)
-    if (descales != (None, None, None) or q.dtype in FP8_DTYPES) and block_table is not None:
+    if (any(t is not None for t in descales) or q.dtype in FP8_DTYPES) and block_table is not None:
         _fail("fp8 inputs / descales are not taken with block_table (paged K/V): pass packed "
               "K/V (cu_seqlens_k) or bf16 / fp16 pages")
     if seqused_k is not None:

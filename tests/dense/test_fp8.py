@@ -66,8 +66,10 @@ def _lse_atol(lse_ref, q, k, scale=None) -> float:
     """The LSE's tolerance: fp32 rounding on CPU (the interpreter's fp8 products are summed in
     fp32); on the GPU, Hopper's fp8 MMA keeps only ~14 bits of its fp32 accumulator
     (DeepSeek-V3, sec. 3.3.2), so a score may be off by ~2^-14 of the sum of its products'
-    magnitudes: the bound used is 2^-12 x scale x max sum |q_i k_i| (an LSE moves by at most its
-    row's largest score error). q, k: dequantized, [.., s, h, d] (varlen: [total, h, d])."""
+    magnitudes: the bound used is 2^-11 x scale x max sum |q_i k_i| (an LSE moves by at most its
+    row's largest score error; 2^-12 was met by 1.4e-2 against 1.46e-2 at d=256 on an H100,
+    and the portable and sm90 kernels gave the same LSE errors to the digit in every draw:
+    results/tune/diag_fp8_lse_*). q, k: dequantized, [.., s, h, d] (varlen: [total, h, d])."""
     atol = rounding_atol(lse_ref, torch.float32)
     if ON_GPU:
         scale = scale or q.shape[-1] ** -0.5
@@ -77,7 +79,7 @@ def _lse_atol(lse_ref, q, k, scale=None) -> float:
         g = qa.shape[-2] // ka.shape[-2]
         ka = ka.repeat_interleave(g, dim=-2)
         sums = torch.einsum("bthd,bshd->bhts", qa, ka)
-        atol = max(atol, 2 ** -12 * scale * sums.max().item())
+        atol = max(atol, 2 ** -11 * scale * sums.max().item())
     return atol
 
 
@@ -314,7 +316,8 @@ def test_hadamard_with_outliers(device):
     assert_close_rule("out (Hadamard inputs)", out, ref8, pt)
 
 
-def test_fp8_bad_input(device):
+def test_fp8_bad_input(device, monkeypatch):
+    monkeypatch.setattr(sm90_fwd, "FP8_ON", False)  # (the refusal of backend='sm90' below)
     q, k, v = _inputs(Case(16, 16), device)
     q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v)
     with pytest.raises(TypeError, match="share a dtype"):
@@ -338,9 +341,8 @@ def test_fp8_bad_input(device):
     with pytest.raises(ValueError, match="block_table"):
         ioattn.flash_attn_varlen_func(q8.flatten(0, 1), k8, v8, cu, cu, 16, 16,
                                       block_table=torch.zeros(2, 1, dtype=torch.int32, device=device))
-    if not sm90_fwd.FP8_ON:  # (the sm90 fp8 forward is opt-in)
-        with pytest.raises(ValueError, match="opt-in"):
-            dense_fwd(q8, k8, v8, None, None, 16, 16, 0.1, -1, -1, 0.0, None, 0.0, None, "sm90")
+    with pytest.raises(ValueError, match="opt-in"):  # (the sm90 fp8 forward is opt-in)
+        dense_fwd(q8, k8, v8, None, None, 16, 16, 0.1, -1, -1, 0.0, None, 0.0, None, "sm90")
 
 
 def test_opcheck_fp8(device):
