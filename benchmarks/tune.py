@@ -138,18 +138,19 @@ def _fp8_sm90_case(q, k, v, b, h, s, d, causal):
     results = []
     orig_form, orig_on = sm90_fwd._fp8_form, sm90_fwd.FP8_ON
     sm90_fwd.FP8_ON = True
-    for over in FWD_FP8_SM90_CANDIDATES[d]:
-        sm90_fwd._fp8_form = lambda d_, _o=over: dict(orig_form(d_), **_o)
-        form = sm90_fwd._fp8_form(d)
-        try:
-            ms = do_bench(lambda: ioattn.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd,
-                                                         k_descale=kd, v_descale=vd,
-                                                         backend="sm90"), return_mode="median")
-            results.append(dict(form=form, ms=ms, tflops=nflops / ms * 1e-9))
-        except Exception as e:
-            results.append(dict(form=form, error=str(e).splitlines()[0][:120]))
-        finally:
-            sm90_fwd._fp8_form, sm90_fwd.FP8_ON = orig_form, orig_on
+    try:
+        for over in FWD_FP8_SM90_CANDIDATES[d]:
+            sm90_fwd._fp8_form = lambda d_, _o=over: dict(orig_form(d_), **_o)
+            form = sm90_fwd._fp8_form(d)
+            try:
+                ms = do_bench(lambda: ioattn.flash_attn_func(
+                    q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
+                    backend="sm90"), return_mode="median")
+                results.append(dict(form=form, ms=ms, tflops=nflops / ms * 1e-9))
+            except Exception as e:
+                results.append(dict(form=form, error=str(e).splitlines()[0][:120]))
+    finally:
+        sm90_fwd._fp8_form, sm90_fwd.FP8_ON = orig_form, orig_on
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         ms = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(

@@ -160,9 +160,9 @@ ENV_SWITCHES = (
      "64-key halves staged in the freed Q/dO stage and stored by TMA (0: stored from registers)"),
     ("IOATTN_SM90_FWD_O_TMA", "1", "sm90 persistent forward: O staged in the tile's last V "
      "stage and stored by TMA (full 64-row halves; 0: stored from registers)"),
-    ("IOATTN_SM90_FP8", "0", "sm90 forward on fp8 (e4m3) q, k, v: batched calls with per-head "
-     "descales (FlashAttention-3's fp8 forward; 1: 'auto' takes it for them and backend='sm90' "
-     "runs them); opt-in until its GPU tests have run, fp8 calls run the portable kernel"),
+    ("IOATTN_SM90_FP8", "1", "sm90 forward on fp8 (e4m3) q, k, v: batched calls with per-head "
+     "descales (FlashAttention-3's fp8 forward), 'auto' where it measured faster; 0: fp8 calls "
+     "run the portable kernel"),
     ("IOATTN_SM90_FWD_O_DEFER", "1", "sm90 persistent forward (with O_TMA): the V stage holding "
      "O goes back to the producer after the next tile's first key block, not after a wait "
      "(0: waited for at the store)"),

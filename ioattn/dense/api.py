@@ -167,7 +167,8 @@ def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
     (ioattn.dispatch). 'auto' picks each direction where it measured faster; an explicit 'sm90'
     raises when either direction it would have to run is not covered. fp8 inputs (forward
     only; their descales) run the sm90 forward where it covers them
-    (``sm90_fwd.fp8_unsupported_reason``: opt-in for now), else the portable kernel."""
+    (``sm90_fwd.fp8_unsupported_reason``) and measured faster (``fp8_preferred``), else the
+    portable kernel."""
     if q.dtype in FP8_DTYPES:
         def fp8_problem():
             from ioattn.dense.sm90_fwd import fp8_unsupported_reason
@@ -175,7 +176,12 @@ def _pick(backend: str, q: Tensor, k: Tensor, v: Tensor, softcap: float,
             return fp8_unsupported_reason(q, k, v, descales, softcap, alibi_slopes is not None,
                                           dropout_p, varlen)
 
-        impl = resolve_backend(backend, q.device, fp8_problem)
+        def fp8_preferred():
+            from ioattn.dense.sm90_fwd import fp8_preferred
+
+            return fp8_preferred(q.shape[-1], max_seqlen_q)
+
+        impl = resolve_backend(backend, q.device, fp8_problem, fp8_preferred)
         return impl, "triton" if impl == "sm90" else impl
     problem = []  # sm90_problem's answer, asked at most once
 
@@ -377,8 +383,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
             [batch, heads, ceil(seqlen / 128)] (block quantization; ``ioattn.fp8.quantize``
             makes them). The output is bf16, the LSE natural log over the descaled scores. Forward
             only (no gradients, no dropout), on the portable kernels ('auto' / 'triton') or
-            'reference'; sm_89+ GPUs (Ada, Hopper). With IOATTN_SM90_FP8=1 (opt-in), batched
-            calls with per-head descales run the sm90 fp8 forward ('auto' / 'sm90').
+            'reference'; sm_89+ GPUs (Ada, Hopper). On Hopper, batched calls with per-head
+            descales run the sm90 fp8 forward ('auto' where it measured faster, 'sm90').
         backend: 'auto' (default: 'sm90' on Hopper where it covers the call, else 'triton'),
             'sm90' (the Gluon FA3-design kernels, forward and backward, d = d_v in {64, 128,
             256}, and (d, d_v) = (96, 96), (192, 192), (192, 128) zero-padded; it raises for

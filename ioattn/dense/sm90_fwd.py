@@ -168,10 +168,10 @@ WG3_BLOCK_N = os.environ.get("IOATTN_SM90_WG3_BLOCK_N", "auto").lower()
 # fp8 (e4m3) q, k, v on this kernel (FlashAttention-3's fp8 forward: QGMMA on e4m3 operands, V's
 # tiles keys innermost, P scaled by 2^8 and rounded to e4m3 in registers), for batched calls with
 # per-head descales (``fp8_unsupported_reason``); block descales and varlen stay on the portable
-# kernel. Opt-in (IOATTN_SM90_FP8=1: 'auto' takes it for fp8 calls it covers, and
-# backend='sm90' runs them) until its GPU tests have run; built and compile-checked on CPU only
-# (session 42)
-FP8_ON = os.environ.get("IOATTN_SM90_FP8", "0").lower() in ("1", "true", "on")
+# kernel. On by default since its GPU tests passed on an H100 (56 fp8 tests,
+# results/tune/tests_fp8_all_a5d54e7_*) and it ran 1.1-1.4x the portable fp8 forward there at
+# d = 128 / 256 (``fp8_preferred``); IOATTN_SM90_FP8=0 keeps fp8 calls on the portable kernel
+FP8_ON = os.environ.get("IOATTN_SM90_FP8", "1").lower() in ("1", "true", "on")
 if WG3_BLOCK_N not in ("auto", "64", "128"):
     raise ValueError(f"IOATTN_SM90_WG3_BLOCK_N={WG3_BLOCK_N!r}: expected auto, 64 or 128")
 
@@ -1252,8 +1252,8 @@ def fp8_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, de
     per-head descales (None, [batch, heads] or [batch, heads, 1]); V in any layout (copied keys
     innermost where it is not, ``_keys_major``)."""
     if not FP8_ON:
-        return ("the sm90 fp8 forward is opt-in until it has run on a GPU (IOATTN_SM90_FP8=1); "
-                "fp8 calls run on the portable kernel (backend='triton' or 'auto')")
+        return ("the sm90 fp8 forward is off (IOATTN_SM90_FP8=0); fp8 calls run on the portable "
+                "kernel (backend='triton' or 'auto')")
     d, d_v = q.shape[-1], v.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS or d_v != d:
         return (f"head dims (d={d}, d_v={d_v}): the sm90 fp8 forward takes d = d_v in "
@@ -1303,12 +1303,24 @@ def _fp8_form(head_dim: int) -> dict:
     """The fp8 forward's launch form: one CTA per 128-row tile (two consumer warpgroups), keys
     per tile as the 16-bit forward, and ring stages for fp8's half-size tiles (Q 2 x 64 x d plus
     STAGES x (K + V) of BLOCK_N x d bytes: 104 / 176 / 192 KiB at d = 64 / 128 / 256, 107 / 181 /
-    197 KB compiled with the barriers). Untuned."""
+    197 KB compiled with the barriers; stages not swept). Pingpong at d = 128 and 256: on / off
+    at d = 128 on an H100 +1-6% in the FA grid's 2k / 16k cells, at d = 64 -8% to +2%
+    (results/tune/tune_fp8_sm90_pp_a5d54e7_*)."""
     block_n = _block_n(head_dim)
     stages = {64: 6, 128: 5, 256: 5}[head_dim]
     return dict(WGS=2, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=CONSUMER_REGS, Q_BUFS=1,
-                PINGPONG=_pingpong(head_dim, 2), PERSISTENT=False, DYNAMIC=False,
-                EXP_EARLY=False, O_TMA=0)
+                PINGPONG=head_dim >= 128 if PINGPONG == "auto" else PINGPONG != "0",
+                PERSISTENT=False, DYNAMIC=False, EXP_EARLY=False, O_TMA=0)
+
+
+def fp8_preferred(head_dim: int, max_seqlen_q: int) -> bool:
+    """Whether 'auto' takes the sm90 fp8 forward over the portable one for a call it covers: on
+    an H100 (results/fp8_sm90_151c32b_*, results/tune/tune_fp8_sm90*_a5d54e7_*; the portable
+    kernel with block descales, the sm90 one per-head, the FA grid) d=128 620-828 TFLOP/s
+    against 379-658 and d=256 625-954 against 533-760 in every cell (2k, 16k, causal and not);
+    d=64 369 / 294 against 410 / 308 at 2k but 478 / 460 against 439 / 405 at 16k: from 8k
+    there (4k and 8k not timed)."""
+    return head_dim >= 128 or max_seqlen_q >= 8192
 
 
 def preferred(head_dim: int, masked: bool, max_seqlen_q: int, max_seqlen_k: int,

@@ -341,7 +341,7 @@ def test_fp8_bad_input(device, monkeypatch):
     with pytest.raises(ValueError, match="block_table"):
         ioattn.flash_attn_varlen_func(q8.flatten(0, 1), k8, v8, cu, cu, 16, 16,
                                       block_table=torch.zeros(2, 1, dtype=torch.int32, device=device))
-    with pytest.raises(ValueError, match="opt-in"):  # (the sm90 fp8 forward is opt-in)
+    with pytest.raises(ValueError, match="IOATTN_SM90_FP8=0"):  # (the switch off, above)
         dense_fwd(q8, k8, v8, None, None, 16, 16, 0.1, -1, -1, 0.0, None, 0.0, None, "sm90")
 
 
