@@ -163,6 +163,9 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_FP8", "1", "sm90 forward on fp8 (e4m3) q, k, v: batched calls with per-head "
      "descales (FlashAttention-3's fp8 forward), 'auto' where it measured faster; 0: fp8 calls "
      "run the portable kernel"),
+    ("IOATTN_SM90_FP8_BLOCK", "0", "sm90 fp8 forward with block descales (one per 128 rows, "
+     "ioattn.fp8.quantize's default) too; opt-in until its GPU tests have run, such calls run "
+     "the portable kernel"),
     ("IOATTN_SM90_FWD_O_DEFER", "1", "sm90 persistent forward (with O_TMA): the V stage holding "
      "O goes back to the producer after the next tile's first key block, not after a wait "
      "(0: waited for at the store)"),

@@ -172,6 +172,12 @@ WG3_BLOCK_N = os.environ.get("IOATTN_SM90_WG3_BLOCK_N", "auto").lower()
 # results/tune/tests_fp8_all_a5d54e7_*) and it ran 1.1-1.4x the portable fp8 forward there at
 # d = 128 / 256 (``fp8_preferred``); IOATTN_SM90_FP8=0 keeps fp8 calls on the portable kernel
 FP8_ON = os.environ.get("IOATTN_SM90_FP8", "1").lower() in ("1", "true", "on")
+# (with FP8_ON) block descales (one per 128 rows, ``ioattn.fp8.quantize``'s default, the
+# mission's block quantization) on the sm90 fp8 forward too: Q's one a tile, K's folded into
+# each key block's score scale, V's by rescaling the accumulator as the block changes (as the
+# portable kernel). Opt-in (IOATTN_SM90_FP8_BLOCK=1) until its GPU tests have run: built and
+# compile-checked on CPU only (session 42)
+FP8_BLOCK_ON = os.environ.get("IOATTN_SM90_FP8_BLOCK", "0").lower() in ("1", "true", "on")
 if WG3_BLOCK_N not in ("auto", "64", "128"):
     raise ValueError(f"IOATTN_SM90_WG3_BLOCK_N={WG3_BLOCK_N!r}: expected auto, 64 or 128")
 
@@ -585,6 +591,30 @@ def _v_operand(v_smem, st):
         return v_smem.index(st)
 
 
+FP8_BLOCK = gl.constexpr(128)  # (fp8 block descales) rows a descale covers, ioattn.fp8's
+
+
+@gluon.jit
+def _block_descale(DB, stride_dk, col0, valid=True):
+    """(fp8 block descales) the descale of the key block at col0 (1 where not valid: past the
+    tile's last block, not read)."""
+    return gl.load(DB + (col0 // FP8_BLOCK) * stride_dk, mask=valid, other=1.0)
+
+
+@gluon.jit
+def _v_descale_step(vd, v_cur, p):
+    """(fp8 block descales of V) The accumulator holds O over the current block's descale
+    v_cur; a block of descale vd rescales it by v_cur / vd before its P·V adds in (returned as
+    a factor for alpha's multiply) and becomes current. A descale of 0 (a block of zeros)
+    leaves v_cur and zeroes the block's P (its keys still count in l). Returns (v_cur, factor,
+    p)."""
+    live = vd > 0
+    factor = gl.where(live, v_cur / gl.where(live, vd, 1.0), 1.0)
+    if not live:  # (a uniform branch: the common live block skips the pass over P)
+        p = gl.zeros_like(p)
+    return gl.where(live, vd, v_cur), factor, p
+
+
 @gluon.jit
 def _pv_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, EARLY: gl.constexpr):
     """P as PV's register operand (EARLY: ``_softmax_step`` converted it already)."""
@@ -637,7 +667,8 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                   WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                   HAS_RIGHT: gl.constexpr, ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr,
                   PERSISTENT: gl.constexpr, EXP_EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0,
-                  KEEP_LAST_V: gl.constexpr = 0, q_base=0, q_bufs_empty=None, o_scale=1.0):
+                  KEEP_LAST_V: gl.constexpr = 0, q_base=0, q_bufs_empty=None, o_scale=1.0,
+                  KDB=0, VDB=0, stride_kdk=0, stride_vdk=0, DS_BLOCKED: gl.constexpr = False):
     """One warpgroup's 64 query rows of a tile: key tiles from ring position it0, pingpong rounds
     from rnd0, Q (q_smem's piece q_base + WG) from its load completing phase q_phase of q_bar.
     Returns (out, lse): out normalized in the input dtype, lse in natural log; rows that saw no
@@ -648,7 +679,9 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
     to this tile's Q buffer instead (two Q buffers, q_bufs_empty their barriers), so Q's buffer,
     not a V stage, is released late: pend is the previous tile's Q buffer + 1.
     fp8 operands (e4m3 Q, K and V, V's tiles keys innermost): out in bf16, times o_scale (V's
-    descale); the descales of Q and K are in qk_scale_log2 / softcap_scale."""
+    descale); the descales of Q and K are in qk_scale_log2 / softcap_scale. DS_BLOCKED: K's and
+    V's descales by key block (KDB / VDB pointers, read per block: ``_steady_blocks``), O times
+    the last live block's V descale."""
     HEAD_DV: gl.constexpr = _v_cols(v_smem)  # V's and O's tile width (Q / K's may differ)
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
@@ -669,22 +702,31 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
     acc = gl.zeros([HALF_M, HEAD_DV], gl.float32, layout=o_layout)
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
 
+    v_cur = 1.0  # (fp8 block descales of V) the accumulator's: the current block's
+    if DS_BLOCKED:
+        v_cur = (n_tiles * 0).to(gl.float32) + 1.0
     if n_tiles > 0:
         mbarrier.wait(q_bar, q_phase)
+        kd = None
+        if DS_BLOCKED:
+            kd = _block_descale(KDB, stride_kdk, lo)
         # prologue: S_0 and its softmax (EXP_EARLY: P carried as PV's register operand)
         p, m_i, l_i = _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it0, rnd0, lo,
                                    row0, seqlen_k, off, window_left, window_right,
                                    qk_scale_log2,
                                    softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG,
-                                   EXP_EARLY, QK_COLS)
+                                   EXP_EARLY, QK_COLS, kd)
+        if DS_BLOCKED:  # (acc is 0: no rescale)
+            v_cur, _, p = _v_descale_step(_block_descale(VDB, stride_vdk, lo), v_cur, p)
         if KEEP_LAST_V >= 2:
             _release_o_stage(o_bars, pend)
-        p, acc, m_i, l_i = _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
-                                          turn, p, acc, m_i, l_i, it0, rnd0, n_tiles, lo, row0,
-                                          seqlen_k, off, window_left, window_right,
-                                          qk_scale_log2,
-                                          softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT,
-                                          PINGPONG, EXP_EARLY, QK_COLS)
+        p, acc, m_i, l_i, v_cur = _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty,
+                                                 v_empty, turn, p, acc, m_i, l_i, it0, rnd0,
+                                                 n_tiles, lo, row0, seqlen_k, off, window_left,
+                                                 window_right, qk_scale_log2,
+                                                 softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT,
+                                                 PINGPONG, EXP_EARLY, QK_COLS, KDB, VDB,
+                                                 stride_kdk, stride_vdk, v_cur, DS_BLOCKED)
         if PERSISTENT and KEEP_LAST_V != 3:
             # every QKᵀ of this tile has retired: the producer may load the next tile's Q
             mbarrier.arrive(q_empty, count=1)
@@ -705,6 +747,8 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
     elif KEEP_LAST_V >= 2:  # no key block: the previous tile's O stage goes back now
         _release_o_stage(o_bars, pend)
     if dtype.is_fp8():
+        if DS_BLOCKED:
+            o_scale = v_cur
         return _finish(acc, m_i, l_i, gl.bfloat16, o_scale, FP8_P_SHIFT)
     else:
         return _finish(acc, m_i, l_i, dtype)
@@ -726,23 +770,37 @@ def _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, p,
                    it0, rnd0, n_tiles, lo, row0, seqlen_k, off, window_left, window_right,
                    qk_scale_log2, softcap_scale, WG: gl.constexpr, STAGES: gl.constexpr,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PINGPONG: gl.constexpr,
-                   EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0):
+                   EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0, KDB=0, VDB=0,
+                   stride_kdk=0, stride_vdk=0, v_cur=1.0, DS_BLOCKED: gl.constexpr = False):
     """Key blocks 1 .. n_tiles - 1 of a tile (block 0's softmax done, its P in p), the steady
     state: QK_j issued before PV_{j-1}; wait(1) retires QK_j, the softmax of block j then
-    overlaps PV_{j-1}. Returns (p, acc, m_i, l_i): the last block's P, its PV not issued."""
+    overlaps PV_{j-1}. Returns (p, acc, m_i, l_i, v_cur): the last block's P, its PV not issued.
+    (DS_BLOCKED: fp8 block descales) KDB / VDB: K's / V's descales of this (batch, head), by key
+    block (stride_kdk / stride_vdk), each read a block ahead; v_cur: the accumulator's V
+    descale (``_v_descale_step``)."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32,
                       layout=wgmma_acc_layout(BLOCK_N, _operand_bits(q.dtype)))
+    kd = None
+    vd = None
+    if DS_BLOCKED:
+        kd = _block_descale(KDB, stride_kdk, lo + BLOCK_N, n_tiles > 1)
+        vd = _block_descale(VDB, stride_vdk, lo + BLOCK_N, n_tiles > 1)
     for j in range(1, n_tiles):
         p, alpha, m_i, l_i, acc = _block_step(q, k_smem, v_smem, k_full, v_full, k_empty,
                                               v_empty, turn, s_zero, p, acc, m_i, l_i, it0 + j, rnd0 + j,
                                               lo + j * BLOCK_N, row0, seqlen_k, off, window_left,
                                               window_right, qk_scale_log2,
                                               softcap_scale, WG, STAGES, HAS_LEFT,
-                                              HAS_RIGHT, PINGPONG, EARLY, QK_COLS)
+                                              HAS_RIGHT, PINGPONG, EARLY, QK_COLS, kd)
+        if DS_BLOCKED:  # (the next block's K descale, read while this one's work runs)
+            kd = _block_descale(KDB, stride_kdk, lo + (j + 1) * BLOCK_N, j + 1 < n_tiles)
+            v_cur, factor, p = _v_descale_step(vd, v_cur, p)
+            alpha = alpha * factor
+            vd = _block_descale(VDB, stride_vdk, lo + (j + 1) * BLOCK_N, j + 1 < n_tiles)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-    return p, acc, m_i, l_i
+    return p, acc, m_i, l_i, v_cur
 
 
 @gluon.jit
@@ -750,10 +808,17 @@ def _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it, rnd, co
                  seqlen_k, off,
                  window_left, window_right, qk_scale_log2, softcap_scale, WG: gl.constexpr,
                  STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                 PINGPONG: gl.constexpr, EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0):
+                 PINGPONG: gl.constexpr, EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0,
+                 kd=None):
     """A tile's first key block (ring position it, keys from col0) with no PV in flight: S on
     its own, then its softmax from (m_i, l_i). Returns (p, m, l); with EARLY p is PV's register
-    operand already (``_softmax_step``)."""
+    operand already (``_softmax_step``). kd: the block's K descale (fp8 block descales)."""
+    if kd is not None:  # (fp8 block descales) the raw Q·Kᵀ times kd; softcap's scale takes
+        # it when capped (a JIT function cannot return softcap's None)
+        if softcap_scale is None:
+            qk_scale_log2 = qk_scale_log2 * kd
+        else:
+            softcap_scale = softcap_scale * kd
     dtype: gl.constexpr = q.dtype
     p_layout: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(q.shape[1], _operand_bits(dtype)),
                                              _operand_bits(dtype))
@@ -777,11 +842,18 @@ def _block_step(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, s_zer
                 softcap_scale,
                 WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                 HAS_RIGHT: gl.constexpr, PINGPONG: gl.constexpr, EARLY: gl.constexpr,
-                QK_COLS: gl.constexpr = 0):
+                QK_COLS: gl.constexpr = 0, kd=None):
     """One steady-state step: QK of the block at ring position it (keys from col0) issued, then
     PV of the previous block (its P in p, V at it - 1) into acc; wait(1) retires QK, and this
     block's softmax from (m_i, l_i) runs while PV is on the tensor cores. Returns (p, alpha, m,
-    l, acc), acc not yet rescaled by alpha; s_zero: S's zero accumulator, made once."""
+    l, acc), acc not yet rescaled by alpha; s_zero: S's zero accumulator, made once. kd: the
+    block's K descale (fp8 block descales)."""
+    if kd is not None:  # (fp8 block descales) the raw Q·Kᵀ times kd; softcap's scale takes
+        # it when capped (a JIT function cannot return softcap's None)
+        if softcap_scale is None:
+            qk_scale_log2 = qk_scale_log2 * kd
+        else:
+            softcap_scale = softcap_scale * kd
     dtype: gl.constexpr = q.dtype
     p_layout: gl.constexpr = wgmma_a_operand(acc.type.layout, _operand_bits(dtype))
     st = it % STAGES
@@ -836,14 +908,16 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_
               softcap_scale,
               WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, EXP_EARLY: gl.constexpr,
-              O_COLS: gl.constexpr, QK_COLS: gl.constexpr = 0, o_scale=1.0):
+              O_COLS: gl.constexpr, QK_COLS: gl.constexpr = 0, o_scale=1.0, KDB=0,
+              VDB=0, stride_kdk=0, stride_vdk=0, DS_BLOCKED: gl.constexpr = False):
     _first_turn(turn, WG, PINGPONG)
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                              v_empty, v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles,
                              window_left, window_right, qk_scale_log2,
                              softcap_scale, 0, 0, 0, 0, WG, STAGES,
                              HAS_LEFT, HAS_RIGHT, ZERO_TAIL, PINGPONG, False, EXP_EARLY, QK_COLS,
-                             0, 0, None, o_scale)
+                             0, 0, None, o_scale, KDB, VDB, stride_kdk, stride_vdk,
+                             DS_BLOCKED)
     row0 = start_m + WG * HALF_M
     _store_lse(LSE, lse, lse_off, row0, seqlen_q)
     # (fp8: the Q half, e4m3, holds half of a bf16 O: O goes from registers)
@@ -1012,7 +1086,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = False,
                    Q_BUFS: gl.constexpr = 1, COUNTER_RESET: gl.constexpr = False,
                    QD=None, KD=None, VD=None, stride_qdb=0, stride_qdh=0, stride_kdb=0,
-                   stride_kdh=0, stride_vdb=0, stride_vdh=0, qd_group=1):
+                   stride_kdh=0, stride_vdb=0, stride_vdh=0, qd_group=1, stride_qdk=0,
+                   stride_kdk=0, stride_vdk=0, DS_BLOCKED: gl.constexpr = False):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # head_group: the tiles (the tile counter's ids, or the grid's CTAs) in grouped heaviest-
     # first order (``sm90_common.grouped_order``, ``LPT``); 1: one head after another
@@ -1028,8 +1103,12 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     # descriptor views it keys innermost ([batch * heads_k * d_v, seqlen_k] rows, boxes [d_v,
     # BLOCK_N]: the K-major operand fp8 wgmma takes), O is bf16, and QD / KD / VD are fp32
     # descales per (batch, head) (strides; Q's head is off_h // qd_group), folded into the
-    # score scale (Q's and K's) and O (V's)
+    # score scale (Q's and K's) and O (V's). DS_BLOCKED: the descales by blocks of FP8_BLOCK
+    # rows too (stride_qdk, ...; a per-head one has stride 0): Q's one a tile (its 128 rows),
+    # K's and V's read per key block (``_steady_blocks``)
     FP8: gl.constexpr = q_desc.dtype.is_fp8()
+    gl.static_assert(not DS_BLOCKED or (WGS * HALF_M == FP8_BLOCK and FP8_BLOCK % BLOCK_N == 0),
+                     "block descales need 128-row query tiles and key tiles dividing 128")
     gl.static_assert(not (FP8 and (PERSISTENT or PAGED or IS_VARLEN)),
                      "the fp8 forward runs one CTA per tile of a batched problem")
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
@@ -1152,14 +1231,23 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
         lse_off = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + lse_start
         o_scale = 1.0
         vt_row = 0
+        # (fp8 block descales) K's and V's of this (batch, head), by key block (0 otherwise:
+        # warp_specialize takes no None)
+        KDB = 0
+        VDB = 0
         if FP8:
-            d_qk = (gl.load(QD + off_b * stride_qdb + (off_h // qd_group) * stride_qdh)
-                    * gl.load(KD + off_b * stride_kdb + off_hk * stride_kdh))
+            d_qk = gl.load(QD + off_b * stride_qdb + (off_h // qd_group) * stride_qdh
+                           + (start_m // FP8_BLOCK) * stride_qdk)
+            if DS_BLOCKED:
+                KDB = KD + off_b * stride_kdb + off_hk * stride_kdh
+                VDB = VD + off_b * stride_vdb + off_hk * stride_vdh
+            else:
+                d_qk = d_qk * gl.load(KD + off_b * stride_kdb + off_hk * stride_kdh)
+                o_scale = gl.load(VD + off_b * stride_vdb + off_hk * stride_vdh)
             if softcap_scale is None:
                 qk_scale_log2 = qk_scale_log2 * d_qk
             else:
                 softcap_scale = softcap_scale * d_qk
-            o_scale = gl.load(VD + off_b * stride_vdb + off_hk * stride_vdh)
             vt_row = (off_b * (n_heads // kv_group) + off_hk) * HEAD_DV
         if WGS == 3:
             gl.warp_specialize([
@@ -1169,21 +1257,24 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale)),
+                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale, KDB, VDB,
+                             stride_kdk, stride_vdk, DS_BLOCKED)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_DV, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale)),
+                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale, KDB, VDB,
+                             stride_kdk, stride_vdk, DS_BLOCKED)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_DV, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 2, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale)),
+                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale, KDB, VDB,
+                             stride_kdk, stride_vdk, DS_BLOCKED)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
@@ -1198,14 +1289,16 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale)),
+                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale, KDB, VDB,
+                             stride_kdk, stride_vdk, DS_BLOCKED)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_DV, o_base_off, stride_om, lse_off, start_m,
                              seqlen_q, seqlen_k, lo, n_tiles, window_left, window_right,
                              qk_scale_log2,
                              softcap_scale, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
-                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale)),
+                             PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale, KDB, VDB,
+                             stride_kdk, stride_vdk, DS_BLOCKED)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
@@ -1263,9 +1356,10 @@ def fp8_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, de
     if has_alibi or dropout_p > 0:
         return "ALiBi and dropout are not covered by the sm90 kernels yet"
     for name, t in zip(("q_descale", "k_descale", "v_descale"), descales):
-        if t is not None and t.dim() == 3 and t.shape[2] > 1:
-            return (f"{name} is a block descale (one per {t.shape[2]} blocks of rows): the sm90 "
-                    f"fp8 forward takes per-head descales ([batch, heads]), as FlashAttention-3")
+        if t is not None and t.dim() == 3 and t.shape[2] > 1 and not FP8_BLOCK_ON:
+            return (f"{name} is a block descale ({t.shape[2]} blocks of rows): the sm90 fp8 "
+                    f"forward takes per-head descales ([batch, heads]), as FlashAttention-3, "
+                    f"unless IOATTN_SM90_FP8_BLOCK=1 (opt-in)")
     for name, t in (("q", q), ("k", k)):
         problem = tma_view_problem(name, t, varlen)
         if problem is not None:
@@ -1291,11 +1385,15 @@ def _keys_major(v: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def _fp8_descale_args(p: AttnParams, n_heads: int) -> dict:
     """The kernel's descale arguments: QD, KD, VD (AttnParams' [batch, heads, blocks] fp32
-    views, per head: block 0's) with their batch and head strides, and Q's head group (1: per
-    query head; the GQA group: per KV head)."""
-    out = dict(qd_group=n_heads // p.q_descale.shape[1])
-    for name, t in (("qd", p.q_descale), ("kd", p.k_descale), ("vd", p.v_descale)):
-        out.update({name.upper(): t, f"stride_{name}b": t.stride(0), f"stride_{name}h": t.stride(1)})
+    views; a per-head one has a block stride of 0) with their batch, head and block strides,
+    Q's head group (1: per query head; the GQA group: per KV head), and DS_BLOCKED when any
+    varies by block."""
+    ds = (p.q_descale, p.k_descale, p.v_descale)
+    out = dict(qd_group=n_heads // p.q_descale.shape[1],
+               DS_BLOCKED=any(t.stride(2) != 0 for t in ds))
+    for name, t in zip(("qd", "kd", "vd"), ds):
+        out.update({name.upper(): t, f"stride_{name}b": t.stride(0), f"stride_{name}h": t.stride(1),
+                    f"stride_{name}k": t.stride(2)})
     return out
 
 

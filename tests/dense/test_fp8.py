@@ -94,10 +94,15 @@ def test_fp8_forward(c: Case, device):
     check_fp8(c, device)
 
 
-# the sm90 (Gluon) fp8 forward: batched, per-head descales, d = d_v in (64, 128, 256); V keys
-# innermost or in rows (copied keys innermost), lengths that are no multiple of 16 (V's rows
-# then copied with padding), s_q > s_k, GQA with q descaled per KV head, softcap
+# the sm90 (Gluon) fp8 forward: batched, d = d_v in (64, 128, 256), per-head descales and
+# (IOATTN_SM90_FP8_BLOCK) block descales; V keys innermost or in rows (copied keys innermost),
+# lengths that are no multiple of 16 (V's rows then copied with padding), s_q > s_k, GQA with q
+# descaled per KV head, softcap, windows
 SM90_CASES = [
+    Case(113, 203, d=128, causal=True),
+    Case(300, 300, d=256, window=(40, 7)),
+    Case(97, 150, h=4, h_k=1, softcap=2.0),
+    Case(1024, 1024, b=2, d=128, h=4, causal=True),
     Case(1, 1, block=None),
     Case(113, 203, block=None),
     Case(113, 203, d=128, h=6, h_k=2, causal=True, block=None, q_per_kv_head=True),
@@ -115,6 +120,7 @@ SM90_CASES = [
 @pytest.mark.parametrize("c", SM90_CASES, ids=lambda c: c.id)
 def test_fp8_sm90(c: Case, v_rows, device, monkeypatch):
     monkeypatch.setattr(sm90_fwd, "FP8_ON", True)
+    monkeypatch.setattr(sm90_fwd, "FP8_BLOCK_ON", True)
     check_fp8(c, device, backend="sm90", v_rows=v_rows)
 
 
@@ -183,11 +189,15 @@ def test_fp8_v_layouts_agree(varlen, device):
     torch.testing.assert_close(outs[0], outs[1])  # (same math; bitwise on CPU)
 
 
+@pytest.mark.parametrize("backend", ["auto", pytest.param("sm90", marks=pytest.mark.skipif(
+    not ON_GPU or torch.cuda.get_device_capability() != (9, 0), reason="needs Hopper"))])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_fp8_block_scales_far_apart(causal, device):
+def test_fp8_block_scales_far_apart(causal, backend, device, monkeypatch):
     """Blocks of K and V whose descales differ by 50x and 1/30x: the accumulator is rescaled as
     V's descale changes, so each block's P keeps its own precision. Causal: rows 0-127 see only
-    the small first block, checked on their own (the large block dominates a global max)."""
+    the small first block, checked on their own (the large block dominates a global max).
+    Also on the sm90 fp8 forward (IOATTN_SM90_FP8_BLOCK)."""
+    monkeypatch.setattr(sm90_fwd, "FP8_BLOCK_ON", True)
     c = Case(300, 300, h=2)
     q, k, v = _inputs(c, device)
     k[:, 128:256] *= 50
@@ -196,7 +206,7 @@ def test_fp8_block_scales_far_apart(causal, device):
     q8, k8, v8, qd, kd, vd = quantize_qkv(q * 0.05, k, v)
     assert vd[:, :, 1].min() > 1000 * vd[:, :, 0].max()
     out = ioattn.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
-                                 causal=causal)
+                                 causal=causal, backend=backend)
     ref, _, pt = _refs(dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd), causal=causal)
     assert_close_rule("out", out, ref, pt)
     if causal:
