@@ -114,8 +114,10 @@ def fwd_source(base: int) -> str:
     src = _patch(src, "    pend = _store_tile(", "    _tl_f1(t)\n    pend = _store_tile(")
     # Q's arrival and the first block inside _consume_tile, which gets the tile id as an extra
     # argument (tl_t; the one-tile consumer's call passes none: 0, its stamps unread)
-    src = _patch(src, "q_base=0, q_bufs_empty=None, o_scale=1.0):\n",
-                 "q_base=0, q_bufs_empty=None, o_scale=1.0, tl_t=0):\n")
+    src = _patch(src, "                  KDB=0, VDB=0, stride_kdk=0, stride_vdk=0, "
+                 "DS_BLOCKED: gl.constexpr = False):\n",
+                 "                  KDB=0, VDB=0, stride_kdk=0, stride_vdk=0, "
+                 "DS_BLOCKED: gl.constexpr = False, tl_t=0):\n")
     src = _patch(src, "        mbarrier.wait(q_bar, q_phase)\n",
                  "        mbarrier.wait(q_bar, q_phase)\n        _tl_f3(tl_t)\n")
     src = _patch(src, "        if KEEP_LAST_V >= 2:\n            _release_o_stage(",

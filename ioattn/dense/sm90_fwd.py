@@ -610,7 +610,7 @@ def _v_descale_step(vd, v_cur, p):
     p)."""
     live = vd > 0
     factor = gl.where(live, v_cur / gl.where(live, vd, 1.0), 1.0)
-    if not live:  # (a uniform branch: the common live block skips the pass over P)
+    if not live:  # (a uniform branch, though ptxas if-converts it into selects over P)
         p = gl.zeros_like(p)
     return gl.where(live, vd, v_cur), factor, p
 
@@ -708,8 +708,10 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
     if n_tiles > 0:
         mbarrier.wait(q_bar, q_phase)
         kd = None
-        if DS_BLOCKED:
+        vd0 = None
+        if DS_BLOCKED:  # (block 0's, both read before its Q·Kᵀ)
             kd = _block_descale(KDB, stride_kdk, lo)
+            vd0 = _block_descale(VDB, stride_vdk, lo)
         # prologue: S_0 and its softmax (EXP_EARLY: P carried as PV's register operand)
         p, m_i, l_i = _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it0, rnd0, lo,
                                    row0, seqlen_k, off, window_left, window_right,
@@ -717,7 +719,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                                    softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG,
                                    EXP_EARLY, QK_COLS, kd)
         if DS_BLOCKED:  # (acc is 0: no rescale)
-            v_cur, _, p = _v_descale_step(_block_descale(VDB, stride_vdk, lo), v_cur, p)
+            v_cur, _, p = _v_descale_step(vd0, v_cur, p)
         if KEEP_LAST_V >= 2:
             _release_o_stage(o_bars, pend)
         p, acc, m_i, l_i, v_cur = _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty,
@@ -1342,8 +1344,8 @@ def fp8_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, de
                            varlen: bool) -> str | None:
     """Why an fp8 call (e4m3 q, k, v; descales as ``flash_attn_func`` takes them) is outside
     what the sm90 forward covers (None when inside): batched, d = d_v in SUPPORTED_HEAD_DIMS,
-    per-head descales (None, [batch, heads] or [batch, heads, 1]); V in any layout (copied keys
-    innermost where it is not, ``_keys_major``)."""
+    per-head descales (None, [batch, heads] or [batch, heads, 1]), or block descales with
+    FP8_BLOCK_ON; V in any layout (copied keys innermost where it is not, ``_keys_major``)."""
     if not FP8_ON:
         return ("the sm90 fp8 forward is off (IOATTN_SM90_FP8=0); fp8 calls run on the portable "
                 "kernel (backend='triton' or 'auto')")
@@ -1386,11 +1388,12 @@ def _keys_major(v: torch.Tensor) -> tuple[torch.Tensor, int]:
 def _fp8_descale_args(p: AttnParams, n_heads: int) -> dict:
     """The kernel's descale arguments: QD, KD, VD (AttnParams' [batch, heads, blocks] fp32
     views; a per-head one has a block stride of 0) with their batch, head and block strides,
-    Q's head group (1: per query head; the GQA group: per KV head), and DS_BLOCKED when any
-    varies by block."""
+    Q's head group (1: per query head; the GQA group: per KV head), and DS_BLOCKED when K's or
+    V's varies by block."""
     ds = (p.q_descale, p.k_descale, p.v_descale)
+    # (Q's block descale needs no per-block loop: one a tile, through stride_qdk)
     out = dict(qd_group=n_heads // p.q_descale.shape[1],
-               DS_BLOCKED=any(t.stride(2) != 0 for t in ds))
+               DS_BLOCKED=p.k_descale.stride(2) != 0 or p.v_descale.stride(2) != 0)
     for name, t in zip(("qd", "kd", "vd"), ds):
         out.update({name.upper(): t, f"stride_{name}b": t.stride(0), f"stride_{name}h": t.stride(1),
                     f"stride_{name}k": t.stride(2)})
@@ -1668,8 +1671,8 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 def _attn_fwd_sm90_fp8(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor) -> None:
-    """``attn_fwd_sm90`` for fp8 q, k, v (batched, per-head descales): one CTA per tile, V read
-    keys innermost (``_keys_major``), O in bf16."""
+    """``attn_fwd_sm90`` for fp8 q, k, v (batched; per-head descales, or block ones with
+    FP8_BLOCK_ON): one CTA per tile, V read keys innermost (``_keys_major``), O in bf16."""
     d = q.shape[-1]
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
     form = _fp8_form(d)

@@ -213,6 +213,23 @@ def test_fp8_block_scales_far_apart(causal, backend, device, monkeypatch):
         assert_close_rule("rows of the small block", out[:, :128], ref[:, :128], pt[:, :128])
 
 
+@pytest.mark.parametrize("backend", ["auto", pytest.param("sm90", marks=pytest.mark.skipif(
+    not ON_GPU or torch.cuda.get_device_capability() != (9, 0), reason="needs Hopper"))])
+def test_fp8_zero_v_descale(backend, device, monkeypatch):
+    """V blocks whose descale is 0 (their values 0 whatever the e4m3 bytes; quantize never
+    makes one): the first, a middle and the last block, their keys still in the softmax."""
+    monkeypatch.setattr(sm90_fwd, "FP8_BLOCK_ON", True)
+    c = Case(200, 520, h=2)
+    q, k, v = _inputs(c, device)
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v)
+    vd = vd.clone()
+    vd[:, :, [0, 2, 4]] = 0
+    out = ioattn.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                                 backend=backend)
+    ref, _, pt = _refs(dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd))
+    assert_close_rule("out", out, ref, pt)
+
+
 def test_quantize_varlen_bounds(device):
     """Varlen quantization counts blocks up to the call's max_seqlen, and rows past the last
     sequence neither fail nor enter a descale."""
