@@ -74,7 +74,8 @@ def _cache_dtypes(q: Tensor) -> tuple:
 def _fp8_operands(q: Tensor, k_cache: Tensor, descales: tuple) -> tuple[Tensor, Optional[Tensor]]:
     """An fp8 call's q for the 16-bit kernels and the output's scale: q times its descale and
     k's per (sequence, query head) in fp32, rounded to bf16 (an fp8 q) or q's dtype; v's descale
-    as [batch, 1, nheads, 1] fp32 for the output (None: 1). Validates the descales."""
+    for the output as [batch, 1, nheads_k, 1 or group, 1] fp32, broadcast over q's heads viewed
+    [.., nheads_k, group, d] (None: 1). Validates the descales."""
     b, _, h, _ = q.shape
     h_k = k_cache.shape[-2]
     names = ("q_descale", "k_descale", "v_descale")
@@ -99,15 +100,16 @@ def _fp8_operands(q: Tensor, k_cache: Tensor, descales: tuple) -> tuple[Tensor, 
                   f"{' or '.join(map(str, sorted(set(heads))))}) or that with a last dim of 1: "
                   f"one descale per sequence and head (block descales, one per 128 rows, are "
                   f"not taken with a KV cache)")
-        per_head.append(t if t.shape[1] == h else t.repeat_interleave(h // h_k, dim=1))
+        # [batch, 1, h_k, group or 1, 1]: broadcast over q's heads as [.., h_k, group, d]
+        per_head.append(t.reshape(b, 1, h_k, -1, 1))
     qd, kd, vd = per_head
     dtype = torch.bfloat16 if fp8_q else q.dtype
     if qd is None and kd is None:
         q = q.to(dtype)
     else:
         f = qd if kd is None else kd if qd is None else qd * kd
-        q = (q.float() * f[:, None, :, None]).to(dtype)
-    return q, None if vd is None else vd[:, None, :, None]
+        q = (q.float().unflatten(2, (h_k, h // h_k)) * f).flatten(2, 3).to(dtype)
+    return q, vd
 
 
 def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
@@ -274,6 +276,6 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                        left, right, float(softcap), bool(rotary_interleaved), int(num_splits),
                        backend == "triton")
     if v_scale is not None:
-        out.mul_(v_scale)
+        out.unflatten(2, (v_scale.shape[2], -1)).mul_(v_scale)
     out, lse = _with_sink(out, lse, learnable_sink, False)
     return (out, lse) if return_softmax_lse else out

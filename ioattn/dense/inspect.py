@@ -630,21 +630,14 @@ def fp8_fwd_gluon_reports(arch: int = 90, head_dims=(64, 128, 256)) -> list[Kern
     for d in head_dims:
         form = sm90_fwd._fp8_form(d)
         bn = form["BLOCK_N"]
-        descs = dict(q_desc=_desc_sig("fp8e4nv", 64, d, 8), k_desc=_desc_sig("fp8e4nv", bn, d, 8),
-                     v_desc=_desc_sig("fp8e4nv", d, bn, 8), o_desc=_desc_sig("bf16", 64, d, 16))
-        ptrs = dict(O="*bf16", LSE="*fp32", QD="*fp32", KD="*fp32", VD="*fp32", CU_Q="*i32",
-                    CU_K="*i32", BT="*i32")
-        sig = {}
-        for n in fn.arg_names:
-            if n in descs or n in ptrs:
-                sig[n] = descs.get(n) or ptrs[n]
-            elif n == "qk_scale_log2":
-                sig[n] = "fp32"
-            elif n in ("softcap_scale", "head_group", "COUNTER") or n.isupper() or n.endswith("_"):
-                sig[n] = "constexpr"
-            else:
-                sig[n] = "i32"
-        sig["kv_group"] = "constexpr"  # (1 in the grid's launches, as ``gluon_jobs``)
+        # the 16-bit forward's signature, its descriptors, O and the descales as fp8 launches
+        # them (V's box keys innermost; kv_group 1 a constexpr, as ``gluon_jobs``)
+        sig = dict(_gluon_signature(fn, "fp8e4nv", dict(q_desc=64, k_desc=bn, v_desc=bn,
+                                                        o_desc=64), d),
+                   q_desc=_desc_sig("fp8e4nv", 64, d, 8), k_desc=_desc_sig("fp8e4nv", bn, d, 8),
+                   v_desc=_desc_sig("fp8e4nv", d, bn, 8), o_desc=_desc_sig("bf16", 64, d, 16),
+                   O="*bf16", QD="*fp32", KD="*fp32", VD="*fp32", kv_group="constexpr",
+                   COUNTER="constexpr")
         for causal, blocked in ((False, False), (True, False), (False, True), (True, True)):
             ce = dict(form, IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=causal,
                       PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1, COUNTER=None,
@@ -674,11 +667,7 @@ def decode_gluon_report(d: int = 128, page: int = 16, dtype: str = "bf16",
     box = min(page, sd.BLOCK_N)
     kv = kv_dtype or dtype
     fp8 = kv != dtype
-    bits = 8 if fp8 else 16
-    swizzle = min(128, d * bits // 8)
-    lay = _TMA_LAYOUT.format(bits=bits).replace("swizzle_byte_width=128",
-                                                f"swizzle_byte_width={swizzle}")
-    desc = f"tensordesc<{kv}[{box}, {d}],{lay}>"
+    desc = _desc_sig(kv, box, d, 8 if fp8 else 16)
     ptrs = dict(Q=f"*{dtype}", O=f"*{dtype}", LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32",
                 SEQ="*i32", INDICES="*i32", WORK="*i32", N_WORK="*i32", COUNTS="*i32",
                 SLOT_START="*i32", K_RAW=f"*{kv}", V_RAW=f"*{kv}",

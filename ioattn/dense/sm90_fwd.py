@@ -595,6 +595,19 @@ FP8_BLOCK = gl.constexpr(128)  # (fp8 block descales) rows a descale covers, ioa
 
 
 @gluon.jit
+def _scores(s, qk_scale_log2, softcap_scale, kd):
+    """A key block's raw Q·Kᵀ after softcap's tanh (``softcap_tanh``), and the softmax's score
+    scale for it; kd (fp8 block descales): the block's K descale, which scales the raw scores
+    (into softcap's scale when capped, else the score scale); None: none."""
+    if kd is not None:
+        if softcap_scale is None:
+            qk_scale_log2 = qk_scale_log2 * kd
+        else:
+            softcap_scale = softcap_scale * kd
+    return softcap_tanh(s, softcap_scale), qk_scale_log2
+
+
+@gluon.jit
 def _block_descale(DB, stride_dk, col0, valid=True):
     """(fp8 block descales) the descale of the key block at col0 (1 where not valid: past the
     tile's last block, not read)."""
@@ -815,12 +828,6 @@ def _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it, rnd, co
     """A tile's first key block (ring position it, keys from col0) with no PV in flight: S on
     its own, then its softmax from (m_i, l_i). Returns (p, m, l); with EARLY p is PV's register
     operand already (``_softmax_step``). kd: the block's K descale (fp8 block descales)."""
-    if kd is not None:  # (fp8 block descales) the raw Q·Kᵀ times kd; softcap's scale takes
-        # it when capped (a JIT function cannot return softcap's None)
-        if softcap_scale is None:
-            qk_scale_log2 = qk_scale_log2 * kd
-        else:
-            softcap_scale = softcap_scale * kd
     dtype: gl.constexpr = q.dtype
     p_layout: gl.constexpr = wgmma_a_operand(wgmma_acc_layout(q.shape[1], _operand_bits(dtype)),
                                              _operand_bits(dtype))
@@ -829,7 +836,8 @@ def _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it, rnd, co
     _take_turn(turn, WG, rnd, PINGPONG)
     s_tok = mma_over_cols(q, k_smem.index(st), s_zero, QK_COLS)
     _pass_turn(turn, WG, PINGPONG)
-    s = softcap_tanh(warpgroup_mma_wait(0, deps=[s_tok]), softcap_scale)
+    s, qk_scale_log2 = _scores(warpgroup_mma_wait(0, deps=[s_tok]), qk_scale_log2,
+                               softcap_scale, kd)
     mbarrier.arrive(k_empty.index(st), count=1)
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left,
                                        window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT,
@@ -850,12 +858,6 @@ def _block_step(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, s_zer
     block's softmax from (m_i, l_i) runs while PV is on the tensor cores. Returns (p, alpha, m,
     l, acc), acc not yet rescaled by alpha; s_zero: S's zero accumulator, made once. kd: the
     block's K descale (fp8 block descales)."""
-    if kd is not None:  # (fp8 block descales) the raw Q·Kᵀ times kd; softcap's scale takes
-        # it when capped (a JIT function cannot return softcap's None)
-        if softcap_scale is None:
-            qk_scale_log2 = qk_scale_log2 * kd
-        else:
-            softcap_scale = softcap_scale * kd
     dtype: gl.constexpr = q.dtype
     p_layout: gl.constexpr = wgmma_a_operand(acc.type.layout, _operand_bits(dtype))
     st = it % STAGES
@@ -867,7 +869,8 @@ def _block_step(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, s_zer
     s_tok = mma_over_cols(q, k_smem.index(st), s_zero, QK_COLS)  # (QK_COLS: two groups)
     acc_tok = warpgroup_mma(p_op, _v_operand(v_smem, prev), acc, is_async=True)
     _pass_turn(turn, WG, PINGPONG)
-    s = softcap_tanh(warpgroup_mma_wait(1, deps=[s_tok]), softcap_scale)
+    s, qk_scale_log2 = _scores(warpgroup_mma_wait(1, deps=[s_tok]), qk_scale_log2,
+                               softcap_scale, kd)
     mbarrier.arrive(k_empty.index(st), count=1)  # K is consumed: the producer refills it
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, col0, row0, seqlen_k, off, window_left,
                                        window_right, qk_scale_log2, HAS_LEFT, HAS_RIGHT,
