@@ -599,12 +599,19 @@ def _scores(s, qk_scale_log2, softcap_scale, kd):
     """A key block's raw Q·Kᵀ after softcap's tanh (``softcap_tanh``), and the softmax's score
     scale for it; kd (fp8 block descales): the block's K descale, which scales the raw scores
     (into softcap's scale when capped, else the score scale); None: none."""
-    if kd is not None:
+    if kd is not None:  # (a product of two guarded descales can be 0 again)
         if softcap_scale is None:
-            qk_scale_log2 = qk_scale_log2 * kd
+            qk_scale_log2 = _live_descale(qk_scale_log2 * kd)
         else:
-            softcap_scale = softcap_scale * kd
+            softcap_scale = _live_descale(softcap_scale * kd)
     return softcap_tanh(s, softcap_scale), qk_scale_log2
+
+
+@gluon.jit
+def _live_descale(d):
+    """(fp8) A score descale (Q's times K's, or the score scale with it) of 0 as 1e-30: the
+    scores it scales are 0 either way, but masked ones stay -inf (-inf x 0 is NaN)."""
+    return gl.where(d == 0.0, 1e-30, d)
 
 
 @gluon.jit
@@ -1249,6 +1256,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
             else:
                 d_qk = d_qk * gl.load(KD + off_b * stride_kdb + off_hk * stride_kdh)
                 o_scale = gl.load(VD + off_b * stride_vdb + off_hk * stride_vdh)
+            d_qk = _live_descale(d_qk)
             if softcap_scale is None:
                 qk_scale_log2 = qk_scale_log2 * d_qk
             else:

@@ -27,6 +27,13 @@ FP8_BLOCK = 128
 
 
 @triton.jit
+def _live_descale(d):
+    """(fp8) A score descale (Q's times K's) of 0 as 1e-30: the scores it scales are 0 either
+    way, but masked ones stay -inf (-inf x 0 is NaN)."""
+    return tl.where(d == 0.0, 1e-30, d)
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
                start, end, offs_m, offs_n, offs_d, offs_dv, seqlen_k, off,
                window_left, window_right, qk_scale_log2, softcap_scale, softcap_log2, slope_log2,
@@ -56,7 +63,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn,
         scale_log2 = qk_scale_log2
         cap_scale = softcap_scale
         if KD_BLOCKED:  # (fp8) K's descale of this key block's quantization block, times Q's
-            kd = q_descale * tl.load(kd_base + (start_n // FP8_BLOCK) * stride_kdk)
+            kd = _live_descale(q_descale * tl.load(kd_base + (start_n // FP8_BLOCK) * stride_kdk))
             scale_log2 = scale_log2 * kd
             cap_scale = cap_scale * kd
         s, _, c = scores_log2(qk, offs_m[:, None], cols[None, :], off, scale_log2, cap_scale,
@@ -167,7 +174,7 @@ def _attn_fwd_kernel(
         kd_base = KD + off_b64 * stride_kdb + off_hk * stride_kdh
         vd_base = VD + off_b64 * stride_vdb + off_hk * stride_vdh
         if not KD_BLOCKED:
-            kd = q_descale * tl.load(kd_base)
+            kd = _live_descale(q_descale * tl.load(kd_base))
             qk_scale_log2 = qk_scale_log2 * kd
             softcap_scale = softcap_scale * kd
         if not VD_BLOCKED:  # (blocked: the current key block's, carried by _fwd_inner)

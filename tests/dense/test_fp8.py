@@ -230,6 +230,28 @@ def test_fp8_zero_v_descale(backend, device, monkeypatch):
     assert_close_rule("out", out, ref, pt)
 
 
+@pytest.mark.parametrize("blocked", [True, False], ids=["block", "perhead"])
+@pytest.mark.parametrize("backend", ["auto", pytest.param("sm90", marks=pytest.mark.skipif(
+    not ON_GPU or torch.cuda.get_device_capability() != (9, 0), reason="needs Hopper"))])
+def test_fp8_zero_k_descale(backend, blocked, device, monkeypatch):
+    """K descales of 0 (K's values 0, so a uniform softmax over the visible keys) under a causal
+    mask: the masked scores stay -inf, not -inf x 0 = NaN."""
+    monkeypatch.setattr(sm90_fwd, "FP8_BLOCK_ON", True)
+    c = Case(200, 520, h=2, causal=True)
+    q, k, v = _inputs(c, device)
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, block_size=QUANT_BLOCK if blocked else None)
+    kd = kd.clone()
+    if blocked:
+        kd[:, :, [0, 3]] = 0  # the first block and the diagonal's (rows 0-199 see keys 320-519)
+    else:
+        kd[:, 0] = 0  # one head
+    out = ioattn.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                                 causal=True, backend=backend)
+    assert not out.isnan().any()
+    ref, _, pt = _refs(dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd), causal=True)
+    assert_close_rule("out", out, ref, pt)
+
+
 def test_quantize_varlen_bounds(device):
     """Varlen quantization counts blocks up to the call's max_seqlen, and rows past the last
     sequence neither fail nor enter a descale."""
