@@ -318,18 +318,40 @@ def zero_tail_rows(tile, first):
 
 
 @gluon.jit
+def zero_tail_cols(tile, first):
+    """``zero_tail_rows`` for a tile laid out keys innermost ([ROWS, KEYS]: the fp8 forward's V
+    tiles): zero its columns [first, KEYS), whole rows at a time in slices of at least 8 rows
+    (the swizzle atom), 8 values a thread."""
+    ROWS: gl.constexpr = tile.shape[0]
+    COLS: gl.constexpr = tile.shape[1]
+    WARPS: gl.constexpr = gl.num_warps()
+    TPC: gl.constexpr = COLS // 8 if COLS // 8 < 32 else 32  # threads along a row
+    H: gl.constexpr = 32 // TPC * WARPS if 32 // TPC * WARPS >= 8 else 8
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [WARPS, 1], [1, 0])
+    c = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    for i in gl.static_range(ROWS // H):
+        piece = tile.slice(i * H, H, dim=0)
+        x = piece.load(layout)
+        piece.store(gl.where((c >= first)[None, :], gl.zeros_like(x), x))
+
+
+@gluon.jit
 def zero_last_key_tile(full, fixed, a_smem, b_smem, n_tiles, n_keys, STAGES: gl.constexpr,
-                       BOTH: gl.constexpr):
+                       BOTH: gl.constexpr, KEYS_INNER: gl.constexpr = False):
     """Producer side of ``zero_tail_rows`` for a stream of key tiles whose last one may run past
     the last packed sequence (n_keys keys from the stream's first): once that tile has landed
     (``full``), zero its rows past the end in a_smem (and b_smem when BOTH), then arrive on
-    ``fixed``, which the consumers wait for before reading the last tile."""
-    BLOCK_N: gl.constexpr = a_smem.shape[1]
+    ``fixed``, which the consumers wait for before reading the last tile. KEYS_INNER: a_smem's
+    tiles are [d, keys] (``zero_tail_cols``; not with BOTH)."""
+    BLOCK_N: gl.constexpr = a_smem.shape[2] if KEYS_INNER else a_smem.shape[1]
     last = n_tiles - 1
     first = n_keys - last * BLOCK_N
     if (n_tiles > 0) & (first < BLOCK_N):
         mbarrier.wait(full.index(last % STAGES), (last // STAGES) & 1)
-        zero_tail_rows(a_smem.index(last % STAGES), first)
+        if KEYS_INNER:
+            zero_tail_cols(a_smem.index(last % STAGES), first)
+        else:
+            zero_tail_rows(a_smem.index(last % STAGES), first)
         if BOTH:
             zero_tail_rows(b_smem.index(last % STAGES), first)
         fence_async_shared()

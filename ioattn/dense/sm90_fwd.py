@@ -167,8 +167,8 @@ WG3_PERSISTENT = os.environ.get("IOATTN_SM90_WG3_PERSISTENT", "0").lower() in ("
 WG3_BLOCK_N = os.environ.get("IOATTN_SM90_WG3_BLOCK_N", "auto").lower()
 # fp8 (e4m3) q, k, v on this kernel (FlashAttention-3's fp8 forward: QGMMA on e4m3 operands, V's
 # tiles keys innermost, P scaled by 2^8 and rounded to e4m3 in registers), for batched calls with
-# per-head descales (``fp8_unsupported_reason``); block descales and varlen stay on the portable
-# kernel. On by default since its GPU tests passed on an H100 (56 fp8 tests,
+# per-head descales (``fp8_unsupported_reason``); block descales and varlen are opt-in below. On
+# by default since its GPU tests passed on an H100 (56 fp8 tests,
 # results/tune/tests_fp8_all_a5d54e7_*) and it ran 1.1-1.4x the portable fp8 forward there at
 # d = 128 / 256 (``fp8_preferred``); IOATTN_SM90_FP8=0 keeps fp8 calls on the portable kernel
 FP8_ON = os.environ.get("IOATTN_SM90_FP8", "1").lower() in ("1", "true", "on")
@@ -178,6 +178,11 @@ FP8_ON = os.environ.get("IOATTN_SM90_FP8", "1").lower() in ("1", "true", "on")
 # portable kernel). Opt-in (IOATTN_SM90_FP8_BLOCK=1) until its GPU tests have run: built and
 # compile-checked on CPU only (session 42)
 FP8_BLOCK_ON = os.environ.get("IOATTN_SM90_FP8_BLOCK", "0").lower() in ("1", "true", "on")
+# (with FP8_ON) varlen fp8 calls (cu_seqlens) on the sm90 fp8 forward too: V viewed [heads_k *
+# d_v, total_k] keys innermost, a sequence's keys from its cu_seqlens_k offset, the last V tile's
+# keys past the sequence zeroed in shared memory (``zero_tail_cols``) as the 16-bit forms zero
+# rows. Opt-in (IOATTN_SM90_FP8_VARLEN=1) until its GPU tests have run (built on CPU, session 43)
+FP8_VARLEN_ON = os.environ.get("IOATTN_SM90_FP8_VARLEN", "0").lower() in ("1", "true", "on")
 if WG3_BLOCK_N not in ("auto", "64", "128"):
     raise ValueError(f"IOATTN_SM90_WG3_BLOCK_N={WG3_BLOCK_N!r}: expected auto, 64 or 128")
 
@@ -339,7 +344,7 @@ def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty
         # last packed sequence into rows of no sequence (or, in a paged cache, into page slots
         # past the sequence: stale entries): zero them (their P is 0, but 0 * NaN is not) before
         # the consumers' P·V reads the tile
-        zero_last_key_tile(v_full, v_fixed, v_smem, v_smem, n_tiles, n_keys, STAGES, False)
+        zero_last_key_tile(v_full, v_fixed, v_smem, v_smem, n_tiles, n_keys, STAGES, False, V_T)
 
 
 @gluon.jit
@@ -1121,8 +1126,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     FP8: gl.constexpr = q_desc.dtype.is_fp8()
     gl.static_assert(not DS_BLOCKED or (WGS * HALF_M == FP8_BLOCK and FP8_BLOCK % BLOCK_N == 0),
                      "block descales need 128-row query tiles and key tiles dividing 128")
-    gl.static_assert(not (FP8 and (PERSISTENT or PAGED or IS_VARLEN)),
-                     "the fp8 forward runs one CTA per tile of a batched problem")
+    gl.static_assert(not (FP8 and (PERSISTENT or PAGED)),
+                     "the fp8 forward runs one CTA per tile of a batched or varlen problem")
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
     # V's and O's tile width
     HEAD_DV: gl.constexpr = v_desc.block_type.shape[0] if FP8 else box_cols(v_desc.block_type.shape)
@@ -1243,6 +1248,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
         lse_off = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + lse_start
         o_scale = 1.0
         vt_row = 0
+        vt_key0 = 0
         # (fp8 block descales) K's and V's of this (batch, head), by key block (0 otherwise:
         # warp_specialize takes no None)
         KDB = 0
@@ -1261,7 +1267,13 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                 qk_scale_log2 = qk_scale_log2 * d_qk
             else:
                 softcap_scale = softcap_scale * d_qk
-            vt_row = (off_b * (n_heads // kv_group) + off_hk) * HEAD_DV
+            # V's rows: [batch * heads_k * d_v, seqlen_k] batched, [heads_k * d_v, total_k]
+            # varlen (a sequence's keys from k_start)
+            if IS_VARLEN:
+                vt_row = off_hk * HEAD_DV
+                vt_key0 = k_start
+            else:
+                vt_row = (off_b * (n_heads // kv_group) + off_hk) * HEAD_DV
         if WGS == 3:
             gl.warp_specialize([
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
@@ -1292,7 +1304,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
                              k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo, STAGES,
-                             IS_VARLEN, PAGED, PAGE, vt_row, lo)),
+                             IS_VARLEN, PAGED, PAGE, vt_row, vt_key0 + lo)),
             ], [4, 4, 1], [CONSUMER_REGS_, CONSUMER_REGS_, PRODUCER_REGS_])
         else:
             gl.warp_specialize([
@@ -1316,7 +1328,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
                              k_start + lo, off_hk * HEAD_D, n_tiles, seqlen_k - lo, STAGES,
-                             IS_VARLEN, PAGED, PAGE, vt_row, lo)),
+                             IS_VARLEN, PAGED, PAGE, vt_row, vt_key0 + lo)),
             ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
     invalidate(q_bar, Q_BUFS)
@@ -1364,8 +1376,9 @@ def fp8_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, de
     if d not in SUPPORTED_HEAD_DIMS or d_v != d:
         return (f"head dims (d={d}, d_v={d_v}): the sm90 fp8 forward takes d = d_v in "
                 f"{SUPPORTED_HEAD_DIMS}")
-    if varlen:
-        return "varlen fp8 calls run on the portable kernel"
+    if varlen and not FP8_VARLEN_ON:
+        return ("varlen fp8 calls run on the portable kernel unless IOATTN_SM90_FP8_VARLEN=1 "
+                "(opt-in)")
     if has_alibi or dropout_p > 0:
         return "ALiBi and dropout are not covered by the sm90 kernels yet"
     for name, t in zip(("q_descale", "k_descale", "v_descale"), descales):
@@ -1682,8 +1695,9 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 def _attn_fwd_sm90_fp8(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor) -> None:
-    """``attn_fwd_sm90`` for fp8 q, k, v (batched; per-head descales, or block ones with
-    FP8_BLOCK_ON): one CTA per tile, V read keys innermost (``_keys_major``), O in bf16."""
+    """``attn_fwd_sm90`` for fp8 q, k, v (batched, or varlen with FP8_VARLEN_ON; per-head
+    descales, or block ones with FP8_BLOCK_ON): one CTA per tile, V read keys innermost
+    (``_keys_major``; varlen V as one batch of total_k keys), O in bf16."""
     d = q.shape[-1]
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
     form = _fp8_form(d)
@@ -1691,19 +1705,21 @@ def _attn_fwd_sm90_fp8(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch
     if grid[0] * grid[1] == 0:
         return
     group = head_group_size(grid[1], grid[0], sm_count(q.device)) if LPT else 1
-    vt, vt_stride = _keys_major(v)
+    varlen = p.is_varlen
+    vt, vt_stride = _keys_major(v[None] if varlen else v)
     b, s_k = vt.shape[0], vt.shape[1]
     v_desc = Desc(vt, (b * n_heads_k * d, s_k), (vt_stride, 1), (d, form["BLOCK_N"]),
                   sm90_common.shared_layout(d, form["BLOCK_N"], v.dtype))
     qk_scale_log2, softcap_scale = score_scales(p.softmax_scale, p.softcap)
-    dummy = lse
+    dummy = lse  # (unused pointers: batched calls' cu_seqlens, the page table)
     launcher(_attn_fwd_sm90)[grid](
-        rows_descriptor(q, False, HALF_M.value), rows_descriptor(k, False, form["BLOCK_N"]),
-        v_desc, rows_descriptor(out, False, HALF_M.value), out, lse, dummy, dummy, dummy,
+        rows_descriptor(q, varlen, HALF_M.value), rows_descriptor(k, varlen, form["BLOCK_N"]),
+        v_desc, rows_descriptor(out, varlen, HALF_M.value), out, lse,
+        p.cu_seqlens_q if varlen else dummy, p.cu_seqlens_k if varlen else dummy, dummy,
         out.stride(-3), out.stride(-2), *p.lse_strides(lse), 0, 0,
         n_heads, n_heads // n_heads_k, p.max_seqlen_q, p.max_seqlen_k, p.batch * n_heads,
         qk_scale_log2, p.window_left, p.window_right, **_fp8_descale_args(p, n_heads),
-        softcap_scale=softcap_scale, IS_VARLEN=False, HAS_LEFT=p.window_left >= 0,
+        softcap_scale=softcap_scale, IS_VARLEN=varlen, HAS_LEFT=p.window_left >= 0,
         HAS_RIGHT=p.window_right >= 0, PRODUCER_REGS_=PRODUCER_REGS, PAGED=False, PAGE=1,
         **form, COUNTER=None, O_COLS=0, head_group=group, QK_COLS=0, COUNTER_RESET=False,
         num_warps=4)

@@ -265,20 +265,37 @@ def test_quantize_varlen_bounds(device):
         quantize(x, cu_seqlens=cu, max_seqlen=50)
 
 
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+
+
 @pytest.mark.parametrize("block", [QUANT_BLOCK, None], ids=["block", "perhead"])
-def test_fp8_varlen(block, device):
+@pytest.mark.parametrize("backend,d", [("auto", 64)] + [
+    pytest.param("sm90", d, marks=pytest.mark.skipif(not ON_HOPPER, reason="needs Hopper"))
+    for d in (64, 128, 256)])
+def test_fp8_varlen(block, backend, d, device, monkeypatch):
+    """Varlen fp8 (empty q / k sequences, two descale blocks), also on the sm90 fp8 forward
+    (IOATTN_SM90_FP8_VARLEN): q, k, v longer than the last sequence with NaN rows past it (a
+    key tile crossing the end must not carry them into P·V, where 0 x NaN is NaN)."""
+    monkeypatch.setattr(sm90_fwd, "FP8_BLOCK_ON", True)
+    monkeypatch.setattr(sm90_fwd, "FP8_VARLEN_ON", True)
     lens_q, lens_k = [5, 0, 130, 17], [200, 3, 140, 0]  # empty q / k sequences, 2 blocks
     cu_q, cu_k = cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
-    h, h_k, d = 4, 2, 64
+    h, h_k = 4, 2
     q = torch.randn(sum(lens_q), h, d, device=device) * 2
     k = torch.randn(sum(lens_k), h_k, d, device=device)
     v = torch.randn(sum(lens_k), h_k, d, device=device)
     q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, block_size=block, cu_seqlens_q=cu_q,
                                           cu_seqlens_k=cu_k)
     assert qd.shape[:2] == (4, h) and (block is None or qd.shape[2] == 2)
-    out, lse, _ = ioattn.flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, max(lens_q), max(lens_k),
-                                                causal=True, q_descale=qd, k_descale=kd,
-                                                v_descale=vd, return_attn_probs=True)
+
+    def nan_tail(t, n):  # n more rows of e4m3 NaN
+        return torch.cat([t, torch.full((n,) + t.shape[1:], float("nan"), device=device).to(t.dtype)])
+
+    out, lse, _ = ioattn.flash_attn_varlen_func(
+        nan_tail(q8, 9), nan_tail(k8, 37), nan_tail(v8, 37), cu_q, cu_k, max(lens_q),
+        max(lens_k), causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
+        return_attn_probs=True, backend=backend)
+    out, lse = out[:sum(lens_q)], lse[:, :sum(lens_q)]
     dq, dk, dv = (dequantize(t, ds, cu_seqlens=cu) for t, ds, cu in
                   ((q8, qd, cu_q), (k8, kd, cu_k), (v8, vd, cu_k)))
     ref, lse_ref = attention_varlen_ref(dq, dk, dv, cu_q, cu_k, causal=True)
