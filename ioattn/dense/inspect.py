@@ -622,8 +622,9 @@ def _desc_sig(dtype: str, rows: int, cols: int, bits: int) -> str:
 def fp8_fwd_gluon_reports(arch: int = 90, head_dims=(64, 128, 256)) -> list[KernelReport]:
     """The sm90 forward on fp8 (e4m3) q, k, v as ``sm90_fwd._attn_fwd_sm90_fp8`` launches it
     (batched, one CTA per tile, V's descriptor keys innermost, O in bf16), without and with a
-    causal mask, with per-head and (IOATTN_SM90_FP8_BLOCK) block descales, and varlen causal
-    (IOATTN_SM90_FP8_VARLEN) with either, at each head dim."""
+    causal mask, with per-head and (IOATTN_SM90_FP8_BLOCK) block descales, varlen causal
+    (IOATTN_SM90_FP8_VARLEN) with either, and persistent (IOATTN_SM90_FP8_PERSISTENT; full
+    per-head, causal block descales), at each head dim."""
     from ioattn.dense import sm90_fwd
 
     fn = sm90_fwd._attn_fwd_sm90
@@ -639,17 +640,24 @@ def fp8_fwd_gluon_reports(arch: int = 90, head_dims=(64, 128, 256)) -> list[Kern
                    v_desc=_desc_sig("fp8e4nv", d, bn, 8), o_desc=_desc_sig("bf16", 64, d, 16),
                    O="*bf16", QD="*fp32", KD="*fp32", VD="*fp32", kv_group="constexpr",
                    COUNTER="constexpr")
-        for causal, blocked, varlen in ((False, False, False), (True, False, False),
-                                        (False, True, False), (True, True, False),
-                                        (True, False, True), (True, True, True)):
-            ce = dict(form, IS_VARLEN=varlen, HAS_LEFT=False, HAS_RIGHT=causal,
-                      PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1, COUNTER=None,
+        for causal, blocked, varlen, pers in (
+                (False, False, False, False), (True, False, False, False),
+                (False, True, False, False), (True, True, False, False),
+                (True, False, True, False), (True, True, True, False),
+                (False, False, False, True), (True, True, False, True)):
+            pform = sm90_fwd._fp8_form(d, varlen, pers)
+            ce = dict(pform, IS_VARLEN=varlen, HAS_LEFT=False, HAS_RIGHT=causal,
+                      PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1,
                       softcap_scale=None, O_COLS=0, head_group=1, QK_COLS=0,
-                      COUNTER_RESET=False, kv_group=1, DS_BLOCKED=blocked)
+                      COUNTER_RESET=pers, kv_group=1, DS_BLOCKED=blocked)
+            if not pers:
+                ce["COUNTER"] = None
             out.append(gluon_report(f"sm90 fp8 fwd d{d} {'varlen ' if varlen else ''}"
+                                    f"{'persistent ' if pers else ''}"
                                     f"{'causal' if causal else 'full'}"
                                     f"{' block-descales' if blocked else ''} 128x{bn} ws", fn,
-                                    sig, ce, arch))
+                                    dict(sig, COUNTER="*i32" if pers else "constexpr"), ce,
+                                    arch))
     return out
 
 

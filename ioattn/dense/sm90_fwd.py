@@ -183,6 +183,11 @@ FP8_BLOCK_ON = os.environ.get("IOATTN_SM90_FP8_BLOCK", "0").lower() in ("1", "tr
 # keys past the sequence zeroed in shared memory (``zero_tail_cols``) as the 16-bit forms zero
 # rows. Opt-in (IOATTN_SM90_FP8_VARLEN=1) until its GPU tests have run (built on CPU, session 43)
 FP8_VARLEN_ON = os.environ.get("IOATTN_SM90_FP8_VARLEN", "0").lower() in ("1", "true", "on")
+# (with FP8_ON) batched fp8 calls on persistent CTAs (one an SM, tiles drawn from the dynamic
+# scheduler's counter in grouped heaviest-first order, as the 16-bit forms; O from registers, one
+# Q buffer). Opt-in (IOATTN_SM90_FP8_PERSISTENT=1) until timed against one CTA a tile (built on
+# CPU, session 43)
+FP8_PERSISTENT = os.environ.get("IOATTN_SM90_FP8_PERSISTENT", "0").lower() in ("1", "true", "on")
 if WG3_BLOCK_N not in ("auto", "64", "128"):
     raise ValueError(f"IOATTN_SM90_WG3_BLOCK_N={WG3_BLOCK_N!r}: expected auto, 64 or 128")
 
@@ -391,11 +396,14 @@ def _produce_persistent_tile(t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, 
      n_tiles) = query_tile_at(n_m - 1 - t % n_m, t // n_m, CU_Q, CU_K, n_heads, kv_group,
                               seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
                               TILE_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT)
+    vt_row = 0  # (fp8) V's rows keys innermost: [batch * heads_k * d_v, seqlen_k]
+    if v_smem.dtype.is_fp8():
+        vt_row = (off_b * (n_heads // kv_group) + off_hk) * v_smem.shape[1]
     _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(tc % Q_BUFS),
                   q_empty.index(tc % Q_BUFS), k_full, v_full, k_empty, v_empty, v_fixed, BT, 0, 0,
                   q_start + start_m, off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles,
                   seqlen_k - lo, it, tc // Q_BUFS, STAGES, False, False, 1, True, Q_BUFS,
-                  tc % Q_BUFS * WGS)
+                  tc % Q_BUFS * WGS, vt_row, lo)
     return it + n_tiles, tc + (n_tiles > 0).to(gl.int32)
 
 
@@ -610,6 +618,28 @@ def _scores(s, qk_scale_log2, softcap_scale, kd):
         else:
             softcap_scale = _live_descale(softcap_scale * kd)
     return softcap_tanh(s, softcap_scale), qk_scale_log2
+
+
+@gluon.jit
+def _fp8_tile_descales(QD, KD, VD, stride_qdb, stride_qdh, stride_qdk, stride_kdb, stride_kdh,
+                       stride_vdb, stride_vdh, qd_group, off_b, off_h, off_hk, start_m,
+                       DS_BLOCKED: gl.constexpr):
+    """(fp8) A tile's descales: (d_qk, o_scale, KDB, VDB), d_qk Q's (its rows' block) times K's
+    (per head; DS_BLOCKED: Q's only, K's read per key block from KDB), o_scale V's (per head;
+    DS_BLOCKED: 1, V's read per key block from VDB); KDB / VDB 0 when not DS_BLOCKED
+    (warp_specialize takes no None)."""
+    d_qk = gl.load(QD + off_b * stride_qdb + (off_h // qd_group) * stride_qdh
+                   + (start_m // FP8_BLOCK) * stride_qdk)
+    o_scale = 1.0
+    KDB = 0
+    VDB = 0
+    if DS_BLOCKED:
+        KDB = KD + off_b * stride_kdb + off_hk * stride_kdh
+        VDB = VD + off_b * stride_vdb + off_hk * stride_vdh
+    else:
+        d_qk = d_qk * gl.load(KD + off_b * stride_kdb + off_hk * stride_kdh)
+        o_scale = gl.load(VD + off_b * stride_vdb + off_hk * stride_vdh)
+    return _live_descale(d_qk), o_scale, KDB, VDB
 
 
 @gluon.jit
@@ -959,24 +989,41 @@ def _consume_persistent_tile(t, it, tc, rnd, pend, o_desc, O, LSE, q_smem, k_sme
                              HAS_RIGHT: gl.constexpr, PINGPONG: gl.constexpr,
                              EXP_EARLY: gl.constexpr, O_COLS: gl.constexpr,
                              QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = 0,
-                             Q_BUFS: gl.constexpr = 1):
+                             Q_BUFS: gl.constexpr = 1, QD=0, KD=0, VD=0, stride_qdb=0, stride_qdh=0, stride_qdk=0, stride_kdb=0,
+                             stride_kdh=0, stride_kdk=0, stride_vdb=0, stride_vdh=0, stride_vdk=0,
+                             qd_group=1, DS_BLOCKED: gl.constexpr = False):
     """One warpgroup's rows of tile t; returns the updated ring position, tiles-with-work count,
     pingpong rounds and (O_TMA >= 2) the V stage (3: Q buffer) + 1 whose O store is still to be
     released.
-    Q_BUFS == 2: Q in two buffers taken in turn (``_produce_persistent_tile``)."""
+    Q_BUFS == 2: Q in two buffers taken in turn (``_produce_persistent_tile``).
+    fp8: the tile's descales (``_fp8_tile_descales``; QD.. as the kernel takes them) read here,
+    Q's and K's into the score scale, V's into O."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     WGS: gl.constexpr = q_smem.shape[0] // Q_BUFS
     TILE_M: gl.constexpr = WGS * HALF_M
     start_m = (n_m - 1 - t % n_m) * TILE_M
     lo, n_tiles = key_tiles(start_m, TILE_M, seqlen_q_fixed, seqlen_k_fixed, window_left,
                             window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    o_scale = 1.0
+    KDB = 0
+    VDB = 0
+    if q_smem.dtype.is_fp8():
+        off_b = t // n_m // n_heads
+        off_h = t // n_m % n_heads
+        d_qk, o_scale, KDB, VDB = _fp8_tile_descales(
+            QD, KD, VD, stride_qdb, stride_qdh, stride_qdk, stride_kdb, stride_kdh, stride_vdb,
+            stride_vdh, qd_group, off_b, off_h, off_h // kv_group, start_m, DS_BLOCKED)
+        if softcap_scale is None:
+            qk_scale_log2 = qk_scale_log2 * d_qk
+        else:
+            softcap_scale = softcap_scale * d_qk
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar.index(tc % Q_BUFS),
                              q_empty.index(tc % Q_BUFS), k_full, v_full, k_empty, v_empty,
                              v_fixed, turn, start_m, seqlen_q_fixed, seqlen_k_fixed, lo, n_tiles,
                              window_left, window_right, qk_scale_log2, softcap_scale, it, rnd,
                              (tc // Q_BUFS) & 1, pend, WG, STAGES, HAS_LEFT, HAS_RIGHT, False,
                              PINGPONG, True, EXP_EARLY, QK_COLS, O_TMA, tc % Q_BUFS * WGS,
-                             q_empty)
+                             q_empty, o_scale, KDB, VDB, stride_kdk, stride_vdk, DS_BLOCKED)
     pend = _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar,
                        (it + n_tiles - 1) % STAGES, tc, CU_Q, CU_K, stride_om, stride_oh,
                        stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
@@ -1059,7 +1106,9 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
                          PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr,
                          EXP_EARLY: gl.constexpr, O_COLS: gl.constexpr,
                          QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = 0,
-                         Q_BUFS: gl.constexpr = 1):
+                         Q_BUFS: gl.constexpr = 1, QD=0, KD=0, VD=0, stride_qdb=0, stride_qdh=0, stride_qdk=0, stride_kdb=0,
+                         stride_kdh=0, stride_kdk=0, stride_vdb=0, stride_vdh=0, stride_vdk=0,
+                         qd_group=1, DS_BLOCKED: gl.constexpr = False):
     """A persistent CTA's tiles, in the producer's order: program_id, program_id + programs, ...
     in snake order (``_snake``), or (DYNAMIC) the ids the producer draws from the tile counter
     and passes on through shared memory; tiles run over (query tile, batch * head), query tiles
@@ -1081,7 +1130,8 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
             stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed, n_m,
             window_left, window_right, qk_scale_log2,
             softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_EARLY, O_COLS,
-            QK_COLS, O_TMA, Q_BUFS)
+            QK_COLS, O_TMA, Q_BUFS, QD, KD, VD, stride_qdb, stride_qdh, stride_qdk, stride_kdb,
+            stride_kdh, stride_kdk, stride_vdb, stride_vdh, stride_vdk, qd_group, DS_BLOCKED)
         k += 1
         t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
     if O_TMA >= 2:
@@ -1126,8 +1176,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     FP8: gl.constexpr = q_desc.dtype.is_fp8()
     gl.static_assert(not DS_BLOCKED or (WGS * HALF_M == FP8_BLOCK and FP8_BLOCK % BLOCK_N == 0),
                      "block descales need 128-row query tiles and key tiles dividing 128")
-    gl.static_assert(not (FP8 and (PERSISTENT or PAGED)),
-                     "the fp8 forward runs one CTA per tile of a batched or varlen problem")
+    gl.static_assert(not (FP8 and (PAGED or (PERSISTENT and (O_TMA or Q_BUFS != 1)))),
+                     "the fp8 forward: batched or varlen, O from registers, one Q buffer")
     HEAD_D: gl.constexpr = box_cols(q_desc.block_type.shape)
     # V's and O's tile width
     HEAD_DV: gl.constexpr = v_desc.block_type.shape[0] if FP8 else box_cols(v_desc.block_type.shape)
@@ -1182,7 +1232,10 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS)),
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS, QD, KD,
+                                        VD, stride_qdb, stride_qdh, stride_qdk, stride_kdb,
+                                        stride_kdh, stride_kdk, stride_vdb, stride_vdh,
+                                        stride_vdk, qd_group, DS_BLOCKED)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
                                         q_empty, k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
@@ -1191,7 +1244,10 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS)),
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS, QD, KD,
+                                        VD, stride_qdb, stride_qdh, stride_qdk, stride_kdb,
+                                        stride_kdh, stride_kdk, stride_vdb, stride_vdh,
+                                        stride_vdk, qd_group, DS_BLOCKED)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
                                         q_empty, k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
@@ -1200,7 +1256,10 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         2, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS)),
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS, QD, KD,
+                                        VD, stride_qdb, stride_qdh, stride_qdk, stride_kdb,
+                                        stride_kdh, stride_kdk, stride_vdb, stride_vdh,
+                                        stride_vdk, qd_group, DS_BLOCKED)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
                                         q_empty, k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
@@ -1219,7 +1278,10 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         0, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS)),
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS, QD, KD,
+                                        VD, stride_qdb, stride_qdh, stride_qdk, stride_kdb,
+                                        stride_kdh, stride_kdk, stride_vdb, stride_vdh,
+                                        stride_vdk, qd_group, DS_BLOCKED)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
                                         q_empty, k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
@@ -1228,7 +1290,10 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         qk_scale_log2, softcap_scale,
                                         tile_smem, tile_full, tile_empty, o_bar.index(0),
                                         1, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, DYNAMIC,
-                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS)),
+                                        EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS, QD, KD,
+                                        VD, stride_qdb, stride_qdh, stride_qdk, stride_kdb,
+                                        stride_kdh, stride_kdk, stride_vdb, stride_vdh,
+                                        stride_vdk, qd_group, DS_BLOCKED)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
                                         q_empty, k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
@@ -1254,15 +1319,9 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
         KDB = 0
         VDB = 0
         if FP8:
-            d_qk = gl.load(QD + off_b * stride_qdb + (off_h // qd_group) * stride_qdh
-                           + (start_m // FP8_BLOCK) * stride_qdk)
-            if DS_BLOCKED:
-                KDB = KD + off_b * stride_kdb + off_hk * stride_kdh
-                VDB = VD + off_b * stride_vdb + off_hk * stride_vdh
-            else:
-                d_qk = d_qk * gl.load(KD + off_b * stride_kdb + off_hk * stride_kdh)
-                o_scale = gl.load(VD + off_b * stride_vdb + off_hk * stride_vdh)
-            d_qk = _live_descale(d_qk)
+            d_qk, o_scale, KDB, VDB = _fp8_tile_descales(
+                QD, KD, VD, stride_qdb, stride_qdh, stride_qdk, stride_kdb, stride_kdh,
+                stride_vdb, stride_vdh, qd_group, off_b, off_h, off_hk, start_m, DS_BLOCKED)
             if softcap_scale is None:
                 qk_scale_log2 = qk_scale_log2 * d_qk
             else:
@@ -1424,18 +1483,20 @@ def _fp8_descale_args(p: AttnParams, n_heads: int) -> dict:
     return out
 
 
-def _fp8_form(head_dim: int) -> dict:
-    """The fp8 forward's launch form: one CTA per 128-row tile (two consumer warpgroups), keys
-    per tile as the 16-bit forward, and ring stages for fp8's half-size tiles (Q 2 x 64 x d plus
-    STAGES x (K + V) of BLOCK_N x d bytes: 104 / 176 / 192 KiB at d = 64 / 128 / 256, 107 / 181 /
-    197 KB compiled with the barriers; stages not swept). Pingpong at d = 128 and 256: on / off
-    at d = 128 on an H100 +1-6% in the FA grid's 2k / 16k cells, at d = 64 -8% to +2%
-    (results/tune/tune_fp8_sm90_pp_a5d54e7_*)."""
+def _fp8_form(head_dim: int, varlen: bool = False, persistent: bool | None = None) -> dict:
+    """The fp8 forward's launch form: one CTA per 128-row tile (two consumer warpgroups), or
+    (batched, ``FP8_PERSISTENT`` unless persistent says) persistent CTAs on the dynamic
+    scheduler; keys per tile as the 16-bit forward, and ring stages for fp8's half-size tiles
+    (Q 2 x 64 x d plus STAGES x (K + V) of BLOCK_N x d bytes: 104 / 176 / 192 KiB at d = 64 /
+    128 / 256, 107 / 181 / 197 KB compiled with the barriers; stages not swept). Pingpong at
+    d = 128 and 256: on / off at d = 128 on an H100 +1-6% in the FA grid's 2k / 16k cells, at
+    d = 64 -8% to +2% (results/tune/tune_fp8_sm90_pp_a5d54e7_*)."""
     block_n = _block_n(head_dim)
     stages = {64: 6, 128: 5, 256: 5}[head_dim]
+    persistent = (FP8_PERSISTENT if persistent is None else persistent) and not varlen
     return dict(WGS=2, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=CONSUMER_REGS, Q_BUFS=1,
                 PINGPONG=head_dim >= 128 if PINGPONG == "auto" else PINGPONG != "0",
-                PERSISTENT=False, DYNAMIC=False, EXP_EARLY=False, O_TMA=0)
+                PERSISTENT=persistent, DYNAMIC=persistent, EXP_EARLY=False, O_TMA=0)
 
 
 def fp8_preferred(head_dim: int, max_seqlen_q: int) -> bool:
@@ -1700,12 +1761,19 @@ def _attn_fwd_sm90_fp8(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch
     (``_keys_major``; varlen V as one batch of total_k keys), O in bf16."""
     d = q.shape[-1]
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
-    form = _fp8_form(d)
+    varlen = p.is_varlen
+    form = _fp8_form(d, varlen)
     grid = (-(-p.max_seqlen_q // (form["WGS"] * HALF_M.value)), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
-    group = head_group_size(grid[1], grid[0], sm_count(q.device)) if LPT else 1
-    varlen = p.is_varlen
+    counter = None
+    if form["PERSISTENT"]:  # (as attn_fwd_sm90: one CTA an SM, tiles from the counter)
+        n_m, n_bh = grid
+        grid = (min(n_m * n_bh, sm_count(q.device)),)
+        group = head_group_size(n_bh, n_m, grid[0]) if LPT else 1
+        counter = _tile_counter(q.device)
+    else:
+        group = head_group_size(grid[1], grid[0], sm_count(q.device)) if LPT else 1
     vt, vt_stride = _keys_major(v[None] if varlen else v)
     b, s_k = vt.shape[0], vt.shape[1]
     v_desc = Desc(vt, (b * n_heads_k * d, s_k), (vt_stride, 1), (d, form["BLOCK_N"]),
@@ -1721,8 +1789,8 @@ def _attn_fwd_sm90_fp8(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch
         qk_scale_log2, p.window_left, p.window_right, **_fp8_descale_args(p, n_heads),
         softcap_scale=softcap_scale, IS_VARLEN=varlen, HAS_LEFT=p.window_left >= 0,
         HAS_RIGHT=p.window_right >= 0, PRODUCER_REGS_=PRODUCER_REGS, PAGED=False, PAGE=1,
-        **form, COUNTER=None, O_COLS=0, head_group=group, QK_COLS=0, COUNTER_RESET=False,
-        num_warps=4)
+        **form, COUNTER=counter, O_COLS=0, head_group=group, QK_COLS=0,
+        COUNTER_RESET=form["DYNAMIC"] and STREAM_COUNTERS, num_warps=4)
 
 
 def _switches() -> tuple:

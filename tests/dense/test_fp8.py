@@ -124,6 +124,29 @@ def test_fp8_sm90(c: Case, v_rows, device, monkeypatch):
     check_fp8(c, device, backend="sm90", v_rows=v_rows)
 
 
+@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the sm90 fp8 forward needs Hopper")
+@pytest.mark.parametrize("ctas", [3, None], ids=["3-ctas", "all-sms"])
+@pytest.mark.parametrize("c", [Case(1024, 1024, b=2, d=128, h=4, causal=True),
+                               Case(300, 300, d=256, window=(40, 7)),
+                               Case(97, 150, h=4, h_k=1, softcap=2.0, block=None),
+                               Case(203, 113, d=256, causal=True, block=None),
+                               Case(1024, 1024, b=2, d=64, h=4, block=None)],
+                         ids=lambda c: c.id)
+def test_fp8_sm90_persistent(c: Case, ctas, device, monkeypatch):
+    """The sm90 fp8 forward on persistent CTAs (IOATTN_SM90_FP8_PERSISTENT: tiles from the
+    dynamic scheduler's counter, each tile's descales read by its consumers, V's keys-innermost
+    rows by its producer); on 3 CTAs each walks many tiles (tiles without a key block among
+    them). Twice: the counter is zeroed per launch."""
+    monkeypatch.setattr(sm90_fwd, "FP8_ON", True)
+    monkeypatch.setattr(sm90_fwd, "FP8_BLOCK_ON", True)
+    monkeypatch.setattr(sm90_fwd, "FP8_PERSISTENT", True)
+    if ctas is not None:
+        monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: ctas)
+    for _ in range(2):
+        check_fp8(c, device, backend="sm90")
+
+
 def check_fp8(c: Case, device, backend: str = "auto", v_rows: bool = False) -> None:
     """An fp8 forward on a fresh random case (descales as the case says) against the reference
     by FlashAttention's rule, its LSE, rows without keys, and the 'reference' backend; v_rows:
