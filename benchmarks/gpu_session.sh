@@ -126,11 +126,11 @@ for step in $steps; do
            # compile check, then the FA grid's forward with per-head descales (ioattn_fp8_head:
            # the sm90 form) beside block descales (ioattn_fp8: the portable kernel), the bf16
            # call, cuDNN and FA2 (FP8_DIMS / FP8_SEQLENS narrow it; ~1.5 + 6 min cold)
-           IOATTN_SM90_FP8=1 IOATTN_SM90_FP8_BLOCK=1 IOATTN_SM90_FP8_VARLEN=1 timeout 200 python -m pytest -q -n 12 -p no:cacheprovider -rf \
+           IOATTN_SM90_FP8=1 IOATTN_SM90_FP8_BLOCK=1 IOATTN_SM90_FP8_VARLEN=1 timeout 240 python -m pytest -q -n 12 -p no:cacheprovider -rf \
              tests/dense/test_fp8.py tests/dense/test_sm90_compile.py -k "sm90" \
              > "$OUT/tests_fp8_sm90.log" 2>&1
            grep -E "^FAILED|^ERROR" "$OUT/tests_fp8_sm90.log" | head; tail -1 "$OUT/tests_fp8_sm90.log"
-           IOATTN_SM90_FP8=1 timeout 380 python -m ioattn bench --modes fwd \
+           IOATTN_SM90_FP8=1 timeout 340 python -m ioattn bench --modes fwd \
              --dims "${FP8_DIMS:-64,128,256}" --seqlens "${FP8_SEQLENS:-2048,4096,8192,16384}" \
              --rounds 3 --no-plots \
              --impls "${FP8_IMPLS:-ioattn,ioattn_fp8,ioattn_fp8_head,sdpa_cudnn,sdpa_flash}" \

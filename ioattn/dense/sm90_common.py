@@ -321,7 +321,7 @@ def zero_tail_rows(tile, first):
 def zero_tail_cols(tile, first):
     """``zero_tail_rows`` for a tile laid out keys innermost ([ROWS, KEYS]: the fp8 forward's V
     tiles): zero its columns [first, KEYS), whole rows at a time in slices of at least 8 rows
-    (the swizzle atom), 8 values a thread."""
+    (the swizzle atom), in 8-byte vectors (one warp: 16 or 32 values a thread)."""
     ROWS: gl.constexpr = tile.shape[0]
     COLS: gl.constexpr = tile.shape[1]
     WARPS: gl.constexpr = gl.num_warps()

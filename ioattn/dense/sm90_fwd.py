@@ -306,9 +306,9 @@ def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty
     """The loads of one query tile: its Q pieces (into q_smem's q_base.., of Q_BUFS buffers),
     then its n_tiles K and V tiles through the ring from ring position it0 (a persistent CTA's
     running count of key tiles); tc counts the CTA's earlier tiles with work that used this Q
-    buffer (q_empty's phase). fp8: V's descriptor views it keys innermost, [batch * heads * d_v,
-    seqlen_k] (``ioattn.fp8.keys_contiguous``): its tiles are at row vt_row (the head's first),
-    keys from vt_key0 (within the sequence)."""
+    buffer (q_empty's phase). fp8: V's descriptor views it keys innermost (``_v_rows``;
+    ``ioattn.fp8.keys_contiguous``): its tiles are at row vt_row (the head's first), keys
+    (columns) from vt_key0 (the tile's first key: varlen, a column of the packed total_k)."""
     V_T: gl.constexpr = v_smem.dtype.is_fp8()
     # V's column: kv_col is K's (a head's first column at K's tile width)
     if V_T or _v_cols(v_smem) == k_smem.shape[2]:
@@ -396,9 +396,9 @@ def _produce_persistent_tile(t, it, tc, q_desc, k_desc, v_desc, q_smem, k_smem, 
      n_tiles) = query_tile_at(n_m - 1 - t % n_m, t // n_m, CU_Q, CU_K, n_heads, kv_group,
                               seqlen_q_fixed, seqlen_k_fixed, window_left, window_right,
                               TILE_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT)
-    vt_row = 0  # (fp8) V's rows keys innermost: [batch * heads_k * d_v, seqlen_k]
+    vt_row = 0
     if v_smem.dtype.is_fp8():
-        vt_row = (off_b * (n_heads // kv_group) + off_hk) * v_smem.shape[1]
+        vt_row = _v_rows(off_b, off_hk, n_heads // kv_group, v_smem.shape[1], False)
     _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(tc % Q_BUFS),
                   q_empty.index(tc % Q_BUFS), k_full, v_full, k_empty, v_empty, v_fixed, BT, 0, 0,
                   q_start + start_m, off_h * HEAD_D, k_start + lo, off_hk * HEAD_D, n_tiles,
@@ -625,9 +625,10 @@ def _fp8_tile_descales(QD, KD, VD, stride_qdb, stride_qdh, stride_qdk, stride_kd
                        stride_vdb, stride_vdh, qd_group, off_b, off_h, off_hk, start_m,
                        DS_BLOCKED: gl.constexpr):
     """(fp8) A tile's descales: (d_qk, o_scale, KDB, VDB), d_qk Q's (its rows' block) times K's
-    (per head; DS_BLOCKED: Q's only, K's read per key block from KDB), o_scale V's (per head;
-    DS_BLOCKED: 1, V's read per key block from VDB); KDB / VDB 0 when not DS_BLOCKED
-    (warp_specialize takes no None)."""
+    (per head; DS_BLOCKED: Q's only, K's read per key block from KDB), which the caller folds
+    into the score scale, or softcap's when capped, through ``_live_descale`` (a tuple with
+    softcap's None does not compile); o_scale V's (per head; DS_BLOCKED: 1, V's read per key
+    block from VDB); KDB / VDB 0 when not DS_BLOCKED (warp_specialize takes no None)."""
     d_qk = gl.load(QD + off_b * stride_qdb + (off_h // qd_group) * stride_qdh
                    + (start_m // FP8_BLOCK) * stride_qdk)
     o_scale = 1.0
@@ -639,7 +640,18 @@ def _fp8_tile_descales(QD, KD, VD, stride_qdb, stride_qdh, stride_qdk, stride_kd
     else:
         d_qk = d_qk * gl.load(KD + off_b * stride_kdb + off_hk * stride_kdh)
         o_scale = gl.load(VD + off_b * stride_vdb + off_hk * stride_vdh)
-    return _live_descale(d_qk), o_scale, KDB, VDB
+    return d_qk, o_scale, KDB, VDB
+
+
+@gluon.jit
+def _v_rows(off_b, off_hk, n_heads_k, HEAD_DV: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """(fp8) The first row of a (batch, KV head)'s V in its keys-innermost view: [batch *
+    heads_k * d_v, seqlen_k] batched, [heads_k * d_v, total_k] varlen (a sequence's keys are
+    then columns from its cu_seqlens_k offset)."""
+    if IS_VARLEN:
+        return off_hk * HEAD_DV
+    else:
+        return (off_b * n_heads_k + off_hk) * HEAD_DV
 
 
 @gluon.jit
@@ -989,8 +1001,9 @@ def _consume_persistent_tile(t, it, tc, rnd, pend, o_desc, O, LSE, q_smem, k_sme
                              HAS_RIGHT: gl.constexpr, PINGPONG: gl.constexpr,
                              EXP_EARLY: gl.constexpr, O_COLS: gl.constexpr,
                              QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = 0,
-                             Q_BUFS: gl.constexpr = 1, QD=0, KD=0, VD=0, stride_qdb=0, stride_qdh=0, stride_qdk=0, stride_kdb=0,
-                             stride_kdh=0, stride_kdk=0, stride_vdb=0, stride_vdh=0, stride_vdk=0,
+                             Q_BUFS: gl.constexpr = 1, QD=0, KD=0, VD=0, stride_qdb=0,
+                             stride_qdh=0, stride_qdk=0, stride_kdb=0, stride_kdh=0,
+                             stride_kdk=0, stride_vdb=0, stride_vdh=0, stride_vdk=0,
                              qd_group=1, DS_BLOCKED: gl.constexpr = False):
     """One warpgroup's rows of tile t; returns the updated ring position, tiles-with-work count,
     pingpong rounds and (O_TMA >= 2) the V stage (3: Q buffer) + 1 whose O store is still to be
@@ -1014,9 +1027,9 @@ def _consume_persistent_tile(t, it, tc, rnd, pend, o_desc, O, LSE, q_smem, k_sme
             QD, KD, VD, stride_qdb, stride_qdh, stride_qdk, stride_kdb, stride_kdh, stride_vdb,
             stride_vdh, qd_group, off_b, off_h, off_h // kv_group, start_m, DS_BLOCKED)
         if softcap_scale is None:
-            qk_scale_log2 = qk_scale_log2 * d_qk
+            qk_scale_log2 = _live_descale(qk_scale_log2 * d_qk)
         else:
-            softcap_scale = softcap_scale * d_qk
+            softcap_scale = _live_descale(softcap_scale * d_qk)
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar.index(tc % Q_BUFS),
                              q_empty.index(tc % Q_BUFS), k_full, v_full, k_empty, v_empty,
                              v_fixed, turn, start_m, seqlen_q_fixed, seqlen_k_fixed, lo, n_tiles,
@@ -1106,9 +1119,10 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
                          PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr,
                          EXP_EARLY: gl.constexpr, O_COLS: gl.constexpr,
                          QK_COLS: gl.constexpr = 0, O_TMA: gl.constexpr = 0,
-                         Q_BUFS: gl.constexpr = 1, QD=0, KD=0, VD=0, stride_qdb=0, stride_qdh=0, stride_qdk=0, stride_kdb=0,
-                         stride_kdh=0, stride_kdk=0, stride_vdb=0, stride_vdh=0, stride_vdk=0,
-                         qd_group=1, DS_BLOCKED: gl.constexpr = False):
+                         Q_BUFS: gl.constexpr = 1, QD=0, KD=0, VD=0, stride_qdb=0,
+                         stride_qdh=0, stride_qdk=0, stride_kdb=0, stride_kdh=0, stride_kdk=0,
+                         stride_vdb=0, stride_vdh=0, stride_vdk=0, qd_group=1,
+                         DS_BLOCKED: gl.constexpr = False):
     """A persistent CTA's tiles, in the producer's order: program_id, program_id + programs, ...
     in snake order (``_snake``), or (DYNAMIC) the ids the producer draws from the tile counter
     and passes on through shared memory; tiles run over (query tile, batch * head), query tiles
@@ -1166,9 +1180,10 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     # from COUNTER, which the last CTA zeroes when COUNTER_RESET (``_tile_counter``).
     # Otherwise one CTA per (query tile, batch * head) on a 2D grid. O_TMA (persistent): O by TMA from the tile's last V stage
     # (``_store_tile``).
-    # fp8 (e4m3 q, k, v: FlashAttention-3's fp8 forward; one CTA per tile, batched): V's
-    # descriptor views it keys innermost ([batch * heads_k * d_v, seqlen_k] rows, boxes [d_v,
-    # BLOCK_N]: the K-major operand fp8 wgmma takes), O is bf16, and QD / KD / VD are fp32
+    # fp8 (e4m3 q, k, v: FlashAttention-3's fp8 forward; batched, one CTA per tile or
+    # persistent, or varlen): V's descriptor views it keys innermost ([batch * heads_k * d_v,
+    # seqlen_k] rows, varlen [heads_k * d_v, total_k], boxes [d_v, BLOCK_N]: the K-major
+    # operand fp8 wgmma takes; ``_v_rows``), O is bf16 (stored from registers), and QD / KD / VD are fp32
     # descales per (batch, head) (strides; Q's head is off_h // qd_group), folded into the
     # score scale (Q's and K's) and O (V's). DS_BLOCKED: the descales by blocks of FP8_BLOCK
     # rows too (stride_qdk, ...; a per-head one has stride 0): Q's one a tile (its 128 rows),
@@ -1323,16 +1338,12 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                 QD, KD, VD, stride_qdb, stride_qdh, stride_qdk, stride_kdb, stride_kdh,
                 stride_vdb, stride_vdh, qd_group, off_b, off_h, off_hk, start_m, DS_BLOCKED)
             if softcap_scale is None:
-                qk_scale_log2 = qk_scale_log2 * d_qk
+                qk_scale_log2 = _live_descale(qk_scale_log2 * d_qk)
             else:
-                softcap_scale = softcap_scale * d_qk
-            # V's rows: [batch * heads_k * d_v, seqlen_k] batched, [heads_k * d_v, total_k]
-            # varlen (a sequence's keys from k_start)
-            if IS_VARLEN:
-                vt_row = off_hk * HEAD_DV
+                softcap_scale = _live_descale(softcap_scale * d_qk)
+            vt_row = _v_rows(off_b, off_hk, n_heads // kv_group, HEAD_DV, IS_VARLEN)
+            if IS_VARLEN:  # (the sequence's keys: columns from its first)
                 vt_key0 = k_start
-            else:
-                vt_row = (off_b * (n_heads // kv_group) + off_hk) * HEAD_DV
         if WGS == 3:
             gl.warp_specialize([
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
@@ -1757,8 +1768,9 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 def _attn_fwd_sm90_fp8(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor) -> None:
     """``attn_fwd_sm90`` for fp8 q, k, v (batched, or varlen with FP8_VARLEN_ON; per-head
-    descales, or block ones with FP8_BLOCK_ON): one CTA per tile, V read keys innermost
-    (``_keys_major``; varlen V as one batch of total_k keys), O in bf16."""
+    descales, or block ones with FP8_BLOCK_ON): one CTA per tile, or persistent CTAs
+    (``_fp8_form``: batched, FP8_PERSISTENT); V read keys innermost (``_keys_major``; varlen V
+    as one batch of total_k keys), O in bf16."""
     d = q.shape[-1]
     n_heads, n_heads_k = q.shape[-2], k.shape[-2]
     varlen = p.is_varlen

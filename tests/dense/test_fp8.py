@@ -13,8 +13,8 @@ import torch
 import ioattn
 from ioattn.dense import sm90_fwd
 from ioattn.dense.op import dense_fwd
-from ioattn.fp8 import (FP8_DTYPE, QUANT_BLOCK, dequantize, hadamard_transform, quantize,
-                        quantize_qkv, random_signs)
+from ioattn.fp8 import (FP8_DTYPE, QUANT_BLOCK, dequantize, hadamard_transform, keys_contiguous,
+                        quantize, quantize_qkv, random_signs)
 from ioattn.reference import attention_ref, attention_varlen_ref
 from ioattn.testing import alibi_slopes, assert_close_rule, cu_seqlens, rounding_atol
 from tests.conftest import ON_GPU
@@ -131,7 +131,10 @@ def test_fp8_sm90(c: Case, v_rows, device, monkeypatch):
                                Case(300, 300, d=256, window=(40, 7)),
                                Case(97, 150, h=4, h_k=1, softcap=2.0, block=None),
                                Case(203, 113, d=256, causal=True, block=None),
-                               Case(1024, 1024, b=2, d=64, h=4, block=None)],
+                               Case(1024, 1024, b=2, d=64, h=4, block=None),
+                               # q descaled per KV head; tiles 0 and 1 see no key
+                               Case(300, 40, d=128, h=4, h_k=2, causal=True, block=None,
+                                    q_per_kv_head=True)],
                          ids=lambda c: c.id)
 def test_fp8_sm90_persistent(c: Case, ctas, device, monkeypatch):
     """The sm90 fp8 forward on persistent CTAs (IOATTN_SM90_FP8_PERSISTENT: tiles from the
@@ -291,14 +294,23 @@ def test_quantize_varlen_bounds(device):
 ON_HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 
 
+def _on_hopper(*values):
+    return pytest.param(*values, marks=pytest.mark.skipif(not ON_HOPPER, reason="needs Hopper"))
+
+
 @pytest.mark.parametrize("block", [QUANT_BLOCK, None], ids=["block", "perhead"])
-@pytest.mark.parametrize("backend,d", [("auto", 64)] + [
-    pytest.param("sm90", d, marks=pytest.mark.skipif(not ON_HOPPER, reason="needs Hopper"))
-    for d in (64, 128, 256)])
-def test_fp8_varlen(block, backend, d, device, monkeypatch):
-    """Varlen fp8 (empty q / k sequences, two descale blocks), also on the sm90 fp8 forward
-    (IOATTN_SM90_FP8_VARLEN): q, k, v longer than the last sequence with NaN rows past it (a
-    key tile crossing the end must not carry them into P·V, where 0 x NaN is NaN)."""
+@pytest.mark.parametrize("backend,d,window,v_keys", [
+    ("auto", 64, (-1, -1), False), ("auto", 64, (64, 0), True),
+    _on_hopper("sm90", 64, (-1, -1), False), _on_hopper("sm90", 128, (-1, -1), False),
+    _on_hopper("sm90", 256, (-1, -1), False), _on_hopper("sm90", 128, (64, 0), True)],
+    ids=["auto-d64", "auto-d64-window-vkeys", "sm90-d64", "sm90-d128", "sm90-d256",
+         "sm90-d128-window-vkeys"])
+def test_fp8_varlen(block, backend, d, window, v_keys, device, monkeypatch):
+    """Varlen fp8, causal (empty q / k sequences, two descale blocks), also on the sm90 fp8
+    forward (IOATTN_SM90_FP8_VARLEN): q, k, v longer than the last sequence with NaN rows past
+    it (a key tile crossing the end must not carry them into P·V, where 0 x NaN is NaN); with a
+    window (key tiles from past a sequence's first: its column offset plus the window's start)
+    and V keys innermost (368 keys with the padding, TMA-readable in place: not copied)."""
     monkeypatch.setattr(sm90_fwd, "FP8_BLOCK_ON", True)
     monkeypatch.setattr(sm90_fwd, "FP8_VARLEN_ON", True)
     lens_q, lens_k = [5, 0, 130, 17], [200, 3, 140, 0]  # empty q / k sequences, 2 blocks
@@ -308,21 +320,27 @@ def test_fp8_varlen(block, backend, d, device, monkeypatch):
     k = torch.randn(sum(lens_k), h_k, d, device=device)
     v = torch.randn(sum(lens_k), h_k, d, device=device)
     q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, block_size=block, cu_seqlens_q=cu_q,
-                                          cu_seqlens_k=cu_k)
+                                          cu_seqlens_k=cu_k, v_keys_contiguous=False)
     assert qd.shape[:2] == (4, h) and (block is None or qd.shape[2] == 2)
 
     def nan_tail(t, n):  # n more rows of e4m3 NaN
-        return torch.cat([t, torch.full((n,) + t.shape[1:], float("nan"), device=device).to(t.dtype)])
+        nan = torch.full((n,) + t.shape[1:], float("nan"), device=device)
+        return torch.cat([t, nan.to(t.dtype)])
 
+    v_in = nan_tail(v8, 25)  # 343 + 25 = 368 keys, a multiple of 16
+    if v_keys:
+        v_in = keys_contiguous(v_in)
+        assert v_in.stride(0) == 1
+    kw = dict(causal=True, window_size=window)
     out, lse, _ = ioattn.flash_attn_varlen_func(
-        nan_tail(q8, 9), nan_tail(k8, 37), nan_tail(v8, 37), cu_q, cu_k, max(lens_q),
-        max(lens_k), causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
-        return_attn_probs=True, backend=backend)
+        nan_tail(q8, 9), nan_tail(k8, 25), v_in, cu_q, cu_k, max(lens_q), max(lens_k),
+        q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True, backend=backend,
+        **kw)
     out, lse = out[:sum(lens_q)], lse[:, :sum(lens_q)]
     dq, dk, dv = (dequantize(t, ds, cu_seqlens=cu) for t, ds, cu in
                   ((q8, qd, cu_q), (k8, kd, cu_k), (v8, vd, cu_k)))
-    ref, lse_ref = attention_varlen_ref(dq, dk, dv, cu_q, cu_k, causal=True)
-    pt, _ = attention_varlen_ref(dq, dk, dv, cu_q, cu_k, causal=True, fp8_p=True)
+    ref, lse_ref = attention_varlen_ref(dq, dk, dv, cu_q, cu_k, **kw)
+    pt, _ = attention_varlen_ref(dq, dk, dv, cu_q, cu_k, fp8_p=True, **kw)
     assert_close_rule("out", out, ref, pt)
     fin = torch.isfinite(lse_ref)
     assert torch.equal(fin, torch.isfinite(lse))
