@@ -166,6 +166,10 @@ ENV_SWITCHES = (
     ("IOATTN_SM90_FP8_BLOCK", "0", "sm90 fp8 forward with block descales (one per 128 rows, "
      "ioattn.fp8.quantize's default) too; opt-in until its GPU tests have run, such calls run "
      "the portable kernel"),
+    ("IOATTN_SM90_FP8_VARLEN", "0", "sm90 fp8 forward on varlen calls (cu_seqlens) too; opt-in "
+     "until its GPU tests have run, such calls run the portable kernel"),
+    ("IOATTN_SM90_FP8_PERSISTENT", "0", "sm90 fp8 forward on persistent CTAs for batched calls "
+     "(the dynamic scheduler, as the 16-bit forms); opt-in until timed: one CTA per tile"),
     ("IOATTN_SM90_FWD_O_DEFER", "1", "sm90 persistent forward (with O_TMA): the V stage holding "
      "O goes back to the producer after the next tile's first key block, not after a wait "
      "(0: waited for at the store)"),
