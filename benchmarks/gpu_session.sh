@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that does a session's GPU work: the test suite, the benchmark grid and the
 # long-context run, logs under $OUT (the device tool returns at most 8 files).
-#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early] [short] [d256-decode] [short-bench] [bind-tests] [pending] [short-timeline] [short-forms] [counters] [decode-accept] [fp8] [fp8-sm90] [tune-fp8] [cudnn-names] [fp8-sm90-forms]   (default: tests bench long)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [long] [sm90] [sm90-bwd] [sm90-bwd-fused] [decode] [tune-decode] [tests-sm90] [sanitize] [tune-fwd] [tune-bwd] [serving] [chunked] [tune-decode-graph] [racecheck-ws] [profile-fwd] [bench-fp16] [sm90-decode] [host] [profile-decode] [tune-sm90-decode] [sm90-decode-merge] [sm90-persistent] [tune-sm90] [profile-bwd] [d256] [sm90-bwd-order] [sm90-wg3p] [sm90-bwd-d256] [tests-variants] [sm90-bwd-seg] [sm90-bwd-rowstats] [host-graph] [sm90-wg3pp] [sm90-pp128] [sm90-exp-early] [sm90-bwd-exp-early] [sm90-decode-fp8] [profile-fwd64] [warm] [sm90-decode-balanced] [sm90-softcap] [softcap-bench] [padded-bench] [pad-tma-bench] [fwd16k] [pad-tests] [dmon] [decode-pdl] [sdpa-bench] [lpt] [parts] [pad-narrow] [bwd-ncu] [bwd-tma-store] [fwd-o-tma] [fwd-o-defer] [decode-prefetch] [bwd-stages] [bwd-rows] [tests-sm90file] [tests-rest] [fwd-q-bufs] [fwd-q-bufs-bench] [profile-decode-mem] [profile-decode-whole] [fwd-q-bufs-d64] [decode-grid] [tail-shapes] [profile-decode-sections] [tune-kvcache-splits] [sched-probe] [decode-claim] [loader] [read-probe] [d256-persistent] [shallow] [mma16] [early] [short] [d256-decode] [short-bench] [bind-tests] [pending] [short-timeline] [short-forms] [counters] [decode-accept] [fp8] [fp8-sm90] [tune-fp8] [cudnn-names] [fp8-sm90-forms] [q-regs]   (default: tests bench long)
 # TUNE_FWD_ARGS / TUNE_BWD_ARGS replace the sweeps' shape arguments (default --seqlens 2048,8192).
 # Pass IOATTN_GIT_COMMIT=<hash> literally: the device machine's copy of .git can be stale, so
 # `git rev-parse` there names an older commit.
@@ -870,6 +870,15 @@ for step in $steps; do
                --out "$OUT/fp8_sm90_pers${v}_${GPU_TAG}_$(date +%F).json" > "/tmp/fp8_pers$v.log" 2>&1
              echo "== persistent $v (block descales on sm90)"; grep -E "^fwd" "/tmp/fp8_pers$v.log"
            done ;;
+    q-regs) # (session 43) Q's first columns in registers as Q·Kᵀ's A operand
+           # (IOATTN_SM90_FWD_Q_REGS, opt-in; d=128 all of Q with the exponentials early without
+           # a mask, d=256 64 columns): its GPU tests, then the d = 128 / 256 forward on / off,
+           # cuDNN in each run (JSONs fwd_q_regs{1,0}); FWD_SEQLENS narrows it
+           timeout 150 python -m pytest -q -n 8 -p no:cacheprovider -rf tests/dense/test_sm90.py \
+             -k "q_regs" > "$OUT/tests_q_regs.log" 2>&1
+           grep -E "^FAILED|^ERROR" "$OUT/tests_q_regs.log" | head; tail -1 "$OUT/tests_q_regs.log"
+           onoff IOATTN_SM90_FWD_Q_REGS "1 0" fwd_q_regs --modes fwd --dims 128,256 \
+             --seqlens "${FWD_SEQLENS:-2048,4096,16384}" --dtypes bf16 ;;
     cudnn-names) # (session 43) the kernels cuDNN's SDPA runs for the FA grid's d = 64 / 128 /
            # 256 forward and backward at 2k (their names carry the tile: "..._64x128x128_..."),
            # to compare with ours where it leads (d=256 non-causal 2k / 4k)

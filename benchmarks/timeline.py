@@ -114,17 +114,17 @@ def fwd_source(base: int) -> str:
     src = _patch(src, "    pend = _store_tile(", "    _tl_f1(t)\n    pend = _store_tile(")
     # Q's arrival and the first block inside _consume_tile, which gets the tile id as an extra
     # argument (tl_t; the one-tile consumer's call passes none: 0, its stamps unread)
-    src = _patch(src, "                  KDB=0, VDB=0, stride_kdk=0, stride_vdk=0, "
-                 "DS_BLOCKED: gl.constexpr = False):\n",
-                 "                  KDB=0, VDB=0, stride_kdk=0, stride_vdk=0, "
-                 "DS_BLOCKED: gl.constexpr = False, tl_t=0):\n")
+    src = _patch(src, "DS_BLOCKED: gl.constexpr = False,\n"
+                 "                  Q_REGS: gl.constexpr = 0):\n",
+                 "DS_BLOCKED: gl.constexpr = False,\n"
+                 "                  Q_REGS: gl.constexpr = 0, tl_t=0):\n")
     src = _patch(src, "        mbarrier.wait(q_bar, q_phase)\n",
                  "        mbarrier.wait(q_bar, q_phase)\n        _tl_f3(tl_t)\n")
     src = _patch(src, "        if KEEP_LAST_V >= 2:\n            _release_o_stage(",
                  "        _tl_f4(tl_t)\n        if KEEP_LAST_V >= 2:\n"
                  "            _release_o_stage(")
-    src = _patch(src, "QK_COLS, O_TMA, tc % Q_BUFS * WGS,\n                             q_empty)\n",
-                 "QK_COLS, O_TMA, tc % Q_BUFS * WGS,\n                             q_empty, tl_t=t)\n")
+    src = _patch(src, "stride_vdk, DS_BLOCKED,\n                             Q_REGS)\n",
+                 "stride_vdk, DS_BLOCKED,\n                             Q_REGS, tl_t=t)\n")
     return _patch(src, "    has_work = (n_tiles > 0).to(gl.int32)\n    return it + n_tiles,",
                   "    _tl_f2(t)\n    has_work = (n_tiles > 0).to(gl.int32)\n    return it + n_tiles,")
 

@@ -170,6 +170,9 @@ ENV_SWITCHES = (
      "until its GPU tests have run, such calls run the portable kernel"),
     ("IOATTN_SM90_FP8_PERSISTENT", "0", "sm90 fp8 forward on persistent CTAs for batched calls "
      "(the dynamic scheduler, as the 16-bit forms); opt-in until timed: one CTA per tile"),
+    ("IOATTN_SM90_FWD_Q_REGS", "0", "sm90 forward (d=128 / 256, 16-bit): Q's first columns in "
+     "registers as Q·Kᵀ's A operand (d=128 all, exponentials early without a mask; d=256 64), "
+     "the rest from shared memory; opt-in until timed"),
     ("IOATTN_SM90_FWD_O_DEFER", "1", "sm90 persistent forward (with O_TMA): the V stage holding "
      "O goes back to the producer after the next tile's first key block, not after a wait "
      "(0: waited for at the store)"),

@@ -366,6 +366,12 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
                          sm90_fwd._attn_fwd_sm90,
                          dict(q_desc=64, o_desc=64, k_desc=tile_n, v_desc=tile_n), d,
                          dict(flags, PAGED=False, PAGE=1, **form)))
+            qform = sm90_fwd.q_regs_form(form, d, "causal" if causal else "none")
+            if not varlen and qform.get("Q_REGS"):  # (IOATTN_SM90_FWD_Q_REGS, opt-in)
+                jobs.append((f"sm90 fwd d{d} {tag} q-regs={qform['Q_REGS']} "
+                             f"{64 * form['WGS']}x{tile_n} ws", sm90_fwd._attn_fwd_sm90,
+                             dict(q_desc=64, o_desc=64, k_desc=tile_n, v_desc=tile_n), d,
+                             dict(flags, PAGED=False, PAGE=1, **qform)))
             bwd_desc = dict(q_desc=64, do_desc=64, k_desc=64, v_desc=64, dqa_desc=64, dk_desc=64,
                             dv_desc=64)
             dq_bn = sm90_bwd._dq_block_n(d)

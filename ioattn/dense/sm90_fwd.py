@@ -45,7 +45,7 @@ from ioattn.dense.sm90_common import (OPERAND_DTYPES, PADDED_HEAD_DIMS, barriers
                                       rows_descriptor, score_scales, softcap_tanh, box_cols,
                                       store_cols, tile_layout, tma_load, stage_tma_store,
                                       tma_view_problem, grouped_order, head_group_size,
-                                      mma_over_cols, narrow_dv,
+                                      mma_over_cols, narrow_dv, _pow2_floor,
                                       wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile)
 from ioattn.dispatch import sm_count
 from ioattn.launch import Desc, current_stream, launcher, repeat
@@ -192,6 +192,15 @@ if WG3_BLOCK_N not in ("auto", "64", "128"):
     raise ValueError(f"IOATTN_SM90_WG3_BLOCK_N={WG3_BLOCK_N!r}: expected auto, 64 or 128")
 
 
+# Q's first columns held in registers as the Q·Kᵀ wgmma's A operand (the rest from shared memory,
+# ``_qk``): each key block's shared-memory reads lose Q's share of them (d=128 with all of Q:
+# 32 of 160 KB a 128-key block; d=256 with 64 of its columns: 16 of 192 KB a 64-key block, the
+# d=256 forward's QKᵀ being the one at shared memory's 128 B a cycle). Opt-in
+# (IOATTN_SM90_FWD_Q_REGS=1: d=128 all of Q, with the exponentials early (``EXP_EARLY``) where
+# there is no mask, which the unmasked form needs to compile without spills; d=256 64 columns;
+# d=64's 160-register tiles spill with it) until timed (built on CPU, session 43: compiled
+# spill-free in the key loops at d=128 causal / non-causal early and d=256)
+Q_REGS_ON = os.environ.get("IOATTN_SM90_FWD_Q_REGS", "0").lower() in ("1", "true", "on")
 # the steady state's exponentials before the wait for PV_{j-1} (FA3's intra-warpgroup overlap as
 # written, ``_softmax_step`` with OP_LAYOUT), P converted to PV's register operand in the same
 # block: in the sm90 SASS ptxas otherwise hoists that wait above ~56 of a thread's 66
@@ -735,7 +744,8 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                   HAS_RIGHT: gl.constexpr, ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr,
                   PERSISTENT: gl.constexpr, EXP_EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0,
                   KEEP_LAST_V: gl.constexpr = 0, q_base=0, q_bufs_empty=None, o_scale=1.0,
-                  KDB=0, VDB=0, stride_kdk=0, stride_vdk=0, DS_BLOCKED: gl.constexpr = False):
+                  KDB=0, VDB=0, stride_kdk=0, stride_vdk=0, DS_BLOCKED: gl.constexpr = False,
+                  Q_REGS: gl.constexpr = 0):
     """One warpgroup's 64 query rows of a tile: key tiles from ring position it0, pingpong rounds
     from rnd0, Q (q_smem's piece q_base + WG) from its load completing phase q_phase of q_bar.
     Returns (out, lse): out normalized in the input dtype, lse in natural log; rows that saw no
@@ -774,6 +784,9 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
         v_cur = (n_tiles * 0).to(gl.float32) + 1.0
     if n_tiles > 0:
         mbarrier.wait(q_bar, q_phase)
+        q_regs = None  # (Q_REGS) Q's first columns as the Q·Kᵀ wgmma's register operand
+        if Q_REGS:
+            q_regs = q.slice(0, Q_REGS, 1).load(wgmma_a_operand(s_layout, _operand_bits(dtype)))
         kd = None
         vd0 = None
         if DS_BLOCKED:  # (block 0's, both read before its Q·Kᵀ)
@@ -784,7 +797,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                                    row0, seqlen_k, off, window_left, window_right,
                                    qk_scale_log2,
                                    softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG,
-                                   EXP_EARLY, QK_COLS, kd)
+                                   EXP_EARLY, QK_COLS, kd, q_regs)
         if DS_BLOCKED:  # (acc is 0: no rescale)
             v_cur, _, p = _v_descale_step(vd0, v_cur, p)
         if KEEP_LAST_V >= 2:
@@ -795,7 +808,8 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                                                  window_right, qk_scale_log2,
                                                  softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT,
                                                  PINGPONG, EXP_EARLY, QK_COLS, KDB, VDB,
-                                                 stride_kdk, stride_vdk, v_cur, DS_BLOCKED)
+                                                 stride_kdk, stride_vdk, v_cur, DS_BLOCKED,
+                                                 q_regs)
         if PERSISTENT and KEEP_LAST_V != 3:
             # every QKᵀ of this tile has retired: the producer may load the next tile's Q
             mbarrier.arrive(q_empty, count=1)
@@ -835,12 +849,40 @@ def _release_o_stage(bars, pend):
 
 
 @gluon.jit
+def _qk(q, q_regs, k, s_zero, QK_COLS: gl.constexpr):
+    """S = Q·Kᵀ of a key block, asynchronous: Q from shared memory (``mma_over_cols``), or
+    (q_regs, ``Q_REGS``) its first columns from registers and the rest from shared memory, two
+    or three wgmma groups into one accumulator (the first with A in registers: its
+    shared-memory reads are K's alone). Returns the last group's token (groups complete in
+    order, so a wait that retires it retires them all)."""
+    if q_regs is None:
+        tok = mma_over_cols(q, k, s_zero, QK_COLS)
+    else:
+        R: gl.constexpr = q_regs.shape[1]
+        D: gl.constexpr = q.shape[1]
+        tok = warpgroup_mma(q_regs, k.slice(0, R, 1).permute((1, 0)), s_zero, use_acc=False,
+                            is_async=True)
+        # the rest in power-of-two pieces, each at an offset its size divides (a slice of a
+        # swizzled tile must be): [R, D) whole, or [R, 2R) and [2R, D)
+        C0: gl.constexpr = D - R if R == D or D - R == _pow2_floor(D - R) else R
+        if C0 > 0:
+            tok = warpgroup_mma(q.slice(R, C0, 1), k.slice(R, C0, 1).permute((1, 0)), tok,
+                                use_acc=True, is_async=True)
+        if R + C0 < D:
+            tok = warpgroup_mma(q.slice(R + C0, D - R - C0, 1),
+                                k.slice(R + C0, D - R - C0, 1).permute((1, 0)), tok,
+                                use_acc=True, is_async=True)
+    return tok
+
+
+@gluon.jit
 def _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, p, acc, m_i, l_i,
                    it0, rnd0, n_tiles, lo, row0, seqlen_k, off, window_left, window_right,
                    qk_scale_log2, softcap_scale, WG: gl.constexpr, STAGES: gl.constexpr,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PINGPONG: gl.constexpr,
                    EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0, KDB=0, VDB=0,
-                   stride_kdk=0, stride_vdk=0, v_cur=1.0, DS_BLOCKED: gl.constexpr = False):
+                   stride_kdk=0, stride_vdk=0, v_cur=1.0, DS_BLOCKED: gl.constexpr = False,
+                   q_regs=None):
     """Key blocks 1 .. n_tiles - 1 of a tile (block 0's softmax done, its P in p), the steady
     state: QK_j issued before PV_{j-1}; wait(1) retires QK_j, the softmax of block j then
     overlaps PV_{j-1}. Returns (p, acc, m_i, l_i, v_cur): the last block's P, its PV not issued.
@@ -862,7 +904,7 @@ def _steady_blocks(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, p,
                                               lo + j * BLOCK_N, row0, seqlen_k, off, window_left,
                                               window_right, qk_scale_log2,
                                               softcap_scale, WG, STAGES, HAS_LEFT,
-                                              HAS_RIGHT, PINGPONG, EARLY, QK_COLS, kd)
+                                              HAS_RIGHT, PINGPONG, EARLY, QK_COLS, kd, q_regs)
         if DS_BLOCKED:  # (the next block's K descale, read while this one's work runs)
             kd = _block_descale(KDB, stride_kdk, lo + (j + 1) * BLOCK_N, j + 1 < n_tiles)
             v_cur, factor, p = _v_descale_step(vd, v_cur, p)
@@ -878,7 +920,7 @@ def _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it, rnd, co
                  window_left, window_right, qk_scale_log2, softcap_scale, WG: gl.constexpr,
                  STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                  PINGPONG: gl.constexpr, EARLY: gl.constexpr, QK_COLS: gl.constexpr = 0,
-                 kd=None):
+                 kd=None, q_regs=None):
     """A tile's first key block (ring position it, keys from col0) with no PV in flight: S on
     its own, then its softmax from (m_i, l_i). Returns (p, m, l); with EARLY p is PV's register
     operand already (``_softmax_step``). kd: the block's K descale (fp8 block descales)."""
@@ -888,7 +930,7 @@ def _first_block(q, k_smem, k_full, k_empty, turn, s_zero, m_i, l_i, it, rnd, co
     st = it % STAGES
     mbarrier.wait(k_full.index(st), (it // STAGES) & 1)
     _take_turn(turn, WG, rnd, PINGPONG)
-    s_tok = mma_over_cols(q, k_smem.index(st), s_zero, QK_COLS)
+    s_tok = _qk(q, q_regs, k_smem.index(st), s_zero, QK_COLS)
     _pass_turn(turn, WG, PINGPONG)
     s, qk_scale_log2 = _scores(warpgroup_mma_wait(0, deps=[s_tok]), qk_scale_log2,
                                softcap_scale, kd)
@@ -906,7 +948,7 @@ def _block_step(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, s_zer
                 softcap_scale,
                 WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                 HAS_RIGHT: gl.constexpr, PINGPONG: gl.constexpr, EARLY: gl.constexpr,
-                QK_COLS: gl.constexpr = 0, kd=None):
+                QK_COLS: gl.constexpr = 0, kd=None, q_regs=None):
     """One steady-state step: QK of the block at ring position it (keys from col0) issued, then
     PV of the previous block (its P in p, V at it - 1) into acc; wait(1) retires QK, and this
     block's softmax from (m_i, l_i) runs while PV is on the tensor cores. Returns (p, alpha, m,
@@ -920,7 +962,7 @@ def _block_step(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, s_zer
     mbarrier.wait(v_full.index(prev), ((it - 1) // STAGES) & 1)
     p_op = _pv_operand(p, dtype, p_layout, EARLY)
     _take_turn(turn, WG, rnd, PINGPONG)
-    s_tok = mma_over_cols(q, k_smem.index(st), s_zero, QK_COLS)  # (QK_COLS: two groups)
+    s_tok = _qk(q, q_regs, k_smem.index(st), s_zero, QK_COLS)  # (QK_COLS, q_regs: two groups)
     acc_tok = warpgroup_mma(p_op, _v_operand(v_smem, prev), acc, is_async=True)
     _pass_turn(turn, WG, PINGPONG)
     s, qk_scale_log2 = _scores(warpgroup_mma_wait(1, deps=[s_tok]), qk_scale_log2,
@@ -968,7 +1010,8 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_
               WG: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               ZERO_TAIL: gl.constexpr, PINGPONG: gl.constexpr, EXP_EARLY: gl.constexpr,
               O_COLS: gl.constexpr, QK_COLS: gl.constexpr = 0, o_scale=1.0, KDB=0,
-              VDB=0, stride_kdk=0, stride_vdk=0, DS_BLOCKED: gl.constexpr = False):
+              VDB=0, stride_kdk=0, stride_vdk=0, DS_BLOCKED: gl.constexpr = False,
+              Q_REGS: gl.constexpr = 0):
     _first_turn(turn, WG, PINGPONG)
     out, lse = _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                              v_empty, v_fixed, turn, start_m, seqlen_q, seqlen_k, lo, n_tiles,
@@ -976,7 +1019,7 @@ def _consumer(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_
                              softcap_scale, 0, 0, 0, 0, WG, STAGES,
                              HAS_LEFT, HAS_RIGHT, ZERO_TAIL, PINGPONG, False, EXP_EARLY, QK_COLS,
                              0, 0, None, o_scale, KDB, VDB, stride_kdk, stride_vdk,
-                             DS_BLOCKED)
+                             DS_BLOCKED, Q_REGS)
     row0 = start_m + WG * HALF_M
     _store_lse(LSE, lse, lse_off, row0, seqlen_q)
     # (fp8: the Q half, e4m3, holds half of a bf16 O: O goes from registers)
@@ -1004,7 +1047,8 @@ def _consume_persistent_tile(t, it, tc, rnd, pend, o_desc, O, LSE, q_smem, k_sme
                              Q_BUFS: gl.constexpr = 1, QD=0, KD=0, VD=0, stride_qdb=0,
                              stride_qdh=0, stride_qdk=0, stride_kdb=0, stride_kdh=0,
                              stride_kdk=0, stride_vdb=0, stride_vdh=0, stride_vdk=0,
-                             qd_group=1, DS_BLOCKED: gl.constexpr = False):
+                             qd_group=1, DS_BLOCKED: gl.constexpr = False,
+                             Q_REGS: gl.constexpr = 0):
     """One warpgroup's rows of tile t; returns the updated ring position, tiles-with-work count,
     pingpong rounds and (O_TMA >= 2) the V stage (3: Q buffer) + 1 whose O store is still to be
     released.
@@ -1036,7 +1080,8 @@ def _consume_persistent_tile(t, it, tc, rnd, pend, o_desc, O, LSE, q_smem, k_sme
                              window_left, window_right, qk_scale_log2, softcap_scale, it, rnd,
                              (tc // Q_BUFS) & 1, pend, WG, STAGES, HAS_LEFT, HAS_RIGHT, False,
                              PINGPONG, True, EXP_EARLY, QK_COLS, O_TMA, tc % Q_BUFS * WGS,
-                             q_empty, o_scale, KDB, VDB, stride_kdk, stride_vdk, DS_BLOCKED)
+                             q_empty, o_scale, KDB, VDB, stride_kdk, stride_vdk, DS_BLOCKED,
+                             Q_REGS)
     pend = _store_tile(out, lse, t, o_desc, O, LSE, v_smem, v_empty, o_bar,
                        (it + n_tiles - 1) % STAGES, tc, CU_Q, CU_K, stride_om, stride_oh,
                        stride_lb, stride_lh, n_heads, kv_group, seqlen_q_fixed, seqlen_k_fixed,
@@ -1122,7 +1167,7 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
                          Q_BUFS: gl.constexpr = 1, QD=0, KD=0, VD=0, stride_qdb=0,
                          stride_qdh=0, stride_qdk=0, stride_kdb=0, stride_kdh=0, stride_kdk=0,
                          stride_vdb=0, stride_vdh=0, stride_vdk=0, qd_group=1,
-                         DS_BLOCKED: gl.constexpr = False):
+                         DS_BLOCKED: gl.constexpr = False, Q_REGS: gl.constexpr = 0):
     """A persistent CTA's tiles, in the producer's order: program_id, program_id + programs, ...
     in snake order (``_snake``), or (DYNAMIC) the ids the producer draws from the tile counter
     and passes on through shared memory; tiles run over (query tile, batch * head), query tiles
@@ -1145,7 +1190,8 @@ def _consumer_persistent(o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty,
             window_left, window_right, qk_scale_log2,
             softcap_scale, WG, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, EXP_EARLY, O_COLS,
             QK_COLS, O_TMA, Q_BUFS, QD, KD, VD, stride_qdb, stride_qdh, stride_qdk, stride_kdb,
-            stride_kdh, stride_kdk, stride_vdb, stride_vdh, stride_vdk, qd_group, DS_BLOCKED)
+            stride_kdh, stride_kdk, stride_vdb, stride_vdh, stride_vdk, qd_group, DS_BLOCKED,
+            Q_REGS)
         k += 1
         t = _consumer_next_tile(k, total, tile_smem, tile_full, tile_empty, DYNAMIC)
     if O_TMA >= 2:
@@ -1168,7 +1214,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                    Q_BUFS: gl.constexpr = 1, COUNTER_RESET: gl.constexpr = False,
                    QD=None, KD=None, VD=None, stride_qdb=0, stride_qdh=0, stride_kdb=0,
                    stride_kdh=0, stride_vdb=0, stride_vdh=0, qd_group=1, stride_qdk=0,
-                   stride_kdk=0, stride_vdk=0, DS_BLOCKED: gl.constexpr = False):
+                   stride_kdk=0, stride_vdk=0, DS_BLOCKED: gl.constexpr = False,
+                   Q_REGS: gl.constexpr = 0):
     # WGS: consumer warpgroups, 64 query rows each (2, or 3 for d=64: FA3's 192-row tiles).
     # head_group: the tiles (the tile counter's ids, or the grid's CTAs) in grouped heaviest-
     # first order (``sm90_common.grouped_order``, ``LPT``); 1: one head after another
@@ -1199,6 +1246,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     gl.static_assert(not (PERSISTENT and (IS_VARLEN or PAGED)),
                      "the persistent form covers batched (not varlen or paged) problems")
     gl.static_assert(WGS == 2 or WGS == 3, "two or three consumer warpgroups")
+    gl.static_assert(Q_REGS == 0 or (QK_COLS == 0 and not FP8),
+                     "Q in registers (Q_REGS) for 16-bit Q·Kᵀ over all of d")
     gl.static_assert(Q_BUFS == 1 or (Q_BUFS == 2 and PERSISTENT),
                      "two Q buffers in the persistent form only")
     if not PERSISTENT:
@@ -1250,7 +1299,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS, QD, KD,
                                         VD, stride_qdb, stride_qdh, stride_qdk, stride_kdb,
                                         stride_kdh, stride_kdk, stride_vdb, stride_vdh,
-                                        stride_vdk, qd_group, DS_BLOCKED)),
+                                        stride_vdk, qd_group, DS_BLOCKED, Q_REGS)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
                                         q_empty, k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
@@ -1262,7 +1311,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS, QD, KD,
                                         VD, stride_qdb, stride_qdh, stride_qdk, stride_kdb,
                                         stride_kdh, stride_kdk, stride_vdb, stride_vdh,
-                                        stride_vdk, qd_group, DS_BLOCKED)),
+                                        stride_vdk, qd_group, DS_BLOCKED, Q_REGS)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
                                         q_empty, k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
@@ -1274,7 +1323,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS, QD, KD,
                                         VD, stride_qdb, stride_qdh, stride_qdk, stride_kdb,
                                         stride_kdh, stride_kdk, stride_vdb, stride_vdh,
-                                        stride_vdk, qd_group, DS_BLOCKED)),
+                                        stride_vdk, qd_group, DS_BLOCKED, Q_REGS)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
                                         q_empty, k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
@@ -1296,7 +1345,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS, QD, KD,
                                         VD, stride_qdb, stride_qdh, stride_qdk, stride_kdb,
                                         stride_kdh, stride_kdk, stride_vdb, stride_vdh,
-                                        stride_vdk, qd_group, DS_BLOCKED)),
+                                        stride_vdk, qd_group, DS_BLOCKED, Q_REGS)),
                 (_consumer_persistent, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar,
                                         q_empty, k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), turn, CU_Q, CU_K, stride_om, stride_oh,
@@ -1308,7 +1357,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                                         EXP_EARLY, O_COLS, QK_COLS, O_TMA, Q_BUFS, QD, KD,
                                         VD, stride_qdb, stride_qdh, stride_qdk, stride_kdb,
                                         stride_kdh, stride_kdk, stride_vdb, stride_vdh,
-                                        stride_vdk, qd_group, DS_BLOCKED)),
+                                        stride_vdk, qd_group, DS_BLOCKED, Q_REGS)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
                                         q_empty, k_full, v_full, k_empty, v_empty,
                                         v_fixed.index(0), BT, CU_Q, CU_K, n_heads, kv_group,
@@ -1353,7 +1402,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              qk_scale_log2,
                              softcap_scale, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
                              PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale, KDB, VDB,
-                             stride_kdk, stride_vdk, DS_BLOCKED)),
+                             stride_kdk, stride_vdk, DS_BLOCKED, Q_REGS)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_DV, o_base_off, stride_om, lse_off, start_m,
@@ -1361,7 +1410,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              qk_scale_log2,
                              softcap_scale, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
                              PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale, KDB, VDB,
-                             stride_kdk, stride_vdk, DS_BLOCKED)),
+                             stride_kdk, stride_vdk, DS_BLOCKED, Q_REGS)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_DV, o_base_off, stride_om, lse_off, start_m,
@@ -1369,7 +1418,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              qk_scale_log2,
                              softcap_scale, 2, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
                              PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale, KDB, VDB,
-                             stride_kdk, stride_vdk, DS_BLOCKED)),
+                             stride_kdk, stride_vdk, DS_BLOCKED, Q_REGS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
@@ -1385,7 +1434,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              qk_scale_log2,
                              softcap_scale, 0, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
                              PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale, KDB, VDB,
-                             stride_kdk, stride_vdk, DS_BLOCKED)),
+                             stride_kdk, stride_vdk, DS_BLOCKED, Q_REGS)),
                 (_consumer, (o_desc, O, LSE, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              turn, q_row, off_h * HEAD_DV, o_base_off, stride_om, lse_off, start_m,
@@ -1393,7 +1442,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
                              qk_scale_log2,
                              softcap_scale, 1, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN or PAGED,
                              PINGPONG, EXP_EARLY, O_COLS, QK_COLS, o_scale, KDB, VDB,
-                             stride_kdk, stride_vdk, DS_BLOCKED)),
+                             stride_kdk, stride_vdk, DS_BLOCKED, Q_REGS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0),
                              q_empty.index(0), k_full, v_full, k_empty, v_empty, v_fixed.index(0),
                              BT, off_b.to(gl.int64) * stride_btb, bt_width, q_row, off_h * HEAD_D,
@@ -1643,10 +1692,23 @@ def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int,
                 PINGPONG=_pingpong(head_dim, wgs), PERSISTENT=persistent,
                 DYNAMIC=schedule == "dynamic", EXP_EARLY=_exp_early(head_dim, wide, mask),
                 O_TMA=o_tma)
+    if Q_REGS_ON and not varlen:
+        form = q_regs_form(form, head_dim, mask)
     if max_seqlen_k is None:
         max_seqlen_k = max_seqlen_q
     two = _two_q(head_dim, mask != "none", max_seqlen_k)
     return two_q_buffers(form, head_dim) if two else form
+
+
+def q_regs_form(form: dict, head_dim: int, mask: str) -> dict:
+    """A batched launch form with Q's first columns in registers (``Q_REGS_ON``'s rule): d=128
+    all of them, with the exponentials early without a mask; d=256 64 of them; others (d=64's
+    three warpgroups, windows) as they are. (Varlen forms are left out by the caller: the
+    d=128 one-CTA-a-tile form spilled ~1 KB in its key loop with Q in registers.)"""
+    if head_dim not in (128, 256) or form["WGS"] != 2 or mask not in ("none", "causal"):
+        return form
+    early = form["EXP_EARLY"] or (head_dim == 128 and mask == "none")
+    return dict(form, Q_REGS=128 if head_dim == 128 else 64, EXP_EARLY=early)
 
 
 def _two_q(head_dim: int, masked: bool, max_seqlen_k: int) -> bool:
@@ -1721,6 +1783,8 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         group = head_group_size(grid[1], grid[0], sm_count(q.device))
     # (IOATTN_SM90_PAD_NARROW) QKᵀ over d's own columns, V and O in tiles of their own width
     qk_cols, dv_pad = (d, narrow_dv(d_v)) if d_pad and sm90_common.PAD_NARROW else (0, d_pad)
+    if qk_cols:  # (Q·Kᵀ over d's own columns: Q from shared memory)
+        form.pop("Q_REGS", None)
     o_tma = _o_tma(form, d_pad, p.max_seqlen_k)
     dummy = lse  # unused pointer arguments (batched layout)
     cu_q = p.cu_seqlens_q if p.is_varlen else dummy
@@ -1811,7 +1875,7 @@ def _switches() -> tuple:
     reads too)."""
     return (PINGPONG, PERSISTENT_MODE, LPT, O_TMA, O_DEFER, Q_BUFS, Q_BUFS_MAX_SEQLEN_K, WG3,
             WG3_PERSISTENT, WG3_BLOCK_N, EXP_EARLY_MODE, PRODUCER_REGS, CONSUMER_REGS,
-            STREAM_COUNTERS, sm90_common.PAD_NARROW, sm90_common.SOFTCAP_APPROX.value)
+            STREAM_COUNTERS, sm90_common.PAD_NARROW, sm90_common.SOFTCAP_APPROX.value, Q_REGS_ON)
 
 
 _BOUND: dict = {}  # ``attn_fwd_sm90``'s kept launches (``BIND``), by the call's form

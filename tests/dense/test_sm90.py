@@ -319,6 +319,29 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
     _forward_only(c)
 
 
+@needs_sm90
+@pytest.mark.parametrize("c", [Case(1023, 1023, d=128, b=2, h=4),
+                               Case(1023, 1023, d=128, b=2, h=4, causal=True),
+                               Case(203, 1023, d=128, h=6, h_k=2, causal=True, dtype=FP16),
+                               Case(113, 203, d=128, softcap=5.0),
+                               Case(2048, 2048, d=256, b=1, h=3),
+                               Case(1023, 1023, d=256, b=2, h=4, h_k=2, causal=True),
+                               Case(1, 1, d=256)],
+                         ids=lambda c: "q-regs-" + c.id)
+def test_sm90_fwd_q_regs(c: Case, monkeypatch):
+    """IOATTN_SM90_FWD_Q_REGS (opt-in): Q's first columns (d=128: all, d=256: 64) as Q·Kᵀ's
+    register operand, the rest from shared memory; the forward as without it (on 3 CTAs too,
+    so persistent ones walk many tiles, each loading its Q into registers)."""
+    from ioattn.dense import sm90_fwd
+
+    monkeypatch.setattr(sm90_fwd, "Q_REGS_ON", True)
+    assert sm90_fwd.launch_form(c.d, False, "causal" if c.causal else "none",
+                                c.s_q, c.s_k).get("Q_REGS") == (128 if c.d == 128 else 64)
+    _forward_only(c)
+    monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: 3)
+    _forward_only(c)
+
+
 def test_fwd_q_bufs_rule(monkeypatch):
     """IOATTN_SM90_FWD_Q_BUFS: two Q buffers in the persistent forward at d = 64 (its stages
     kept) and d = 128 (two stages then, for shared memory); one elsewhere (d = 256, varlen).
@@ -1322,8 +1345,9 @@ def test_sm90_kernel_compiles_for_hopper():
     # (the default up to 8k keys, IOATTN_SM90_FWD_Q_BUFS) the persistent forward with Q in two
     # buffers (d=64 causal at 2k and from 4k, d=128 with and without a mask); and
     # (IOATTN_SM90_FWD_STREAM_COUNTERS) the d=128 causal forward whose last CTA zeroes its
-    # tile counter
-    assert len(reports) == 97, names
+    # tile counter; and (IOATTN_SM90_FWD_Q_REGS, opt-in) the d = 128 / 256 forward with Q's
+    # first columns in registers
+    assert len(reports) == 101, names
     # QKᵀ over 96 of 128 columns: 6 of 8 HGMMA a key block; (192, 128): 12 of 16 and PV at 128
     hgmma = {r["name"]: r["sass"]["HGMMA"] for r in reports}
     assert (hgmma["sm90 fwd d128 none heads-view narrow QK_COLS=96 128x128 ws"]
@@ -1357,6 +1381,9 @@ def test_sm90_kernel_compiles_for_hopper():
             limit = 512
         elif r["name"].startswith(("sm90 fwd d128 full o-regs", "sm90 fwd d128 full o-nodefer")):
             limit = 64  # (opt-outs of O's TMA store / its deferred release) 8-20 B
+        elif "q-regs" in r["name"]:  # (opt-in) 16-20 B outside the key loops
+            limit = 64
+            assert all(st + ld == 0 for _, st, ld in r["loops"]), r
         assert r["spill_stores"] <= limit, r
         # the default forwards' key-block loops spill nothing (what spills is per-tile code)
         if r["name"].startswith("sm90 fwd d") and " ws" in r["name"] and "-" not in r["name"]:
