@@ -199,7 +199,10 @@ if WG3_BLOCK_N not in ("auto", "64", "128"):
 # (IOATTN_SM90_FWD_Q_REGS=1: d=128 all of Q, with the exponentials early (``EXP_EARLY``) where
 # there is no mask, which the unmasked form needs to compile without spills; d=256 64 columns;
 # d=64's 160-register tiles spill with it) until timed (built on CPU, session 43: compiled
-# spill-free in the key loops at d=128 causal / non-causal early and d=256)
+# spill-free in the key loops at d=128 causal / non-causal early and d=256). With all of Q in
+# registers (d=128, persistent) its one buffer is released as soon as it is loaded, so the
+# producer loads the next tile's Q under this tile's blocks, as two buffers do (``Q_BUFS``)
+# without taking a ring stage for it
 Q_REGS_ON = os.environ.get("IOATTN_SM90_FWD_Q_REGS", "0").lower() in ("1", "true", "on")
 # the steady state's exponentials before the wait for PV_{j-1} (FA3's intra-warpgroup overlap as
 # written, ``_softmax_step`` with OP_LAYOUT), P converted to PV's register operand in the same
@@ -768,6 +771,8 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     q = q_smem.index(q_base + WG)
+    # (persistent, one Q buffer, all of Q in registers: released once loaded)
+    Q_FREED_EARLY: gl.constexpr = PERSISTENT and KEEP_LAST_V != 3 and Q_REGS == q.shape[1]
     if KEEP_LAST_V == 3:  # where the previous tile's O went: a Q buffer or a V stage
         o_bars = q_bufs_empty
     else:
@@ -787,6 +792,9 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
         q_regs = None  # (Q_REGS) Q's first columns as the Q·Kᵀ wgmma's register operand
         if Q_REGS:
             q_regs = q.slice(0, Q_REGS, 1).load(wgmma_a_operand(s_layout, _operand_bits(dtype)))
+        if Q_FREED_EARLY:  # all of Q is in registers: its buffer goes back at once, so the
+            # producer loads the next tile's Q while this one runs (one buffer, as two)
+            mbarrier.arrive(q_empty, count=1)
         kd = None
         vd0 = None
         if DS_BLOCKED:  # (block 0's, both read before its Q·Kᵀ)
@@ -810,7 +818,7 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
                                                  PINGPONG, EXP_EARLY, QK_COLS, KDB, VDB,
                                                  stride_kdk, stride_vdk, v_cur, DS_BLOCKED,
                                                  q_regs)
-        if PERSISTENT and KEEP_LAST_V != 3:
+        if PERSISTENT and KEEP_LAST_V != 3 and not Q_FREED_EARLY:
             # every QKᵀ of this tile has retired: the producer may load the next tile's Q
             mbarrier.arrive(q_empty, count=1)
         # tail: PV of the last block
@@ -1696,13 +1704,15 @@ def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int,
         form = q_regs_form(form, head_dim, mask)
     if max_seqlen_k is None:
         max_seqlen_k = max_seqlen_q
-    two = _two_q(head_dim, mask != "none", max_seqlen_k)
+    # (all of Q in registers frees its one buffer as soon as it is loaded: no second one)
+    two = _two_q(head_dim, mask != "none", max_seqlen_k) and form.get("Q_REGS") != head_dim
     return two_q_buffers(form, head_dim) if two else form
 
 
 def q_regs_form(form: dict, head_dim: int, mask: str) -> dict:
     """A batched launch form with Q's first columns in registers (``Q_REGS_ON``'s rule): d=128
-    all of them, with the exponentials early without a mask; d=256 64 of them; others (d=64's
+    all of them, with the exponentials early without a mask (and one Q buffer, freed once
+    loaded: ``launch_form``); d=256 64 of them; others (d=64's
     three warpgroups, windows) as they are. (Varlen forms are left out by the caller: the
     d=128 one-CTA-a-tile form spilled ~1 KB in its key loop with Q in registers.)"""
     if head_dim not in (128, 256) or form["WGS"] != 2 or mask not in ("none", "causal"):

@@ -342,6 +342,26 @@ def test_sm90_fwd_q_regs(c: Case, monkeypatch):
     _forward_only(c)
 
 
+def test_fwd_q_regs_rule(monkeypatch):
+    """IOATTN_SM90_FWD_Q_REGS (opt-in): batched d=128 forms hold all of Q in registers (one Q
+    buffer, released once loaded; the exponentials early without a mask), d=256 its first 64
+    columns; d=64, windows and varlen keep Q in shared memory; off: no form has Q_REGS."""
+    from ioattn.dense import sm90_fwd
+
+    form = sm90_fwd.launch_form
+    assert all("Q_REGS" not in form(d, False, m, 4096) for d in (64, 128, 256)
+               for m in ("none", "causal"))
+    monkeypatch.setattr(sm90_fwd, "Q_REGS_ON", True)
+    for mask in ("none", "causal"):
+        f = form(128, False, mask, 4096)
+        assert (f["Q_REGS"], f["Q_BUFS"]) == (128, 1), f
+        assert f["EXP_EARLY"] or mask == "causal"
+        assert form(256, False, mask, 4096)["Q_REGS"] == 64
+        assert "Q_REGS" not in form(64, False, mask, 4096)
+        assert "Q_REGS" not in form(128, True, mask, 4096)  # varlen
+    assert "Q_REGS" not in form(128, False, "window", 4096)
+
+
 def test_fwd_q_bufs_rule(monkeypatch):
     """IOATTN_SM90_FWD_Q_BUFS: two Q buffers in the persistent forward at d = 64 (its stages
     kept) and d = 128 (two stages then, for shared memory); one elsewhere (d = 256, varlen).
