@@ -7,7 +7,8 @@ kernel's persistent producer / consumer and store code: Q in ``Q_BUFS`` buffers 
 with key blocks in turn, and O staged in the
 tile's last V stage (``O_TMA`` 2, released a block into the next tile after the warpgroups meet
 at o_bar) or in the warpgroup's piece of the tile's Q buffer (3); tiles without key blocks take
-no buffer. Each run checks that every thread finishes (no deadlock) and that no Q, K or V
+no buffer. q_early (``Q_FREED_EARLY``: all of Q in registers, one buffer): each warpgroup
+releases Q's buffer as soon as it has loaded Q, not after the tile's last QKᵀ. Each run checks that every thread finishes (no deadlock) and that no Q, K or V
 buffer is written while a consumer still reads it (or holds O in it), for random tile lists
 over ring depths 2-4 and two or three consumer warpgroups.
 
@@ -42,7 +43,8 @@ def wait(bar: Bar, parity: int):
         yield
 
 
-def run(tiles: list[int], q_bufs: int, stages: int, wgs: int, o_mode: int, seed: int) -> None:
+def run(tiles: list[int], q_bufs: int, stages: int, wgs: int, o_mode: int, seed: int,
+        q_early: bool = False) -> None:
     """One launch's CTA over ``tiles`` (key blocks a tile), threads stepped in random order."""
     q_bar = [Bar(1) for _ in range(q_bufs)]
     q_empty = [Bar(wgs) for _ in range(q_bufs)]
@@ -100,13 +102,18 @@ def run(tiles: list[int], q_bufs: int, stages: int, wgs: int, o_mode: int, seed:
             yield from wait(q_bar[buf], use & 1)
             assert q_data[buf] == t, ("wrong Q", t, q_data[buf])
             q_users[buf].add(w)
+            if q_early:  # Q loaded into registers: its buffer goes back at once
+                yield
+                assert q_data[buf] == t, ("Q replaced under its register load", t)
+                q_users[buf].discard(w)
+                q_empty[buf].arrive()
             for j in range(n):  # QK_j, then PV_{j-1}
                 st = (it + j) % stages
                 yield from wait(k_full[st], ((it + j) // stages) & 1)
                 assert k_data[st] == (t, j), ("wrong K", t, j)
                 k_users[st].add(w)
                 yield
-                assert q_data[buf] == t, ("Q replaced under QK", t, j)
+                assert q_early or q_data[buf] == t, ("Q replaced under QK", t, j)
                 k_users[st].discard(w)
                 k_empty[st].arrive()
                 if j == 0:  # the previous tile's O store released after the first block
@@ -114,7 +121,7 @@ def run(tiles: list[int], q_bufs: int, stages: int, wgs: int, o_mode: int, seed:
                     pend = 0
                 if j > 0:
                     yield from pv(t, it, j - 1, w, release_stage=True)
-            if o_mode != 3:  # every QKᵀ retired: Q's buffer back to the producer
+            if o_mode != 3 and not q_early:  # every QKᵀ retired: Q's buffer back
                 q_users[buf].discard(w)
                 q_empty[buf].arrive()
             last = (it + n - 1) % stages
@@ -164,10 +171,12 @@ def main() -> None:
         tiles = [rng.choice([0, 0, 1, 1, 2, 3, 5, 8]) for _ in range(rng.randint(1, 12))]
         # (Q buffers, O store) as launch_form pairs them: one buffer with O from registers or
         # the V stage, two with O from registers or the Q buffer
-        for q_bufs, o_mode in ((1, 0), (1, 2), (2, 0), (2, 3)):
+        # (and Q freed once in registers: one buffer, O from registers or the V stage)
+        for q_bufs, o_mode, q_early in ((1, 0, False), (1, 2, False), (2, 0, False),
+                                        (2, 3, False), (1, 0, True), (1, 2, True)):
             for stages in (2, 3, 4):
                 for wgs in (2, 3):
-                    run(tiles, q_bufs, stages, wgs, o_mode, seed * 7 + stages)
+                    run(tiles, q_bufs, stages, wgs, o_mode, seed * 7 + stages, q_early)
                     n_runs += 1
     print(f"ok: {n_runs} runs, no deadlock, no buffer written while read")
 

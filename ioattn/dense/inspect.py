@@ -360,7 +360,8 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
             flags = dict(IS_VARLEN=varlen, HAS_LEFT=False, HAS_RIGHT=causal, **regs)
             # the forward as launched on long problems: three consumer warpgroups (192-row
             # tiles) at d=64, on 128-key tiles when causal and batched
-            form = sm90_fwd.launch_form(d, varlen, "causal" if causal else "none", 1 << 14)
+            form = sm90_fwd.launch_form(d, varlen, "causal" if causal else "none", 1 << 14,
+                                        q_regs=False)
             tile_n = form["BLOCK_N"]
             jobs.append((f"sm90 fwd d{d} {tag} {64 * form['WGS']}x{tile_n} ws",
                          sm90_fwd._attn_fwd_sm90,
@@ -487,7 +488,7 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
         if d in (128, 256):
             real, varlen = (96, False) if d == 128 else (128, True)
             mask = "causal" if varlen else "none"
-            form = sm90_fwd.launch_form(d, varlen, mask, 1 << 14)
+            form = sm90_fwd.launch_form(d, varlen, mask, 1 << 14, q_regs=False)
             d_real = 96 if d == 128 else 192
 
             def fwd_view_job(tag, varlen_, mask_, form_, v_box, o_box, **ce):
@@ -506,7 +507,7 @@ def gluon_jobs(head_dims=(64, 128, 256), dtype: str = "bf16") -> list[tuple]:
             jobs.append(fwd_view_job(f"narrow QK_COLS={d_real} ", varlen, mask, form, narrow_v,
                                      narrow_o, O_COLS=96 if d == 128 else 0, QK_COLS=d_real))
             if d == 256:  # (192, 192) batched: V / O still 256 wide, QKᵀ over 192
-                form2 = sm90_fwd.launch_form(d, False, "none", 1 << 14)
+                form2 = sm90_fwd.launch_form(d, False, "none", 1 << 14, q_regs=False)
                 jobs.append(fwd_view_job("narrow QK_COLS=192 O_COLS=192 ", False, "none", form2,
                                          form2["BLOCK_N"], 64, O_COLS=192, QK_COLS=192))
             # and the backward over the same views: dK / dV (96 / 96, or 192 / 128) and dQ
@@ -579,7 +580,7 @@ def _batched_causal_job(d: int, tag: str, s_q: int, **extra) -> tuple:
     queries; extra constexprs (or ``softcap_scale="fp32"``) added."""
     from ioattn.dense import sm90_fwd
 
-    form = sm90_fwd.launch_form(d, False, "causal", s_q)
+    form = sm90_fwd.launch_form(d, False, "causal", s_q, q_regs=False)
     return (f"sm90 fwd d{d} causal {tag}{64 * form['WGS']}x{form['BLOCK_N']} ws",
             sm90_fwd._attn_fwd_sm90,
             dict(q_desc=64, o_desc=64, k_desc=form["BLOCK_N"], v_desc=form["BLOCK_N"]), d,

@@ -103,11 +103,15 @@ def fp8_descales(q: torch.Tensor, k: torch.Tensor, batch: int, q_descale, k_desc
                  v_descale) -> dict:
     """AttnParams' descale fields: each as a [batch, heads, blocks] fp32 view (None: ones)."""
     out = {}
+    one = None  # (one new 1.0 a call for every missing descale: one kept across calls could
+    # land in a CUDA graph tree's pool during its warm-up, where nothing tracks it, and be
+    # reused under it)
     for name, t, heads in (("q_descale", q_descale, q.shape[-2]), ("k_descale", k_descale, k.shape[-2]),
                            ("v_descale", v_descale, k.shape[-2])):
-        if t is None:  # (a new 1.0 a call: one kept across calls could land in a CUDA graph
-            # tree's pool during its warm-up, where nothing tracks it, and be reused under it)
-            t = torch.ones((), dtype=torch.float32, device=q.device).expand(batch, heads, 1)
+        if t is None:
+            if one is None:
+                one = torch.ones((), dtype=torch.float32, device=q.device)
+            t = one.expand(batch, heads, 1)
         elif t.dim() == 2:
             t = t[:, :, None]
         if t.shape[2] == 1:  # one descale for every block: the kernels read block 0's

@@ -147,7 +147,7 @@ def wgmma_a_operand(acc_layout, bits=16):
 
 
 @gluon.constexpr_function
-def _pow2_floor(n):
+def pow2_floor(n):
     return 1 << (int(n).bit_length() - 1)
 
 
@@ -162,13 +162,13 @@ def mma_over_cols(a, b, acc, COLS: gl.constexpr, use_acc: gl.constexpr = False):
     D: gl.constexpr = a.shape[1]
     if COLS == 0 or COLS == D:
         tok = warpgroup_mma(a, b.permute((1, 0)), acc, use_acc=use_acc, is_async=True)
-    elif COLS == _pow2_floor(COLS):  # ((192, 128): dP over V's 128 of 256 columns) one piece
+    elif COLS == pow2_floor(COLS):  # ((192, 128): dP over V's 128 of 256 columns) one piece
         tok = warpgroup_mma(a.slice(0, COLS, 1), b.slice(0, COLS, 1).permute((1, 0)), acc,
                             use_acc=use_acc, is_async=True)
     else:
-        C0: gl.constexpr = _pow2_floor(COLS)
+        C0: gl.constexpr = pow2_floor(COLS)
         C1: gl.constexpr = COLS - C0
-        gl.static_assert(C1 > 0 and C1 == _pow2_floor(C1) and C1 >= 16,
+        gl.static_assert(C1 > 0 and C1 == pow2_floor(C1) and C1 >= 16,
                          "COLS must be two powers of two of at least 16 columns")
         tok = warpgroup_mma(a.slice(0, C0, 1), b.slice(0, C0, 1).permute((1, 0)), acc,
                             use_acc=use_acc, is_async=True)

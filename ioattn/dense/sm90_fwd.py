@@ -45,7 +45,7 @@ from ioattn.dense.sm90_common import (OPERAND_DTYPES, PADDED_HEAD_DIMS, barriers
                                       rows_descriptor, score_scales, softcap_tanh, box_cols,
                                       store_cols, tile_layout, tma_load, stage_tma_store,
                                       tma_view_problem, grouped_order, head_group_size,
-                                      mma_over_cols, narrow_dv, _pow2_floor,
+                                      mma_over_cols, narrow_dv, pow2_floor,
                                       wgmma_a_operand, wgmma_acc_layout, zero_last_key_tile)
 from ioattn.dispatch import sm_count
 from ioattn.launch import Desc, current_stream, launcher, repeat
@@ -758,6 +758,9 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
     tile's first block is done, or at once without key blocks (``_release_o_stage``); 3: O goes
     to this tile's Q buffer instead (two Q buffers, q_bufs_empty their barriers), so Q's buffer,
     not a V stage, is released late: pend is the previous tile's Q buffer + 1.
+    Q_REGS: Q's first Q_REGS columns loaded into registers after Q's wait, Q·Kᵀ's register
+    operand (``_qk``); all of Q in the persistent form with one buffer: the buffer released
+    right after that load (Q_FREED_EARLY), not after the tile's last Q·Kᵀ.
     fp8 operands (e4m3 Q, K and V, V's tiles keys innermost): out in bf16, times o_scale (V's
     descale); the descales of Q and K are in qk_scale_log2 / softcap_scale. DS_BLOCKED: K's and
     V's descales by key block (KDB / VDB pointers, read per block: ``_steady_blocks``), O times
@@ -793,7 +796,9 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
         if Q_REGS:
             q_regs = q.slice(0, Q_REGS, 1).load(wgmma_a_operand(s_layout, _operand_bits(dtype)))
         if Q_FREED_EARLY:  # all of Q is in registers: its buffer goes back at once, so the
-            # producer loads the next tile's Q while this one runs (one buffer, as two)
+            # producer loads the next tile's Q while this one runs (one buffer, as two); every
+            # warp's reads done first (the arrive is one thread's)
+            gl.thread_barrier()
             mbarrier.arrive(q_empty, count=1)
         kd = None
         vd0 = None
@@ -859,20 +864,22 @@ def _release_o_stage(bars, pend):
 @gluon.jit
 def _qk(q, q_regs, k, s_zero, QK_COLS: gl.constexpr):
     """S = Q·Kᵀ of a key block, asynchronous: Q from shared memory (``mma_over_cols``), or
-    (q_regs, ``Q_REGS``) its first columns from registers and the rest from shared memory, two
-    or three wgmma groups into one accumulator (the first with A in registers: its
-    shared-memory reads are K's alone). Returns the last group's token (groups complete in
-    order, so a wait that retires it retires them all)."""
+    (q_regs, ``Q_REGS``) its first columns from registers and the rest from shared memory: one
+    wgmma group (all of Q in registers) to three into one accumulator (the first with A in
+    registers: its shared-memory reads are K's alone). Returns the last group's token (groups
+    complete in order, so a wait that retires it retires them all)."""
     if q_regs is None:
         tok = mma_over_cols(q, k, s_zero, QK_COLS)
     else:
         R: gl.constexpr = q_regs.shape[1]
         D: gl.constexpr = q.shape[1]
+        gl.static_assert(R >= 16 and R <= D and R == pow2_floor(R),
+                         "Q_REGS: a power of two of 16 columns up to d")
         tok = warpgroup_mma(q_regs, k.slice(0, R, 1).permute((1, 0)), s_zero, use_acc=False,
                             is_async=True)
         # the rest in power-of-two pieces, each at an offset its size divides (a slice of a
         # swizzled tile must be): [R, D) whole, or [R, 2R) and [2R, D)
-        C0: gl.constexpr = D - R if R == D or D - R == _pow2_floor(D - R) else R
+        C0: gl.constexpr = D - R if R == D or D - R == pow2_floor(D - R) else R
         if C0 > 0:
             tok = warpgroup_mma(q.slice(R, C0, 1), k.slice(R, C0, 1).permute((1, 0)), tok,
                                 use_acc=True, is_async=True)
@@ -970,7 +977,7 @@ def _block_step(q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, s_zer
     mbarrier.wait(v_full.index(prev), ((it - 1) // STAGES) & 1)
     p_op = _pv_operand(p, dtype, p_layout, EARLY)
     _take_turn(turn, WG, rnd, PINGPONG)
-    s_tok = _qk(q, q_regs, k_smem.index(st), s_zero, QK_COLS)  # (QK_COLS, q_regs: two groups)
+    s_tok = _qk(q, q_regs, k_smem.index(st), s_zero, QK_COLS)  # (QK_COLS, q_regs: 1-3 groups)
     acc_tok = warpgroup_mma(p_op, _v_operand(v_smem, prev), acc, is_async=True)
     _pass_turn(turn, WG, PINGPONG)
     s, qk_scale_log2 = _scores(warpgroup_mma_wait(1, deps=[s_tok]), qk_scale_log2,
@@ -1679,12 +1686,14 @@ def mask_kind(window_left: int, window_right: int) -> str:
 
 
 def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int,
-                max_seqlen_k: int | None = None) -> dict:
+                max_seqlen_k: int | None = None, q_regs: bool = True) -> dict:
     """The forward's constexprs that depend on the problem's shape (``attn_fwd_sm90``, and the
     compile checks of ``inspect``): consumer warpgroups, keys per tile, ring stages, consumer
     registers, Q buffers (``Q_BUFS``: by max_seqlen_k, max_seqlen_q if None), pingpong,
     persistence and its scheduler, the exponentials' place, O's store by TMA (``_o_tma`` adds
-    the launch's own conditions). mask: ``mask_kind``'s."""
+    the launch's own conditions), Q in registers (``Q_REGS_ON``, ``q_regs_form``; q_regs=False
+    leaves it out: padded head dims, the compile checks' default forms; all of Q in registers
+    takes one Q buffer, whatever ``Q_BUFS`` says). mask: ``mask_kind``'s."""
     if mask not in ("none", "causal", "window"):
         raise ValueError(f"mask={mask!r}: expected 'none', 'causal' or 'window'")
     wide = _wide(head_dim, varlen, mask, max_seqlen_q)
@@ -1700,7 +1709,7 @@ def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int,
                 PINGPONG=_pingpong(head_dim, wgs), PERSISTENT=persistent,
                 DYNAMIC=schedule == "dynamic", EXP_EARLY=_exp_early(head_dim, wide, mask),
                 O_TMA=o_tma)
-    if Q_REGS_ON and not varlen:
+    if Q_REGS_ON and q_regs and not varlen:
         form = q_regs_form(form, head_dim, mask)
     if max_seqlen_k is None:
         max_seqlen_k = max_seqlen_q
@@ -1716,6 +1725,8 @@ def q_regs_form(form: dict, head_dim: int, mask: str) -> dict:
     three warpgroups, windows) as they are. (Varlen forms are left out by the caller: the
     d=128 one-CTA-a-tile form spilled ~1 KB in its key loop with Q in registers.)"""
     if head_dim not in (128, 256) or form["WGS"] != 2 or mask not in ("none", "causal"):
+        return form
+    if head_dim == 128 and not form["PERSISTENT"]:  # (its one-CTA-a-tile form spills with it)
         return form
     early = form["EXP_EARLY"] or (head_dim == 128 and mask == "none")
     return dict(form, Q_REGS=128 if head_dim == 128 else 64, EXP_EARLY=early)
@@ -1778,8 +1789,9 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if p.fp8:  # (``fp8_unsupported_reason`` has accepted the call)
         _attn_fwd_sm90_fp8(p, q, k, v, out, lse)
         return
+    # (head dims read padded keep Q in shared memory: Q_REGS has no narrow-column form)
     form = launch_form(d_pad or d, p.is_varlen, mask_kind(p.window_left, p.window_right),
-                       p.max_seqlen_q, p.max_seqlen_k)
+                       p.max_seqlen_q, p.max_seqlen_k, q_regs=d_pad is None)
     grid = (-(-p.max_seqlen_q // (form["WGS"] * HALF_M.value)), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
@@ -1793,8 +1805,6 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         group = head_group_size(grid[1], grid[0], sm_count(q.device))
     # (IOATTN_SM90_PAD_NARROW) QKᵀ over d's own columns, V and O in tiles of their own width
     qk_cols, dv_pad = (d, narrow_dv(d_v)) if d_pad and sm90_common.PAD_NARROW else (0, d_pad)
-    if qk_cols:  # (Q·Kᵀ over d's own columns: Q from shared memory)
-        form.pop("Q_REGS", None)
     o_tma = _o_tma(form, d_pad, p.max_seqlen_k)
     dummy = lse  # unused pointer arguments (batched layout)
     cu_q = p.cu_seqlens_q if p.is_varlen else dummy

@@ -320,26 +320,41 @@ def test_sm90_persistent_fwd(c: Case, mode, monkeypatch):
 
 
 @needs_sm90
+@pytest.mark.parametrize("mode", ["dynamic", "static", "o-regs"])
 @pytest.mark.parametrize("c", [Case(1023, 1023, d=128, b=2, h=4),
                                Case(1023, 1023, d=128, b=2, h=4, causal=True),
                                Case(203, 1023, d=128, h=6, h_k=2, causal=True, dtype=FP16),
+                               # the first 820 rows see no key: tiles without a key block
+                               Case(1023, 203, d=128, b=2, h=4, causal=True),
                                Case(113, 203, d=128, softcap=5.0),
+                               Case(1, 1, d=128),
                                Case(2048, 2048, d=256, b=1, h=3),
-                               Case(1023, 1023, d=256, b=2, h=4, h_k=2, causal=True),
-                               Case(1, 1, d=256)],
+                               Case(1023, 1023, d=256, b=2, h=4, h_k=2, causal=True, dtype=FP16),
+                               Case(1, 1, d=256),
+                               # padded head dims keep Q in shared memory under the switch
+                               Case(113, 203, d=96), Case(113, 203, d=192, causal=True)],
                          ids=lambda c: "q-regs-" + c.id)
-def test_sm90_fwd_q_regs(c: Case, monkeypatch):
+def test_sm90_fwd_q_regs(c: Case, mode, monkeypatch):
     """IOATTN_SM90_FWD_Q_REGS (opt-in): Q's first columns (d=128: all, d=256: 64) as Q·Kᵀ's
-    register operand, the rest from shared memory; the forward as without it (on 3 CTAs too,
-    so persistent ones walk many tiles, each loading its Q into registers)."""
+    register operand, the rest from shared memory; the forward as without it. d=128 (all of Q,
+    persistent: Q's one buffer released once loaded) also on 3 CTAs, so each walks many tiles,
+    and with the static schedule and O stored from registers."""
     from ioattn.dense import sm90_fwd
 
+    if mode != "dynamic" and c.d != 128:
+        pytest.skip("the persistent d=128 form's variants")
     monkeypatch.setattr(sm90_fwd, "Q_REGS_ON", True)
-    assert sm90_fwd.launch_form(c.d, False, "causal" if c.causal else "none",
-                                c.s_q, c.s_k).get("Q_REGS") == (128 if c.d == 128 else 64)
+    if mode == "static":
+        monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", "static")
+    if mode == "o-regs":
+        monkeypatch.setattr(sm90_fwd, "O_TMA", False)
+    if c.d in (128, 256):
+        assert sm90_fwd.launch_form(c.d, False, "causal" if c.causal else "none",
+                                    c.s_q, c.s_k).get("Q_REGS") == (128 if c.d == 128 else 64)
     _forward_only(c)
-    monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: 3)
-    _forward_only(c)
+    if c.d == 128:
+        monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: 3)
+        _forward_only(c)
 
 
 def test_fwd_q_regs_rule(monkeypatch):
@@ -360,6 +375,10 @@ def test_fwd_q_regs_rule(monkeypatch):
         assert "Q_REGS" not in form(64, False, mask, 4096)
         assert "Q_REGS" not in form(128, True, mask, 4096)  # varlen
     assert "Q_REGS" not in form(128, False, "window", 4096)
+    assert "Q_REGS" not in form(128, False, "none", 4096, q_regs=False)  # (padded head dims)
+    monkeypatch.setattr(sm90_fwd, "PERSISTENT_MODE", "0")  # one CTA a tile: d=128 spills
+    assert "Q_REGS" not in form(128, False, "causal", 4096)
+    assert form(256, False, "causal", 4096)["Q_REGS"] == 64
 
 
 def test_fwd_q_bufs_rule(monkeypatch):
