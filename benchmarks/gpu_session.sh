@@ -860,15 +860,20 @@ for step in $steps; do
     fp8-sm90-forms) # (session 43) the sm90 fp8 forms that are opt-in: block descales
            # (ioattn_fp8 rows with IOATTN_SM90_FP8_BLOCK=1 run the sm90 form; the fp8-sm90
            # step's ioattn_fp8 rows are the portable kernel's) and persistent CTAs
-           # (IOATTN_SM90_FP8_PERSISTENT=1 / 0), cuDNN's bf16 in each run; FP8_DIMS /
-           # FP8_SEQLENS as fp8-sm90 (default 2k and 16k here)
-           for v in 0 1; do
-             IOATTN_SM90_FP8=1 IOATTN_SM90_FP8_BLOCK=1 IOATTN_SM90_FP8_PERSISTENT=$v timeout 250 \
+           # (IOATTN_SM90_FP8_PERSISTENT=1 / 0), each with Q in registers or not
+           # (IOATTN_SM90_FWD_Q_REGS), cuDNN's bf16 in each run (JSONs fp8_sm90_pers<p>_qregs<q>);
+           # FP8_DIMS / FP8_SEQLENS as fp8-sm90 (default 2k and 16k here; ~1.5 min a run warm)
+           for pq in "0 0" "1 0" "0 1" "1 1"; do
+             read -r v qr <<< "$pq"
+             IOATTN_SM90_FP8=1 IOATTN_SM90_FP8_BLOCK=1 IOATTN_SM90_FP8_PERSISTENT=$v \
+               IOATTN_SM90_FWD_Q_REGS=$qr timeout 140 \
                python -m ioattn bench --modes fwd --dims "${FP8_DIMS:-64,128,256}" \
                --seqlens "${FP8_SEQLENS:-2048,16384}" --rounds 3 --no-plots \
                --impls ioattn_fp8,ioattn_fp8_head,sdpa_cudnn \
-               --out "$OUT/fp8_sm90_pers${v}_${GPU_TAG}_$(date +%F).json" > "/tmp/fp8_pers$v.log" 2>&1
-             echo "== persistent $v (block descales on sm90)"; grep -E "^fwd" "/tmp/fp8_pers$v.log"
+               --out "$OUT/fp8_sm90_pers${v}_qregs${qr}_${GPU_TAG}_$(date +%F).json" \
+               > "/tmp/fp8_pers${v}_$qr.log" 2>&1
+             echo "== persistent $v, Q in registers $qr (block descales on sm90)"
+             grep -E "^fwd" "/tmp/fp8_pers${v}_$qr.log"
            done ;;
     q-regs) # (session 43) Q's first columns in registers as Q·Kᵀ's A operand
            # (IOATTN_SM90_FWD_Q_REGS, opt-in; d=128 all of Q with the exponentials early without

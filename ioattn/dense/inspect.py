@@ -631,8 +631,8 @@ def fp8_fwd_gluon_reports(arch: int = 90, head_dims=(64, 128, 256)) -> list[Kern
     (batched, one CTA per tile, V's descriptor keys innermost, O in bf16), without and with a
     causal mask, with per-head and (IOATTN_SM90_FP8_BLOCK) block descales, varlen causal
     (IOATTN_SM90_FP8_VARLEN) with either, and persistent (IOATTN_SM90_FP8_PERSISTENT; full
-    per-head, causal block descales, and causal per-head in grouped order with GQA), at each
-    head dim."""
+    per-head, causal block descales, and causal per-head in grouped order with GQA), and
+    (IOATTN_SM90_FWD_Q_REGS) causal per-head with all of Q in registers, at each head dim."""
     from ioattn.dense import sm90_fwd
 
     fn = sm90_fwd._attn_fwd_sm90
@@ -653,23 +653,25 @@ def fp8_fwd_gluon_reports(arch: int = 90, head_dims=(64, 128, 256)) -> list[Kern
                 (False, True, False, False), (True, True, False, False),
                 (True, False, True, False), (True, True, True, False),
                 (False, False, False, True), (True, True, False, True),
-                (True, False, False, "grouped")):
-            pform = sm90_fwd._fp8_form(d, varlen, pers)
+                (True, False, False, "grouped"), (True, False, False, "q-regs")):
+            # ("q-regs": one CTA a tile with all of Q in registers, IOATTN_SM90_FWD_Q_REGS)
+            pform = sm90_fwd._fp8_form(d, varlen, pers is True or pers == "grouped",
+                                       q_regs=pers == "q-regs")
             # ("grouped": persistent in grouped heaviest-first order, LPT's, with the head
             # group and KV group runtime integers)
             ce = dict(pform, IS_VARLEN=varlen, HAS_LEFT=False, HAS_RIGHT=causal,
                       PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1,
                       softcap_scale=None, O_COLS=0, head_group=1, QK_COLS=0,
-                      COUNTER_RESET=bool(pers), kv_group=1, DS_BLOCKED=blocked)
-            psig = dict(sig, COUNTER="*i32" if pers else "constexpr")
-            if not pers:
+                      COUNTER_RESET=pform["PERSISTENT"], kv_group=1, DS_BLOCKED=blocked)
+            psig = dict(sig, COUNTER="*i32" if pform["PERSISTENT"] else "constexpr")
+            if not pform["PERSISTENT"]:
                 ce["COUNTER"] = None
             if pers == "grouped":
                 del ce["head_group"], ce["kv_group"]
                 psig.update(head_group="i32", kv_group="i32")
             out.append(gluon_report(f"sm90 fp8 fwd d{d} {'varlen ' if varlen else ''}"
-                                    f"{pers + ' ' if pers == 'grouped' else ''}"
-                                    f"{'persistent ' if pers else ''}"
+                                    f"{pers + ' ' if isinstance(pers, str) else ''}"
+                                    f"{'persistent ' if pform['PERSISTENT'] else ''}"
                                     f"{'causal' if causal else 'full'}"
                                     f"{' block-descales' if blocked else ''} 128x{bn} ws", fn,
                                     psig, ce, arch))

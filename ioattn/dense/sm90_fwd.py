@@ -202,7 +202,9 @@ if WG3_BLOCK_N not in ("auto", "64", "128"):
 # spill-free in the key loops at d=128 causal / non-causal early and d=256). With all of Q in
 # registers (d=128, persistent) its one buffer is released as soon as it is loaded, so the
 # producer loads the next tile's Q under this tile's blocks, as two buffers do (``Q_BUFS``)
-# without taking a ring stage for it
+# without taking a ring stage for it. The fp8 forms take all of Q at every head dim
+# (``_fp8_form``; e4m3 Q at d=256 is 32 registers a thread): fp8 d=256's Q·Kᵀ (m64n64k32, 4 KB
+# in 32 cycles) is at 128 B a cycle too, and Q is a third of its reads a key block
 Q_REGS_ON = os.environ.get("IOATTN_SM90_FWD_Q_REGS", "0").lower() in ("1", "true", "on")
 # the steady state's exponentials before the wait for PV_{j-1} (FA3's intra-warpgroup overlap as
 # written, ``_softmax_step`` with OP_LAYOUT), P converted to PV's register operand in the same
@@ -1261,8 +1263,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     gl.static_assert(not (PERSISTENT and (IS_VARLEN or PAGED)),
                      "the persistent form covers batched (not varlen or paged) problems")
     gl.static_assert(WGS == 2 or WGS == 3, "two or three consumer warpgroups")
-    gl.static_assert(Q_REGS == 0 or (QK_COLS == 0 and not FP8),
-                     "Q in registers (Q_REGS) for 16-bit Q·Kᵀ over all of d")
+    gl.static_assert(Q_REGS == 0 or QK_COLS == 0, "Q in registers (Q_REGS): Q·Kᵀ over all of d")
     gl.static_assert(Q_BUFS == 1 or (Q_BUFS == 2 and PERSISTENT),
                      "two Q buffers in the persistent form only")
     if not PERSISTENT:
@@ -1558,20 +1559,24 @@ def _fp8_descale_args(p: AttnParams, n_heads: int) -> dict:
     return out
 
 
-def _fp8_form(head_dim: int, varlen: bool = False, persistent: bool | None = None) -> dict:
+def _fp8_form(head_dim: int, varlen: bool = False, persistent: bool | None = None,
+              q_regs: bool | None = None) -> dict:
     """The fp8 forward's launch form: one CTA per 128-row tile (two consumer warpgroups), or
     (batched, ``FP8_PERSISTENT`` unless persistent says) persistent CTAs on the dynamic
     scheduler; keys per tile as the 16-bit forward, and ring stages for fp8's half-size tiles
     (Q 2 x 64 x d plus STAGES x (K + V) of BLOCK_N x d bytes: 104 / 176 / 192 KiB at d = 64 /
-    128 / 256, 107 / 181 / 197 KB compiled with the barriers; stages not swept). Pingpong at
-    d = 128 and 256: on / off at d = 128 on an H100 +1-6% in the FA grid's 2k / 16k cells, at
+    128 / 256, 107 / 181 / 197 KB compiled with the barriers; stages not swept); all of Q in
+    registers with ``Q_REGS_ON`` unless q_regs says. Pingpong at d = 128 and 256: on / off at d = 128 on an H100 +1-6% in the FA grid's 2k / 16k cells, at
     d = 64 -8% to +2% (results/tune/tune_fp8_sm90_pp_a5d54e7_*)."""
     block_n = _block_n(head_dim)
     stages = {64: 6, 128: 5, 256: 5}[head_dim]
     persistent = (FP8_PERSISTENT if persistent is None else persistent) and not varlen
+    # (Q_REGS_ON) all of Q in registers: e4m3 Q is half a 16-bit one's registers (d=256: 32 a
+    # thread), so every fp8 form compiles with it without spills
     return dict(WGS=2, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS_=CONSUMER_REGS, Q_BUFS=1,
                 PINGPONG=head_dim >= 128 if PINGPONG == "auto" else PINGPONG != "0",
-                PERSISTENT=persistent, DYNAMIC=persistent, EXP_EARLY=False, O_TMA=0)
+                PERSISTENT=persistent, DYNAMIC=persistent, EXP_EARLY=False, O_TMA=0,
+                Q_REGS=head_dim if (Q_REGS_ON if q_regs is None else q_regs) else 0)
 
 
 def fp8_preferred(head_dim: int, max_seqlen_q: int) -> bool:

@@ -150,6 +150,28 @@ def test_fp8_sm90_persistent(c: Case, ctas, device, monkeypatch):
         check_fp8(c, device, backend="sm90")
 
 
+@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the sm90 fp8 forward needs Hopper")
+@pytest.mark.parametrize("persistent", [False, True], ids=["1-cta-a-tile", "persistent"])
+@pytest.mark.parametrize("c", [Case(1024, 1024, b=2, d=128, h=4, causal=True),
+                               Case(300, 300, d=256, window=(40, 7)),
+                               Case(97, 150, h=4, h_k=1, softcap=2.0, block=None),
+                               Case(203, 113, d=256, causal=True, block=None),
+                               Case(300, 40, d=128, h=4, h_k=2, causal=True, block=None,
+                                    q_per_kv_head=True)],
+                         ids=lambda c: c.id)
+def test_fp8_sm90_q_regs(c: Case, persistent, device, monkeypatch):
+    """The sm90 fp8 forward with all of Q in registers as Q·Kᵀ's operand
+    (IOATTN_SM90_FWD_Q_REGS; persistent: Q's one buffer released once loaded), on 3 CTAs."""
+    monkeypatch.setattr(sm90_fwd, "FP8_ON", True)
+    monkeypatch.setattr(sm90_fwd, "FP8_BLOCK_ON", True)
+    monkeypatch.setattr(sm90_fwd, "Q_REGS_ON", True)
+    monkeypatch.setattr(sm90_fwd, "FP8_PERSISTENT", persistent)
+    monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: 3)
+    assert sm90_fwd._fp8_form(c.d)["Q_REGS"] == c.d
+    check_fp8(c, device, backend="sm90")
+
+
 def check_fp8(c: Case, device, backend: str = "auto", v_rows: bool = False) -> None:
     """An fp8 forward on a fresh random case (descales as the case says) against the reference
     by FlashAttention's rule, its LSE, rows without keys, and the 'reference' backend; v_rows:
