@@ -1247,11 +1247,12 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, BT,
     # fp8 (e4m3 q, k, v: FlashAttention-3's fp8 forward; batched, one CTA per tile or
     # persistent, or varlen): V's descriptor views it keys innermost ([batch * heads_k * d_v,
     # seqlen_k] rows, varlen [heads_k * d_v, total_k], boxes [d_v, BLOCK_N]: the K-major
-    # operand fp8 wgmma takes; ``_v_rows``), O is bf16 (stored from registers), and QD / KD / VD are fp32
-    # descales per (batch, head) (strides; Q's head is off_h // qd_group), folded into the
-    # score scale (Q's and K's) and O (V's). DS_BLOCKED: the descales by blocks of FP8_BLOCK
-    # rows too (stride_qdk, ...; a per-head one has stride 0): Q's one a tile (its 128 rows),
-    # K's and V's read per key block (``_steady_blocks``)
+    # operand fp8 wgmma takes; ``_v_rows``), O is bf16 (stored from registers), and QD / KD /
+    # VD are fp32 descales per (batch, head) (strides; Q's head is off_h // qd_group), folded
+    # into the score scale (Q's and K's) and O (V's), read per tile (``_fp8_tile_descales``).
+    # DS_BLOCKED: the descales by blocks of FP8_BLOCK rows too (stride_qdk, ...; a per-head one
+    # has stride 0): Q's one a tile (its 128 rows), K's and V's read per key block
+    # (``_steady_blocks``). Q_REGS: Q's first columns in registers as Q·Kᵀ's operand (``_qk``)
     FP8: gl.constexpr = q_desc.dtype.is_fp8()
     gl.static_assert(not DS_BLOCKED or (WGS * HALF_M == FP8_BLOCK and FP8_BLOCK % BLOCK_N == 0),
                      "block descales need 128-row query tiles and key tiles dividing 128")
@@ -1566,8 +1567,9 @@ def _fp8_form(head_dim: int, varlen: bool = False, persistent: bool | None = Non
     scheduler; keys per tile as the 16-bit forward, and ring stages for fp8's half-size tiles
     (Q 2 x 64 x d plus STAGES x (K + V) of BLOCK_N x d bytes: 104 / 176 / 192 KiB at d = 64 /
     128 / 256, 107 / 181 / 197 KB compiled with the barriers; stages not swept); all of Q in
-    registers with ``Q_REGS_ON`` unless q_regs says. Pingpong at d = 128 and 256: on / off at d = 128 on an H100 +1-6% in the FA grid's 2k / 16k cells, at
-    d = 64 -8% to +2% (results/tune/tune_fp8_sm90_pp_a5d54e7_*)."""
+    registers with ``Q_REGS_ON`` unless q_regs says. Pingpong at d = 128 and 256: on / off at
+    d = 128 on an H100 +1-6% in the FA grid's 2k / 16k cells, at d = 64 -8% to +2%
+    (results/tune/tune_fp8_sm90_pp_a5d54e7_*)."""
     block_n = _block_n(head_dim)
     stages = {64: 6, 128: 5, 256: 5}[head_dim]
     persistent = (FP8_PERSISTENT if persistent is None else persistent) and not varlen
@@ -1726,9 +1728,9 @@ def launch_form(head_dim: int, varlen: bool, mask: str, max_seqlen_q: int,
 def q_regs_form(form: dict, head_dim: int, mask: str) -> dict:
     """A batched launch form with Q's first columns in registers (``Q_REGS_ON``'s rule): d=128
     all of them, with the exponentials early without a mask (and one Q buffer, freed once
-    loaded: ``launch_form``); d=256 64 of them; others (d=64's
-    three warpgroups, windows) as they are. (Varlen forms are left out by the caller: the
-    d=128 one-CTA-a-tile form spilled ~1 KB in its key loop with Q in registers.)"""
+    loaded: ``launch_form``), persistent forms only; d=256 64 of them; others (d=64's three
+    warpgroups, windows) as they are. (Varlen forms are left out by the caller: the d=128
+    one-CTA-a-tile form spilled ~1 KB in its key loop with Q in registers.)"""
     if head_dim not in (128, 256) or form["WGS"] != 2 or mask not in ("none", "causal"):
         return form
     if head_dim == 128 and not form["PERSISTENT"]:  # (its one-CTA-a-tile form spills with it)
