@@ -862,8 +862,11 @@ for step in $steps; do
            # step's ioattn_fp8 rows are the portable kernel's) and persistent CTAs
            # (IOATTN_SM90_FP8_PERSISTENT=1 / 0), each with Q in registers or not
            # (IOATTN_SM90_FWD_Q_REGS), cuDNN's bf16 in each run (JSONs fp8_sm90_pers<p>_qregs<q>);
-           # FP8_DIMS / FP8_SEQLENS as fp8-sm90 (default 2k and 16k here; ~1.5 min a run warm)
-           for pq in "0 0" "1 0" "0 1" "1 1"; do
+           # FP8_DIMS / FP8_SEQLENS as fp8-sm90 (default 2k and 16k here; ~1.5 min a run warm,
+           # more cold: each pair compiles its own forms; FP8_FORMS_PQ picks the pairs,
+           # "persistent qregs|..." -- two a call if cold, e.g. FP8_FORMS_PQ="0 0|1 0")
+           IFS='|' read -ra pqs <<< "${FP8_FORMS_PQ:-0 0|1 0|0 1|1 1}"
+           for pq in "${pqs[@]}"; do
              read -r v qr <<< "$pq"
              IOATTN_SM90_FP8=1 IOATTN_SM90_FP8_BLOCK=1 IOATTN_SM90_FP8_PERSISTENT=$v \
                IOATTN_SM90_FWD_Q_REGS=$qr timeout 140 \

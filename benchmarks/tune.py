@@ -144,7 +144,8 @@ def _fp8_sm90_case(q, k, v, b, h, s, d, causal):
     sm90_fwd.FP8_ON = True
     try:
         for over in FWD_FP8_SM90_CANDIDATES[d]:
-            sm90_fwd._fp8_form = lambda d_, _o=over: dict(orig_form(d_), **_o)
+            # (the launcher calls _fp8_form(d, varlen): pass its other arguments through)
+            sm90_fwd._fp8_form = lambda d_, *a, _o=over, **kw: dict(orig_form(d_, *a, **kw), **_o)
             form = sm90_fwd._fp8_form(d)
             try:
                 ms = do_bench(lambda: ioattn.flash_attn_func(

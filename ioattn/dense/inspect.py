@@ -632,7 +632,8 @@ def fp8_fwd_gluon_reports(arch: int = 90, head_dims=(64, 128, 256)) -> list[Kern
     causal mask, with per-head and (IOATTN_SM90_FP8_BLOCK) block descales, varlen causal
     (IOATTN_SM90_FP8_VARLEN) with either, and persistent (IOATTN_SM90_FP8_PERSISTENT; full
     per-head, causal block descales, and causal per-head in grouped order with GQA), and
-    (IOATTN_SM90_FWD_Q_REGS) causal per-head with all of Q in registers, at each head dim."""
+    (IOATTN_SM90_FWD_Q_REGS) causal per-head with all of Q in registers, and persistent causal
+    block descales with it, at each head dim."""
     from ioattn.dense import sm90_fwd
 
     fn = sm90_fwd._attn_fwd_sm90
@@ -653,10 +654,12 @@ def fp8_fwd_gluon_reports(arch: int = 90, head_dims=(64, 128, 256)) -> list[Kern
                 (False, True, False, False), (True, True, False, False),
                 (True, False, True, False), (True, True, True, False),
                 (False, False, False, True), (True, True, False, True),
-                (True, False, False, "grouped"), (True, False, False, "q-regs")):
-            # ("q-regs": one CTA a tile with all of Q in registers, IOATTN_SM90_FWD_Q_REGS)
-            pform = sm90_fwd._fp8_form(d, varlen, pers is True or pers == "grouped",
-                                       q_regs=pers == "q-regs")
+                (True, False, False, "grouped"), (True, False, False, "q-regs"),
+                (True, True, False, "q-regs-persistent")):
+            # ("q-regs": all of Q in registers, IOATTN_SM90_FWD_Q_REGS; one CTA a tile, or
+            # persistent, where Q's buffer goes back once loaded)
+            pform = sm90_fwd._fp8_form(d, varlen, pers in (True, "grouped", "q-regs-persistent"),
+                                       q_regs=pers in ("q-regs", "q-regs-persistent"))
             # ("grouped": persistent in grouped heaviest-first order, LPT's, with the head
             # group and KV group runtime integers)
             ce = dict(pform, IS_VARLEN=varlen, HAS_LEFT=False, HAS_RIGHT=causal,
@@ -669,8 +672,8 @@ def fp8_fwd_gluon_reports(arch: int = 90, head_dims=(64, 128, 256)) -> list[Kern
             if pers == "grouped":
                 del ce["head_group"], ce["kv_group"]
                 psig.update(head_group="i32", kv_group="i32")
-            out.append(gluon_report(f"sm90 fp8 fwd d{d} {'varlen ' if varlen else ''}"
-                                    f"{pers + ' ' if isinstance(pers, str) else ''}"
+            tag = pers.split("-persistent")[0] + " " if isinstance(pers, str) else ""
+            out.append(gluon_report(f"sm90 fp8 fwd d{d} {'varlen ' if varlen else ''}{tag}"
                                     f"{'persistent ' if pform['PERSISTENT'] else ''}"
                                     f"{'causal' if causal else 'full'}"
                                     f"{' block-descales' if blocked else ''} 128x{bn} ws", fn,

@@ -158,18 +158,21 @@ def test_fp8_sm90_persistent(c: Case, ctas, device, monkeypatch):
                                Case(97, 150, h=4, h_k=1, softcap=2.0, block=None),
                                Case(203, 113, d=256, causal=True, block=None),
                                Case(300, 40, d=128, h=4, h_k=2, causal=True, block=None,
-                                    q_per_kv_head=True)],
+                                    q_per_kv_head=True),
+                               Case(1024, 1024, b=2, d=64, h=4, causal=True)],
                          ids=lambda c: c.id)
 def test_fp8_sm90_q_regs(c: Case, persistent, device, monkeypatch):
     """The sm90 fp8 forward with all of Q in registers as Q·Kᵀ's operand
-    (IOATTN_SM90_FWD_Q_REGS; persistent: Q's one buffer released once loaded), on 3 CTAs."""
+    (IOATTN_SM90_FWD_Q_REGS; persistent: Q's one buffer released once loaded), on 3 CTAs,
+    twice (the persistent counter is zeroed per launch). Varlen: test_fp8_varlen."""
     monkeypatch.setattr(sm90_fwd, "FP8_ON", True)
     monkeypatch.setattr(sm90_fwd, "FP8_BLOCK_ON", True)
     monkeypatch.setattr(sm90_fwd, "Q_REGS_ON", True)
     monkeypatch.setattr(sm90_fwd, "FP8_PERSISTENT", persistent)
     monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: 3)
     assert sm90_fwd._fp8_form(c.d)["Q_REGS"] == c.d
-    check_fp8(c, device, backend="sm90")
+    for _ in range(2):
+        check_fp8(c, device, backend="sm90")
 
 
 def check_fp8(c: Case, device, backend: str = "auto", v_rows: bool = False) -> None:
@@ -321,13 +324,14 @@ def _on_hopper(*values):
 
 
 @pytest.mark.parametrize("block", [QUANT_BLOCK, None], ids=["block", "perhead"])
-@pytest.mark.parametrize("backend,d,window,v_keys", [
-    ("auto", 64, (-1, -1), False), ("auto", 64, (64, 0), True),
-    _on_hopper("sm90", 64, (-1, -1), False), _on_hopper("sm90", 128, (-1, -1), False),
-    _on_hopper("sm90", 256, (-1, -1), False), _on_hopper("sm90", 128, (64, 0), True)],
+@pytest.mark.parametrize("backend,d,window,v_keys,q_regs", [
+    ("auto", 64, (-1, -1), False, False), ("auto", 64, (64, 0), True, False),
+    _on_hopper("sm90", 64, (-1, -1), False, False), _on_hopper("sm90", 128, (-1, -1), False, False),
+    _on_hopper("sm90", 256, (-1, -1), False, False), _on_hopper("sm90", 128, (64, 0), True, False),
+    _on_hopper("sm90", 256, (-1, -1), False, True)],
     ids=["auto-d64", "auto-d64-window-vkeys", "sm90-d64", "sm90-d128", "sm90-d256",
-         "sm90-d128-window-vkeys"])
-def test_fp8_varlen(block, backend, d, window, v_keys, device, monkeypatch):
+         "sm90-d128-window-vkeys", "sm90-d256-q-regs"])
+def test_fp8_varlen(block, backend, d, window, v_keys, q_regs, device, monkeypatch):
     """Varlen fp8, causal (empty q / k sequences, two descale blocks), also on the sm90 fp8
     forward (IOATTN_SM90_FP8_VARLEN): q, k, v longer than the last sequence with NaN rows past
     it (a key tile crossing the end must not carry them into P·V, where 0 x NaN is NaN); with a
@@ -335,6 +339,7 @@ def test_fp8_varlen(block, backend, d, window, v_keys, device, monkeypatch):
     and V keys innermost (368 keys with the padding, TMA-readable in place: not copied)."""
     monkeypatch.setattr(sm90_fwd, "FP8_BLOCK_ON", True)
     monkeypatch.setattr(sm90_fwd, "FP8_VARLEN_ON", True)
+    monkeypatch.setattr(sm90_fwd, "Q_REGS_ON", q_regs)  # (IOATTN_SM90_FWD_Q_REGS)
     lens_q, lens_k = [5, 0, 130, 17], [200, 3, 140, 0]  # empty q / k sequences, 2 blocks
     cu_q, cu_k = cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
     h, h_k = 4, 2
