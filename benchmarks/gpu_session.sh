@@ -886,6 +886,10 @@ for step in $steps; do
              -k "q_regs" > "$OUT/tests_q_regs.log" 2>&1
            grep -E "^FAILED|^ERROR" "$OUT/tests_q_regs.log" | head; tail -1 "$OUT/tests_q_regs.log"
            onoff IOATTN_SM90_FWD_Q_REGS "1 0" fwd_q_regs --modes fwd --dims 128,256 \
+             --seqlens "${FWD_SEQLENS:-2048,4096,16384}" --dtypes bf16
+           # (d=128 without a mask takes the exponentials early with Q in registers: 826 of its
+           # 827 loop instructions are that form's, so time it alone too)
+           bench_with IOATTN_SM90_FWD_EXP_EARLY=1 fwd_q_regs_early_only --modes fwd --dims 128 \
              --seqlens "${FWD_SEQLENS:-2048,4096,16384}" --dtypes bf16 ;;
     cudnn-names) # (session 43) the kernels cuDNN's SDPA runs for the FA grid's d = 64 / 128 /
            # 256 forward and backward at 2k (their names carry the tile: "..._64x128x128_..."),
