@@ -649,32 +649,30 @@ def fp8_fwd_gluon_reports(arch: int = 90, head_dims=(64, 128, 256)) -> list[Kern
                    v_desc=_desc_sig("fp8e4nv", d, bn, 8), o_desc=_desc_sig("bf16", 64, d, 16),
                    O="*bf16", QD="*fp32", KD="*fp32", VD="*fp32", kv_group="constexpr",
                    COUNTER="constexpr")
-        for causal, blocked, varlen, pers in (
-                (False, False, False, False), (True, False, False, False),
-                (False, True, False, False), (True, True, False, False),
-                (True, False, True, False), (True, True, True, False),
-                (False, False, False, True), (True, True, False, True),
-                (True, False, False, "grouped"), (True, False, False, "q-regs"),
-                (True, True, False, "q-regs-persistent")):
-            # ("q-regs": all of Q in registers, IOATTN_SM90_FWD_Q_REGS; one CTA a tile, or
-            # persistent, where Q's buffer goes back once loaded)
-            pform = sm90_fwd._fp8_form(d, varlen, pers in (True, "grouped", "q-regs-persistent"),
-                                       q_regs=pers in ("q-regs", "q-regs-persistent"))
-            # ("grouped": persistent in grouped heaviest-first order, LPT's, with the head
-            # group and KV group runtime integers)
+        # (tag, causal, block descales, varlen, persistent, all of Q in registers); "grouped":
+        # persistent in grouped heaviest-first order (LPT's) with the head group and KV group
+        # runtime integers; "q-regs": IOATTN_SM90_FWD_Q_REGS (persistent: Q's buffer back once
+        # loaded)
+        for tag, causal, blocked, varlen, pers, q_regs in (
+                ("", False, False, False, False, False), ("", True, False, False, False, False),
+                ("", False, True, False, False, False), ("", True, True, False, False, False),
+                ("", True, False, True, False, False), ("", True, True, True, False, False),
+                ("", False, False, False, True, False), ("", True, True, False, True, False),
+                ("grouped ", True, False, False, True, False),
+                ("q-regs ", True, False, False, False, True),
+                ("q-regs ", True, True, False, True, True)):
+            pform = sm90_fwd._fp8_form(d, varlen, pers, q_regs=q_regs)
             ce = dict(pform, IS_VARLEN=varlen, HAS_LEFT=False, HAS_RIGHT=causal,
                       PRODUCER_REGS_=sm90_fwd.PRODUCER_REGS, PAGED=False, PAGE=1,
                       softcap_scale=None, O_COLS=0, head_group=1, QK_COLS=0,
-                      COUNTER_RESET=pform["PERSISTENT"], kv_group=1, DS_BLOCKED=blocked)
-            psig = dict(sig, COUNTER="*i32" if pform["PERSISTENT"] else "constexpr")
-            if not pform["PERSISTENT"]:
-                ce["COUNTER"] = None
-            if pers == "grouped":
+                      COUNTER_RESET=pers, kv_group=1, DS_BLOCKED=blocked,
+                      **({} if pers else dict(COUNTER=None)))
+            psig = dict(sig, COUNTER="*i32" if pers else "constexpr")
+            if tag == "grouped ":
                 del ce["head_group"], ce["kv_group"]
                 psig.update(head_group="i32", kv_group="i32")
-            tag = pers.split("-persistent")[0] + " " if isinstance(pers, str) else ""
             out.append(gluon_report(f"sm90 fp8 fwd d{d} {'varlen ' if varlen else ''}{tag}"
-                                    f"{'persistent ' if pform['PERSISTENT'] else ''}"
+                                    f"{'persistent ' if pers else ''}"
                                     f"{'causal' if causal else 'full'}"
                                     f"{' block-descales' if blocked else ''} 128x{bn} ws", fn,
                                     psig, ce, arch))

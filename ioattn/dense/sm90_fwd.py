@@ -1802,21 +1802,13 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     grid = (-(-p.max_seqlen_q // (form["WGS"] * HALF_M.value)), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
-    group = 1  # (LPT: the grouped heaviest-first order; a static persistent one keeps its snake)
-    if form["PERSISTENT"]:  # one CTA per SM (a CTA takes most of the shared memory)
-        n_m, n_bh = grid
-        grid = (min(n_m * n_bh, sm_count(q.device)),)
-        if LPT and form["DYNAMIC"]:
-            group = head_group_size(n_bh, n_m, grid[0])
-    elif LPT:
-        group = head_group_size(grid[1], grid[0], sm_count(q.device))
+    grid, group, counter = _schedule_launch(form, grid, q.device)
     # (IOATTN_SM90_PAD_NARROW) QKᵀ over d's own columns, V and O in tiles of their own width
     qk_cols, dv_pad = (d, narrow_dv(d_v)) if d_pad and sm90_common.PAD_NARROW else (0, d_pad)
     o_tma = _o_tma(form, d_pad, p.max_seqlen_k)
     dummy = lse  # unused pointer arguments (batched layout)
     cu_q = p.cu_seqlens_q if p.is_varlen else dummy
     cu_k = p.cu_seqlens_k if p.is_varlen else dummy
-    counter = _tile_counter(q.device) if form["DYNAMIC"] else None
     key = bind_key if BIND else None
     if BIND and key is None:  # (``BIND``) a repeat of this call's form: one C call at this
         # call's addresses
@@ -1856,6 +1848,22 @@ def attn_fwd_sm90(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     lch.bind_kept(_BOUND, key, grid, args, kwargs, slots)
 
 
+def _schedule_launch(form: dict, grid: tuple, device: torch.device) -> tuple:
+    """(grid, head_group, counter) of a launch form over grid (query tiles, batch * heads):
+    persistent forms one CTA an SM (a CTA takes most of the shared memory), the dynamic
+    scheduler's tile counter (``_tile_counter``; None otherwise); head_group the grouped
+    heaviest-first order's (``LPT``; 1: a static persistent form keeps its snake order)."""
+    group = 1
+    if form["PERSISTENT"]:
+        n_m, n_bh = grid
+        grid = (min(n_m * n_bh, sm_count(device)),)
+        if LPT and form["DYNAMIC"]:
+            group = head_group_size(n_bh, n_m, grid[0])
+    elif LPT:
+        group = head_group_size(grid[1], grid[0], sm_count(device))
+    return grid, group, _tile_counter(device) if form["DYNAMIC"] else None
+
+
 def _attn_fwd_sm90_fp8(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor) -> None:
     """``attn_fwd_sm90`` for fp8 q, k, v (batched, or varlen with FP8_VARLEN_ON; per-head
@@ -1869,14 +1877,7 @@ def _attn_fwd_sm90_fp8(p: AttnParams, q: torch.Tensor, k: torch.Tensor, v: torch
     grid = (-(-p.max_seqlen_q // (form["WGS"] * HALF_M.value)), p.batch * n_heads)
     if grid[0] * grid[1] == 0:
         return
-    counter = None
-    if form["PERSISTENT"]:  # (as attn_fwd_sm90: one CTA an SM, tiles from the counter)
-        n_m, n_bh = grid
-        grid = (min(n_m * n_bh, sm_count(q.device)),)
-        group = head_group_size(n_bh, n_m, grid[0]) if LPT else 1
-        counter = _tile_counter(q.device)
-    else:
-        group = head_group_size(grid[1], grid[0], sm_count(q.device)) if LPT else 1
+    grid, group, counter = _schedule_launch(form, grid, q.device)
     vt, vt_stride = _keys_major(v[None] if varlen else v)
     b, s_k = vt.shape[0], vt.shape[1]
     v_desc = Desc(vt, (b * n_heads_k * d, s_k), (vt_stride, 1), (d, form["BLOCK_N"]),

@@ -22,6 +22,17 @@ from tests.dense.test_attention import Case as AttnCase
 
 pytestmark = pytest.mark.skipif(
     ON_GPU and torch.cuda.get_device_capability() < (8, 9), reason="fp8 needs sm_89+")
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="the sm90 fp8 forward needs Hopper")
+
+
+def _on_hopper(*values):
+    """A parameter set run on Hopper only (the sm90 fp8 forward)."""
+    return pytest.param(*values, marks=needs_hopper)
+
+
+# 'auto', and the sm90 fp8 forward forced where there is one
+BACKENDS = ["auto", _on_hopper("sm90")]
 
 
 @dataclass(frozen=True)
@@ -114,62 +125,58 @@ SM90_CASES = [
 ]
 
 
-@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability() != (9, 0),
-                    reason="the sm90 fp8 forward needs Hopper")
+# the sm90 fp8 forward's persistent and Q-in-registers forms (on 3 CTAs, each walking many
+# tiles): causal, a window, softcap with MQA, s_q > s_k, and q descaled per KV head with tiles
+# 0 and 1 seeing no key
+PERSISTENT_CASES = [
+    Case(1024, 1024, b=2, d=128, h=4, causal=True),
+    Case(300, 300, d=256, window=(40, 7)),
+    Case(97, 150, h=4, h_k=1, softcap=2.0, block=None),
+    Case(203, 113, d=256, causal=True, block=None),
+    Case(300, 40, d=128, h=4, h_k=2, causal=True, block=None, q_per_kv_head=True),
+]
+
+
+def _sm90_switches(monkeypatch, **switches) -> None:
+    """The sm90 fp8 forward with block descales on, and these ``sm90_fwd`` switches set."""
+    for name, value in dict(FP8_ON=True, FP8_BLOCK_ON=True, **switches).items():
+        monkeypatch.setattr(sm90_fwd, name, value)
+
+
+@needs_hopper
 @pytest.mark.parametrize("v_rows", [False, True], ids=["v-keys-innermost", "v-rows"])
 @pytest.mark.parametrize("c", SM90_CASES, ids=lambda c: c.id)
 def test_fp8_sm90(c: Case, v_rows, device, monkeypatch):
-    monkeypatch.setattr(sm90_fwd, "FP8_ON", True)
-    monkeypatch.setattr(sm90_fwd, "FP8_BLOCK_ON", True)
+    _sm90_switches(monkeypatch)
     check_fp8(c, device, backend="sm90", v_rows=v_rows)
 
 
-@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability() != (9, 0),
-                    reason="the sm90 fp8 forward needs Hopper")
+@needs_hopper
 @pytest.mark.parametrize("ctas", [3, None], ids=["3-ctas", "all-sms"])
-@pytest.mark.parametrize("c", [Case(1024, 1024, b=2, d=128, h=4, causal=True),
-                               Case(300, 300, d=256, window=(40, 7)),
-                               Case(97, 150, h=4, h_k=1, softcap=2.0, block=None),
-                               Case(203, 113, d=256, causal=True, block=None),
-                               Case(1024, 1024, b=2, d=64, h=4, block=None),
-                               # q descaled per KV head; tiles 0 and 1 see no key
-                               Case(300, 40, d=128, h=4, h_k=2, causal=True, block=None,
-                                    q_per_kv_head=True)],
+@pytest.mark.parametrize("c", PERSISTENT_CASES + [Case(1024, 1024, b=2, d=64, h=4, block=None)],
                          ids=lambda c: c.id)
 def test_fp8_sm90_persistent(c: Case, ctas, device, monkeypatch):
     """The sm90 fp8 forward on persistent CTAs (IOATTN_SM90_FP8_PERSISTENT: tiles from the
     dynamic scheduler's counter, each tile's descales read by its consumers, V's keys-innermost
     rows by its producer); on 3 CTAs each walks many tiles (tiles without a key block among
     them). Twice: the counter is zeroed per launch."""
-    monkeypatch.setattr(sm90_fwd, "FP8_ON", True)
-    monkeypatch.setattr(sm90_fwd, "FP8_BLOCK_ON", True)
-    monkeypatch.setattr(sm90_fwd, "FP8_PERSISTENT", True)
+    _sm90_switches(monkeypatch, FP8_PERSISTENT=True)
     if ctas is not None:
         monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: ctas)
     for _ in range(2):
         check_fp8(c, device, backend="sm90")
 
 
-@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability() != (9, 0),
-                    reason="the sm90 fp8 forward needs Hopper")
+@needs_hopper
 @pytest.mark.parametrize("persistent", [False, True], ids=["1-cta-a-tile", "persistent"])
-@pytest.mark.parametrize("c", [Case(1024, 1024, b=2, d=128, h=4, causal=True),
-                               Case(300, 300, d=256, window=(40, 7)),
-                               Case(97, 150, h=4, h_k=1, softcap=2.0, block=None),
-                               Case(203, 113, d=256, causal=True, block=None),
-                               Case(300, 40, d=128, h=4, h_k=2, causal=True, block=None,
-                                    q_per_kv_head=True),
-                               Case(1024, 1024, b=2, d=64, h=4, causal=True)],
+@pytest.mark.parametrize("c", PERSISTENT_CASES + [Case(1024, 1024, b=2, d=64, h=4, causal=True)],
                          ids=lambda c: c.id)
 def test_fp8_sm90_q_regs(c: Case, persistent, device, monkeypatch):
     """The sm90 fp8 forward with all of Q in registers as Q·Kᵀ's operand
     (IOATTN_SM90_FWD_Q_REGS; persistent: Q's one buffer released once loaded), on 3 CTAs,
     twice (the persistent counter is zeroed per launch). Varlen: test_fp8_varlen."""
-    monkeypatch.setattr(sm90_fwd, "FP8_ON", True)
-    monkeypatch.setattr(sm90_fwd, "FP8_BLOCK_ON", True)
-    monkeypatch.setattr(sm90_fwd, "Q_REGS_ON", True)
-    monkeypatch.setattr(sm90_fwd, "FP8_PERSISTENT", persistent)
-    monkeypatch.setattr(sm90_fwd, "sm_count", lambda device: 3)
+    _sm90_switches(monkeypatch, Q_REGS_ON=True, FP8_PERSISTENT=persistent,
+                   sm_count=lambda device: 3)
     assert sm90_fwd._fp8_form(c.d)["Q_REGS"] == c.d
     for _ in range(2):
         check_fp8(c, device, backend="sm90")
@@ -240,8 +247,7 @@ def test_fp8_v_layouts_agree(varlen, device):
     torch.testing.assert_close(outs[0], outs[1])  # (same math; bitwise on CPU)
 
 
-@pytest.mark.parametrize("backend", ["auto", pytest.param("sm90", marks=pytest.mark.skipif(
-    not ON_GPU or torch.cuda.get_device_capability() != (9, 0), reason="needs Hopper"))])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fp8_block_scales_far_apart(causal, backend, device, monkeypatch):
     """Blocks of K and V whose descales differ by 50x and 1/30x: the accumulator is rescaled as
@@ -264,8 +270,7 @@ def test_fp8_block_scales_far_apart(causal, backend, device, monkeypatch):
         assert_close_rule("rows of the small block", out[:, :128], ref[:, :128], pt[:, :128])
 
 
-@pytest.mark.parametrize("backend", ["auto", pytest.param("sm90", marks=pytest.mark.skipif(
-    not ON_GPU or torch.cuda.get_device_capability() != (9, 0), reason="needs Hopper"))])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_fp8_zero_v_descale(backend, device, monkeypatch):
     """V blocks whose descale is 0 (their values 0 whatever the e4m3 bytes; quantize never
     makes one): the first, a middle and the last block, their keys still in the softmax."""
@@ -282,8 +287,7 @@ def test_fp8_zero_v_descale(backend, device, monkeypatch):
 
 
 @pytest.mark.parametrize("blocked", [True, False], ids=["block", "perhead"])
-@pytest.mark.parametrize("backend", ["auto", pytest.param("sm90", marks=pytest.mark.skipif(
-    not ON_GPU or torch.cuda.get_device_capability() != (9, 0), reason="needs Hopper"))])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_fp8_zero_k_descale(backend, blocked, device, monkeypatch):
     """K descales of 0 (K's values 0, so a uniform softmax over the visible keys) under a causal
     mask: the masked scores stay -inf, not -inf x 0 = NaN."""
@@ -314,13 +318,6 @@ def test_quantize_varlen_bounds(device):
     assert ds[:, :, 0].max() < 1  # (the padding's 1000x stayed out)
     with pytest.raises(ValueError, match="max_seqlen"):
         quantize(x, cu_seqlens=cu, max_seqlen=50)
-
-
-ON_HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
-
-
-def _on_hopper(*values):
-    return pytest.param(*values, marks=pytest.mark.skipif(not ON_HOPPER, reason="needs Hopper"))
 
 
 @pytest.mark.parametrize("block", [QUANT_BLOCK, None], ids=["block", "perhead"])
